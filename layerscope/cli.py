@@ -1,0 +1,57 @@
+"""The `layerscope` command: one subcommand per module in `layerscope/commands/`.
+
+Each command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
+Every command takes `--store DIR` (else $LAYERSCOPE_STORE, else ./cache) and most take `--json`.
+A `LayerScopeError` prints its message and exits 2; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from layerscope.errors import LayerScopeError
+
+COMMAND_MODULES = [
+    "capture",
+    "captures",
+    "analyze",
+    "select",
+    "train_draft",
+    "bench",
+    "study",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerscope", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"layerscope.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"layerscope.commands.{name}":
+                continue  # command not built in this checkout
+            raise
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p.add_argument("--store", default=None, help="artifact store directory (default: $LAYERSCOPE_STORE or ./cache)")
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except LayerScopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""CLI subcommands; shared helpers for them live in `layerscope.commands.common`."""
