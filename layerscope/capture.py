@@ -38,6 +38,7 @@ class CaptureOptions:
     batch_size: int = 8
     seed: int = 0
     temperature: float = 0.0           # 0 = greedy responses
+    skip_long: bool = False            # drop prompts that do not fit the context (else refuse the capture)
 
     def validate(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -96,7 +97,14 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     if not prompts:
         raise CaptureError(f"Prompt set {prompt_set.name!r} is empty", "Choose a prompt set with at least one prompt")
     encoded = [chat_ids(loaded.tokenizer, p) for p in prompts]
-    _check_lengths(encoded, prompts, opts, loaded.context_length)
+    fits = [len(ids) + opts.max_new_tokens <= loaded.context_length for ids in encoded]
+    if opts.skip_long:
+        prompts = [p for p, ok in zip(prompts, fits) if ok]
+        encoded = [ids for ids, ok in zip(encoded, fits) if ok]
+        if not prompts:
+            raise CaptureError("No prompt fits the model's context", "Lower --max-new-tokens or choose shorter prompts")
+    else:
+        _check_lengths(encoded, prompts, opts, loaded.context_length)
 
     partial = store.partial_capture_dir(key)
     partial.mkdir(parents=True, exist_ok=True)
@@ -135,7 +143,8 @@ def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None
         if len(ids) + opts.max_new_tokens > context:
             raise CaptureError(
                 f"Prompt {p.id} is {len(ids)} tokens; with max_new_tokens {opts.max_new_tokens} it exceeds the model's "
-                f"context of {context} tokens", "Shorten or remove that prompt, or lower --max-new-tokens")
+                f"context of {context} tokens", "Shorten or remove that prompt, lower --max-new-tokens, or pass "
+                "--skip-long to leave such prompts out")
 
 
 def _chunk_tokens(path: Path) -> int:

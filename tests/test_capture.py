@@ -138,6 +138,8 @@ def test_prompt_longer_than_context_is_refused(tiny, store, tmp_path):
     with pytest.raises(CaptureError, match="exceeds the model's context"):
         capture(tiny, load_prompts(str(f)), store, max_new_tokens=8)
     assert not any(store.root.glob("captures/*"))
+    kept = capture(tiny, load_prompts(str(f)), store, max_new_tokens=4, skip_long=True)
+    assert kept.manifest["conversations"] == 1
 
 
 def run_cli(*args, store):
