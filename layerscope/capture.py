@@ -39,6 +39,7 @@ class CaptureOptions:
     seed: int = 0
     temperature: float = 0.0           # 0 = greedy responses
     skip_long: bool = False            # drop prompts that do not fit the context (else refuse the capture)
+    max_prompt_tokens: int | None = None   # drop prompts longer than this (keeps batches of ShareGPT compact)
 
     def validate(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -97,8 +98,12 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     if not prompts:
         raise CaptureError(f"Prompt set {prompt_set.name!r} is empty", "Choose a prompt set with at least one prompt")
     encoded = [chat_ids(loaded.tokenizer, p) for p in prompts]
+    if opts.max_prompt_tokens is not None:
+        keep = [len(ids) <= opts.max_prompt_tokens for ids in encoded]
+        prompts = [p for p, ok in zip(prompts, keep) if ok]
+        encoded = [ids for ids, ok in zip(encoded, keep) if ok]
     fits = [len(ids) + opts.max_new_tokens <= loaded.context_length for ids in encoded]
-    if opts.skip_long:
+    if opts.skip_long or not prompts:
         prompts = [p for p, ok in zip(prompts, fits) if ok]
         encoded = [ids for ids, ok in zip(encoded, fits) if ok]
         if not prompts:
@@ -201,20 +206,28 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
     hook = loaded.model.model.layers[-1].register_forward_hook(
         lambda _m, _i, o: last_layer_out.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     try:
-        out = loaded.model(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
-                           output_hidden_states=True, use_cache=False)
+        out = loaded.model.model(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
+                                 output_hidden_states=True, use_cache=False)
     finally:
         hook.remove()
     valid = mask.bool().to(loaded.device)
     hidden = {f"hidden.{l}": h[valid].to(torch.float16).cpu() for l, h in enumerate(out.hidden_states)}
     hidden["prenorm_final"] = last_layer_out["h"][valid].to(torch.float16).cpu()
-    logp = torch.log_softmax(out.logits[valid].float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1).cpu()
+    entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid])
     position = torch.cat([torch.arange(len(s)) for s in seqs])
     conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])
     is_response = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(seqs, prompts)])
     return {**hidden, "entropy": entropy.float(), "token_id": ids[mask.bool()].int(), "position": position.int(),
             "conversation": conversation.int(), "is_response": is_response}
+
+
+def predictive_entropy(lm_head, final: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Entropy (nats) of softmax(lm_head(final)) per row, [n, d] -> [n] float32; logits made `block` rows at a time."""
+    out = []
+    for i in range(0, final.shape[0], block):
+        logp = torch.log_softmax(lm_head(final[i: i + block]).float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opts, chunks, seconds) -> dict:

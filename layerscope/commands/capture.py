@@ -18,6 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and (with --temperature) response sampling")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default)")
     p.add_argument("--skip-long", action="store_true", help="leave out prompts longer than the model's context")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out prompts longer than this many tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -40,7 +41,8 @@ def run(args) -> int:
                        tok_s=p.tokens_per_s)
         result = capture(loaded, prompt_set, store, progress=on_progress, limit=args.limit,
                          max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens,
-                         batch_size=args.batch_size, seed=args.seed, temperature=args.temperature, skip_long=args.skip_long)
+                         batch_size=args.batch_size, seed=args.seed, temperature=args.temperature, skip_long=args.skip_long,
+                         max_prompt_tokens=args.max_prompt_tokens)
     if args.json:
         print_json({"key": result.key, "model": loaded.spec, "num_layers": loaded.num_layers,
                     "hidden_size": loaded.hidden_size, "prompts": result.manifest["conversations"],
