@@ -10,7 +10,8 @@ PY="$VENV/bin/python"
 say() { printf '\033[1m[layerscope]\033[0m %s\n' "$*" >&2; }
 
 setup_python() {
-  local reqs="$1" stamp="$VENV/.layerscope-$(basename "$reqs").sha"
+  local reqs="$1"
+  local stamp="$VENV/.layerscope-$(basename "$reqs").sha"
   if [ ! -x "$PY" ]; then
     say "creating virtual environment in .venv"
     python3 -m venv "$VENV"
