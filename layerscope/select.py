@@ -1,0 +1,259 @@
+"""Layer sets for an EAGLE-3 draft: strategies over the layer statistics, one score for any set.
+
+Every strategy reads a `LayerStats` (per-layer entropies, pairwise CKA; see `analysis.py`) and
+returns a `Selection`. Drafts may read layers 0..N-1 (N is the final state). Strategies:
+    default        [2, N//2, N-3], the rule vLLM, SGLang and EAGLE use
+    entropy-topk   the k most informative layers (highest matrix entropy)
+    greedy         mRMR: start from the most informative layer, then repeatedly add the layer with
+                   the largest  normalized entropy - λ · mean CKA to the layers already chosen
+    aggregate      the set with the largest aggregate entropy (α = 2, exact from entropies and CKA):
+                   exhaustive for k ≤ 3, then greedy additions
+    spread         cut depth into k contiguous compartments by clustering the CKA matrix, then the
+                   most informative layer of each compartment
+    manual         a set given by the user
+All sets get the same `score_set` explanation and `score` (aggregate entropy, nats), so sets from
+different strategies, hand-picked ones included, are compared on one scale. Ties break toward
+lower layer indices; every strategy is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from layerscope.errors import SelectionError
+from layerscope.metrics.entropy import aggregate_entropy2
+
+STRATEGIES = ("default", "entropy-topk", "greedy", "aggregate", "spread", "manual")
+AUTOMATIC = STRATEGIES[:-1]
+
+
+@dataclass
+class Selection:
+    strategy: str
+    layers: list[int]       # ascending, each in 0..N-1
+    score: float            # aggregate entropy of the set (α = 2, nats): the common scale
+    explanation: dict       # see `score_set`, plus the strategy's own objective
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "layers": self.layers, "score": self.score, "explanation": self.explanation}
+
+
+# ---- the statistics as tensors -------------------------------------------------------------------
+
+def _tensors(stats):
+    """(N, entropy [N+1], normalized entropy [N+1], α=2 entropy [N+1], biased CKA [N+1, N+1]), float64."""
+    f = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    return stats.num_layers, f(stats.entropy), f(stats.entropy_normalized), f(stats.entropy2), f(stats.cka)
+
+
+def _check_k(k: int, n: int) -> None:
+    if not isinstance(k, int) or k < 1:
+        raise SelectionError(f"k must be a positive integer, got {k!r}", "Ask for at least one layer, e.g. --k 3")
+    if k > n:
+        raise SelectionError(f"k={k} exceeds the {n} layers a draft may read (0..{n - 1})",
+                             f"Ask for at most {n} layers")
+
+
+def check_layers(layers, n: int) -> list[int]:
+    """A user's layer set -> sorted list; clear errors for duplicates and layers outside 0..N-1."""
+    if layers is None or len(layers) == 0:
+        raise SelectionError("No layers given for a manual set", "Name them, e.g. --layers 2,15,27")
+    layers = [int(l) for l in layers]
+    dupes = sorted({l for l in layers if layers.count(l) > 1})
+    if dupes:
+        raise SelectionError(f"Layer set repeats {dupes}", "List each layer once")
+    bad = [l for l in layers if not 0 <= l < n]
+    if bad:
+        raise SelectionError(f"Layers {bad} are outside 0..{n - 1}",
+                             f"Drafts read hidden states 0..{n - 1}; {n} is the model's final state")
+    return sorted(layers)
+
+
+# ---- one score for any set -----------------------------------------------------------------------
+
+def score_set(stats, layers, lam: float = 0.5) -> dict:
+    """Everything that explains a set, on the same scale for every set.
+
+    entropy / entropy_normalized: per layer of the set; cka: pairwise biased CKA inside the set;
+    mean_entropy, mean_entropy_normalized, mean_cka (over pairs; 0 for one layer);
+    aggregate_entropy: α = 2 entropy of the set's layers together (nats; the `score`);
+    mrmr: mean normalized entropy - λ · mean CKA.
+    """
+    n, h, hn, h2, c = _tensors(stats)
+    layers = check_layers(layers, n)
+    idx = torch.tensor(layers)
+    sub = c[idx][:, idx]
+    k = len(layers)
+    mean_cka = float(sub[~torch.eye(k, dtype=torch.bool)].mean()) if k > 1 else 0.0
+    mean_hn = float(hn[idx].mean())
+    return {
+        "layers": layers,
+        "alpha": stats.alpha,
+        "entropy": [float(h[l]) for l in layers],
+        "entropy_normalized": [float(hn[l]) for l in layers],
+        "cka": [[float(v) for v in row] for row in sub],
+        "mean_entropy": float(h[idx].mean()),
+        "mean_entropy_normalized": mean_hn,
+        "mean_cka": mean_cka,
+        "aggregate_entropy": aggregate_entropy2(h2[idx], sub),
+        "lam": lam,
+        "mrmr": mean_hn - lam * mean_cka,
+    }
+
+
+def _selection(stats, strategy, layers, lam, objective: dict, **extra) -> Selection:
+    ex = score_set(stats, layers, lam)
+    ex["objective"] = objective
+    ex.update(extra)
+    return Selection(strategy, ex["layers"], ex["aggregate_entropy"], ex)
+
+
+# ---- strategies ----------------------------------------------------------------------------------
+
+def default_layers(n: int) -> tuple[list[int], str]:
+    """[2, N//2, N-3], with layers outside 0..N-1 and repeats dropped for very shallow models."""
+    rule = [2, n // 2, n - 3]
+    layers = sorted({l for l in rule if 0 <= l < n})
+    note = "" if len(layers) == 3 else f"rule gives {rule} for N={n}; kept the distinct layers in 0..{n - 1}"
+    return layers, note
+
+
+def top_by_entropy(hn: torch.Tensor, candidates: list[int], k: int) -> list[int]:
+    """The k highest entropies among candidates; ties toward the lower layer."""
+    return sorted(sorted(candidates, key=lambda l: (-float(hn[l]), l))[:k])
+
+
+def greedy_mrmr(hn: torch.Tensor, c: torch.Tensor, n: int, k: int, lam: float) -> tuple[list[int], list[float]]:
+    """mRMR: most informative first, then argmax  hn_l - λ·mean_{s∈S} CKA(l, s). Returns (set, gains)."""
+    chosen, gains = [], []
+    for _ in range(k):
+        best, best_gain = None, None
+        for l in range(n):
+            if l in chosen:
+                continue
+            gain = float(hn[l]) - (lam * float(c[l, chosen].mean()) if chosen else 0.0)
+            if best_gain is None or gain > best_gain:
+                best, best_gain = l, gain
+        chosen.append(best)
+        gains.append(best_gain)
+    return chosen, gains
+
+
+def _purity(w: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
+    """Σ_ij W_ij over each set: [m, k] layer sets -> [m]; W_ij = CKA_ij exp(-(H2_i + H2_j)/2)."""
+    return w[sets[:, :, None], sets[:, None, :]].sum((1, 2))
+
+
+def best_aggregate(h2: torch.Tensor, c: torch.Tensor, n: int, k: int) -> list[int]:
+    """Maximise α=2 aggregate entropy over sets of k layers from 0..N-1.
+
+    H2(S) = -log(Σ_ij W_ij / k²), so the best set minimises Σ_ij W_ij: exhaustive over all sets for
+    k ≤ 3 (vectorised; lexicographically first among ties), then greedy additions.
+    """
+    e = torch.exp(-h2[:n] / 2)
+    cc = c[:n, :n].clone()
+    cc.fill_diagonal_(1.0)
+    w = cc * e[:, None] * e[None, :]
+    sets = torch.combinations(torch.arange(n), r=min(k, 3))
+    chosen = sets[int(torch.argmin(_purity(w, sets)))].tolist()
+    while len(chosen) < k:
+        rest = torch.tensor([l for l in range(n) if l not in chosen])
+        trial = torch.cat([torch.tensor(chosen).expand(len(rest), -1), rest[:, None]], dim=1)
+        chosen.append(int(rest[int(torch.argmin(_purity(w, trial)))]))
+    return sorted(chosen)
+
+
+def compartments(cka, k: int) -> list[list[int]]:
+    """Cut layers 0..M-1 into k contiguous blocks [first, last] by clustering the CKA matrix [M, M].
+
+    Contiguous kernel k-means with CKA as the kernel (a PSD matrix): maximise
+    Σ_blocks (1/|b|) Σ_{i,j∈b} CKA_ij, solved exactly by dynamic programming in O(k·M²).
+    """
+    c = torch.as_tensor(cka, dtype=torch.float64)
+    m = c.shape[0]
+    if not 1 <= k <= m:
+        raise SelectionError(f"Cannot cut {m} layers into {k} compartments", f"Ask for 1..{m}")
+    s = torch.zeros(m + 1, m + 1, dtype=torch.float64)
+    s[1:, 1:] = c.cumsum(0).cumsum(1)
+    a = torch.arange(m)
+    first, last = a[:, None], a[None, :]             # block [first, last]
+    size = (last - first + 1).clamp_min(1)
+    total = s[last + 1, last + 1] - s[first, last + 1] - s[last + 1, first] + s[first, first]
+    gain = torch.where(last >= first, total / size, torch.full_like(total, float("-inf")))
+    best = gain[0].clone()                          # best[e]: layers 0..e in 1 block
+    cut = [[0] * m]                                 # cut[j][e]: start of the last block
+    for _ in range(1, k):
+        new, starts = torch.full_like(best, float("-inf")), [0] * m
+        for e in range(m):
+            for f in range(1, e + 1):               # last block [f, e], earlier blocks cover 0..f-1
+                v = best[f - 1] + gain[f, e]
+                if v > new[e]:
+                    new[e], starts[e] = v, f
+        best = new
+        cut.append(starts)
+    blocks, e = [], m - 1
+    for j in range(k - 1, -1, -1):
+        f = cut[j][e]
+        blocks.append([f, e])
+        e = f - 1
+    return blocks[::-1]
+
+
+def compartment_objective(cka, blocks) -> float:
+    """The clustering objective of a segmentation: Σ_blocks mean within-block CKA × |block|."""
+    c = torch.as_tensor(cka, dtype=torch.float64)
+    return float(sum(c[f:e + 1, f:e + 1].sum() / (e - f + 1) for f, e in blocks))
+
+
+def select(stats, strategy: str = "aggregate", k: int = 3, *, lam: float = 0.5, layers=None) -> Selection:
+    """One layer set from `stats` (a LayerStats) by `strategy`; k layers (the default rule has 3)."""
+    n, h, hn, h2, c = _tensors(stats)
+    if strategy not in STRATEGIES:
+        raise SelectionError(f"Unknown strategy {strategy!r}", f"Use one of {', '.join(STRATEGIES)}")
+    if strategy != "manual":
+        _check_k(k, n)
+    if strategy == "manual":
+        sel = _selection(stats, strategy, check_layers(layers, n), lam, {"name": "aggregate_entropy", "value": None})
+    elif strategy == "default":
+        chosen, note = default_layers(n)
+        if k != 3:
+            note = (note + "; " if note else "") + f"the default rule always reads 3 layers (k={k} ignored)"
+        sel = _selection(stats, strategy, chosen, lam, {"name": "fixed rule [2, N//2, N-3]", "value": None}, note=note)
+    elif strategy == "entropy-topk":
+        chosen = top_by_entropy(hn, list(range(n)), k)
+        sel = _selection(stats, strategy, chosen, lam, {"name": "mean_entropy", "value": None})
+        sel.explanation["objective"]["value"] = sel.explanation["mean_entropy"]
+    elif strategy == "greedy":
+        order, gains = greedy_mrmr(hn, c, n, k, lam)
+        sel = _selection(stats, strategy, order, lam, {"name": "mrmr", "value": None},
+                         order=order, gains=gains)
+        sel.explanation["objective"]["value"] = sel.explanation["mrmr"]
+    elif strategy == "aggregate":
+        chosen = best_aggregate(h2, c, n, k)
+        how = "exhaustive" if k <= 3 else "exhaustive over 3, then greedy"
+        sel = _selection(stats, strategy, chosen, lam, {"name": "aggregate_entropy", "value": None, "search": how})
+    else:  # spread
+        blocks = compartments(c[:n, :n], k)
+        chosen = [top_by_entropy(hn, list(range(f, e + 1)), 1)[0] for f, e in blocks]
+        sel = _selection(stats, strategy, chosen, lam,
+                         {"name": "compartment_cohesion", "value": compartment_objective(c[:n, :n], blocks)},
+                         compartments=blocks,
+                         compartment_mean_cka=[_mean_offdiag(c[f:e + 1, f:e + 1]) for f, e in blocks])
+    if sel.explanation["objective"]["value"] is None:
+        sel.explanation["objective"]["value"] = sel.score
+    return sel
+
+
+def _mean_offdiag(block: torch.Tensor) -> float:
+    m = block.shape[0]
+    return float(block[~torch.eye(m, dtype=torch.bool)].mean()) if m > 1 else 1.0
+
+
+def compare(stats, k: int = 3, *, lam: float = 0.5, layers=None) -> list[Selection]:
+    """Every automatic strategy (and the manual set when `layers` is given), in STRATEGIES order."""
+    out = [select(stats, s, k, lam=lam) for s in AUTOMATIC]
+    if layers:
+        out.append(select(stats, "manual", k, lam=lam, layers=layers))
+    return out
