@@ -1,0 +1,279 @@
+"""Benchmark: drafts against each other and against the decoders a user has without LayerScope.
+
+Every contender decodes the same prompts with the same `max_new_tokens`, greedily:
+
+    autoregressive     specdec.autoregressive, one target forward per token: the speedup baseline
+    <draft>            specdec.speculative with that draft (a chain of depth k, or a tree)
+    hf-generate        transformers `generate`, greedy
+    hf-prompt-lookup   transformers `generate` with `prompt_lookup_num_tokens`
+
+Per contender: τ = tokens produced / target forwards (prefill included; 1 for plain decoding),
+acceptance at each draft position (the share of verification steps whose i-th draft token was
+accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
+`lossless` = every output equals autoregressive's token for token; all also per prompt category.
+Prompts are the outer loop, so a change in machine load touches every contender alike.
+
+`run(...)` is a generator of `BenchProgress` (live stats for a progress bar or the app); the last
+item carries the `BenchReport`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from layerscope import specdec
+from layerscope.specdec import StepEvent, TreeSpec
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    id: str
+    category: str
+    input_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup"
+    decoding: str                    # e.g. "chain k=4", "tree budget=16 top_k=4 depth=5", "greedy"
+    draft: object = None             # DraftHead for kind "draft"
+    k: int = specdec.DEFAULT_K
+    tree: TreeSpec | None = None
+    lookup_tokens: int = 0
+
+
+@dataclass
+class Tally:
+    """Running totals of one contender (over all prompts, or one category)."""
+
+    tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)     # per draft position: verification steps that drafted it
+    accepted_at: list[int] = field(default_factory=list)    # per draft position: ... that accepted it
+    lossless: bool = True
+
+    def add_event(self, e: StepEvent) -> None:
+        self.tokens += len(e.tokens)
+        self.forwards += 1
+        self.seconds += e.elapsed_s
+        for i, ok in enumerate(e.accepted_mask):
+            if i == len(self.drafted_at):
+                self.drafted_at.append(0), self.accepted_at.append(0)
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += bool(ok)
+
+    def add_run(self, tokens: int, forwards: int, seconds: float) -> None:
+        """A whole decode seen from outside (an HF peer): no per-step acceptance."""
+        self.tokens, self.forwards, self.seconds = self.tokens + tokens, self.forwards + forwards, self.seconds + seconds
+
+    @property
+    def tau(self) -> float | None:
+        return self.tokens / self.forwards if self.forwards else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
+
+
+@dataclass
+class BenchReport:
+    prompts: int
+    max_new_tokens: int
+    device: str
+    results: list[dict]              # one JSON entry per contender, see `_entry`
+
+    def to_json(self) -> dict:
+        return {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
+                "results": self.results}
+
+
+@dataclass(frozen=True)
+class BenchProgress:
+    """One live update: after every step of our decoders, after every prompt of the HF peers."""
+
+    contender: str
+    prompt_index: int                # 0-based index of the prompt being decoded
+    prompts_total: int
+    runs_done: int                   # (prompt, contender) runs finished so far
+    runs_total: int
+    tau: float | None                # running τ of this contender over all its steps so far
+    tokens_per_s: float | None       # running tokens/s of this contender
+    event: StepEvent | None          # the latest step; None for HF peers and the final item
+    report: BenchReport | None = None   # set on the last item only
+
+
+def encode(tokenizer, prompt_set, max_prompt_tokens: int | None = None) -> tuple[list[EncodedPrompt], list[str]]:
+    """Chat-templated ids of each prompt; prompts longer than `max_prompt_tokens` are left out (their ids returned)."""
+    from layerscope.prompts import chat_ids
+
+    kept, skipped = [], []
+    for p in prompt_set.prompts:
+        ids = chat_ids(tokenizer, p)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            skipped.append(p.id)
+        else:
+            kept.append(EncodedPrompt(p.id, p.category, ids))
+    return kept, skipped
+
+
+def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] = (specdec.DEFAULT_K,),
+               trees: Sequence[TreeSpec] = (), peers: bool = True, lookup_tokens: int = 10) -> list[Contender]:
+    """autoregressive, each draft under each decoding, then the HF peers."""
+    out = [Contender("autoregressive", "autoregressive", "greedy")]
+    decodings = [(f"chain k={k}", k, None) for k in ks] + \
+                [(f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}", specdec.DEFAULT_K, t) for t in trees]
+    for name, draft in drafts:
+        for label, k, tree in decodings:
+            out.append(Contender(name if len(decodings) == 1 else f"{name} {label}", "draft", label, draft, k, tree))
+    if peers:
+        out.append(Contender("hf-generate", "hf-generate", "greedy"))
+        out.append(Contender("hf-prompt-lookup", "hf-prompt-lookup", f"prompt lookup n={lookup_tokens}",
+                             lookup_tokens=lookup_tokens))
+    return out
+
+
+def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], *, max_new_tokens: int = 64,
+        eos_token_id=None, pad_token_id: int | None = None, warmup: bool = True) -> Iterator[BenchProgress]:
+    """Decode every prompt with every contender; yields BenchProgress, the last one with the report."""
+    names = [c.name for c in contenders]
+    if len(set(names)) != len(names) or names[0] != "autoregressive":
+        raise ValueError(f"contender names must be unique and start with autoregressive: {names}")
+    if warmup and prompts:                                  # first calls pay one-time costs; not timed
+        for c in contenders:
+            for _ in _decode(model, c, prompts[0].input_ids, min(4, max_new_tokens), eos_token_id, pad_token_id):
+                pass
+    total = {c.name: Tally() for c in contenders}
+    by_cat: dict[str, dict[str, Tally]] = {}
+    done, runs_total = 0, len(prompts) * len(contenders)
+    for i, prompt in enumerate(prompts):
+        cat = by_cat.setdefault(prompt.category, {c.name: Tally() for c in contenders})
+        reference = None
+        for c in contenders:
+            tallies, out = (total[c.name], cat[c.name]), []
+            for item in _decode(model, c, prompt.input_ids, max_new_tokens, eos_token_id, pad_token_id):
+                if isinstance(item, StepEvent):
+                    out += item.tokens
+                    for t in tallies:
+                        t.add_event(item)
+                    yield BenchProgress(c.name, i, len(prompts), done, runs_total, total[c.name].tau,
+                                        total[c.name].tokens_per_s, item)
+                else:                                       # an HF run: (tokens, forwards, seconds)
+                    tokens, forwards, seconds = item
+                    out = tokens
+                    for t in tallies:
+                        t.add_run(len(tokens), forwards, seconds)
+            if reference is None:
+                reference = out
+            elif out != reference:
+                for t in tallies:
+                    t.lossless = False
+            done += 1
+            yield BenchProgress(c.name, i, len(prompts), done, runs_total, total[c.name].tau,
+                                total[c.name].tokens_per_s, None)
+    results = []
+    for c in contenders:
+        entry = _entry(c, total[c.name], total["autoregressive"])
+        entry["by_category"] = {name: _entry(c, t[c.name], t["autoregressive"], short=True)
+                                for name, t in sorted(by_cat.items())}
+        results.append(entry)
+    report = BenchReport(len(prompts), max_new_tokens, str(model.device), results)
+    yield BenchProgress("", len(prompts) - 1, len(prompts), done, runs_total, None, None, None, report)
+
+
+def _entry(c: Contender, t: Tally, baseline: Tally, short: bool = False) -> dict:
+    tps, base = t.tokens_per_s, baseline.tokens_per_s
+    entry = {"name": c.name}
+    if c.kind == "draft" and not short:
+        entry["layers"] = list(c.draft.aux_layers)
+        entry["decoding"] = c.decoding
+    entry |= {"tau": t.tau, "acceptance_by_position": t.acceptance_by_position(), "tokens_per_s": tps,
+              "speedup": tps / base if tps and base else None, "lossless": t.lossless}
+    if short:
+        del entry["name"]
+    return entry
+
+
+def _decode(model, c: Contender, ids: list[int], max_new_tokens: int, eos_token_id, pad_token_id):
+    """Our decoders yield StepEvents; an HF peer yields one (tokens, target forwards, seconds)."""
+    if c.kind == "autoregressive":
+        yield from specdec.autoregressive(model, ids, max_new_tokens, eos_token_id=eos_token_id)
+    elif c.kind == "draft":
+        yield from specdec.speculative(model, c.draft, ids, max_new_tokens, k=c.k, tree=c.tree,
+                                       eos_token_id=eos_token_id)
+    else:
+        yield _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, c.lookup_tokens)
+
+
+def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_tokens: int):
+    """transformers generate, plain greedy (with prompt lookup when lookup_tokens > 0), counting target forwards.
+
+    generate fills unset options from `model.generation_config` (a repetition penalty, say), so that
+    config is swapped for a bare one for the call: the peer decodes exactly greedily, like ours.
+    """
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              prompt_lookup_num_tokens=lookup_tokens or None)
+    x = torch.tensor([ids], device=model.device)
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        _sync(model.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+        _sync(model.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        model.generation_config = saved
+        hook.remove()
+    return out[0, len(ids):].tolist(), len(forwards), seconds
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_table(report: BenchReport) -> str:
+    """The report as plain-text tables: overall, then per category."""
+    depth = max((len(r["acceptance_by_position"]) for r in report.results), default=0)
+    head = ["contender", "layers", "tau", *[f"acc@{i + 1}" for i in range(depth)], "tok/s", "speedup", "lossless"]
+    rows = [head]
+    for r in report.results:
+        acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
+        rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", _f(r["tau"]), *acc,
+                     _f(r["tokens_per_s"], 1), _f(r["speedup"]) + ("x" if r["speedup"] else ""),
+                     "yes" if r["lossless"] else "NO"])
+    lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
+    cats = sorted({c for r in report.results for c in r["by_category"]})
+    if len(cats) > 1:
+        rows = [["category", "contender", "tau", "tok/s", "speedup", "lossless"]]
+        for cat in cats:
+            for r in report.results:
+                e = r["by_category"][cat]
+                rows.append([cat, r["name"], _f(e["tau"]), _f(e["tokens_per_s"], 1),
+                             _f(e["speedup"]) + ("x" if e["speedup"] else ""), "yes" if e["lossless"] else "NO"])
+        lines += ["", _grid(rows)]
+    return "\n".join(lines)
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _grid(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)

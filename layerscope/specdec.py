@@ -1,0 +1,425 @@
+"""Speculative decoding with an EAGLE-3 draft head, and the plain decoder it is measured against.
+
+Three decoders share one KV-cache machinery and one event stream:
+
+    autoregressive(model, ids, n)               one target forward per token: the baseline
+    speculative(model, draft, ids, n, k=4)      a chain of k draft tokens, verified in one target forward
+    speculative(..., tree=TreeSpec(16, 4, 5))   an EAGLE-2 dynamic tree, verified in one target forward
+
+Each is a generator of `StepEvent`, one per target forward (step 0 is the prompt's prefill);
+the output is the concatenation of the events' `tokens` (see `collect`). Nothing here prints.
+
+Greedy decoding (temperature 0) is lossless: the tokens are those of plain greedy decoding with
+the target. At temperature > 0 the chain uses speculative sampling (accept a draft token d with
+probability min(1, p(d)/q(d)), else resample from max(0, p - q)), so every token is distributed
+exactly as the target's own sample would be.
+
+Caches. The target keeps a `transformers.DynamicCache` holding every token but the last one
+produced; after verification the rejected entries are cut off with `DynamicCache.crop(-n)` (tree:
+the accepted nodes' entries are first gathered next to the prefix). The draft keeps its own
+cache of "step-1 rows" (see docs/internals.md, Draft head); the deeper draft steps appended while
+drafting are cropped away after each verification. Nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from layerscope.draft.model import DraftCache
+from layerscope.errors import DraftError, LayerScopeError
+
+# Draft depth of the chain. On 2 CPU cores a 5-token target forward costs ~1.6x a 1-token one
+# (DESIGN.md), so deeper chains pay only while acceptance stays high; 4 is the starting point until
+# measured with a trained draft: `layerscope bench --draft D --k 2,3,4,5,6` picks the fastest
+# (docs/internals.md, "Choosing K").
+DEFAULT_K = 4
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2 dynamic tree: expand the `top_k` most probable nodes of each depth by their `top_k`
+    best children, down to `depth`; verify the `budget` most probable nodes of the whole tree."""
+
+    budget: int = 16
+    top_k: int = 4
+    depth: int = 5
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One target forward."""
+
+    step: int                          # 0 = the prefill over the prompt
+    drafted: int                       # draft tokens verified (chain: depth, tree: nodes, autoregressive: 0)
+    accepted: int                      # draft tokens the target accepted
+    accepted_mask: tuple[bool, ...]    # per draft position (tree: per depth) 1..: was it accepted
+    bonus_token: int                   # the target's own token after the accepted ones
+    tokens: tuple[int, ...]            # tokens added to the output: accepted + bonus, cut after EOS
+    elapsed_s: float                   # wall time of the step: drafting, verification, cache upkeep
+
+
+def collect(events: Iterable[StepEvent]) -> tuple[list[int], list[StepEvent]]:
+    """Drain a decoder: (generated tokens, events)."""
+    events = list(events)
+    return [t for e in events for t in e.tokens], events
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def new_cache(model) -> DynamicCache:
+    """An empty DynamicCache for `model`; refuses layer kinds that cannot be cut back exactly."""
+    cache = DynamicCache(config=model.config)
+    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if odd:
+        raise LayerScopeError(f"the target uses cache layers of kind {sorted(odd)}, which this decoder cannot cut back",
+                              "Use a target with full attention in every layer (Llama, Qwen2, SmolLM2, ...)")
+    return cache
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions. (DynamicCache.crop takes minus the number to drop.)"""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def compact_cache(cache: DynamicCache, start: int, keep: list[int]) -> None:
+    """Keep positions [0, start) followed by positions `keep` (ascending, all >= start); drop the rest."""
+    if keep != list(range(start, start + len(keep))):
+        idx = torch.tensor(keep, device=cache.layers[0].keys.device)
+        for layer in cache.layers:
+            layer.keys[..., start:start + len(keep), :] = layer.keys[..., idx, :]
+            layer.values[..., start:start + len(keep), :] = layer.values[..., idx, :]
+    crop_cache(cache, start + len(keep))
+
+
+# ----------------------------------------------------------------------------- the target side
+
+
+def _target_forward(model, ids: Sequence[int], positions: torch.Tensor, cache, aux_layers=None, mask=None,
+                    last_only: bool = False):
+    """Append `ids` at `positions` [T] to the cache: logits [T, V] ([1, V] with last_only), aux [T, k*d] or None."""
+    dev = positions.device
+    out = model(input_ids=torch.tensor([list(ids)], device=dev), position_ids=positions[None], cache=cache,
+                attention_mask=mask, use_cache=True, output_hidden_states=aux_layers is not None,
+                logits_to_keep=1 if last_only else 0)
+    aux = torch.cat([out.hidden_states[l][0] for l in aux_layers], -1) if aux_layers is not None else None
+    return out.logits[0].float(), aux
+
+
+def tree_mask(prefix: int, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4-D mask [1, 1, T, prefix+T]: every row sees the cached prefix and its ancestors-or-self.
+
+    ancestors: bool [T, T], ancestors[i, j] = row j is row i or one of its ancestors.
+    transformers passes a 4-D mask through untouched (masking_utils), and a float mask is added to
+    the scores by both the sdpa and eager attention paths.
+    """
+    T = ancestors.shape[0]
+    allowed = torch.cat([torch.ones(T, prefix, dtype=torch.bool, device=ancestors.device), ancestors], 1)
+    zero = torch.zeros((), dtype=dtype, device=ancestors.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen) -> int:
+    """Greedy (temperature 0) or sampled next token from logits [V]."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
+
+
+def _generator(device, seed: int):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def _cut(tokens: list[int], eos: set[int]) -> tuple[int, ...]:
+    """Tokens up to and including the first EOS."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tuple(tokens[:i + 1])
+    return tuple(tokens)
+
+
+def _prompt(input_ids) -> list[int]:
+    ids = input_ids.flatten().tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
+    if not ids:
+        raise LayerScopeError("the prompt is empty", "Give at least one token")
+    return ids
+
+
+# ----------------------------------------------------------------------------- autoregressive
+
+
+def autoregressive(model, input_ids, max_new_tokens: int, *, eos_token_id=None, temperature: float = 0.0,
+                   seed: int = 0) -> Iterator[StepEvent]:
+    """Plain decoding, one target forward per token, with the same cache as `speculative`."""
+    ids, eos = _prompt(input_ids), _eos_set(eos_token_id)
+    device = model.device
+    gen = _generator(device, seed) if temperature > 0 else None
+    cache = new_cache(model)
+    feed, produced, step = ids, 0, 0
+    while produced < max_new_tokens:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            start = cache.get_seq_length()
+            logits, _ = _target_forward(model, feed, torch.arange(start, start + len(feed), device=device), cache,
+                                        last_only=True)
+            tok = _pick(logits[-1], temperature, gen)
+        produced += 1
+        yield StepEvent(step, 0, 0, (), tok, (tok,), time.perf_counter() - t0)
+        if tok in eos:
+            return
+        feed, step = [tok], step + 1
+
+
+# ----------------------------------------------------------------------------- speculative
+
+
+class _Draft:
+    """The draft head with its cache of step-1 rows, and the rows it has not been fed yet.
+
+    Step-1 row t reads (embed(x_{t+1}), g_t) at position t, where g_t fuses the target's states at
+    the draft's aux layers at position t; its output predicts x_{t+2} (docs/internals.md).
+    """
+
+    def __init__(self, head, device):
+        self.head = head
+        self.cache = DraftCache()
+        self.rows = 0                                    # step-1 rows in the cache
+        self.pending_ids: list[int] = []                 # x_{t+1} of rows not yet fed
+        self.pending_g: list[torch.Tensor] = []          # fused g_t [r, d] of those rows
+        self.device = device
+
+    def add_rows(self, next_ids: list[int], aux: torch.Tensor) -> None:
+        """Queue step-1 rows: next_ids[i] = x_{t+1}, aux [r, k*d] the target's states at t."""
+        self.pending_ids += next_ids
+        self.pending_g.append(self.head.fuse(aux[None])[0])
+
+    def feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the queued rows; the last row's (logits [V_draft], hidden [d]) predict the next token."""
+        r = len(self.pending_ids)
+        pos = torch.arange(self.rows, self.rows + r, device=self.device)
+        logits, hidden = self.head(torch.tensor([self.pending_ids], device=self.device),
+                                   torch.cat(self.pending_g)[None], pos[None], self.cache)
+        self.rows += r
+        self.pending_ids, self.pending_g = [], []
+        return logits[0, -1].float(), hidden[0, -1]
+
+    def step(self, ids: list[int], hidden: torch.Tensor, positions: torch.Tensor, mask=None):
+        """Deeper draft steps (appended to the cache): ids [T], hidden [T, d] -> logits [T, V_draft], hidden [T, d]."""
+        logits, out = self.head(torch.tensor([ids], device=self.device), hidden[None], positions[None], self.cache,
+                                attention_mask=mask)
+        return logits[0].float(), out[0]
+
+    def rewind(self) -> None:
+        """Drop the deeper steps: keep only the step-1 rows."""
+        self.cache.crop(self.rows)
+
+
+def _check_draft(model, draft) -> None:
+    n = model.config.num_hidden_layers
+    bad = [l for l in draft.aux_layers if not 0 <= l < n]
+    if bad:
+        raise DraftError(f"the draft reads layers {bad}, but the target has hidden states 0..{n - 1} to offer",
+                         "Use a draft trained for this target")
+    if int(draft.t2d.numel()) != model.config.vocab_size:
+        raise DraftError(f"the draft maps a vocabulary of {draft.t2d.numel()} tokens, the target has "
+                         f"{model.config.vocab_size}", "Use a draft trained for this target")
+
+
+def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAULT_K, tree: TreeSpec | None = None,
+                eos_token_id=None, temperature: float = 0.0, seed: int = 0) -> Iterator[StepEvent]:
+    """Decode with `draft` proposing and `model` verifying: a chain of depth `k`, or a `tree`.
+
+    draft: a DraftHead (layerscope.draft.model). Greedy at temperature 0; sampling needs the chain.
+    """
+    if tree is not None and temperature > 0:
+        raise LayerScopeError("tree drafting is greedy only", "Use the chain (no tree) for temperature > 0")
+    if k < 1 or (tree is not None and min(tree.budget, tree.top_k, tree.depth) < 1):
+        raise LayerScopeError("the draft depth, tree budget, top-k and depth must be at least 1", "")
+    if tree is not None and model.config._attn_implementation not in ("sdpa", "eager"):
+        raise LayerScopeError(f"tree verification needs a 4-D attention mask, which the "
+                              f"{model.config._attn_implementation} attention of the target cannot take",
+                              "Load the target with attn_implementation='sdpa', or use the chain")
+    _check_draft(model, draft)
+    ids, eos = _prompt(input_ids), _eos_set(eos_token_id)
+    if max_new_tokens < 1:
+        return
+    device = model.device
+    gen = _generator(device, seed) if temperature > 0 else None
+    cache, d = new_cache(model), _Draft(draft, device)
+    aux_layers = list(draft.aux_layers)
+
+    # step 0: prefill the target; the draft's rows 0..n-1 are queued
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        logits, aux = _target_forward(model, ids, torch.arange(len(ids), device=device), cache, aux_layers,
+                                      last_only=True)
+        last = _pick(logits[-1], temperature, gen)
+        d.add_rows(ids[1:] + [last], aux)
+    yield StepEvent(0, 0, 0, (), last, (last,), time.perf_counter() - t0)
+    produced, step = 1, 1
+    while produced < max_new_tokens and last not in eos:
+        t0 = time.perf_counter()
+        depth = min(tree.depth if tree else k, max_new_tokens - produced - 1)
+        with torch.inference_mode():
+            if tree is not None and depth > 0:
+                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers)
+            else:
+                drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
+        tokens = _cut(new, eos)
+        produced, last = produced + len(tokens), tokens[-1]
+        yield StepEvent(step, drafted, accepted, mask, new[-1], tokens, time.perf_counter() - t0)
+        step += 1
+
+
+def _draft_distribution(draft, logits: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
+    """The draft's sampling distribution over the target vocabulary [V_target] from logits [V_draft]."""
+    p = torch.softmax(logits / temperature, -1)
+    ids = draft.to_target_ids(torch.arange(p.shape[0], device=p.device))
+    return torch.zeros(vocab, device=p.device).index_add_(0, ids, p)
+
+
+def _chain_step(model, d: _Draft, cache, last: int, depth: int, aux_layers, temperature: float, gen):
+    """Draft `depth` tokens one after another, verify them in one forward, cut both caches back."""
+    L = cache.get_seq_length()                       # positions of everything but `last`
+    drafts, qs = [], []
+    if depth > 0:
+        logits, hidden = d.feed()                    # row L-1: predicts the token after `last`
+        for j in range(1, depth + 1):
+            if temperature > 0:
+                q = _draft_distribution(d.head, logits, temperature, model.config.vocab_size)
+                tok = int(torch.multinomial(q, 1, generator=gen))
+                qs.append(q)
+            else:
+                tok = int(d.head.to_target_ids(logits.argmax()[None])[0])
+            drafts.append(tok)
+            if j < depth:                            # step j+1 at row L-1 reads d_j at position L-1+j
+                lg, hd = d.step([tok], hidden[None], torch.tensor([L - 1 + j], device=d.device))
+                logits, hidden = lg[0], hd[0]
+    logits, aux = _target_forward(model, [last] + drafts, torch.arange(L, L + depth + 1, device=d.device), cache,
+                                  aux_layers)
+    if temperature > 0:
+        accepted, bonus = _accept_sampled(logits, drafts, qs, temperature, gen)
+    else:
+        target = logits.argmax(-1).tolist()          # target[i]: its token after last, d_1..d_i
+        accepted = 0
+        while accepted < depth and drafts[accepted] == target[accepted]:
+            accepted += 1
+        bonus = target[accepted]
+    crop_cache(cache, L + 1 + accepted)
+    d.rewind()
+    new = drafts[:accepted] + [bonus]
+    d.add_rows(new, aux[:accepted + 1])
+    return depth, accepted, tuple(i < accepted for i in range(depth)), new
+
+
+def _accept_sampled(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor], temperature: float, gen):
+    """Speculative sampling: accept d_i with prob min(1, p_i(d_i)/q_i(d_i)); on the first rejection
+    resample from max(0, p_i - q_i); if all pass, the bonus is sampled from p after the last."""
+    p = torch.softmax(logits / temperature, -1)      # [depth+1, V]
+    for i, (tok, q) in enumerate(zip(drafts, qs)):
+        u = float(torch.rand((), generator=gen, device=p.device))
+        if u * float(q[tok]) < float(p[i, tok]):     # u < p/q without dividing by a tiny q
+            continue
+        residual = (p[i] - q).clamp_min(0)
+        residual = residual if float(residual.sum()) > 0 else p[i]
+        return i, int(torch.multinomial(residual, 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers):
+    """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries."""
+    L = cache.get_seq_length()
+    tokens, parents, depths = _grow_tree(d, depth, spec)
+    M = len(tokens)
+    # ancestors-or-self over [root] + nodes; row 0 is `last` (the root)
+    anc = torch.zeros(M + 1, M + 1, dtype=torch.bool, device=d.device)
+    anc[:, 0] = True
+    for i in range(M):
+        anc[i + 1, i + 1] = True
+        if parents[i] >= 0:
+            anc[i + 1] |= anc[parents[i] + 1]
+    positions = torch.tensor([L] + [L + x for x in depths], device=d.device)
+    mask = tree_mask(L, anc, model.dtype)
+    logits, aux = _target_forward(model, [last] + tokens, positions, cache, aux_layers, mask)
+    target = logits.argmax(-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, par) in enumerate(zip(tokens, parents)):
+        children.setdefault(par, {})[tok] = i
+    path, node = [], -1
+    while target[node + 1] in children.get(node, {}):
+        node = children[node][target[node + 1]]
+        path.append(node)
+    bonus = target[node + 1]
+    rows = [0] + [p + 1 for p in path]               # rows of the verified input on the accepted path
+    compact_cache(cache, L, [L + r for r in rows])
+    d.rewind()
+    new = [tokens[p] for p in path] + [bonus]
+    d.add_rows(new, aux[rows])
+    a = len(path)
+    return M, a, tuple(i < a for i in range(max(depths))), new
+
+
+def _grow_tree(d: _Draft, depth: int, spec: TreeSpec) -> tuple[list[int], list[int], list[int]]:
+    """EAGLE-2 expansion from the draft's root distribution; returns the `budget` best nodes, parents
+    before children: target token ids, parent index (-1 = root), depth (1-based)."""
+    logits, hidden = d.feed()
+    L = d.rows                                       # step-1 rows = target positions before `last`
+    logp = torch.log_softmax(logits, -1)
+    top = logp.topk(min(spec.top_k, logp.shape[0]))
+    # every candidate node: draft token id, parent, depth, cumulative log-prob
+    tok: list[int] = top.indices.tolist()
+    par: list[int] = [-1] * len(tok)
+    dep: list[int] = [1] * len(tok)
+    score: list[float] = top.values.tolist()
+    cache_row: dict[int, int] = {}                   # node -> its row in the draft cache, once expanded
+    parent_hidden = {-1: hidden}                     # node -> draft hidden_out that predicts its children
+    frontier = list(range(len(tok)))
+    for level in range(1, depth):
+        # feed the frontier (depth `level`) with a tree mask: prefix rows, expanded ancestors, self
+        C = d.cache.length
+        F = len(frontier)
+        mask = torch.zeros(1, 1, F, C + F, dtype=torch.bool, device=d.device)
+        mask[..., :L] = True
+        for i, n in enumerate(frontier):
+            mask[0, 0, i, C + i] = True
+            a = par[n]
+            while a >= 0:
+                mask[0, 0, i, cache_row[a]] = True
+                a = par[a]
+        ids = d.head.to_target_ids(torch.tensor([tok[n] for n in frontier], device=d.device)).tolist()
+        h = torch.stack([parent_hidden[par[n]] for n in frontier])
+        lg, out = d.step(ids, h, torch.full((F,), L - 1 + level, device=d.device), mask)
+        lp = torch.log_softmax(lg, -1)
+        kk = min(spec.top_k, lp.shape[-1])
+        best = lp.topk(kk, -1)
+        cand = []
+        for i, n in enumerate(frontier):
+            cache_row[n] = C + i
+            parent_hidden[n] = out[i]
+            for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()):
+                cand.append(len(tok))
+                tok.append(t)
+                par.append(n)
+                dep.append(level + 1)
+                score.append(score[n] + v)
+        frontier = sorted(cand, key=lambda c: -score[c])[:spec.top_k]
+    # rank all nodes; on equal scores a parent (shallower) ranks first, so any top-N is closed under parents
+    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], dep[n], n))[:spec.budget]
+    chosen = sorted(ranked, key=lambda n: (dep[n], n))
+    index = {n: i for i, n in enumerate(chosen)}
+    target_ids = d.head.to_target_ids(torch.tensor([tok[n] for n in chosen], device=d.device)).tolist()
+    return target_ids, [index[par[n]] if par[n] >= 0 else -1 for n in chosen], [dep[n] for n in chosen]

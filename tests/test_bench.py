@@ -1,0 +1,123 @@
+"""Benchmark: same prompts for every contender, honest τ / acceptance / speed numbers, the JSON shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from layerscope import bench
+from layerscope.cli import main
+from layerscope.draft.export import load_draft, save_draft
+from layerscope.models import tiny_model
+from layerscope.prompts import load_prompts
+from layerscope.specdec import StepEvent, TreeSpec
+from tests.test_specdec import untrained_draft
+
+ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "by_category"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread, and far faster on a shared, busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tiny, tmp_path_factory):
+    """Two drafts for the tiny target (different layer sets), saved and loadable the engines' way."""
+    root = tmp_path_factory.mktemp("bench-drafts")
+    meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
+    return [save_draft(root / "low", untrained_draft(tiny.model, layers=(1, 2)), meta),
+            save_draft(root / "mixed", untrained_draft(tiny.model, layers=(0, 2, 3), seed=2), meta)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    encoded, skipped = bench.encode(tiny.tokenizer, load_prompts("builtin", limit=3, seed=1), max_prompt_tokens=400)
+    assert encoded and len(encoded) + len(skipped) == 3
+    return encoded
+
+
+def test_bench_library_run(tiny, draft_dirs, prompts):
+    drafts = [(p.name, load_draft(p, tiny)) for p in draft_dirs]
+    lineup = bench.build_contenders(drafts, ks=(4,), trees=[TreeSpec(6, 2, 3)], lookup_tokens=5)
+    names = [c.name for c in lineup]
+    assert names == ["autoregressive", "low chain k=4", "low tree budget=6 top_k=2 depth=3",
+                     "mixed chain k=4", "mixed tree budget=6 top_k=2 depth=3", "hf-generate", "hf-prompt-lookup"]
+    updates = list(bench.run(tiny.model, prompts, lineup, max_new_tokens=10, eos_token_id=tiny.tokenizer.eos_token_id,
+                             pad_token_id=tiny.tokenizer.pad_token_id))
+    report = updates[-1].report
+    assert report is not None and all(u.report is None for u in updates[:-1])
+    assert updates[-2].runs_done == updates[-2].runs_total == len(prompts) * len(lineup)
+    doc = report.to_json()
+    assert set(doc) == {"prompts", "max_new_tokens", "device", "results"}
+    assert (doc["prompts"], doc["max_new_tokens"], doc["device"]) == (len(prompts), 10, "cpu")
+    results = {r["name"]: r for r in doc["results"]}
+    assert list(results) == names
+    for r in doc["results"]:
+        peer = r["name"] in ("autoregressive", "hf-generate", "hf-prompt-lookup")
+        extra = set() if peer else {"layers", "decoding"}
+        assert set(r) == ENTRY_KEYS | extra
+        assert r["lossless"] is True, r["name"]               # every output equals plain greedy output
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+        assert set(r["by_category"]) == {p.category for p in prompts}
+    assert results["autoregressive"]["tau"] == 1.0 and results["autoregressive"]["speedup"] == 1.0
+    assert results["hf-generate"]["tau"] == 1.0               # counted forwards: one per token
+    assert results["hf-prompt-lookup"]["tau"] >= 1.0
+    assert results["mixed chain k=4"]["layers"] == [0, 2, 3]
+    assert len(results["low chain k=4"]["acceptance_by_position"]) == 4
+    assert 1 <= len(results["low tree budget=6 top_k=2 depth=3"]["acceptance_by_position"]) <= 3   # the tree's depth
+    # τ and acceptance agree with the step events the run streamed
+    for name in ("low chain k=4", "mixed tree budget=6 top_k=2 depth=3"):
+        events = [u.event for u in updates if u.contender == name and isinstance(u.event, StepEvent)]
+        tokens, forwards = sum(len(e.tokens) for e in events), len(events)
+        assert results[name]["tau"] == pytest.approx(tokens / forwards)
+        first = [e.accepted_mask[0] for e in events if e.accepted_mask]
+        assert results[name]["acceptance_by_position"][0] == pytest.approx(sum(first) / len(first))
+        assert [u.tau for u in updates if u.contender == name][-1] == pytest.approx(results[name]["tau"])
+    text = bench.format_table(report)
+    assert "hf-prompt-lookup" in text and "acc@4" in text and "NO" not in text
+
+
+def test_hf_peers_decode_plain_greedy_whatever_the_generation_config(prompts):
+    """generate fills unset options from model.generation_config; a penalty there would make the peers
+    differ from greedy (and be flagged lossy). The bench runs them bare and leaves the config alone."""
+    model = tiny_model().model
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.no_repeat_ngram_size = 2
+    lineup = bench.build_contenders([], peers=True, lookup_tokens=3)
+    updates = list(bench.run(model, prompts[:2], lineup, max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+                             warmup=False))
+    assert [r["lossless"] for r in updates[-1].report.results] == [True, True, True]
+    assert model.generation_config.repetition_penalty == 3.0
+
+
+def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
+    args = ["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(draft_dirs[0]),
+            "--prompts", "builtin", "--limit", "3", "--max-new-tokens", "6", "--k", "3"]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"prompts", "max_new_tokens", "device", "results"}
+    assert [r["name"] for r in doc["results"]] == ["autoregressive", "low", "hf-generate", "hf-prompt-lookup"]
+    assert doc["results"][1]["layers"] == [1, 2] and all(r["lossless"] for r in doc["results"])
+    without_model = [a for a in args if a not in ("--model", "tiny-llama")]    # taken from the draft's meta
+    assert main(without_model + ["--no-peers", "--tree"]) == 0
+    out = capsys.readouterr().out
+    assert "on tiny-llama" in out
+    assert "low chain k=3" in out and "low tree" in out and "hf-generate" not in out
+
+
+def test_bench_refuses_a_draft_for_another_target(tmp_path, capsys):
+    other = tiny_model(num_layers=6, hidden_size=32, seed=1, spec="tiny-llama:layers=6,hidden=32,seed=1")
+    path = save_draft(tmp_path / "foreign", untrained_draft(other.model, layers=(1, 4)),
+                      {"target_fingerprint": other.fingerprint, "target_model": other.spec})
+    code = main(["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(path),
+                 "--prompts", "builtin", "--limit", "1", "--max-new-tokens", "4"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "tiny-llama" in err

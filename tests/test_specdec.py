@@ -1,0 +1,421 @@
+"""Speculative decoding: lossless greedy chain and tree, caches cut back, sampling keeps the target's law."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from layerscope import specdec as sd
+from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+from layerscope.errors import DraftError, LayerScopeError
+
+PROMPTS = [[259, 72, 101, 108, 108, 111], [259, 50, 43, 50, 61], [259, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread, and far faster on a shared, busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- drafts for tests
+
+
+def untrained_draft(model, layers=(1, 2, 3), draft_vocab=128, seed=1) -> DraftHead:
+    """A real DraftHead with random weights: a genuinely different model, so acceptance is low."""
+    torch.manual_seed(seed)
+    V = model.config.vocab_size
+    d2t, t2d = build_draft_vocab(torch.randint(0, V, (4 * V,)), draft_vocab, V)
+    cfg = DraftConfig.from_target(model.config, list(layers), draft_vocab)
+    return DraftHead(cfg, embed_weight=model.get_input_embeddings().weight, d2t=d2t, t2d=t2d).eval()
+
+
+class LookupDraft(nn.Module):
+    """Obeys the DraftHead contract; predicts from a known greedy continuation `ref` (the target's own,
+    computed by HF `generate` in the test). Row at position p reading x_{p+1} proposes ref[p+2] when
+    x_{p+1} == ref[p+1] (the alignment of docs/internals.md), else nothing useful (uniform). For target
+    indices in `wrong`, a wrong token ranks first and the right one second (so a tree can still find it)."""
+
+    def __init__(self, ref: list[int], vocab: int, aux_layers=(1,), wrong=()):
+        super().__init__()
+        self.ref, self.vocab, self.wrong = ref, vocab, set(wrong)
+        self.aux_layers = list(aux_layers)
+        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))
+        self.rows_seen: list[tuple[int, int]] = []       # (position, input id) of every row fed
+
+    def fuse(self, aux):
+        return aux[..., :1]
+
+    def to_target_ids(self, ids):
+        return ids + self.d2t[ids]
+
+    def forward(self, input_ids, hidden, position_ids, cache=None, attention_mask=None):
+        B, T = input_ids.shape
+        if cache is not None:
+            cache.append(torch.zeros(B, 1, T, 1), torch.zeros(B, 1, T, 1))
+            if attention_mask is not None:
+                assert attention_mask.shape == (B, 1, T, cache.length) and attention_mask.dtype == torch.bool
+        logits = torch.zeros(B, T, self.vocab)
+        for i, (p, x) in enumerate(zip(position_ids[0].tolist(), input_ids[0].tolist())):
+            self.rows_seen.append((p, x))
+            if p + 2 < len(self.ref) and x == self.ref[p + 1]:
+                right = self.ref[p + 2]
+                logits[0, i, right] = 5.0
+                if p + 2 in self.wrong:
+                    logits[0, i, (right + 1) % self.vocab] = 6.0
+        return logits, hidden
+
+
+def greedy_reference(model, ids, n) -> list[int]:
+    """Plain greedy continuation by Hugging Face generate (independent of the engine)."""
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def target(tiny):
+    return tiny.model
+
+
+@pytest.fixture(scope="module")
+def refs(target):
+    return [greedy_reference(target, ids, 30) for ids in PROMPTS]
+
+
+# ----------------------------------------------------------------------------- target side
+
+
+def test_autoregressive_equals_hf_greedy(target, refs):
+    for ids, ref in zip(PROMPTS, refs):
+        out, events = sd.collect(sd.autoregressive(target, ids, 30))
+        assert out == ref
+        assert [e.step for e in events] == list(range(30)) and all(e.drafted == 0 for e in events)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_mask_gives_the_logits_of_each_path(tiny, attn):
+    """Tree forward with the 4-D mask and per-node positions == plain forwards over prefix + path."""
+    model = LlamaForCausalLM(tiny.model.config).eval()
+    model.load_state_dict(tiny.model.state_dict())
+    model.config._attn_implementation = attn
+    prefix = PROMPTS[0]
+    root, tokens, parents = 33, [40, 41, 42, 43, 44, 45], [-1, -1, 0, 0, 2, 1]
+    depths = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    M, L = len(tokens), len(prefix)
+    anc = torch.eye(M + 1, dtype=torch.bool)
+    anc[:, 0] = True
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i + 1] |= anc[p + 1]
+    with torch.no_grad():
+        cache = sd.new_cache(model)
+        model(input_ids=torch.tensor([prefix]), cache=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([[root] + tokens]), cache=cache, use_cache=True,
+                    position_ids=torch.tensor([[L] + [L + x for x in depths]]),
+                    attention_mask=sd.tree_mask(L, anc, model.dtype)).logits[0]
+        for i in range(M + 1):
+            path, node = [], i - 1
+            while node >= 0:
+                path.insert(0, tokens[node])
+                node = parents[node]
+            plain = model(input_ids=torch.tensor([prefix + [root] + path])).logits[0, -1]
+            torch.testing.assert_close(out[i], plain, atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == L + M + 1
+
+
+def test_crop_cache_keeps_a_prefix(target):
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        cache = sd.new_cache(target)
+        target(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        sd.crop_cache(cache, 4)
+        fresh = sd.new_cache(target)
+        target(input_ids=torch.tensor([ids[:4]]), cache=fresh, use_cache=True)
+    assert cache.get_seq_length() == 4
+    for a, b in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
+# ----------------------------------------------------------------------------- greedy is lossless
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_chain_is_lossless(target, refs, k):
+    random_draft = untrained_draft(target)
+    for ids, ref in zip(PROMPTS, refs):
+        lookup = LookupDraft(ids + ref, target.config.vocab_size, wrong=range(len(ids) + 2, len(ids) + 40, 3))
+        for draft in (random_draft, lookup):
+            out, events = sd.collect(sd.speculative(target, draft, ids, 30, k=k))
+            assert out == ref
+            assert all(e.drafted <= k for e in events)
+        assert 0 < sum(e.accepted for e in events) < sum(e.drafted for e in events)   # lookup: partial
+
+
+@pytest.mark.parametrize("tree", [sd.TreeSpec(4, 2, 2), sd.TreeSpec(8, 2, 4), sd.TreeSpec(16, 4, 5),
+                                  sd.TreeSpec(3, 3, 6)])
+def test_greedy_tree_is_lossless(target, refs, tree):
+    random_draft = untrained_draft(target)
+    for ids, ref in zip(PROMPTS, refs):
+        lookup = LookupDraft(ids + ref, target.config.vocab_size, wrong=range(len(ids) + 2, len(ids) + 40, 3))
+        for draft in (random_draft, lookup):
+            out, events = sd.collect(sd.speculative(target, draft, ids, 30, tree=tree))
+            assert out == ref
+            assert all(e.drafted <= tree.budget for e in events)
+
+
+def test_tree_finds_the_second_choice_a_chain_misses(target, refs):
+    """Every draft's first choice is wrong: the chain accepts nothing, a top-2 tree accepts a lot."""
+    ids, ref = PROMPTS[0], refs[0]
+    lookup = LookupDraft(ids + ref, target.config.vocab_size, wrong=range(len(ids) + 40))
+    _, chain = sd.collect(sd.speculative(target, lookup, ids, 30, k=3))
+    out, tree = sd.collect(sd.speculative(target, lookup, ids, 30, tree=sd.TreeSpec(12, 2, 3)))
+    assert out == ref
+    assert sum(e.accepted for e in chain) == 0
+    assert sum(e.accepted for e in tree) >= 20
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_perfect_draft_is_always_accepted(target, refs, k):
+    ids, ref = PROMPTS[1], refs[1]
+    lookup = LookupDraft(ids + ref, target.config.vocab_size)
+    out, events = sd.collect(sd.speculative(target, lookup, ids, 30, k=k))
+    assert out == ref
+    for e in events[1:]:
+        assert e.accepted == e.drafted and all(e.accepted_mask) and len(e.tokens) == e.drafted + 1
+    assert len(events) == 1 + math.ceil(29 / (k + 1))
+    # the draft was fed in the documented alignment: step-1 row t reads x_{t+1} at position t
+    seq = ids + ref
+    assert all(x == seq[p + 1] for p, x in lookup.rows_seen)
+    out, events = sd.collect(sd.speculative(target, lookup, ids, 30, tree=sd.TreeSpec(8, 1, 4)))
+    assert out == ref and all(e.accepted == 4 for e in events[1:-1])
+
+
+def test_draft_tree_nodes_see_only_their_ancestors(target):
+    """Every tree node is a top-k child of its parent as the draft computes it along the parent's path
+    alone (a plain chain run); a draft tree mask that let siblings or cousins in would break this."""
+    draft = untrained_draft(target, seed=5)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(20)                        # clear rankings, no near-ties
+    ids = PROMPTS[2]
+
+    def fresh():
+        cache, d, last = _prefill(target, draft, ids)
+        return d
+
+    spec = sd.TreeSpec(budget=100, top_k=2, depth=3)
+    with torch.inference_mode():
+        tokens, parents, depths = sd._grow_tree(fresh(), 3, spec)
+        assert len(tokens) == 2 + 4 + 4
+        for i, par in enumerate(parents):
+            path, node = [], par
+            while node >= 0:
+                path.insert(0, tokens[node])
+                node = parents[node]
+            d = fresh()
+            logits, hidden = d.feed()
+            for j, tok in enumerate(path):                   # the chain along the parent's path
+                lg, hd = d.step([tok], hidden[None], torch.tensor([d.rows - 1 + j + 1]))
+                logits, hidden = lg[0], hd[0]
+            top = draft.to_target_ids(logits.topk(2).indices).tolist()
+            assert tokens[i] in top, (i, depths[i])
+
+
+# ----------------------------------------------------------------------------- caches are cut back
+
+
+def _prefill(model, draft, ids):
+    cache, d = sd.new_cache(model), sd._Draft(draft, model.device)
+    with torch.inference_mode():
+        logits, aux = sd._target_forward(model, ids, torch.arange(len(ids)), cache, draft.aux_layers)
+    last = int(logits[-1].argmax())
+    d.add_rows(ids[1:] + [last], aux)
+    return cache, d, last
+
+
+def _assert_cache_is_fresh(model, cache, tokens):
+    """The cache holds exactly what a fresh forward over `tokens` would hold."""
+    fresh = sd.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([tokens]), cache=fresh, use_cache=True)
+    assert cache.get_seq_length() == len(tokens)
+    for a, b in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+
+
+def test_chain_cuts_both_caches_back_after_partial_acceptance(target, refs):
+    ids, ref = PROMPTS[2], refs[2]
+    n = len(ids)
+    lookup = LookupDraft(ids + ref, target.config.vocab_size, wrong={n + 3})   # d_1, d_2 right, d_3 wrong
+    cache, d, last = _prefill(target, lookup, ids)
+    with torch.inference_mode():
+        drafted, accepted, mask, new = sd._chain_step(target, d, cache, last, 5, lookup.aux_layers, 0.0, None)
+    assert (drafted, accepted, mask) == (5, 2, (True, True, False, False, False))
+    tokens = ids + [last] + new
+    assert tokens == (ids + ref)[:len(tokens)]
+    _assert_cache_is_fresh(target, cache, tokens[:-1])
+    assert d.cache.length == d.rows == n and len(d.pending_ids) == 3          # step-1 rows only
+    # the next step continues from the cut caches exactly as from fresh ones
+    with torch.inference_mode():
+        _, accepted, _, new2 = sd._chain_step(target, d, cache, tokens[-1], 4, lookup.aux_layers, 0.0, None)
+    tokens += new2
+    assert accepted == 4 and tokens == (ids + ref)[:len(tokens)]
+    _assert_cache_is_fresh(target, cache, tokens[:-1])
+
+
+def test_tree_keeps_only_the_accepted_path_in_the_cache(target, refs):
+    """First choices wrong at depth 1 and 3: the accepted nodes are not the first rows of the tree, so
+    the cache is right only if their entries are gathered next to the prefix before cropping."""
+    ids, ref = PROMPTS[0], refs[0]
+    n = len(ids)
+    lookup = LookupDraft(ids + ref, target.config.vocab_size, wrong={n + 1, n + 3})
+    cache, d, last = _prefill(target, lookup, ids)
+    with torch.inference_mode():
+        drafted, accepted, mask, new = sd._tree_step(target, d, cache, last, 4, sd.TreeSpec(10, 2, 4),
+                                                     lookup.aux_layers)
+    assert drafted == 10 and accepted >= 3 and mask[:3] == (True, True, True)
+    tokens = ids + [last] + new
+    assert tokens == (ids + ref)[:len(tokens)]
+    _assert_cache_is_fresh(target, cache, tokens[:-1])
+    assert d.cache.length == d.rows == n
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def test_event_counts_add_up(target, refs):
+    ids, ref = PROMPTS[0], refs[0]
+    lookup = LookupDraft(ids + ref, target.config.vocab_size, wrong={len(ids) + 4, len(ids) + 11})
+    for decode in (lambda: sd.autoregressive(target, ids, 25),
+                   lambda: sd.speculative(target, lookup, ids, 25, k=4),
+                   lambda: sd.speculative(target, lookup, ids, 25, tree=sd.TreeSpec(8, 2, 4))):
+        out, events = sd.collect(decode())
+        assert len(out) == 25 == sum(len(e.tokens) for e in events)
+        assert [e.step for e in events] == list(range(len(events)))
+        for e in events:
+            assert len(e.tokens) == e.accepted + 1 and e.tokens[-1] == e.bonus_token
+            assert sum(e.accepted_mask) == e.accepted and e.elapsed_s > 0
+            assert list(e.accepted_mask) == sorted(e.accepted_mask, reverse=True)   # a prefix is accepted
+
+
+def test_generation_stops_after_eos(target, refs):
+    ids, ref = PROMPTS[1], refs[1]
+    eos = ref[9]
+    stop = ref.index(eos) + 1
+    lookup = LookupDraft(ids + ref, target.config.vocab_size)
+    for decode in (sd.autoregressive(target, ids, 30, eos_token_id=eos),
+                   sd.speculative(target, lookup, ids, 30, k=4, eos_token_id=[eos, 99999]),
+                   sd.speculative(target, lookup, ids, 30, tree=sd.TreeSpec(6, 2, 3), eos_token_id=eos)):
+        out, events = sd.collect(decode)
+        assert out == ref[:stop] and sum(len(e.tokens) for e in events) == stop
+
+
+def test_refusals(target, refs):
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    with pytest.raises(DraftError, match="vocabulary"):
+        list(sd.speculative(target, untrained_draft(other, layers=(1,), draft_vocab=50), PROMPTS[0], 5))
+    with pytest.raises(DraftError, match="layers"):
+        list(sd.speculative(other, untrained_draft(target), PROMPTS[0], 5))
+    with pytest.raises(LayerScopeError, match="greedy only"):
+        list(sd.speculative(target, untrained_draft(target), PROMPTS[0], 5, tree=sd.TreeSpec(), temperature=1.0))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0                          # nothing outside the support
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_accept_reject_rule_reproduces_p():
+    """The rule alone: draft tokens from q, target rows p. The first emitted token follows p[0], the
+    second (when the first was accepted) p[1], though q is far from p and zero on two tokens."""
+    g = torch.Generator().manual_seed(0)
+    V, trials = 8, 4000
+    logits = torch.randn(3, V, generator=g) * 1.5
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    q[:, :2] = 0
+    q = q / q.sum(-1, keepdim=True)
+    assert 0.5 * float((p[0] - q[0]).abs().sum()) > 0.3
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        accepted, bonus = sd._accept_sampled(logits, drafts, [q[0], q[1]], 1.0, g)
+        out = drafts[:accepted] + [bonus]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    assert _chi2(first, p[0]) < 30.0                           # df = 7: P(chi2 > 30) < 1e-4
+    assert _chi2(second, p[1]) < 30.0
+    assert second.sum() > 0.2 * trials
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """End to end. Vocabulary 12, draft vocabulary 8 (4 tokens the draft never proposes). Tokens 2..4
+    of each output pass through accept/reject or resampling; their marginals must match the target's,
+    computed exactly by enumeration (chi-square), while drafts are both accepted and rejected often."""
+    cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    draft = untrained_draft(model, layers=(0, 1), draft_vocab=8, seed=3)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(5)                         # a draft with opinions of its own
+    prompt, T, trials = [1, 2, 3], 0.8, 400
+    samples, drafted, accepted = [], 0, 0
+    for s in range(trials):
+        out, events = sd.collect(sd.speculative(model, draft, prompt, 4, k=2, temperature=T, seed=s))
+        samples.append(out)
+        drafted += sum(e.drafted for e in events)
+        accepted += sum(e.accepted for e in events)
+    samples = torch.tensor(samples)
+    assert 0.15 < accepted / drafted < 0.85
+    with torch.no_grad():                                    # exact marginals of the target
+        seqs, joint, marginals = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64), []
+        for _ in range(4):
+            p = torch.softmax(model(seqs).logits[:, -1].double() / T, -1)       # [S, 12]
+            j = joint[:, None] * p
+            marginals.append(j.sum(0))
+            seqs = torch.cat([seqs.repeat_interleave(12, 0), torch.arange(12).repeat(len(seqs))[:, None]], 1)
+            joint = j.flatten()
+    for pos in (1, 2, 3):
+        chi2 = _chi2(torch.bincount(samples[:, pos], minlength=12).double(), marginals[pos])
+        assert chi2 < 40.0, (pos, chi2)                      # df = 11: P(chi2 > 40) < 1e-4
+
+
+# ----------------------------------------------------------------------------- the real target
+
+
+@pytest.mark.smollm2
+def test_smollm2_chain_and_tree_are_lossless(smollm2):
+    """SmolLM2-135M with a draft for the default layer set (untrained: lossless whatever it proposes)."""
+    from layerscope.prompts import chat_ids, load_prompts
+
+    model = smollm2.model
+    draft = untrained_draft(model, layers=(2, 15, 27), draft_vocab=2048).to(smollm2.device)
+    eos = smollm2.tokenizer.eos_token_id
+    for prompt in load_prompts("builtin", limit=2, seed=0).prompts:
+        ids = chat_ids(smollm2.tokenizer, prompt)
+        ref, _ = sd.collect(sd.autoregressive(model, ids, 16, eos_token_id=eos))
+        for kw in ({"k": 4}, {"tree": sd.TreeSpec(8, 2, 4)}):
+            out, events = sd.collect(sd.speculative(model, draft, ids, 16, eos_token_id=eos, **kw))
+            assert out == ref, kw
+            assert sum(len(e.tokens) for e in events) == len(out)
