@@ -1,0 +1,45 @@
+"""LayerScope: which layers of the target model should an EAGLE-3 draft read?
+
+Run with `streamlit run app.py` (README). This file sets the page config, shows the active analysis
+session in the sidebar and hands over to the page chosen in the navigation (files in app_pages/).
+
+The page files live in app_pages/, not pages/: Streamlit treats a `pages/` folder beside the main
+script as an old-style multipage app until st.navigation has run once in the process, so the first
+request for a page URL (say a share link to /cka) would run that page alone, without this shell.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+st.set_page_config(page_title="LayerScope", page_icon=":material/layers:", layout="wide")
+
+from layerscope.ui import sidebar  # noqa: E402  (after set_page_config)
+from layerscope.ui.apply import collect  # noqa: E402
+from layerscope.ui.state import active_session, pop_notice  # noqa: E402
+from layerscope.ui.widgets import guard  # noqa: E402
+
+PAGES = [
+    st.Page("app_pages/capture.py", title="Capture", icon=":material/download:", url_path="capture", default=True),
+    st.Page("app_pages/entropy.py", title="Entropy", icon=":material/show_chart:", url_path="entropy"),
+    st.Page("app_pages/cka.py", title="CKA heatmap", icon=":material/grid_on:", url_path="cka"),
+    st.Page("app_pages/layer_sets.py", title="Layer sets", icon=":material/checklist:", url_path="layer_sets"),
+    st.Page("app_pages/speculate.py", title="Speculative decoding", icon=":material/bolt:", url_path="speculate"),
+    st.Page("app_pages/sessions.py", title="Sessions", icon=":material/folder_shared:", url_path="sessions"),
+]
+
+session = active_session()
+collect(session)          # results of jobs that finished since the last run land in the session
+page = st.navigation(PAGES, position="sidebar", expanded=True)
+notice = pop_notice()
+if notice:
+    kind, text = notice
+    getattr(st, kind)(text)
+summary = st.sidebar.container()
+try:
+    with guard(page.title):   # a bug shows as one readable line, never a traceback
+        page.run()
+finally:
+    # Drawn after the page ran, so it shows what the page just changed (a capture attached, a set added).
+    with summary:
+        sidebar.render(active_session())

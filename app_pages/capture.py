@@ -1,0 +1,130 @@
+"""Capture: run the target on a prompt set and record every layer's hidden states into the store."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from layerscope.ui import apply, tasks
+from layerscope.ui.jobs import get_manager
+from layerscope.ui.state import active_session, commit, get_store
+from layerscope.ui.widgets import fmt_seconds, guard, job_status, poll_interval, show_error, table
+
+s = active_session()
+store = get_store()
+manager = get_manager()
+
+st.title("Capture hidden states")
+st.caption("The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
+           "records the hidden state of every layer 0..N and the predictive entropy of every token. "
+           "Captures are stored once and reused: the same model, prompts and options come back from the store.")
+
+for k, v in {"ls_w_cap_model": s.model or "smollm2-135m", "ls_w_cap_source": "builtin", "ls_w_cap_limit": 16,
+             "ls_w_cap_new": 48, "ls_w_cap_batch": 8, "ls_w_cap_seed": 0}.items():
+    st.session_state.setdefault(k, v)
+
+job = manager.latest(s.id, "capture")
+view = job.view() if job else None
+
+left, right = st.columns([1, 1], gap="large")
+with left:
+    st.text_input("Target model", key="ls_w_cap_model",
+                  help="`smollm2-135m` (default, embedded), `tiny-llama` (a random tiny model for demos), "
+                       "a Hugging Face id such as `HuggingFaceTB/SmolLM2-135M-Instruct`, a local directory or a .gguf file")
+    source = st.radio("Prompt set", ["builtin", "sharegpt", "upload"], key="ls_w_cap_source", horizontal=True,
+                      help="builtin: prompts written for LayerScope in several task categories; "
+                           "sharegpt: real conversations (training split); upload: your own .jsonl/.txt/.csv")
+    prompt_spec = source
+    if source == "upload":
+        up = st.file_uploader("Prompt file", type=["jsonl", "txt", "csv"], key="ls_cap_upload",
+                              help=".jsonl with prompt / turns / conversations, .txt one prompt per line, .csv with a 'prompt' column")
+        prompt_spec = None
+        if up is not None:
+            with guard("upload"):
+                prompt_spec = str(tasks.save_upload(store, up.name, up.getvalue()))
+    c1, c2 = st.columns(2)
+    c1.number_input("Prompts (limit)", min_value=1, max_value=100_000, step=1, key="ls_w_cap_limit")
+    c2.number_input("New tokens per response", min_value=1, max_value=4096, step=8, key="ls_w_cap_new")
+    c3, c4 = st.columns(2)
+    c3.number_input("Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch")
+    c4.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed")
+
+with right:
+    st.subheader("Prompt preview")
+    if prompt_spec:
+        with guard("prompt preview"):
+            ps = apply.preview_prompts(prompt_spec, int(st.session_state.ls_w_cap_limit), int(st.session_state.ls_w_cap_seed))
+            rows = [{"id": p.id, "category": p.category, "prompt": p.turns[0][:160]} for p in ps.prompts[:200]]
+            st.caption(f"{ps.name}: {len(ps.prompts)} prompts (after the limit)")
+            if ps.warnings:
+                st.warning(f"{len(ps.warnings)} line(s) skipped: " + "; ".join(ps.warnings[:3]))
+            st.dataframe(pd.DataFrame(rows), hide_index=True, height=260, width="stretch")
+    else:
+        st.info("Upload a prompt file to preview it.")
+
+running = view is not None and view.running
+if st.button("Start capture", type="primary", icon=":material/play_arrow:", disabled=running or not prompt_spec,
+             key="ls_cap_start"):
+    model = st.session_state.ls_w_cap_model.strip()
+    if not model:
+        show_error("No model given", "Type a model spec, e.g. smollm2-135m or tiny-llama")
+    else:
+        with guard("start capture"):
+            s.model, s.prompt_set = model, (source if source != "upload" else prompt_spec)
+            commit(s)
+            job = manager.submit(s.id, "capture", tasks.capture_job(
+                model=model, prompts=prompt_spec, limit=int(st.session_state.ls_w_cap_limit),
+                max_new_tokens=int(st.session_state.ls_w_cap_new), batch_size=int(st.session_state.ls_w_cap_batch),
+                seed=int(st.session_state.ls_w_cap_seed), store=store, analysis_options=s.analysis_options),
+                title=f"Capture of {model}")
+            view = job.view()
+
+
+@st.fragment(run_every=poll_interval(view))
+def live_capture():
+    j = manager.latest(s.id, "capture")
+    if j is None:
+        return
+    v = j.view()
+    job_status(v, key="capture")
+    if v.running:
+        m = v.metrics
+        a, b, c = st.columns(3)
+        a.metric("Tokens recorded", f"{m.get('tokens', 0):,}")
+        b.metric("Tokens / s", f"{m.get('tokens_per_s', 0.0):.0f}")
+        c.metric("Prompts done", f"{m.get('conversations', 0)}/{m.get('conversations_total', '?')}")
+    elif view is not None and view.running:
+        st.rerun()   # the job just finished: redraw the whole page with its result
+    elif v.finished_ok and v.result:
+        r = v.result
+        st.caption(f"Capture `{r['key']}`: {r['tokens']:,} tokens"
+                   + (" (served from the store)" if r.get("cached") else f" in {fmt_seconds(r['seconds'])}")
+                   + ". Next: the **Entropy** and **CKA heatmap** pages.")
+
+
+live_capture()
+
+st.divider()
+st.subheader("Stored captures")
+with guard("stored captures"):
+    caps = store.list_captures()
+    if not caps:
+        st.caption("The store is empty: run a capture above.")
+    else:
+        df = pd.DataFrame([{
+            "key": c.get("key"), "model": c.get("model"), "prompt set": c.get("prompt_set"),
+            "prompts": c.get("conversations"), "tokens": c.get("tokens"), "layers": c.get("num_layers"),
+            "created": c.get("created"), "MB": round((c.get("size_bytes") or 0) / 2**20, 1),
+            "active": "●" if c.get("key") == s.capture_key else "",
+        } for c in caps])
+        table(df, key="ls_cap_table", filename="captures")
+        keys = [c["key"] for c in caps]
+        pick = st.selectbox("Capture to open", keys, key="ls_cap_pick",
+                            index=keys.index(s.capture_key) if s.capture_key in keys else 0,
+                            format_func=lambda k: next(f"{k} · {c.get('model')} · {c.get('prompt_set')} · {c.get('tokens')} tokens"
+                                                       for c in caps if c["key"] == k))
+        if st.button("Open this capture", key="ls_cap_open", icon=":material/folder_open:"):
+            with guard("open capture"):
+                apply.open_capture(s, store, pick)
+                commit(s)
+                st.rerun()

@@ -1,0 +1,96 @@
+"""Sessions: save the analysis under a name, reopen it, share it by link or as a file, import one."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import pandas as pd
+import streamlit as st
+
+from layerscope import session as sessions
+from layerscope.ui.state import active_session, get_store, switch_to
+from layerscope.ui.widgets import guard, table
+
+s = active_session()
+store = get_store()
+
+st.title("Sessions")
+st.caption("A session is everything on these pages: the capture, analysis options, statistics, layer sets, "
+           "drafts and benchmark results. It is saved as you work; give it a name to list it here. "
+           "Files are JSON + safetensors in one .zip, checked on import; nothing is ever unpickled.")
+
+
+def share_link(sid: str) -> str:
+    url = st.context.url or ""
+    parts = urlsplit(url)
+    base = f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else ""
+    return f"{base}/cka?session={sid}"
+
+
+left, right = st.columns(2, gap="large")
+with left:
+    st.subheader("This session")
+    st.markdown(f"**{s.title()}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
+                f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
+    st.session_state.setdefault("ls_w_sess_name", s.name or "")
+    name = st.text_input("Name", key="ls_w_sess_name", placeholder="e.g. SmolLM2 builtin-16, first look", max_chars=120)
+    if st.button("Save", type="primary", key="ls_sess_save", icon=":material/save:"):
+        with guard("save session"):
+            if not name.strip():
+                st.error("**A session needs a name to be saved.** Type one above.")
+            else:
+                sessions.save(s, store, name=name)
+                st.success(f"Saved as “{s.name}”.")
+    st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
+    st.code(share_link(s.id), language=None)
+    st.download_button("Download session file (.zip)", data=lambda: sessions.export_bytes(s),
+                       file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}.zip",
+                       mime="application/zip", key="ls_sess_download", on_click="ignore", icon=":material/download:")
+
+with right:
+    st.subheader("Import a session file")
+    up = st.file_uploader("Session archive (.zip) exported by LayerScope", type=["zip"], key="ls_sess_upload")
+    if up is not None:
+        marker = (up.name, up.size)
+        if st.session_state.get("ls_sess_imported") != marker:
+            with guard("import session"):
+                imported = sessions.import_bytes(up.getvalue(), store, source=up.name)
+                st.session_state["ls_sess_imported"] = marker
+                st.session_state["ls_sess_imported_id"] = imported.id
+        iid = st.session_state.get("ls_sess_imported_id")
+        if st.session_state.get("ls_sess_imported") == marker and iid:
+            st.success(f"Imported session `{iid}`. Its statistics and sets come with it; its capture and drafts are "
+                       "used when this store holds them.")
+            if st.button("Open the imported session", key="ls_sess_open_imported", icon=":material/folder_open:"):
+                with guard("open session"):
+                    switch_to(sessions.load(store, iid))
+                    st.rerun()
+
+st.divider()
+st.subheader("Saved sessions")
+show_all = st.toggle("Also list unnamed (autosaved) sessions", key="ls_w_sess_all")
+with guard("list sessions"):
+    rows = sessions.list_sessions(store, include_unnamed=show_all)
+    if not rows:
+        st.caption("No saved sessions yet.")
+    else:
+        df = pd.DataFrame([{"name": r.get("name") or "(unnamed)", "id": r["id"], "model": r.get("model"),
+                            "prompt set": r.get("prompt_set"), "tokens": r.get("tokens"),
+                            "layer sets": ", ".join(str(x) for x in r.get("layer_sets", [])),
+                            "drafts": r.get("drafts"), "updated": r.get("updated"),
+                            "problem": r.get("error", "")} for r in rows])
+        table(df, key="ls_sess_table", filename="sessions")
+        ids = [r["id"] for r in rows if not r.get("error")]
+        labels = {r["id"]: f"{r.get('name') or '(unnamed)'} · {r['id']}" for r in rows}
+        if ids:
+            c1, c2, c3 = st.columns([3, 1, 1])
+            pick = c1.selectbox("Session", ids, format_func=labels.get, key="ls_sess_pick")
+            if c2.button("Open", key="ls_sess_open", icon=":material/folder_open:"):
+                with guard("open session"):
+                    switch_to(sessions.load(store, pick))
+                    st.rerun()
+            if c3.button("Delete", key="ls_sess_delete", icon=":material/delete:", disabled=pick == s.id,
+                         help="The session open in this tab cannot be deleted"):
+                with guard("delete session"):
+                    sessions.delete(store, pick)
+                    st.rerun()

@@ -1,0 +1,254 @@
+"""Speculative decoding: train a draft per layer set, benchmark drafts with live acceptance, run the study."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from layerscope import plots, specdec
+from layerscope.select import default_layers
+from layerscope.ui import tasks
+from layerscope.ui.jobs import get_manager
+from layerscope.ui.state import active_session, commit, get_store
+from layerscope.ui.views import live_job
+from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, table
+
+s = active_session()
+store = get_store()
+manager = get_manager()
+
+st.title("Speculative decoding")
+st.caption("The proof of a layer set: train an EAGLE-3 draft that reads those layers, then decode with it and count "
+           "how many draft tokens the target accepts. Greedy decoding is lossless: the text is exactly what the "
+           "target alone writes; only the speed changes.")
+
+if not s.capture_key:
+    st.info("This session has no capture yet: the drafts train on a capture's hidden states. Start on the **Capture** page.",
+            icon=":material/info:")
+    st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
+    st.stop()
+
+have_capture = store.has_capture(s.capture_key)
+n = s.num_layers or 0
+
+# ---------------------------------------------------------------------------- drafts
+st.header("1 · Drafts")
+sets = [(x["name"], x["layers"], x["strategy"]) for x in s.layer_sets]
+if n and not any(tuple(x[1]) == tuple(default_layers(n)[0]) for x in sets):
+    sets.append(("default", default_layers(n)[0], "default"))
+train_col, list_col = st.columns([1, 1.2], gap="large")
+with train_col:
+    st.subheader("Train a draft")
+    if not have_capture:
+        st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained here. "
+                   "Run the same capture on the Capture page, or use drafts already in the store.")
+    labels = [f"{name} {layers}" for name, layers, _ in sets]
+    pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
+                        help="The session's sets to test (Layer sets page) and the default rule")
+    c1, c2, c3 = st.columns(3)
+    steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, value=300, step=50, key="ls_w_spec_steps",
+                            help="The same budget for every set keeps the comparison fair")
+    ttt = c2.number_input("TTT steps", min_value=1, max_value=7, value=3, step=1, key="ls_w_spec_ttt",
+                          help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
+    seed = c3.number_input("Seed", min_value=0, value=0, step=1, key="ls_w_spec_seed")
+    train_running = any(j.kind == "train" for j in manager.active(s.id))
+    if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
+                 disabled=not (have_capture and labels) or train_running):
+        name, layers, strategy = sets[labels.index(pick)]
+        with guard("start training"):
+            manager.submit(s.id, "train", tasks.train_job(
+                store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
+                name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed)}),
+                title=f"Draft for {name} {list(layers)}")
+            st.rerun()
+
+    def _train_details(v):
+        m = v.metrics
+        hist = v.series.get("history", [])
+        if v.running and m:
+            a, b, c = st.columns(3)
+            a.metric("Loss", f"{m.get('loss', float('nan')):.3f}")
+            acc = m.get("accuracy") or []
+            b.metric("Accuracy step 1", f"{acc[0]:.0%}" if acc else "—")
+            c.metric("Tokens / s", f"{m.get('tokens_per_s', 0):.0f}")
+        if len(hist) >= 2:
+            chart(plots.training_curves(hist), key=f"ls_spec_train_curve_{'live' if v.running else 'done'}",
+                  filename="draft-training")
+
+    live_job(s.id, "train", key="spec_train", details=_train_details)
+
+with list_col:
+    st.subheader("Drafts of this session")
+    if s.drafts:
+        df = pd.DataFrame([{"name": d["name"], "layers": d["layers"], "steps": d.get("steps"),
+                            "val acc per step": ", ".join(f"{a:.0%}" for a in (d.get("val_accuracy") or [])),
+                            "path": d["path"]} for d in s.drafts])
+        table(df, key="ls_spec_drafts", filename="drafts", column_config={"layers": st.column_config.ListColumn("layers")})
+    else:
+        st.caption("None yet: train one, or add one the store already holds.")
+    fp = (s.capture or {}).get("fingerprint")
+    with guard("stored drafts"):
+        stored = [d for d in tasks.stored_drafts(store, fingerprint=fp) if d["path"] not in {x["path"] for x in s.drafts}]
+        if stored:
+            lab = {d["path"]: f"{d['name']} {d['layers']} · {d.get('steps')} steps · capture {d.get('capture_key')}" for d in stored}
+            p = st.selectbox("Trained drafts in the store for this model", list(lab), format_func=lab.get, key="ls_spec_stored")
+            if st.button("Add to this session", key="ls_spec_add_stored", icon=":material/add:"):
+                s.drafts.append(next(d for d in stored if d["path"] == p))
+                commit(s)
+                st.rerun()
+
+
+# ---------------------------------------------------------------------------- benchmark
+st.header("2 · Benchmark")
+if not s.drafts:
+    st.caption("Train or add a draft first.")
+else:
+    by_label = {f"{d['name']} {d['layers']}": d for d in s.drafts}
+    b1, b2 = st.columns([2, 1])
+    chosen = b1.multiselect("Drafts to compare", list(by_label), default=list(by_label), key="ls_spec_bench_drafts")
+    source = b2.radio("Prompts", ["sharegpt-heldout", "builtin"], key="ls_w_spec_bench_src", horizontal=True,
+                      help="sharegpt-heldout: conversations no capture for training ever uses")
+    b3, b4, b5, b6 = st.columns(4)
+    n_prompts = b3.number_input("Prompts", min_value=1, max_value=500, value=4, step=1, key="ls_w_spec_bench_n")
+    new_tokens = b4.number_input("New tokens", min_value=1, max_value=2048, value=48, step=8, key="ls_w_spec_bench_new")
+    depth = b5.number_input("Draft depth K", min_value=1, max_value=16, value=specdec.DEFAULT_K, step=1,
+                            key="ls_w_spec_bench_k", help="Draft tokens proposed per target forward (chain)")
+    peers = b6.toggle("Also HF generate / prompt lookup", value=False, key="ls_w_spec_bench_peers",
+                      help="The decoders a user has without LayerScope, measured in the same run (slower)")
+    bench_running = any(j.kind == "bench" for j in manager.active(s.id))
+    if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
+                 disabled=not chosen or bench_running):
+        with guard("start benchmark"):
+            manager.submit(s.id, "bench", tasks.bench_job(
+                store=store, model=s.model, drafts=[by_label[c] for c in chosen], prompts=source,
+                limit=int(n_prompts), max_new_tokens=int(new_tokens), k=int(depth), peers=bool(peers)),
+                title=f"Benchmark of {len(chosen)} draft(s)")
+            st.rerun()
+
+    def _bench_details(v):
+        if not v.running:
+            return
+        m = v.metrics
+        live = m.get("live") or {}
+        cur = m.get("contender")
+        if not cur:
+            return
+        c = st.columns(5)
+        c[0].metric("Decoding with", cur, help=f"prompt {m.get('prompt')}/{m.get('prompts_total')}")
+        c[1].metric("τ this step", "—" if m.get("step_tau") is None else f"{m['step_tau']}")
+        c[2].metric("Running τ", f"{live.get(cur, {}).get('tau') or 0:.3f}")
+        c[3].metric("Tokens / s", f"{live.get(cur, {}).get('tokens_per_s') or 0:.1f}")
+        c[4].metric("Speedup vs plain", "—" if m.get("speedup") is None else f"{m['speedup']:.2f}×")
+        acc = {name: [a / d if d else 0.0 for a, d in zip(x["accepted"], x["drafted"])]
+               for name, x in (m.get("acceptance") or {}).items() if x["drafted"]}
+        g1, g2 = st.columns(2)
+        with g1:
+            if acc:
+                st.plotly_chart(plots.acceptance_bars(acc, title="Acceptance per draft position (live)"),
+                                key="ls_spec_live_acc", config=plots.figure_config("acceptance-live"))
+        with g2:
+            taus = v.series.get(f"tau:{cur}", [])
+            if taus:
+                st.plotly_chart(plots.tau_over_time(taus[-400:], title=f"τ per step: {cur} (live)"),
+                                key="ls_spec_live_tau", config=plots.figure_config("tau-live"))
+        if m.get("text"):
+            st.markdown(f"**Generating** ({m.get('text_of')}): " + legend_html(), unsafe_allow_html=True)
+            st.markdown(highlighted_tokens(m["text"]), unsafe_allow_html=True)
+
+    live_job(s.id, "bench", key="spec_bench", details=_bench_details, interval=1.0)
+
+    if s.bench_results:
+        st.subheader("Results")
+        runs = list(range(len(s.bench_results)))[::-1]
+        pick_run = st.selectbox("Benchmark run", runs, key="ls_spec_bench_run", format_func=lambda i: (
+            f"#{i + 1} · {s.bench_results[i].get('prompts')} {s.bench_results[i].get('prompt_set', '')} prompts · "
+            f"{s.bench_results[i].get('max_new_tokens')} tokens · {s.bench_results[i].get('device')} · "
+            f"{s.bench_results[i].get('created', '')}"))
+        res = s.bench_results[pick_run]
+        rows = res.get("results", [])
+        depth_max = max((len(r.get("acceptance_by_position") or []) for r in rows), default=0)
+        df = pd.DataFrame([{
+            "contender": r["name"], "layers": r.get("layers") or [], "decoding": r.get("decoding", ""),
+            "τ": r.get("tau"), **{f"acc@{i + 1}": ((r.get("acceptance_by_position") or []) + [None] * depth_max)[i]
+                                  for i in range(depth_max)},
+            "tokens/s": r.get("tokens_per_s"), "speedup": r.get("speedup"), "lossless": r.get("lossless"),
+        } for r in rows]).round(3)
+        table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}",
+              column_config={"layers": st.column_config.ListColumn("layers")})
+        bad = [r["name"] for r in rows if r.get("lossless") is False]
+        if bad:
+            st.error(f"**Outputs differ from plain greedy decoding for {', '.join(bad)}.** This is a bug in the decoder; "
+                     "please report it with the session file.")
+        g1, g2 = st.columns(2)
+        with g1:
+            chart(plots.bench_comparison(rows), key="ls_spec_bench_cmp", filename=f"benchmark-{pick_run + 1}-tau-speedup")
+        with g2:
+            acc = {r["name"]: r["acceptance_by_position"] for r in rows if r.get("acceptance_by_position")}
+            if acc:
+                chart(plots.acceptance_bars(acc), key="ls_spec_bench_acc", filename=f"benchmark-{pick_run + 1}-acceptance")
+        cats = sorted({c for r in rows for c in (r.get("by_category") or {})})
+        if len(cats) > 1:
+            with st.expander("Per prompt category"):
+                cdf = pd.DataFrame([{"category": c, "contender": r["name"], "τ": r["by_category"][c].get("tau"),
+                                     "tokens/s": r["by_category"][c].get("tokens_per_s"),
+                                     "speedup": r["by_category"][c].get("speedup")}
+                                    for c in cats for r in rows if c in (r.get("by_category") or {})]).round(3)
+                table(cdf, key="ls_spec_bench_cat", filename=f"benchmark-{pick_run + 1}-categories")
+
+# ---------------------------------------------------------------------------- the study
+st.header("3 · The study")
+st.caption("The experiment LayerScope exists for: one draft per layer set (every strategy's set and this session's "
+           "sets) trained with exactly the same budget, data and seed, all benchmarked on the same held-out prompts. "
+           "Does a proxy score (entropy, redundancy, aggregate entropy) predict τ? Drafts already trained come from "
+           "the store, so adding one set trains only that one.")
+stats = s.stats_dict()
+if not (have_capture and stats):
+    st.caption("Needs this session's capture in the store and its statistics (CKA heatmap page).")
+else:
+    q1, q2, q3, q4, q5 = st.columns(5)
+    st_k = q1.number_input("Layers per set (k)", min_value=1, max_value=max(1, n), value=min(3, max(1, n)), step=1,
+                           key="ls_w_study_k")
+    st_steps = q2.number_input("Training steps (each)", min_value=1, value=300, step=50, key="ls_w_study_steps")
+    st_src = q3.selectbox("Study prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src")
+    st_n = q4.number_input("Study prompts", min_value=1, max_value=500, value=8, step=1, key="ls_w_study_n")
+    st_new = q5.number_input("Study new tokens", min_value=1, max_value=2048, value=48, step=8, key="ls_w_study_new")
+    with guard("study sets"):
+        options = tasks.study_options(s.layer_sets, k=int(st_k),
+                                      train={"steps": int(st_steps), "ttt_steps": int(ttt), "seed": int(seed)},
+                                      prompts=st_src, limit=int(st_n), max_new_tokens=int(st_new),
+                                      depth=int(st.session_state.get("ls_w_spec_bench_k", specdec.DEFAULT_K)))
+        plan = tasks.study_plan(stats, options)
+        st.markdown("Sets in the study: " + " · ".join(f"**{'/'.join(names)}** `{layers}`" for layers, names in plan))
+        study_running = any(j.kind == "study" for j in manager.active(s.id))
+        if st.button("Run the study", type="primary", key="ls_spec_study", icon=":material/science:",
+                     disabled=study_running or len(plan) < 2):
+            manager.submit(s.id, "study", tasks.study_job(store=store, capture_key=s.capture_key, model=s.model,
+                                                          options=options, analysis_options=s.analysis_options),
+                           title=f"Study of {len(plan)} layer sets")
+            st.rerun()
+
+    def _study_details(v):
+        if v.running:
+            st.caption(f"Phase: {v.metrics.get('phase', 'starting')}")
+
+    live_job(s.id, "study", key="spec_study", details=_study_details)
+    if s.study:
+        res = s.study[-1]
+        rows, o = res["rows"], res.get("options") or {}
+        st.markdown(f"Latest study: {len(rows)} sets · {(o.get('train') or {}).get('steps')} training steps each · "
+                    f"{res['prompts']} {o.get('prompts', '')} prompts × {o.get('max_new_tokens')} tokens · "
+                    f"K = {o.get('depth')} · {res.get('device', '')}")
+        df = pd.DataFrame([{"set": "/".join(r["strategies"]), "layers": r["layers"],
+                            "mean entropy": r["mean_entropy"], "mean CKA": r["mean_cka"],
+                            "aggregate entropy": r["aggregate_entropy"],
+                            "val acc@1": (r.get("val_accuracy") or [None])[0], "τ": r.get("tau"),
+                            "speedup": r.get("speedup"), "lossless": r.get("lossless")} for r in rows]).round(4)
+        table(df, key="ls_spec_study_table", filename="study", column_config={"layers": st.column_config.ListColumn("layers")})
+        corr = res.get("spearman") or {}
+        st.markdown("**Spearman correlation with τ** over the sets: " + " · ".join(
+            f"{name.replace('_', ' ')} {'n/a' if v is None else format(v, '+.2f')}" for name, v in corr.items())
+            + ("  \n(n/a: fewer than 3 sets, or a constant column)" if any(v is None for v in corr.values()) else ""))
+        chart(plots.bench_comparison([{"name": "/".join(r["strategies"]), "layers": r["layers"], "tau": r.get("tau"),
+                                       "speedup": r.get("speedup")} for r in rows],
+                                     title="Study: τ and speedup per layer set"),
+              key="ls_spec_study_chart", filename="study-tau-speedup")

@@ -1,0 +1,435 @@
+"""Pure Plotly figure builders: plain data in, `plotly.graph_objects.Figure` out.
+
+Nothing here imports Streamlit or touches the store, so every figure can be built and checked in a
+test, exported as standalone HTML, or used from a notebook. Layer indices follow DESIGN.md:
+layer ``l`` is ``hidden_states[l]``; 0 is the embedding output and ``N`` is the final state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import plotly.graph_objects as go
+
+# One color per layer set, in the order the sets are given; the default rule is always grey.
+SET_COLORS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22"]
+DEFAULT_SET_COLOR = "#555555"
+SET_SYMBOLS = ["circle", "diamond", "square", "triangle-up", "star", "hexagon", "cross", "x"]
+CURVE_COLORS = ["#1f77b4", "#7f7f7f", "#aec7e8", "#c49c94"]
+
+
+def _as_list(values) -> list:
+    """Accept lists, tuples, numpy arrays and torch tensors alike."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return list(values)
+
+
+def _matrix(values) -> list[list[float]]:
+    rows = _as_list(values)
+    out = [[float(v) for v in _as_list(r)] for r in rows]
+    n = len(out)
+    if any(len(r) != n for r in out):
+        raise ValueError(f"expected a square matrix, got rows of lengths {sorted({len(r) for r in out})}")
+    return out
+
+
+def _named_sets(sets) -> list[tuple[str, list[int]]]:
+    """`sets` as [(name, layers)], from a mapping, a list of pairs, or objects with .name/.layers."""
+    if not sets:
+        return []
+    if isinstance(sets, Mapping):
+        items = list(sets.items())
+    else:
+        items = []
+        for s in sets:
+            if isinstance(s, Mapping):
+                items.append((s.get("name") or s.get("strategy"), s["layers"]))
+            elif hasattr(s, "layers"):
+                items.append((getattr(s, "name", None) or getattr(s, "strategy", "set"), s.layers))
+            else:
+                items.append((s[0], s[1]))
+    return [(str(name), [int(x) for x in _as_list(layers)]) for name, layers in items]
+
+
+BASELINE_COLORS = {"autoregressive": "#9e9e9e", "hf-generate": "#bdbdbd", "hf-prompt-lookup": "#d6d6d6"}
+
+
+def set_color(name: str, index: int) -> str:
+    """Grey for the default rule and the baselines (plain decoding, HF peers); a palette color otherwise."""
+    if name in BASELINE_COLORS:
+        return BASELINE_COLORS[name]
+    return DEFAULT_SET_COLOR if name.startswith("default") else SET_COLORS[index % len(SET_COLORS)]
+
+
+def layer_label(layer: int, num_layers: int, final_state: str = "post-norm") -> str:
+    """How a layer index reads in the UI: 'emb' for 0, 'N (post-norm)' for the last one."""
+    if layer == 0:
+        return "0 (embeddings)"
+    if layer == num_layers:
+        return f"{layer} (final, {final_state})"
+    return str(layer)
+
+
+def _base_layout(fig: go.Figure, title: str | None, **kw) -> go.Figure:
+    fig.update_layout(
+        title=dict(text=title, x=0.0, xanchor="left") if title else None,
+        margin=dict(l=60, r=20, t=60 if title else 30, b=50),
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1.0),
+        hovermode="closest",
+        **kw,
+    )
+    return fig
+
+
+def entropy_curve(
+    curves: Mapping[str, Sequence[float]],
+    *,
+    sets=None,
+    title: str | None = "Matrix entropy per layer",
+    y_title: str = "entropy (nats)",
+    final_state: str = "post-norm",
+) -> go.Figure:
+    """Per-layer curves (e.g. dataset-level and prompt-level entropy) with layer sets highlighted.
+
+    curves: name -> values for layers 0..N (all curves the same length).
+    sets: layer sets to mark on the first curve: {name: layers}, [(name, layers)] or objects with
+    ``.layers``; each set gets its own color and marker, drawn on top of the curve.
+    """
+    if not curves:
+        raise ValueError("entropy_curve needs at least one curve")
+    named = [(name, [float(v) for v in _as_list(vals)]) for name, vals in curves.items()]
+    n_points = len(named[0][1])
+    if n_points == 0 or any(len(v) != n_points for _, v in named):
+        raise ValueError("every curve needs one value per layer 0..N, all of the same length")
+    num_layers = n_points - 1
+    xs = list(range(n_points))
+    labels = [layer_label(x, num_layers, final_state) for x in xs]
+    fig = go.Figure()
+    for i, (name, ys) in enumerate(named):
+        fig.add_trace(go.Scatter(
+            x=xs, y=ys, mode="lines+markers", name=name,
+            line=dict(color=CURVE_COLORS[i % len(CURVE_COLORS)], width=2 if i == 0 else 1.5,
+                      dash="solid" if i == 0 else "dot"),
+            marker=dict(size=5),
+            customdata=labels,
+            hovertemplate="layer %{customdata}<br>" + name + ": %{y:.4f}<extra></extra>",
+        ))
+    base = named[0][1]
+    for i, (name, layers) in enumerate(_named_sets(sets)):
+        inside = [l for l in layers if 0 <= l < n_points]
+        color = set_color(name, i)
+        fig.add_trace(go.Scatter(
+            x=inside, y=[base[l] for l in inside], mode="markers", name=f"{name} {layers}",
+            marker=dict(size=14 - min(i, 4), color="rgba(0,0,0,0)", symbol=SET_SYMBOLS[i % len(SET_SYMBOLS)],
+                        line=dict(color=color, width=2.5)),
+            customdata=[[layer_label(l, num_layers, final_state), name] for l in inside],
+            hovertemplate="%{customdata[1]}: layer %{customdata[0]}<br>%{y:.4f}<extra></extra>",
+        ))
+    _base_layout(fig, title)
+    fig.update_xaxes(title="layer (hidden_states index)", dtick=1 if n_points <= 40 else 5,
+                     range=[-0.5, n_points - 0.5])
+    fig.update_yaxes(title=y_title)
+    return fig
+
+
+def entropy_histogram(
+    entropies: Sequence[float],
+    threshold: float | None,
+    *,
+    kept: int | None = None,
+    total: int | None = None,
+    nbins: int = 60,
+    title: str | None = "Predictive entropy of captured tokens",
+) -> go.Figure:
+    """Histogram of the target's next-token entropies (nats), the filter threshold as a line."""
+    values = [float(v) for v in _as_list(entropies)]
+    fig = go.Figure(go.Histogram(
+        x=values, nbinsx=nbins, name="tokens", marker=dict(color=CURVE_COLORS[0]),
+        hovertemplate="entropy %{x}<br>%{y} tokens<extra></extra>",
+    ))
+    if threshold is not None:
+        if total is None:
+            total = len(values)
+        if kept is None:
+            kept = sum(v >= threshold for v in values)
+        fig.add_vline(x=float(threshold), line=dict(color="#d62728", width=2, dash="dash"))
+        fig.add_annotation(
+            x=float(threshold), y=1.0, yref="paper", xanchor="left", yanchor="bottom", showarrow=False,
+            text=f"threshold {threshold:.3g} nats: {kept:,} of {total:,} tokens kept",
+            font=dict(color="#d62728"),
+        )
+    _base_layout(fig, title, bargap=0.02, showlegend=False)
+    fig.update_xaxes(title="predictive entropy (nats)")
+    fig.update_yaxes(title="tokens")
+    return fig
+
+
+def _compartment_ranges(compartments, n: int) -> list[tuple[int, int]]:
+    """Compartments as inclusive (start, end) ranges: from [(s, e)], [[l, l, ...]] or labels per layer."""
+    if not compartments:
+        return []
+    comps = _as_list(compartments)
+    if all(isinstance(c, (int, float)) for c in comps) and len(comps) == n:
+        ranges, start = [], 0  # one label per layer
+        for i in range(1, n + 1):
+            if i == n or comps[i] != comps[start]:
+                ranges.append((start, i - 1))
+                start = i
+        return ranges
+    ranges = []
+    for c in comps:
+        if isinstance(c, Mapping):
+            c = (c["start"], c["end"])
+        c = [int(x) for x in _as_list(c)]
+        if not c:
+            continue
+        if len(c) == 2 and c[1] >= c[0]:
+            ranges.append((c[0], c[1]))
+        else:
+            ranges.append((min(c), max(c)))
+    return ranges
+
+
+def cka_heatmap(
+    cka,
+    *,
+    compartments=None,
+    sets=None,
+    picks: Iterable[int] = (),
+    title: str | None = "Linear CKA between layers",
+    final_state: str = "post-norm",
+    zmin: float | None = 0.0,
+    zmax: float | None = 1.0,
+) -> go.Figure:
+    """(N+1)×(N+1) CKA heatmap.
+
+    Trace 0 is the heatmap; trace 1 is a transparent marker on every cell so that clicks and box
+    selections report cells (heatmaps themselves are not selectable in plotly.js): a selected point
+    carries ``customdata = [row layer, column layer, value]``. Compartments are outlined as
+    rectangles on the diagonal; the layers of each set and the current picks are marked on the axes.
+    """
+    z = _matrix(cka)
+    n = len(z)
+    num_layers = n - 1
+    labels = [layer_label(i, num_layers, final_state) for i in range(n)]
+    hover = [[[labels[i], labels[j]] for j in range(n)] for i in range(n)]
+    fig = go.Figure()
+    fig.add_trace(go.Heatmap(
+        z=z, x=list(range(n)), y=list(range(n)), zmin=zmin, zmax=zmax, colorscale="Viridis",
+        customdata=hover, name="CKA",
+        colorbar=dict(title=dict(text="CKA"), thickness=14),
+        hovertemplate="layer %{customdata[0]} × layer %{customdata[1]}<br>CKA %{z:.3f}<extra></extra>",
+    ))
+    xs, ys, cd = [], [], []
+    for i in range(n):
+        for j in range(n):
+            xs.append(j)
+            ys.append(i)
+            cd.append([i, j, z[i][j]])
+    fig.add_trace(go.Scatter(
+        x=xs, y=ys, mode="markers", name="cells", showlegend=False, customdata=cd,
+        marker=dict(size=max(4, min(18, 600 // max(n, 1))), color="rgba(0,0,0,0)", symbol="square"),
+        selected=dict(marker=dict(color="rgba(255,255,255,0.55)")),
+        unselected=dict(marker=dict(opacity=0.0)),
+        hovertemplate="layer %{customdata[0]} × layer %{customdata[1]}<br>CKA %{customdata[2]:.3f}<extra></extra>",
+    ))
+    for start, end in _compartment_ranges(compartments, n):
+        fig.add_shape(type="rect", x0=start - 0.5, x1=end + 0.5, y0=start - 0.5, y1=end + 0.5,
+                      line=dict(color="white", width=2.5), fillcolor="rgba(0,0,0,0)", layer="above")
+    for k, (name, layers) in enumerate(_named_sets(sets)):
+        inside = [l for l in layers if 0 <= l < n]
+        color = set_color(name, k)
+        fig.add_trace(go.Scatter(
+            x=inside, y=[-0.5 - 0.9 * (k + 1)] * len(inside), mode="markers", name=f"{name} {layers}",
+            marker=dict(size=10, color=color, symbol=SET_SYMBOLS[k % len(SET_SYMBOLS)]),
+            unselected=dict(marker=dict(opacity=1.0)),      # a cell selection must not dim the set markers
+            hovertemplate=f"{name}: layer %{{x}}<extra></extra>", cliponaxis=False,
+        ))
+    # picked layers: a red frame around their diagonal cells (shapes: a chart selection does not dim them)
+    for p in sorted({int(p) for p in picks if 0 <= int(p) < n}):
+        fig.add_shape(type="rect", x0=p - 0.5, x1=p + 0.5, y0=p - 0.5, y1=p + 0.5, name=f"picked {p}",
+                      line=dict(color="#ff2d2d", width=3), fillcolor="rgba(255,45,45,0.15)", layer="above")
+    n_sets = len(_named_sets(sets))
+    # dragmode/clickmode are left to the viewer: Streamlit picks "click selects a cell" (pan mode) and
+    # box selection from the chart toolbar when the chart reports selections.
+    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)))
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
+    ticks = list(range(0, n, 1 if n <= 32 else 5))
+    fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
+                     showgrid=False, zeroline=False)
+    bottom = -0.5 - 0.9 * (n_sets + 0.6) if n_sets else -0.5   # room under the matrix for set markers
+    fig.update_yaxes(title="layer", tickmode="array", tickvals=ticks, range=[bottom, n - 0.5],
+                     scaleanchor="x", scaleratio=1, showgrid=False, zeroline=False)
+    return fig
+
+
+def cells_to_layers(points: Iterable[Mapping]) -> list[int]:
+    """Layers picked by a heatmap selection: the row and column layer of every selected cell.
+
+    Accepts Streamlit/plotly selection points; only points of the cell trace (customdata of three
+    numbers) count, so set markers and picks drawn on the figure are ignored.
+    """
+    layers: set[int] = set()
+    for p in points:
+        cd = p.get("customdata")
+        if isinstance(cd, (list, tuple)) and len(cd) == 3:
+            layers.add(int(cd[0]))
+            layers.add(int(cd[1]))
+    return sorted(layers)
+
+
+def acceptance_bars(
+    acceptance: Mapping[str, Sequence[float]] | Sequence[float],
+    *,
+    title: str | None = "Acceptance rate per draft position",
+) -> go.Figure:
+    """Bars of the acceptance rate at draft positions 1..K; several contenders grouped."""
+    if not isinstance(acceptance, Mapping):
+        acceptance = {"draft": acceptance}
+    fig = go.Figure()
+    for i, (name, rates) in enumerate(acceptance.items()):
+        rates = [float(r) for r in _as_list(rates)]
+        fig.add_trace(go.Bar(
+            x=[f"pos {k + 1}" for k in range(len(rates))], y=rates, name=str(name),
+            marker=dict(color=set_color(str(name), i)), text=[f"{r:.0%}" for r in rates],
+            textposition="outside", hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>",
+        ))
+    _base_layout(fig, title, barmode="group", showlegend=len(acceptance) > 1)
+    fig.update_yaxes(title="accepted", range=[0, 1.12], tickformat=".0%")
+    fig.update_xaxes(title="draft position")
+    return fig
+
+
+def tau_over_time(
+    tau_per_step: Sequence[float],
+    *,
+    running: Sequence[float] | None = None,
+    title: str | None = "τ (tokens per target forward) while decoding",
+) -> go.Figure:
+    """τ of each verification step as points and the running mean as a line."""
+    taus = [float(t) for t in _as_list(tau_per_step)]
+    if running is None:
+        running, total = [], 0.0
+        for i, t in enumerate(taus):
+            total += t
+            running.append(total / (i + 1))
+    running = [float(r) for r in _as_list(running)]
+    xs = list(range(1, len(taus) + 1))
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=xs, y=taus, mode="markers", name="this step",
+                             marker=dict(size=4, color="#aec7e8"),
+                             hovertemplate="step %{x}: τ %{y:.0f}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=xs[: len(running)], y=running, mode="lines", name="running τ",
+                             line=dict(color="#1f77b4", width=2.5),
+                             hovertemplate="step %{x}: running τ %{y:.3f}<extra></extra>"))
+    fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"))
+    _base_layout(fig, title)
+    fig.update_xaxes(title="verification step")
+    fig.update_yaxes(title="tokens per target forward", rangemode="tozero")
+    return fig
+
+
+SCORE_COLUMNS = ("mean_entropy", "mean_cka", "aggregate_entropy", "objective")
+
+
+def set_comparison(
+    rows: Sequence[Mapping],
+    *,
+    metrics: Sequence[str] = SCORE_COLUMNS,
+    title: str | None = "Layer sets compared",
+) -> go.Figure:
+    """One subplot column per metric, one bar per set: compares sets on a common scale.
+
+    rows: [{"name": ..., "layers": [...], <metric>: value, ...}]; a metric missing from every row is
+    skipped; a missing value is left blank.
+    """
+    from plotly.subplots import make_subplots
+
+    metrics = [m for m in metrics if any(r.get(m) is not None for r in rows)]
+    if not metrics:
+        raise ValueError("set_comparison needs at least one metric present in the rows")
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[m.replace("_", " ") for m in metrics],
+                        horizontal_spacing=0.06)
+    names = [f"{r.get('name', '?')} {list(r.get('layers', []))}" for r in rows]
+    colors = [set_color(str(r.get("name", "")), i) for i, r in enumerate(rows)]
+    for c, m in enumerate(metrics, start=1):
+        ys = [None if r.get(m) is None else float(r[m]) for r in rows]
+        fig.add_trace(go.Bar(
+            x=names, y=ys, marker=dict(color=colors), showlegend=False, name=m,
+            text=[None if y is None else f"{y:.3g}" for y in ys], textposition="outside",
+            hovertemplate="%{x}<br>" + m + ": %{y:.4f}<extra></extra>",
+        ), row=1, col=c)
+        fig.update_xaxes(showticklabels=len(rows) <= 8, tickangle=-35, row=1, col=c)
+    _base_layout(fig, title, showlegend=False, height=420)
+    return fig
+
+
+def bench_comparison(
+    results: Sequence[Mapping],
+    *,
+    title: str | None = "Speculative decoding: τ and speedup per contender",
+) -> go.Figure:
+    """τ and speedup of several drafts (and baselines) side by side, from benchmark result rows."""
+    from plotly.subplots import make_subplots
+
+    if not results:
+        raise ValueError("bench_comparison needs at least one result")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ (tokens per target forward)", "speedup vs plain decoding"])
+    names = [str(r.get("name")) + (f" {list(r['layers'])}" if r.get("layers") else "") for r in results]
+    colors = [set_color(str(r.get("name", "")), i) for i, r in enumerate(results)]
+    taus = [None if r.get("tau") is None else float(r["tau"]) for r in results]
+    speed = [None if r.get("speedup") is None else float(r["speedup"]) for r in results]
+    fig.add_trace(go.Bar(x=names, y=taus, marker=dict(color=colors), name="τ",
+                         text=[None if t is None else f"{t:.2f}" for t in taus], textposition="outside"), row=1, col=1)
+    fig.add_trace(go.Bar(x=names, y=speed, marker=dict(color=colors), name="speedup",
+                         text=[None if s is None else f"{s:.2f}×" for s in speed], textposition="outside"),
+                  row=1, col=2)
+    fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"), row=1, col=2)
+    _base_layout(fig, title, showlegend=False, height=420)
+    return fig
+
+
+def training_curves(
+    history: Sequence[Mapping],
+    *,
+    title: str | None = "Draft training",
+) -> go.Figure:
+    """Loss and per-TTT-step accuracy over training steps.
+
+    history: [{"step": int, "loss": float, "accuracy": [acc step 1, acc step 2, ...]}, ...]
+    """
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["loss", "accuracy per draft step"])
+    steps = [int(h["step"]) for h in history]
+    fig.add_trace(go.Scatter(x=steps, y=[float(h["loss"]) for h in history], mode="lines", name="loss",
+                             line=dict(color="#1f77b4")), row=1, col=1)
+    depth = max((len(_as_list(h.get("accuracy") or [])) for h in history), default=0)
+    for k in range(depth):
+        ys = [(_as_list(h.get("accuracy") or []) + [None] * depth)[k] for h in history]
+        fig.add_trace(go.Scatter(x=steps, y=ys, mode="lines", name=f"step {k + 1}",
+                                 line=dict(color=SET_COLORS[k % len(SET_COLORS)])), row=1, col=2)
+    fig.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=2)
+    fig.update_xaxes(title="training step")
+    _base_layout(fig, title, height=380)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0.0))
+    return fig
+
+
+def figure_config(filename: str, image_format: str = "png") -> dict:
+    """Plotly config for the chart toolbar: download as PNG or SVG under a useful file name."""
+    fmt = image_format.lower()
+    if fmt not in ("png", "svg"):
+        raise ValueError(f"image format must be png or svg, not {image_format!r}")
+    return {
+        "displaylogo": False,
+        "toImageButtonOptions": {"format": fmt, "filename": filename, "scale": 2 if fmt == "png" else 1},
+        "modeBarButtonsToRemove": ["lasso2d"],
+    }
+
+
+def figure_html(fig: go.Figure, *, offline: bool = True) -> str:
+    """A standalone HTML page of the figure; offline embeds plotly.js so it opens without network."""
+    return fig.to_html(include_plotlyjs=True if offline else "cdn", full_html=True,
+                       config={"displaylogo": False})

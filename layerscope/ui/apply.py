@@ -1,0 +1,212 @@
+"""Applying backend results to the active session, and reading what pages need from it.
+
+Pages call these so they stay thin: a finished job's result goes into the session here; the layer
+statistics a page draws come from here (the session's snapshot, else a background analysis job).
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from layerscope.session import Session
+from layerscope.ui import tasks
+from layerscope.ui.jobs import get_manager
+
+
+# ---------------------------------------------------------------------------- prompts
+
+@st.cache_resource(show_spinner="Reading the prompt set…", max_entries=16)
+def preview_prompts(spec: str, limit: int, seed: int):
+    return tasks.load_prompt_set(spec, limit, seed)
+
+
+# ---------------------------------------------------------------------------- captures
+
+def _fit_sets_to(s: Session, num_layers: int | None) -> None:
+    """Drop layer sets, picks and drafts that do not exist in a capture of `num_layers` layers."""
+    if num_layers is None:
+        return
+    s.layer_sets = [x for x in s.layer_sets if all(0 <= l < num_layers for l in x["layers"])]
+    s.manual_picks = [l for l in s.manual_picks if 0 <= l < num_layers]
+
+
+def _set_capture(s: Session, key: str, summary: dict, model: str | None, prompt_set: str | None) -> None:
+    changed = s.capture_key != key
+    s.capture_key = key
+    s.capture = summary
+    s.model = model or summary.get("model") or s.model
+    s.prompt_set = prompt_set or summary.get("prompt_set") or s.prompt_set
+    if changed:
+        s.stats, s.arrays = {}, {}
+        if s.drafts or s.bench_results:
+            # drafts were trained on another capture; keep them listed only when the model is the same
+            fp = summary.get("fingerprint")
+            s.drafts = [d for d in s.drafts if fp is None or d.get("target_fingerprint") in (None, fp)]
+    _fit_sets_to(s, summary.get("num_layers"))
+
+
+def capture_result(s: Session, result: dict) -> None:
+    """A finished capture job: the session now analyses that capture (and has its statistics)."""
+    _set_capture(s, result["key"], result["summary"], result.get("model"), result.get("prompt_set"))
+    if result.get("stats"):
+        set_stats(s, result["stats"], result.get("requested", s.analysis_options))
+
+
+def open_capture(s: Session, store, key: str) -> None:
+    cap = store.open_capture(key)
+    _set_capture(s, cap.key, tasks.capture_summary(cap.manifest), cap.manifest.get("model"),
+                 cap.manifest.get("prompt_set"))
+
+
+# ---------------------------------------------------------------------------- statistics
+
+def set_stats(s: Session, stats: dict, requested: dict | None = None) -> None:
+    """Keep a statistics snapshot in the session; `requested` are the options the user asked for."""
+    s.set_stats({**stats, "requested": dict(requested if requested is not None else s.analysis_options)})
+
+
+def capture_available(s: Session, store) -> bool:
+    return bool(s.capture_key) and store.has_capture(s.capture_key)
+
+
+def stats_for(s: Session, store, options: dict | None = None):
+    """The session's layer statistics for `options` (None: the session's current options).
+
+    Returns (stats dict or None, job or None). A finished analysis job is applied to the session
+    here. When the snapshot was computed with other options and the capture is in the store, an
+    analysis job starts (or the running one is returned) and the old snapshot is returned meanwhile;
+    a session imported without its capture shows its snapshot.
+    """
+    manager = get_manager()
+    wanted = dict(s.analysis_options if options is None else options)
+    collect(s)
+    job = manager.latest(s.id, "analysis")
+    snapshot = s.stats_dict()
+    if snapshot is not None and snapshot.get("requested", {}) == wanted:
+        return snapshot, None
+    if not capture_available(s, store):
+        return snapshot, None
+    if job is not None:
+        v = job.view()
+        if v.running:
+            return snapshot, job
+        if v.state != "done" and getattr(job, "requested", None) == wanted and getattr(job, "capture_key", None) == s.capture_key:
+            return snapshot, job      # it failed for these options: show the error, do not retry in a loop
+    key = s.capture_key
+    fn = tasks.analysis_job(store=store, capture_key=key, options=wanted)
+
+    def run(j):
+        return {"capture_key": key, "requested": wanted, "stats": fn(j)}
+
+    job = manager.submit(s.id, "analysis", run, title="Layer statistics")
+    job.requested, job.capture_key = wanted, key
+    return snapshot, job
+
+
+# ---------------------------------------------------------------------------- finished jobs
+
+def _apply_analysis(s: Session, result: dict) -> bool:
+    if result.get("capture_key") != s.capture_key:
+        return False        # computed for a capture the session has since left
+    set_stats(s, result["stats"], result["requested"])
+    s.analysis_options = dict(result["requested"])
+    return True
+
+
+def _apply_draft(s: Session, entry: dict) -> bool:
+    s.drafts = [d for d in s.drafts if d["path"] != entry["path"]] + [entry]
+    return True
+
+
+def _apply_bench(s: Session, result: dict) -> bool:
+    s.bench_results.append(result)
+    return True
+
+
+def _apply_capture(s: Session, result: dict) -> bool:
+    capture_result(s, result)
+    return True
+
+
+def _apply_study(s: Session, result: dict) -> bool:
+    s.study.append(result)
+    known = {d["path"] for d in s.drafts}
+    steps = ((result.get("options") or {}).get("train") or {}).get("steps")
+    for r in result["rows"]:     # the study's drafts become the session's drafts too
+        if r["draft"] not in known:
+            s.drafts.append({"name": "/".join(r["strategies"]), "path": r["draft"], "layers": r["layers"],
+                             "strategy": r["strategies"][0], "val_accuracy": r.get("val_accuracy"), "steps": steps})
+    return True
+
+
+APPLIERS = {"capture": _apply_capture, "analysis": _apply_analysis, "train": _apply_draft, "bench": _apply_bench,
+            "study": _apply_study}
+
+
+def collect(s: Session) -> bool:
+    """Take the results of this session's finished jobs into it (once each) and save it.
+
+    Called on every run (app.py), so a job that finished while its page was not open, or before a
+    browser refresh, lands in the session all the same. Returns whether anything changed.
+    """
+    from layerscope.ui.state import commit
+
+    changed = False
+    for kind, apply_fn in APPLIERS.items():
+        job = get_manager().latest(s.id, kind)
+        if job is None:
+            continue
+        v = job.view()
+        if v.finished_ok and not v.applied and isinstance(v.result, dict):
+            job.mark_applied()
+            changed = apply_fn(s, v.result) or changed
+    if changed:
+        commit(s)
+    return changed
+
+
+# ---------------------------------------------------------------------------- layer sets
+
+def manual_layers(s: Session) -> list[int]:
+    return sorted(set(s.manual_picks))
+
+
+def layer_stats(stats: dict):
+    """A LayerStats from a statistics dict (the session's snapshot)."""
+    from layerscope.analysis import LayerStats
+
+    return LayerStats.from_dict(stats)
+
+
+def sets_for_display(s: Session, extra: list[tuple[str, list[int]]] = ()) -> list[tuple[str, list[int]]]:
+    """The session's layer sets (plus `extra`), as (name, layers) pairs for the figures; no duplicates."""
+    out, seen = [], set()
+    for name, layers in [(x["name"], x["layers"]) for x in s.layer_sets] + list(extra):
+        key = tuple(layers)
+        if key and key not in seen:
+            seen.add(key)
+            out.append((name, list(layers)))
+    return out
+
+
+def extra_stats(s: Session, store, options: dict, kind: str = "analysis-compare"):
+    """Statistics for other options, beside the session's own (e.g. unfiltered, to compare curves).
+
+    Not kept in the session: returns (stats dict or None, job or None) from a job of `kind`.
+    """
+    if not capture_available(s, store):
+        return None, None
+    manager = get_manager()
+    job = manager.latest(s.id, kind)
+    if job is not None and getattr(job, "requested", None) == options and getattr(job, "capture_key", None) == s.capture_key:
+        v = job.view()
+        if v.finished_ok:
+            return v.result, None
+        if v.running or v.state == "failed":
+            return None, job
+    if job is not None and job.view().running:
+        return None, job
+    job = manager.submit(s.id, kind, tasks.analysis_job(store=store, capture_key=s.capture_key, options=options),
+                         title="Comparison statistics")
+    job.requested, job.capture_key = dict(options), s.capture_key
+    return None, job

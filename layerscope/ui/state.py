@@ -1,0 +1,112 @@
+"""The active analysis session of a browser tab, and the store it lives in.
+
+The session id rides in the URL (``?session=ID``), so a browser refresh or a share link opens the
+same session: it is loaded from the store, where every change is saved at once (`commit`). A tab
+keeps its `Session` object in `st.session_state` between reruns.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from layerscope import session as sessions
+from layerscope.errors import SessionError
+from layerscope.session import Session
+
+SESSION_KEY = "ls_session"
+NOTICE_KEY = "ls_session_notice"
+STAMP_KEY = "ls_session_stamp"      # mtime of the stored archive this tab last read or wrote
+
+
+@st.cache_resource(show_spinner=False)
+def _store(root: str):
+    from layerscope.store import Store
+
+    return Store(root)
+
+
+def get_store():
+    """The Store at $LAYERSCOPE_STORE (else ./cache), one object per root per server process."""
+    from layerscope.store import default_root
+
+    return _store(str(default_root()))
+
+
+def _query_session_id() -> str | None:
+    value = st.query_params.get("session")
+    if isinstance(value, list):
+        value = value[-1] if value else None
+    return value or None
+
+
+def active_session() -> Session:
+    """The tab's session: from session_state, else the URL's ?session=ID, else a new one."""
+    store = get_store()
+    wanted = _query_session_id()
+    current: Session | None = st.session_state.get(SESSION_KEY)
+    if current is not None and (wanted is None or wanted == current.id):
+        s = current
+        stamp = _stamp(store, s.id)
+        if stamp is not None and stamp != st.session_state.get(STAMP_KEY):
+            # another tab (or a share-link viewer) saved this session since: take its state
+            try:
+                s = sessions.load(store, s.id)
+            except SessionError as e:
+                st.session_state[NOTICE_KEY] = ("error", f"{e.problem}. {e.fix}")
+            st.session_state[STAMP_KEY] = stamp
+    elif wanted is not None:
+        s = _open(store, wanted)
+    else:
+        s = Session()
+    st.session_state[SESSION_KEY] = s
+    if s is not current:
+        st.session_state[STAMP_KEY] = _stamp(store, s.id)
+    if _query_session_id() != s.id:
+        st.query_params["session"] = s.id
+    return s
+
+
+def _stamp(store, sid: str):
+    try:
+        return (store.path("sessions", sid) / sessions.ARCHIVE_NAME).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _open(store, sid: str) -> Session:
+    if not sessions.valid_id(sid):
+        st.session_state[NOTICE_KEY] = ("warning", f"?session={sid[:40]} is not a session id; started a new session.")
+        return Session()
+    if not sessions.exists(store, sid):
+        # A tab refreshed before anything was saved, or a link to a session this server does not hold.
+        st.session_state[NOTICE_KEY] = ("info", f"Session {sid} is not saved on this server; this is a new, empty session.")
+        return Session(id=sid)
+    try:
+        return sessions.load(store, sid)
+    except SessionError as e:
+        st.session_state[NOTICE_KEY] = ("error", f"{e.problem}. {e.fix}")
+        return Session()
+
+
+def switch_to(s: Session) -> None:
+    """Make `s` the tab's active session (after opening or importing one)."""
+    st.session_state[SESSION_KEY] = s
+    st.session_state[STAMP_KEY] = _stamp(get_store(), s.id)
+    st.query_params["session"] = s.id
+    for k in [k for k in st.session_state if str(k).startswith("ls_page_")]:
+        del st.session_state[k]
+
+
+def commit(s: Session) -> None:
+    """Save the session into the store now (atomic), so refreshes and share links see this state."""
+    from layerscope.ui.models import device_label
+
+    s.device = s.device or device_label()
+    store = get_store()
+    sessions.save(s, store)
+    if st.session_state.get(SESSION_KEY) is s:
+        st.session_state[STAMP_KEY] = _stamp(store, s.id)
+
+
+def pop_notice():
+    return st.session_state.pop(NOTICE_KEY, None)

@@ -1,0 +1,376 @@
+"""Job functions the pages start in the background: thin adapters from backend callbacks to `Job` progress.
+
+Each `*_job(...)` returns a function `fn(job) -> result` for `JobManager.submit`. Results are plain
+dicts (JSON-able), so a page can apply them to the session and the session can be saved as is.
+Nothing here draws anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from layerscope.errors import LayerScopeError, PromptSetError
+
+
+# ---------------------------------------------------------------------------- prompts
+
+def save_upload(store, name: str, data: bytes) -> Path:
+    """Keep an uploaded prompt file in the store (content-addressed) so capture can read it by path."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in Path(name).name)[:80] or "prompts.txt"
+    if not safe.lower().endswith((".jsonl", ".txt", ".csv")):
+        raise PromptSetError(f"{name} is not a .jsonl, .txt or .csv file",
+                             "Upload JSON lines (prompt/turns/conversations), plain text (one prompt per line) or CSV with a 'prompt' column")
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    path = Path(store.path("uploads", digest)) / safe
+    if not path.is_file():
+        from layerscope.store import atomic_write_bytes
+
+        atomic_write_bytes(path, data)
+    return path
+
+
+def load_prompt_set(spec: str, limit: int | None, seed: int):
+    from layerscope.prompts import load_prompts
+
+    return load_prompts(spec, limit=limit, seed=seed)
+
+
+# ---------------------------------------------------------------------------- capture
+
+def capture_summary(manifest: dict) -> dict:
+    """What the session keeps about a capture."""
+    keys = ("key", "model", "fingerprint", "num_layers", "hidden_size", "prompt_set", "tokens", "created",
+            "seconds", "final_state")
+    out = {k: manifest.get(k) for k in keys if manifest.get(k) is not None}
+    prompts = manifest.get("prompts")
+    out["conversations"] = manifest.get("conversations") or (len(prompts) if isinstance(prompts, list) else None)
+    out["options"] = manifest.get("options", {})
+    return out
+
+
+def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
+                store, analysis_options: dict | None = None):
+    """Load the model (cached), read the prompt set, capture, then compute the default statistics."""
+
+    def run(job):
+        from layerscope.capture import capture
+        from layerscope.ui.models import get_model, is_loaded
+
+        job.update(0.0, f"loading model {model}" + ("" if is_loaded(model) else " (first load can take ~20 s)"))
+        loaded = get_model(model, store)
+        job.check_cancel()
+        job.update(0.02, f"reading prompt set {prompts}")
+        prompt_set = load_prompt_set(prompts, limit, seed)
+        job.check_cancel()
+        total_conv = min(limit or len(prompt_set.prompts), len(prompt_set.prompts))
+        t0 = time.perf_counter()
+
+        def progress(p):
+            total = max(p.conversations_total, 1)
+            step = batch_size / total
+            frac = p.conversations_done / total + (0.5 * step if p.phase == "record" else 0.0)
+            if p.phase == "done":
+                frac = 1.0
+            job.update(0.05 + 0.85 * min(frac, 1.0),
+                       f"{p.phase}: {p.conversations_done}/{p.conversations_total} prompts, {p.tokens_done:,} tokens",
+                       tokens=p.tokens_done, tokens_per_s=p.tokens_per_s, conversations=p.conversations_done,
+                       conversations_total=p.conversations_total)
+
+        result = capture(loaded, prompt_set, store, limit=limit, max_new_tokens=max_new_tokens,
+                         batch_size=batch_size, seed=seed, progress=progress, should_stop=job.should_stop)
+        out = {"key": result.key, "cached": result.cached, "seconds": result.seconds, "tokens": result.tokens,
+               "summary": capture_summary(result.manifest), "model": model, "prompt_set": prompt_set.name,
+               "warnings": list(prompt_set.warnings)[:20], "conversations": total_conv,
+               "capture_seconds": time.perf_counter() - t0}
+        job.update(0.9, f"captured {result.tokens:,} tokens; computing layer statistics", tokens=result.tokens)
+        stats = analyze_now(store, result.key, analysis_options or {}, job, base=0.9, span=0.1)
+        out["stats"], out["requested"] = stats, dict(analysis_options or {})
+        return out
+
+    return run
+
+
+# ---------------------------------------------------------------------------- statistics
+
+def analyze_now(store, capture_key: str, options: dict, job=None, base: float = 0.0, span: float = 1.0) -> dict:
+    """Layer statistics of a capture as a plain dict (LayerStats.to_dict()), cached in the store."""
+    from layerscope import analysis
+
+    cap = store.open_capture(capture_key)
+    opts = analysis_options_obj(options)
+    kwargs = {}
+    if job is not None and _accepts(analysis.analyze, "progress"):
+        kwargs["progress"] = lambda frac, msg="": job.update(base + span * float(frac), msg or None)
+    stats = analysis.analyze(cap, store, opts, **kwargs)
+    d = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
+    d["options"] = options_dict(getattr(stats, "options", None) or opts)
+    return d
+
+
+def analysis_job(*, store, capture_key: str, options: dict):
+    def run(job):
+        job.update(0.0, "computing layer statistics")
+        return analyze_now(store, capture_key, options, job)
+
+    return run
+
+
+def analysis_options_obj(options: dict):
+    """Build the backend's options object from a plain dict (unknown keys are a clear error)."""
+    from layerscope import analysis
+
+    cls = getattr(analysis, "AnalysisOptions", None)
+    if cls is None:
+        return dict(options)
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise LayerScopeError(f"Analysis options {sorted(options)} are not understood ({e})",
+                              "Reset the options on the Entropy page") from None
+
+
+def options_dict(opts) -> dict:
+    if opts is None:
+        return {}
+    if isinstance(opts, dict):
+        return dict(opts)
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(opts):
+        return asdict(opts)
+    return dict(vars(opts))
+
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------- drafts
+
+def train_job(*, store, capture_key: str, model: str, layers: list[int], strategy: str | None, name: str,
+              options: dict):
+    """Train (or fetch from the store) a draft for `layers`; live loss and per-step accuracy on the job."""
+
+    def run(job):
+        from layerscope.draft.export import read_meta
+        from layerscope.draft.train import draft_for
+        from layerscope.ui.models import get_model, is_loaded
+
+        job.update(0.0, f"loading model {model}" + ("" if is_loaded(model) else " (first load can take ~20 s)"))
+        target = get_model(model, store)
+        cap = store.open_capture(capture_key)
+        job.check_cancel()
+        job.update(0.01, "reading the training features from the capture")
+
+        def progress(p):
+            job.update(p["step"] / max(p["steps"], 1),
+                       f"step {p['step']}/{p['steps']} · loss {p['loss']:.3f} · acc@1 {p['acc'][0]:.0%}",
+                       step=p["step"], steps=p["steps"], loss=p["loss"], accuracy=list(p["acc"]),
+                       tokens_per_s=p["tokens_per_s"])
+            job.push("history", {"step": p["step"], "loss": p["loss"], "accuracy": list(p["acc"])})
+
+        path = draft_for(cap, layers, target, store, strategy=strategy, progress=progress,
+                         should_stop=job.should_stop, **options)
+        meta = read_meta(path)
+        return draft_entry(path, meta, name=name)
+
+    return run
+
+
+def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
+    """What the session keeps about a trained draft."""
+    layers = [int(l) for l in meta.get("layers") or meta.get("aux_layers") or []]
+    return {"name": name or meta.get("strategy") or f"layers {layers}", "path": str(path), "layers": layers,
+            "strategy": meta.get("strategy"), "val_accuracy": meta.get("val_accuracy"),
+            "target_fingerprint": meta.get("target_fingerprint"), "capture_key": meta.get("capture_key"),
+            "steps": (meta.get("budget") or {}).get("resolved_steps"), "seconds": meta.get("seconds"),
+            "train_tokens": meta.get("train_tokens")}
+
+
+def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
+    """Drafts in the store (drafts/<key>/ with layerscope.json), optionally only those for one target."""
+    from layerscope.draft.export import read_meta
+
+    root = Path(store.path("drafts", "x")).parent
+    out = []
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        if not (d.is_dir() and (d / "model.safetensors").is_file() and (d / "layerscope.json").is_file()):
+            continue
+        try:
+            meta = read_meta(d)
+        except Exception:  # a broken draft directory is skipped, not fatal for the listing
+            continue
+        if fingerprint is not None and meta.get("target_fingerprint") not in (None, fingerprint):
+            continue
+        out.append({**draft_entry(d, meta), "saved": meta.get("saved")})
+    return sorted(out, key=lambda r: r.get("saved") or "", reverse=True)
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+class _LiveText:
+    """The text of the run being decoded, as (piece, kind) with accepted draft tokens marked."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.kinds, self.text = tokenizer, [], [], ""
+        self.pieces: list[tuple[str, str]] = []
+
+    def add(self, tokens, accepted: int) -> None:
+        for i, t in enumerate(tokens):
+            kind = "draft" if i < accepted else "target"
+            self.ids.append(int(t))
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            piece, self.text = text[len(self.text):] if text.startswith(self.text) else text, text
+            if self.pieces and self.pieces[-1][1] == kind:
+                self.pieces[-1] = (self.pieces[-1][0] + piece, kind)
+            else:
+                self.pieces.append((piece, kind))
+
+
+def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int, k: int,
+              peers: bool, seed: int = 0):
+    """Benchmark the session's drafts (and plain decoding, HF peers) with live stats on the job.
+
+    Live, per contender: running τ and tokens/s (metrics["live"]), τ of every step (series
+    "tau:<name>"), accepted/drafted counts per draft position (metrics["acceptance"]), and the text
+    of the run being decoded with accepted draft tokens marked (metrics["text"]).
+    """
+
+    def run(job):
+        from layerscope import bench
+        from layerscope.draft.export import load_draft
+        from layerscope.ui.models import get_model, is_loaded
+
+        if not drafts:
+            raise LayerScopeError("No draft chosen for the benchmark", "Train a draft or pick one above first")
+        job.update(0.0, f"loading model {model}" + ("" if is_loaded(model) else " (first load can take ~20 s)"))
+        target = get_model(model, store)
+        heads = [(d["name"], load_draft(d["path"], target)) for d in drafts]
+        names = [n for n, _ in heads]
+        if len(set(names)) != len(names):     # two drafts of one name: tell them apart by their layers
+            heads = [(f"{n} {list(h.aux_layers)}", h) for n, h in heads]
+        prompt_set = load_prompt_set(prompts, limit, seed)
+        encoded, skipped = bench.encode(target.tokenizer, prompt_set, None)
+        if not encoded:
+            raise PromptSetError(f"Prompt set {prompts} has no prompts", "Choose another prompt set")
+        lineup = bench.build_contenders(heads, ks=(k,), peers=peers)
+        eos = target.model.generation_config.eos_token_id
+        eos = eos if eos is not None else target.tokenizer.eos_token_id
+        pad = target.tokenizer.pad_token_id
+        pad = pad if pad is not None else (eos if isinstance(eos, int) else None)
+        job.update(0.01, "warming up")
+        live, acceptance = {}, {}
+        text, text_key = None, None
+        report = None
+        for p in bench.run(target.model, encoded, lineup, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                           pad_token_id=pad):
+            job.check_cancel()
+            if p.report is not None:
+                report = p.report
+                break
+            if p.tau is not None:
+                live[p.contender] = {"tau": p.tau, "tokens_per_s": p.tokens_per_s}
+            e = p.event
+            if e is not None:
+                if e.step > 0:
+                    job.push(f"tau:{p.contender}", len(e.tokens))
+                    acc = acceptance.setdefault(p.contender, {"drafted": [], "accepted": []})
+                    for i, ok in enumerate(e.accepted_mask):
+                        if i == len(acc["drafted"]):
+                            acc["drafted"].append(0)
+                            acc["accepted"].append(0)
+                        acc["drafted"][i] += 1
+                        acc["accepted"][i] += int(bool(ok))
+                key = (p.prompt_index, p.contender)
+                if key != text_key:
+                    text, text_key = _LiveText(target.tokenizer), key
+                text.add(e.tokens, e.accepted)
+            base = (live.get("autoregressive") or {}).get("tokens_per_s")
+            cur = live.get(p.contender, {})
+            frac = (p.runs_done + (0.5 if e is not None else 0.0)) / max(p.runs_total, 1)
+            job.update(0.02 + 0.98 * min(frac, 1.0),
+                       f"{p.contender}: prompt {p.prompt_index + 1}/{p.prompts_total}"
+                       + (f" · τ {cur['tau']:.2f}" if cur.get("tau") else ""),
+                       contender=p.contender, prompt=p.prompt_index + 1, prompts_total=p.prompts_total,
+                       live={k2: dict(v) for k2, v in live.items()},
+                       speedup=(cur.get("tokens_per_s") / base) if base and cur.get("tokens_per_s") else None,
+                       step_tau=len(e.tokens) if e is not None and e.step > 0 else None,
+                       acceptance={k2: {"drafted": list(v["drafted"]), "accepted": list(v["accepted"])}
+                                   for k2, v in acceptance.items()},
+                       text=list(text.pieces) if text is not None else [], text_of=p.contender)
+        if report is None:
+            return None
+        out = report.to_json()
+        out["skipped"] = list(skipped)
+        out["prompt_set"] = prompt_set.name
+        out["k"] = k
+        out["drafts"] = [{"name": d["name"], "path": d["path"], "layers": d["layers"]} for d in drafts]
+        out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        return out
+
+    return run
+
+
+# ---------------------------------------------------------------------------- the study
+
+def study_options(session_sets: list[dict], *, k: int, train: dict, prompts: str, limit: int, max_new_tokens: int,
+                  depth: int, lam: float = 0.5):
+    """StudyOptions for the session: every automatic strategy plus the session's own sets."""
+    from layerscope.study import StudyOptions
+
+    return StudyOptions(extra_sets=tuple(tuple(x["layers"]) for x in session_sets), k=k, lam=lam, train=dict(train),
+                        prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, depth=depth)
+
+
+def study_plan(stats: dict, options) -> list[tuple[list[int], list[str]]]:
+    """The distinct sets the study will train, each with the strategies that propose it."""
+    from layerscope.analysis import LayerStats
+    from layerscope.study import propose_sets
+
+    return propose_sets(LayerStats.from_dict(stats), options)
+
+
+def study_job(*, store, capture_key: str, model: str, options, analysis_options: dict):
+    """layerscope.study.run_study in the background: one draft per set, the same budget for all, one benchmark;
+    live progress through the training steps and the benchmark."""
+
+    def run(job):
+        from layerscope.study import run_study
+        from layerscope.ui.models import get_model
+
+        job.update(0.0, f"loading model {model}")
+        target = get_model(model, store)
+        cap = store.open_capture(capture_key)
+
+        def progress(p):
+            job.check_cancel()       # raising here stops training or the benchmark where it is
+            if p.phase == "analyze":
+                job.update(0.02, "layer statistics", phase=p.phase)
+            elif p.phase == "train":
+                u = p.detail if isinstance(p.detail, dict) else None
+                within = u["step"] / max(u["steps"], 1) if u else 0.0
+                frac = 0.05 + 0.7 * (p.set_index + within) / max(p.sets_total, 1)
+                job.update(frac, f"training {p.message}" + (f" · step {u['step']}/{u['steps']} · loss {u['loss']:.3f}"
+                                                              if u else ""), phase=p.phase)
+            elif p.phase == "bench":
+                b = p.detail
+                frac = 0.75 + 0.25 * (b.runs_done / max(b.runs_total, 1) if b is not None else 0.0)
+                job.update(frac, p.message + (f", prompt {b.prompt_index + 1}/{b.prompts_total}" if b is not None else "")
+                           + (f" · τ {b.tau:.2f}" if b is not None and b.tau else ""), phase=p.phase)
+
+        report = run_study(cap, target, store, options, analysis_options_obj(analysis_options), progress=progress)
+        out = report.to_json()
+        out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        out["device"] = str(target.device)
+        return out
+
+    return run

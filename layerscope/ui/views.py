@@ -1,0 +1,63 @@
+"""Blocks several pages share: 'statistics or their progress', live job panels that rerun the page when done."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from layerscope.ui import apply
+from layerscope.ui.jobs import get_manager
+from layerscope.ui.widgets import job_status, poll_interval, wait_briefly
+
+
+def live_job(owner: str, kind: str, *, key: str, details=None, interval: float = 0.5) -> None:
+    """Follow the latest `kind` job of `owner`: progress + cancel while it runs, then a full rerun.
+
+    `details(view)` may draw live numbers/figures under the progress bar on every poll.
+    """
+    manager = get_manager()
+    job = manager.latest(owner, kind)
+    first = job.view() if job else None
+
+    @st.fragment(run_every=poll_interval(first, interval))
+    def _panel():
+        j = manager.latest(owner, kind)
+        if j is None:
+            return
+        v = j.view()
+        if first is not None and first.running and not v.running:
+            st.rerun()       # it just finished: redraw the whole page with the result
+        job_status(v, key=key)
+        if details is not None and (v.running or v.state == "done"):
+            details(v)
+
+    _panel()
+
+
+def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dict | None:
+    """The layer statistics for the page, or a progress bar while they are computed (then a rerun)."""
+    running = get_manager().latest(s.id, "capture")
+    if running is not None and running.view().running:
+        st.info("A capture is running for this session; this page updates when it is done.", icon=":material/hourglass_top:")
+        live_job(s.id, "capture", key=f"{key}_capture")
+        if not s.has_stats:
+            return None
+    if not s.capture_key and not s.has_stats:
+        st.info("This session has no capture yet. Start one on the **Capture** page "
+                "(or open a saved session on the **Sessions** page).", icon=":material/info:")
+        st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
+        return None
+    stats, job = apply.stats_for(s, store, options)
+    if job is not None and job.view().running:
+        wait_briefly(job)           # cached statistics come back at once: no progress bar flash
+        stats, job = apply.stats_for(s, store, options)
+    if job is not None:
+        v = job.view()
+        if v.running:
+            live_job(s.id, "analysis", key=f"{key}_analysis")
+            if stats is not None:
+                st.caption("Showing the previous statistics until the new ones are ready.")
+        elif v.state in ("failed", "cancelled"):
+            job_status(v, key=f"{key}_analysis")
+    elif stats is not None and s.capture_key and not store.has_capture(s.capture_key):
+        st.caption(f"Capture {s.capture_key} is not in this store: showing the statistics saved with the session.")
+    return stats

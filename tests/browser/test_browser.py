@@ -1,0 +1,271 @@
+"""The app in a real browser: headless Debian Chromium driven by Playwright against `streamlit run app.py`.
+
+One server per module on a free port, with LAYERSCOPE_STORE in a temporary directory and the tiny
+model, so the whole flow takes a minute or two on 2 cores. A screenshot of every page is saved under
+test-output/screenshots/ for a reviewer who does not run the app.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "test-output" / "screenshots"
+CHROMIUM = os.environ.get("LAYERSCOPE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update"]
+N = 4          # tiny-llama: 4 decoder layers, hidden states 0..4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
+    store = tmp_path_factory.mktemp("browser-store")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server-log") / "streamlit.log", "w")
+    env = dict(os.environ, LAYERSCOPE_STORE=str(store), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
+         "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            log.close()
+            pytest.fail(f"streamlit did not start: see {log.name}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def shot(page, name: str) -> None:
+    """Screenshot of the whole page: Streamlit scrolls inside its main area, so grow the viewport to fit it."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    time.sleep(0.8)            # let charts finish their transitions
+    size = page.viewport_size
+    height = page.evaluate("""() => { const m = document.querySelector('[data-testid="stMain"]');
+                                      return m ? m.scrollHeight : document.body.scrollHeight; }""")
+    page.set_viewport_size({"width": size["width"], "height": max(size["height"], min(int(height) + 40, 6000))})
+    time.sleep(0.5)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    page.set_viewport_size(size)
+
+
+def wait_idle(page, timeout: float = 60) -> None:
+    """Wait until Streamlit has finished the current script run (no 'Running...' status widget)."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout * 1000)
+
+
+def goto_page(page, title: str) -> None:
+    page.get_by_role("link", name=title, exact=True).click()
+    wait_idle(page)
+
+
+def set_number(page, label: str, value) -> None:
+    box = page.get_by_role("spinbutton", name=label, exact=True)
+    box.fill(str(value))
+    box.press("Enter")
+    wait_idle(page)
+
+
+def heatmap_info(page) -> dict:
+    return page.evaluate("""() => {
+        const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
+        if (!gd) return null;
+        return {rows: gd.data[0].z.length, cols: gd.data[0].z[0].length, cells: gd.data[1].x.length,
+                z: gd.data[0].z, names: gd.data.map(t => t.name || ''),
+                picked: (gd.layout.shapes || []).filter(s => (s.name || '').startsWith('picked')).map(s => s.name),
+                rects: (gd.layout.shapes || []).filter(s => s.type === 'rect' && !(s.name || '').startsWith('picked')).length};
+    }""")
+
+
+def click_cell(page, row: int, col: int) -> None:
+    """Click heatmap cell (row, col) where plotly draws it on screen."""
+    xy = page.evaluate("""([row, col]) => {
+        const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
+        const fl = gd._fullLayout, box = gd.getBoundingClientRect();
+        return [box.left + fl.xaxis._offset + fl.xaxis.l2p(col), box.top + fl.yaxis._offset + fl.yaxis.l2p(row)];
+    }""", [row, col])
+    page.mouse.move(xy[0], xy[1])
+    page.wait_for_timeout(300)
+    page.mouse.click(xy[0], xy[1])
+
+
+def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(120_000)
+    page.goto(server + "/")
+    page.get_by_text("Capture hidden states").wait_for()
+    wait_idle(page)
+    session_id = re.search(r"session=([0-9a-f]{12})", page.url).group(1)
+
+    # --- capture on the tiny model
+    model = page.get_by_role("textbox", name="Target model")
+    model.fill("tiny-llama")
+    model.press("Enter")
+    wait_idle(page)
+    set_number(page, "Prompts (limit)", 3)
+    set_number(page, "New tokens per response", 8)
+    set_number(page, "Batch size", 3)
+    page.get_by_role("button", name="Start capture").click()
+    page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
+    wait_idle(page)
+    shot(page, "1-capture")
+
+    # --- entropy page
+    goto_page(page, "Entropy")
+    page.locator(".js-plotly-plot").first.wait_for()
+    assert page.get_by_text("Tokens kept").count() >= 1
+    shot(page, "2-entropy")
+
+    # --- the CKA heatmap: one cell per pair of layers 0..N, compartments outlined
+    goto_page(page, "CKA heatmap")
+    page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(g => g.data && g.data[0].type === 'heatmap')")
+    info = heatmap_info(page)
+    assert (info["rows"], info["cols"], info["cells"]) == (N + 1, N + 1, (N + 1) ** 2)
+    assert info["rects"] >= 1
+    heat = info["z"]
+
+    # --- pick layers by clicking a cell: row layer 1, column layer 3
+    click_cell(page, 1, 3)
+    page.get_by_text(re.compile(r"Picked layers:\s*1, 3")).wait_for(timeout=30_000)
+    wait_idle(page)
+    assert heatmap_info(page)["picked"] == ["picked 1", "picked 3"]
+    shot(page, "3-cka")
+
+    # --- layer sets: the picks pre-fill the hand-picked set; add it to the session's sets
+    goto_page(page, "Layer sets")
+    page.get_by_text("Sets to test in this session").wait_for()
+    assert page.locator("[data-testid='stMultiSelect']").first.get_by_text("1", exact=True).count() == 1
+    adder = page.locator("[data-testid='stMultiSelect']").filter(has_text="Add to the session's sets to test")
+    adder.click()
+    page.get_by_role("option", name="manual [1, 3]").click()
+    page.keyboard.press("Escape")
+    wait_idle(page)
+    page.get_by_role("button", name="Add", exact=True).click()
+    wait_idle(page)
+    page.locator("[data-testid='stSidebar']").get_by_text("manual: [1, 3]").wait_for()
+    shot(page, "4-layer-sets")
+
+    # --- speculative decoding: train a draft for the set, then a benchmark with live numbers
+    goto_page(page, "Speculative decoding")
+    set_number(page, "Training steps", 3)
+    page.get_by_role("button", name="Train draft").click()
+    page.get_by_text(re.compile(r"Draft for manual \[1, 3\]: done in")).wait_for(timeout=180_000)
+    wait_idle(page)
+    page.get_by_text("Prompts", exact=True).first.wait_for()
+    page.get_by_role("radio", name="builtin").check(force=True)
+    wait_idle(page)
+    set_number(page, "Prompts", 2)
+    set_number(page, "New tokens", 40)
+    page.get_by_role("button", name="Run benchmark").click()
+    page.get_by_text("Running τ").wait_for(timeout=60_000)
+    seen, deadline, live_shot = [], time.time() + 180, False
+    while time.time() < deadline:
+        values = page.evaluate("""() => [...document.querySelectorAll('[data-testid="stMetric"]')]
+            .map(m => m.innerText.replace(/\\s+/g, ' ')).join(' | ')""")
+        if values and (not seen or seen[-1] != values):
+            seen.append(values)
+        if not live_shot and "manual" in values and "τ this step —" not in values and page.get_by_text("Generating").count():
+            shot(page, "5-speculate-live")      # the draft decoding: live τ, acceptance bars, highlighted text
+            live_shot = True
+        if page.get_by_text(re.compile(r"Benchmark of 1 draft\(s\): done in")).count():
+            break
+        page.wait_for_timeout(250)
+    assert len(seen) >= 3, f"the live numbers changed fewer than twice: {seen}"
+    page.get_by_text(re.compile(r"Benchmark of 1 draft\(s\): done in")).wait_for(timeout=180_000)
+    wait_idle(page)
+    page.get_by_text("Results").wait_for()
+    shot(page, "6-speculate-results")
+
+    # --- sessions: save under a name, read the share link
+    goto_page(page, "Sessions")
+    name = page.get_by_role("textbox", name="Name")
+    name.fill("browser test")
+    name.press("Enter")
+    wait_idle(page)
+    page.get_by_role("button", name="Save").click()
+    page.get_by_text("Saved as “browser test”").wait_for()
+    link = page.locator("[data-testid='stCode']").first.inner_text().strip()
+    assert link.endswith(f"/cka?session={session_id}"), link
+    shot(page, "7-sessions")
+
+    # --- the share link in a new page opens the same session: same heatmap, same sets
+    other = browser.new_page(viewport={"width": 1400, "height": 1000})
+    other.set_default_timeout(120_000)
+    other.goto(link)
+    other.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(g => g.data && g.data[0].type === 'heatmap')")
+    wait_idle(other)
+    shared = heatmap_info(other)
+    assert shared["z"] == heat
+    assert "manual [1, 3]" in shared["names"]
+    other.locator("[data-testid='stSidebar']").get_by_text("manual: [1, 3]").wait_for()
+    other.locator("[data-testid='stSidebar']").get_by_text("browser test").wait_for()
+    shot(other, "8-shared-link")
+    other.close()
+    page.close()
+
+
+def test_a_running_capture_survives_a_refresh_and_cancels(server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    page.goto(server + "/")
+    page.get_by_text("Capture hidden states").wait_for()
+    wait_idle(page)
+    model = page.get_by_role("textbox", name="Target model")
+    model.fill("tiny-llama")
+    model.press("Enter")
+    wait_idle(page)
+    set_number(page, "Prompts (limit)", 60)
+    set_number(page, "New tokens per response", 64)
+    set_number(page, "Batch size", 1)
+    page.get_by_role("button", name="Start capture").click()
+    page.locator("[data-testid='stProgress']").first.wait_for()
+    page.reload()
+    page.locator("[data-testid='stProgress']").first.wait_for()     # still running after the refresh
+    page.get_by_text("Tokens / s").wait_for()
+    page.get_by_role("button", name="Cancel").click()
+    page.get_by_text(re.compile(r"Capture of tiny-llama was cancelled")).wait_for(timeout=120_000)
+    page.close()

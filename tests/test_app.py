@@ -1,0 +1,427 @@
+"""Every page through streamlit.testing.v1.AppTest, on the tiny model and a tiny capture in a temporary store.
+
+A capture runs once per module (3 builtin prompts, 6 new tokens); each test opens its own copy of
+that session through the share link ``?session=ID``, so tests do not see each other's changes.
+Jobs run in background threads; `settle` reruns the app until none is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from layerscope import session as sessions
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def app_store(tmp_path_factory):
+    from layerscope.store import Store
+
+    root = tmp_path_factory.mktemp("app-store")
+    old = os.environ.get("LAYERSCOPE_STORE")
+    os.environ["LAYERSCOPE_STORE"] = str(root)
+    store = Store(root)
+    yield store
+    store.close()
+    if old is None:
+        os.environ.pop("LAYERSCOPE_STORE", None)
+    else:
+        os.environ["LAYERSCOPE_STORE"] = old
+
+
+def manager():
+    from layerscope.ui.jobs import get_manager
+
+    return get_manager()
+
+
+def new_app(session_id: str | None = None) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    if session_id:
+        at.query_params["session"] = session_id
+    return at
+
+
+def sid(at: AppTest) -> str:
+    return at.session_state["ls_session"].id
+
+
+def settle(at: AppTest, timeout: float = 300) -> AppTest:
+    """Rerun until no job of this tab's session runs (a finished job may start the next one)."""
+    deadline = time.time() + timeout
+    while True:
+        active = manager().active(sid(at))
+        if not active:
+            at.run()
+            if not manager().active(sid(at)):
+                return at
+            continue
+        if time.time() > deadline:
+            raise AssertionError(f"jobs still running after {timeout} s: {[j.title for j in active]}")
+        active[0].wait(0.5)
+
+
+def no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def sidebar_text(at: AppTest) -> str:
+    return "\n".join(m.value for m in at.sidebar.markdown)
+
+
+@pytest.fixture(scope="module")
+def captured(app_store) -> str:
+    """Session id of a session holding a finished tiny capture and its statistics."""
+    at = new_app().run()
+    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
+    at.number_input(key="ls_w_cap_limit").set_value(3)
+    at.number_input(key="ls_w_cap_new").set_value(6)
+    at.number_input(key="ls_w_cap_batch").set_value(2)
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+    settle(at)
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert s.capture_key and s.has_stats, [e.value for e in at.error]
+    return s.id
+
+
+@pytest.fixture
+def copy_of(app_store, captured):
+    """A fresh copy of the captured session (its own id) to change freely."""
+    base = sessions.load(app_store, captured)
+    base.id = sessions.new_id()
+    sessions.save(base, app_store)
+    return base.id
+
+
+def test_capture_page_shows_its_widgets_and_a_preview(app_store):
+    at = new_app().run()
+    no_exception(at)
+    assert at.title[0].value == "Capture hidden states"
+    assert at.text_input(key="ls_w_cap_model").value == "smollm2-135m"
+    assert at.radio(key="ls_w_cap_source").options == ["builtin", "sharegpt", "upload"]
+    assert at.number_input(key="ls_w_cap_limit").value == 16
+    assert not at.button(key="ls_cap_start").disabled
+    preview = at.dataframe[0].value
+    assert len(preview) == 16 and set(preview.columns) == {"id", "category", "prompt"}
+    at.number_input(key="ls_w_cap_limit").set_value(5).run()
+    assert len(at.dataframe[0].value) == 5
+    side = sidebar_text(at)
+    assert "Device: cpu" in side or "Device: cuda" in side
+    assert at.query_params["session"] == sid(at)       # a refresh comes back to this session
+
+
+def test_capture_run_fills_the_session_and_the_store(app_store, captured):
+    at = new_app(captured).run()
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert s.model == "tiny-llama" and s.prompt_set == "builtin"
+    assert s.capture["num_layers"] == 4 and s.capture["tokens"] > 0
+    assert len(s.arrays["cka"]) == 5
+    assert "tokens · 3 prompts" in sidebar_text(at)
+    table = at.dataframe[-1].value
+    assert s.capture_key in list(table["key"])
+    # the same capture again is served from the store
+    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
+    at.number_input(key="ls_w_cap_limit").set_value(3)
+    at.number_input(key="ls_w_cap_new").set_value(6)
+    at.number_input(key="ls_w_cap_batch").set_value(2)
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+    settle(at)
+    assert any("served from the store" in c.value for c in at.caption)
+    assert at.session_state["ls_session"].capture_key == s.capture_key
+
+
+def test_a_bad_model_spec_is_an_error_message_not_a_traceback(app_store):
+    at = new_app().run()
+    at.text_input(key="ls_w_cap_model").set_value("no-such-model")
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+    settle(at)
+    no_exception(at)
+    errors = [e.value for e in at.error]
+    assert any("Unknown model spec 'no-such-model'" in e and "tiny-llama" in e for e in errors), errors
+    assert "Traceback" not in "".join(errors)
+    assert at.session_state["ls_session"].capture_key is None
+
+
+def test_a_bad_prompt_upload_is_an_error_message(app_store):
+    at = new_app().run()
+    at.radio(key="ls_w_cap_source").set_value("upload").run()
+    assert at.button(key="ls_cap_start").disabled
+    at.file_uploader(key="ls_cap_upload").set_value(("prompts.txt", b"\n\n   \n", "text/plain"))
+    at.run()
+    no_exception(at)
+    assert at.error, "an empty prompt file must be refused with a message"
+    at.file_uploader(key="ls_cap_upload").set_value(("ok.txt", b"What is 2+2?\nName a colour.\n", "text/plain"))
+    at.run()
+    no_exception(at)
+    assert not at.error
+    assert list(at.dataframe[0].value["prompt"]) == ["What is 2+2?", "Name a colour."]
+
+
+def test_entropy_page_curve_histogram_counts_and_filter(app_store, copy_of):
+    at = new_app(copy_of).switch_page("app_pages/entropy.py")
+    at.run()
+    at.switch_page("app_pages/entropy.py").run()
+    settle(at)
+    no_exception(at)
+    metrics = {m.label: m.value for m in at.metric}
+    kept_filtered = int(metrics["Tokens kept"].replace(",", ""))
+    assert metrics["Threshold"] == "0.50 nats" and kept_filtered > 0
+    figs = charts(at)
+    curve, hist = figs[0], figs[1]
+    assert len(curve["data"][0]["y"]) == 5 and curve["data"][0]["name"] == "dataset-level"
+    assert any(t["name"].startswith("prompt-level") for t in curve["data"])
+    assert any(t["name"].startswith("default") for t in curve["data"])
+    assert any(sh.get("type") == "line" for sh in hist["layout"]["shapes"])
+    # turn the token-entropy filter off: recomputed in the background, more tokens kept, no threshold line
+    at.toggle(key="ls_ent_filter").set_value(False)
+    at.button(key="ls_ent_recompute").click().run()
+    settle(at)
+    no_exception(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Threshold"] == "0.00 nats"
+    assert int(metrics["Tokens kept"].replace(",", "")) >= kept_filtered
+    assert at.session_state["ls_session"].analysis_options["min_entropy"] == 0.0
+    assert not any(sh.get("type") == "line" for sh in charts(at)[1]["layout"].get("shapes", []))
+    # normalized scale
+    at.radio(key="ls_w_ent_scale").set_value("normalized").run()
+    assert max(charts(at)[0]["data"][0]["y"]) <= 1.0
+
+
+def test_cka_heatmap_has_a_cell_per_layer_pair(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/cka.py").run()
+    settle(at)
+    no_exception(at)
+    fig = charts(at)[0]
+    heat = fig["data"][0]
+    assert heat["type"] == "heatmap" and len(heat["z"]) == 5 and all(len(r) == 5 for r in heat["z"])
+    assert abs(heat["z"][2][2] - 1.0) < 1e-4
+    assert len(fig["data"][1]["x"]) == 25           # the selectable cell layer
+    assert any(sh["type"] == "rect" for sh in fig["layout"]["shapes"])   # compartments outlined
+    at.radio(key="ls_w_cka_kind").set_value("debiased").run()
+    deb = charts(at)[0]["data"][0]["z"]
+    assert deb != heat["z"]
+    assert at.download_button  # HTML export under the chart
+
+
+def test_layer_sets_page_compares_adds_and_state_survives_page_switches(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/layer_sets.py").run()
+    settle(at)
+    no_exception(at)
+    table = at.dataframe[0].value
+    assert list(table["strategy"]) == ["default", "entropy-topk", "greedy", "aggregate", "spread"]
+    at.multiselect(key="ls_sets_manual").set_value([0, 3]).run()
+    assert list(at.dataframe[0].value["strategy"])[-1] == "manual"
+    assert at.session_state["ls_session"].manual_picks == [0, 3]
+    options = at.multiselect(key="ls_sets_to_add").options
+    greedy = next(o for o in options if o.startswith("greedy "))
+    greedy_layers = [int(x) for x in table["layers"][2]]
+    assert greedy == f"greedy {greedy_layers}" and "manual [0, 3]" in options
+    at.multiselect(key="ls_sets_to_add").set_value([greedy, "manual [0, 3]"]).run()
+    at.text_input(key="ls_w_sets_name").set_value("mine").run()
+    at.button(key="ls_sets_add").click().run()
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert [(x["name"], x["layers"]) for x in s.layer_sets] == [("greedy", greedy_layers), ("mine", [0, 3])]
+    assert "mine: `[0, 3]`" in sidebar_text(at)
+    # the sets and picks show on the heatmap, after switching pages
+    at.switch_page("app_pages/cka.py").run()
+    fig = charts(at)[0]
+    assert "mine [0, 3]" in [t.get("name", "") for t in fig["data"]]
+    assert [sh["name"] for sh in fig["layout"]["shapes"] if sh.get("name", "").startswith("picked")] == ["picked 0", "picked 3"]
+    at.switch_page("app_pages/layer_sets.py").run()
+    assert at.multiselect(key="ls_sets_manual").value == [0, 3]
+    assert sessions.load(app_store, s.id).layer_sets == s.layer_sets   # saved as it changed
+
+
+def test_share_link_opens_the_same_session(app_store, copy_of):
+    first = new_app(copy_of).run()
+    first.switch_page("app_pages/layer_sets.py").run()
+    settle(first)
+    first.multiselect(key="ls_sets_manual").set_value([1, 2]).run()
+    first.multiselect(key="ls_sets_to_add").set_value(["manual [1, 2]"]).run()
+    first.button(key="ls_sets_add").click().run()
+    first.switch_page("app_pages/cka.py").run()
+    heat = charts(first)[0]["data"][0]["z"]
+    other = new_app(copy_of)          # another browser opening ?session=ID
+    other.run()
+    other.switch_page("app_pages/cka.py").run()
+    no_exception(other)
+    s = other.session_state["ls_session"]
+    assert s.id == copy_of and [x["layers"] for x in s.layer_sets] == [[1, 2]]
+    assert charts(other)[0]["data"][0]["z"] == heat
+
+
+def test_a_broken_share_link_starts_a_new_session(app_store):
+    at = new_app("../../etc/passwd").run()
+    no_exception(at)
+    assert any("not a session id" in w.value for w in at.warning)
+    assert sessions.valid_id(sid(at)) and at.query_params["session"] == sid(at)
+    at = new_app("0123456789ab").run()
+    assert any("not saved on this server" in i.value for i in at.info)
+
+
+def test_sessions_page_save_list_open_and_import(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/sessions.py").run()
+    no_exception(at)
+    assert f"?session={copy_of}" in at.code[0].value
+    at.button(key="ls_sess_save").click().run()
+    assert any("needs a name" in e.value for e in at.error)
+    at.text_input(key="ls_w_sess_name").set_value("tiny look").run()
+    at.button(key="ls_sess_save").click().run()
+    no_exception(at)
+    assert sessions.load(app_store, copy_of).name == "tiny look"
+    assert "tiny look" in list(at.dataframe[0].value["name"])
+    assert "tiny look" in sidebar_text(at)
+    # import: a foreign file is refused with a message, a real archive is accepted and opens
+    at.file_uploader(key="ls_sess_upload").set_value(("notes.zip", b"PK\x03\x04 definitely not a zip", "application/zip"))
+    at.run()
+    no_exception(at)
+    assert any("not a valid LayerScope session" in e.value for e in at.error)
+    exported = sessions.load(app_store, copy_of)
+    exported.id, exported.name = sessions.new_id(), "from a colleague"
+    at.file_uploader(key="ls_sess_upload").set_value(("shared.zip", sessions.export_bytes(exported), "application/zip"))
+    at.run()
+    no_exception(at)
+    assert any("Imported session" in x.value for x in at.success)
+    at.button(key="ls_sess_open_imported").click().run()
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert s.id == exported.id and s.name == "from a colleague" and s.has_stats
+    assert at.query_params["session"] == exported.id
+    # open the first one again from the list
+    at.selectbox(key="ls_sess_pick").set_value(copy_of).run()
+    at.button(key="ls_sess_open").click().run()
+    assert sid(at) == copy_of
+
+
+def test_an_imported_session_without_its_capture_shows_its_snapshot(app_store, copy_of):
+    s = sessions.load(app_store, copy_of)
+    s.id, s.capture_key = sessions.new_id(), "f" * 24        # a capture this store does not hold
+    sessions.save(s, app_store)
+    at = new_app(s.id).run()
+    at.switch_page("app_pages/cka.py").run()
+    no_exception(at)
+    assert len(charts(at)[0]["data"][0]["z"]) == 5
+    assert any("not in this store" in c.value for c in at.caption)
+
+
+def test_a_running_job_survives_a_refresh_and_can_be_cancelled(app_store):
+    at = new_app().run()
+    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
+    at.number_input(key="ls_w_cap_limit").set_value(40)
+    at.number_input(key="ls_w_cap_new").set_value(48)
+    at.number_input(key="ls_w_cap_batch").set_value(1)
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+    job = manager().latest(sid(at), "capture")
+    assert job is not None and job.view().running
+    refreshed = new_app(sid(at)).run()          # the browser reloads the page: a new script session
+    no_exception(refreshed)
+    assert refreshed.get("progress"), "the running capture shows its progress after a refresh"
+    refreshed.button(key=f"capture_cancel_{job.id}").click().run()
+    job.wait(120)
+    settle(refreshed)
+    assert job.view().state == "cancelled"
+    assert any("cancelled" in w.value for w in refreshed.warning)
+    assert refreshed.session_state["ls_session"].capture_key is None
+
+
+def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/speculate.py").run()
+    no_exception(at)
+    assert at.selectbox(key="ls_w_spec_set").options[-1].startswith("default")
+    at.number_input(key="ls_w_spec_steps").set_value(4).run()
+    at.button(key="ls_spec_train").click().run()
+    settle(at)
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert len(s.drafts) == 1
+    d = s.drafts[0]
+    assert d["layers"] == [1, 2] and d["steps"] == 4 and len(d["val_accuracy"]) == 3
+    assert Path(d["path"], "config.json").is_file()
+    assert any(x.value.startswith("Draft for default") for x in at.success)
+    assert at.dataframe[0].value["name"].tolist() == ["default"]
+
+
+def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/speculate.py").run()
+    at.number_input(key="ls_w_spec_steps").set_value(3).run()
+    at.button(key="ls_spec_train").click().run()
+    settle(at)
+    assert at.multiselect(key="ls_spec_bench_drafts").value == ["default [1, 2]"]
+    at.radio(key="ls_w_spec_bench_src").set_value("builtin")
+    at.number_input(key="ls_w_spec_bench_n").set_value(2)
+    at.number_input(key="ls_w_spec_bench_new").set_value(10)
+    at.number_input(key="ls_w_spec_bench_k").set_value(3)
+    at.run()
+    at.button(key="ls_spec_bench").click().run()
+    job = manager().latest(sid(at), "bench")
+    assert job is not None
+    settle(at)
+    no_exception(at)
+    v = job.view()
+    assert v.state == "done", (v.error, v.fix)
+    assert v.series.get("tau:default") and set(v.metrics["live"]) == {"autoregressive", "default"}
+    assert all(1 <= t <= 4 for t in v.series["tau:default"])        # at most K drafted + 1 per step
+    res = at.session_state["ls_session"].bench_results[-1]
+    names = [r["name"] for r in res["results"]]
+    assert names == ["autoregressive", "default"] and res["prompts"] == 2 and res["max_new_tokens"] == 10
+    assert all(r["lossless"] for r in res["results"])
+    draft = res["results"][1]
+    assert draft["layers"] == [1, 2] and len(draft["acceptance_by_position"]) == 3 and draft["tau"] >= 1.0
+    tables = [d.value for d in at.dataframe if "contender" in d.value.columns]
+    assert list(tables[0]["contender"]) == ["autoregressive", "default"]      # then the per-category table
+    titles = [c["layout"]["title"]["text"] for c in charts(at) if c["layout"].get("title")]
+    assert any("τ and speedup" in t for t in titles) and any("Acceptance rate" in t for t in titles)
+    assert sessions.load(app_store, copy_of).bench_results == at.session_state["ls_session"].bench_results
+
+
+def test_study_trains_one_draft_per_set_and_correlates(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/speculate.py").run()
+    no_exception(at)
+    at.number_input(key="ls_w_study_k").set_value(2)
+    at.number_input(key="ls_w_study_steps").set_value(2)
+    at.selectbox(key="ls_w_study_src").set_value("builtin")
+    at.number_input(key="ls_w_study_n").set_value(2)
+    at.number_input(key="ls_w_study_new").set_value(8)
+    at.run()
+    plan = [m.value for m in at.markdown if m.value.startswith("Sets in the study")][0]
+    assert "**default" in plan
+    at.button(key="ls_spec_study").click().run()
+    settle(at, timeout=600)
+    no_exception(at)
+    job = manager().latest(sid(at), "study")
+    assert job.view().state == "done", (job.view().error, job.view().fix)
+    s = at.session_state["ls_session"]
+    study = s.study[-1]
+    layer_sets = [tuple(r["layers"]) for r in study["rows"]]
+    assert len(layer_sets) == len(set(layer_sets)) >= 2               # one draft per distinct set
+    assert all(len(r["layers"]) <= 2 and r["tau"] >= 1.0 and r["lossless"] for r in study["rows"])
+    assert "default" in [x for r in study["rows"] for x in r["strategies"]]
+    assert set(study["spearman"]) == {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1"}
+    assert study["options"]["train"]["steps"] == 2 and study["options"]["k"] == 2
+    assert {d["path"] for d in s.drafts} >= {r["draft"] for r in study["rows"]}
+    assert any("Spearman correlation with τ" in m.value for m in at.markdown)

@@ -1,0 +1,154 @@
+"""The figure builders: right traces, right shapes, values and labels where a reader looks for them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from layerscope import plots
+
+
+def _cka(n: int) -> np.ndarray:
+    idx = np.arange(n)
+    return np.exp(-np.abs(idx[:, None] - idx[None, :]) / 4.0)
+
+
+def test_entropy_curve_highlights_each_set_on_the_curve():
+    ent = [1.0 + 0.1 * i for i in range(31)]
+    fig = plots.entropy_curve({"dataset": ent, "prompt-level": [e - 0.2 for e in ent]},
+                              sets={"default": [2, 15, 27], "greedy": [3, 9, 20]})
+    assert isinstance(fig, go.Figure)
+    names = [t.name for t in fig.data]
+    assert names[:2] == ["dataset", "prompt-level"]
+    default = next(t for t in fig.data if t.name.startswith("default"))
+    assert list(default.x) == [2, 15, 27]
+    assert list(default.y) == pytest.approx([ent[2], ent[15], ent[27]])
+    greedy = next(t for t in fig.data if t.name.startswith("greedy"))
+    assert greedy.marker.line.color != default.marker.line.color
+    assert default.marker.line.color == plots.DEFAULT_SET_COLOR
+    # the final layer is labelled with what it is
+    assert "post-norm" in fig.data[0].customdata[30]
+    assert "embeddings" in fig.data[0].customdata[0]
+
+
+def test_entropy_curve_accepts_tensors_and_objects_with_layers():
+    class Sel:
+        strategy, layers = "aggregate", [1, 2]
+
+    fig = plots.entropy_curve({"h": torch.linspace(0, 1, 5)}, sets=[Sel()])
+    assert list(fig.data[1].x) == [1, 2]
+    assert fig.data[1].name.startswith("aggregate")
+
+
+def test_entropy_curve_rejects_ragged_curves():
+    with pytest.raises(ValueError):
+        plots.entropy_curve({"a": [1, 2, 3], "b": [1, 2]})
+    with pytest.raises(ValueError):
+        plots.entropy_curve({})
+
+
+def test_histogram_marks_threshold_and_counts_kept_tokens():
+    values = [0.1, 0.2, 0.6, 1.5, 3.0]
+    fig = plots.entropy_histogram(values, 0.5)
+    assert list(fig.data[0].x) == values
+    lines = [s for s in fig.layout.shapes if s.type == "line"]
+    assert len(lines) == 1 and lines[0].x0 == 0.5
+    text = fig.layout.annotations[0].text
+    assert "3 of 5 tokens kept" in text
+    no_line = plots.entropy_histogram(values, None)
+    assert not no_line.layout.shapes
+
+
+def test_cka_heatmap_cells_hover_and_compartments():
+    n = 7
+    m = _cka(n)
+    fig = plots.cka_heatmap(m, compartments=[(0, 2), (3, 6)], sets={"default": [2, 3, 4]}, picks=[1, 5])
+    heat = fig.data[0]
+    assert heat.type == "heatmap"
+    assert np.array(heat.z).shape == (n, n)
+    assert heat.z[1][3] == pytest.approx(m[1, 3])
+    assert "%{z" in heat.hovertemplate and "customdata[0]" in heat.hovertemplate and "customdata[1]" in heat.hovertemplate
+    # one selectable cell marker per cell, carrying row, column, value
+    cells = fig.data[1]
+    assert len(cells.x) == n * n
+    k = 3 * n + 5
+    assert list(cells.customdata[k]) == [3, 5, pytest.approx(m[3, 5])]
+    assert cells.x[k] == 5 and cells.y[k] == 3
+    rects = [s for s in fig.layout.shapes if s.type == "rect" and not (s.name or "").startswith("picked")]
+    assert [(r.x0, r.x1) for r in rects] == [(-0.5, 2.5), (2.5, 6.5)]
+    assert any(t.name.startswith("default") and list(t.x) == [2, 3, 4] for t in fig.data)
+    picked = [(s.name, s.x0, s.y0) for s in fig.layout.shapes if (s.name or "").startswith("picked")]
+    assert picked == [("picked 1", 0.5, 0.5), ("picked 5", 4.5, 4.5)]
+
+
+def test_compartments_from_labels_per_layer():
+    fig = plots.cka_heatmap(_cka(6), compartments=[0, 0, 1, 1, 1, 2])
+    rects = [(s.x0 + 0.5, s.x1 - 0.5) for s in fig.layout.shapes if s.type == "rect"]
+    assert rects == [(0, 1), (2, 4), (5, 5)]
+
+
+def test_cka_heatmap_refuses_non_square():
+    with pytest.raises(ValueError):
+        plots.cka_heatmap([[1, 0.5], [0.5]])
+
+
+def test_cells_to_layers_reads_only_cell_points():
+    points = [{"customdata": [3, 5, 0.7]}, {"customdata": [4, 4, 1.0]}, {"x": 2, "y": 2},
+              {"customdata": ["default", 1]}]
+    assert plots.cells_to_layers(points) == [3, 4, 5]
+    assert plots.cells_to_layers([]) == []
+
+
+def test_acceptance_bars_grouped():
+    fig = plots.acceptance_bars({"default": [0.6, 0.4, 0.2], "greedy": [0.7, 0.5, 0.3]})
+    assert [t.type for t in fig.data] == ["bar", "bar"]
+    assert list(fig.data[1].y) == [0.7, 0.5, 0.3]
+    assert list(fig.data[0].x) == ["pos 1", "pos 2", "pos 3"]
+    assert fig.layout.barmode == "group"
+
+
+def test_tau_over_time_running_mean():
+    fig = plots.tau_over_time([1, 3, 2])
+    assert list(fig.data[1].y) == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_set_comparison_and_bench_comparison():
+    rows = [{"name": "default", "layers": [2, 15, 27], "mean_entropy": 3.0, "mean_cka": 0.5, "objective": 2.5},
+            {"name": "greedy", "layers": [1, 9, 20], "mean_entropy": 3.2, "mean_cka": 0.4, "objective": 2.8}]
+    fig = plots.set_comparison(rows)
+    assert len(fig.data) == 3          # aggregate_entropy is in no row: skipped
+    assert list(fig.data[2].y) == [2.5, 2.8]
+    with pytest.raises(ValueError):
+        plots.set_comparison([{"name": "x"}])
+    b = plots.bench_comparison([{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
+                                {"name": "default", "layers": [2, 15, 27], "tau": 2.1, "speedup": 1.3}])
+    assert list(b.data[0].y) == [1.0, 2.1] and list(b.data[1].y) == [1.0, 1.3]
+
+
+def test_training_curves_one_line_per_draft_step():
+    hist = [{"step": i, "loss": 5.0 - i, "accuracy": [0.1 * i, 0.05 * i]} for i in range(4)]
+    fig = plots.training_curves(hist)
+    assert [t.name for t in fig.data] == ["loss", "step 1", "step 2"]
+
+
+def test_config_and_html_export():
+    cfg = plots.figure_config("cka", "svg")
+    assert cfg["toImageButtonOptions"]["format"] == "svg" and cfg["toImageButtonOptions"]["filename"] == "cka"
+    with pytest.raises(ValueError):
+        plots.figure_config("x", "gif")
+    html = plots.figure_html(plots.tau_over_time([1, 2]))
+    assert "<html>" in html[:200] and "plotly" in html.lower() and len(html) > 1_000_000   # plotly.js embedded
+    json.loads(plots.cka_heatmap(_cka(3)).to_json())   # serialisable for the browser
+
+
+def test_plots_does_not_import_streamlit():
+    import subprocess
+    import sys
+
+    code = "import sys, layerscope.plots, layerscope.session; print('streamlit' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,181 @@
+"""Sessions: round trips through the store and the shareable archive; broken or foreign files are refused."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import save as save_tensors
+
+from layerscope import session as sessions
+from layerscope.errors import SessionError
+from layerscope.session import Session
+
+
+def _full_session() -> Session:
+    n = 5
+    s = Session(model="tiny-llama", prompt_set="builtin", capture_key="ab" * 12,
+                capture={"num_layers": n, "tokens": 321, "conversations": 6, "hidden_size": 64})
+    s.set_stats({
+        "entropy": [0.5 + 0.1 * i for i in range(n + 1)],
+        "entropy_normalized": [0.1 * i for i in range(n + 1)],
+        "cka": torch.eye(n + 1).tolist(),
+        "cka_debiased": (torch.eye(n + 1) * 0.9).tolist(),
+        "tokens_total": 321, "tokens_kept": 200, "outliers_dropped": 3, "threshold": 0.5,
+        "compartments": [[0, 2], [3, 5]], "options": {"alpha": 1.0, "min_entropy": 0.5},
+    })
+    s.add_layer_set("default", [2, 2, 3], strategy="default")
+    s.add_layer_set("mine", [4, 1], strategy="manual")
+    s.manual_picks = [1, 4]
+    s.drafts.append({"name": "d1", "path": "/tmp/drafts/x", "layers": [1, 2, 3], "val_accuracy": [0.5, 0.3]})
+    s.bench_results.append({"name": "d1", "tau": 1.7, "acceptance_by_position": [0.5, 0.2]})
+    return s
+
+
+def test_archive_round_trip_keeps_everything():
+    s = _full_session()
+    back = Session.from_bytes(s.to_bytes())
+    assert back.to_json() == s.to_json()
+    assert set(back.arrays) == {"entropy", "entropy_normalized", "cka", "cka_debiased"}
+    for k, v in s.arrays.items():
+        assert torch.equal(back.arrays[k], v)
+    d = back.stats_dict()
+    assert d["tokens_kept"] == 200 and d["cka"][2][2] == 1.0 and len(d["entropy"]) == 6
+    assert back.layer_sets == [{"name": "default", "layers": [2, 3], "strategy": "default"},
+                               {"name": "mine", "layers": [1, 4], "strategy": "manual"}]
+
+
+def test_archive_holds_only_json_and_safetensors():
+    z = zipfile.ZipFile(io.BytesIO(_full_session().to_bytes()))
+    assert sorted(z.namelist()) == ["arrays.safetensors", "session.json"]
+    doc = json.loads(z.read("session.json"))
+    assert doc["layerscope_session"] == sessions.FORMAT
+
+
+def test_store_save_load_list_delete(store):
+    s = _full_session()
+    path = sessions.save(s, store, name="  first look ")
+    assert path == store.path("sessions", s.id) / "session.zip" and path.is_file()
+    assert not list(path.parent.glob("*.tmp"))
+    back = sessions.load(store, s.id)
+    assert back.name == "first look" and back.to_json() == s.to_json()
+    other = Session(model="smollm2-135m")
+    sessions.save(other, store)
+    listed = sessions.list_sessions(store)
+    assert {r["id"] for r in listed} == {s.id, other.id}
+    named = sessions.list_sessions(store, include_unnamed=False)
+    assert [r["id"] for r in named] == [s.id]
+    assert named[0]["layer_sets"] == [[2, 3], [1, 4]] and named[0]["tokens"] == 321
+    sessions.delete(store, other.id)
+    assert not sessions.exists(store, other.id)
+    with pytest.raises(SessionError, match="No saved session"):
+        sessions.load(store, other.id)
+
+
+def test_ids_from_links_are_checked(store):
+    for bad in ["../../etc", "ABCDEF012345", "123", "", None]:
+        with pytest.raises(SessionError, match="not a session id"):
+            sessions.load(store, bad)
+    with pytest.raises(SessionError):
+        sessions.save(Session(id="../x"), store)
+
+
+def test_import_keeps_id_or_renames_on_clash(store):
+    s = _full_session()
+    data = sessions.export_bytes(s)
+    imported = sessions.import_bytes(data, store)
+    assert imported.id == s.id and sessions.exists(store, s.id)
+    again = sessions.import_bytes(data, store)        # the same content: same id
+    assert again.id == s.id
+    s.notes = "changed"
+    clash = sessions.import_bytes(sessions.export_bytes(s), store)
+    assert clash.id != s.id and sessions.load(store, clash.id).notes == "changed"
+    assert sessions.load(store, s.id).notes == ""
+
+
+def _zip(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _doc(**changes) -> bytes:
+    body = _full_session().to_json()
+    body.update(changes)
+    return json.dumps({"layerscope_session": 1, "session": body}).encode()
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "empty"),
+    (b"\x89PNG\r\n\x1a\n....", "not a zip archive"),
+    (b'{"session": {}}', "JSON file"),
+    (pickle.dumps({"id": "0" * 12}), "not a zip archive"),
+    (_zip({"data.pkl": pickle.dumps([1, 2])}), "no session.json"),
+    (_zip({"session.json": b"{not json"}), "not valid JSON"),
+    (_zip({"session.json": b"\xff\xfe\x00"}), "not UTF-8"),
+    (_zip({"session.json": json.dumps({"hello": 1}).encode()}), "marker"),
+    (_zip({"session.json": _doc(), "evil.py": b"print(1)"}), "unexpected files"),
+    (_zip({"session.json": _doc(id="../../x")}), "session id"),
+    (_zip({"session.json": _doc(layer_sets=[{"name": "x", "layers": [1, 99]}])}), "distinct layers in 0..5"),
+    (_zip({"session.json": _doc(layer_sets=[{"name": "x", "layers": [1, 1]}])}), "distinct layers"),
+    (_zip({"session.json": _doc(manual_picks=["1"])}), "manual_picks"),
+    (_zip({"session.json": _doc(surprise=1)}), "unknown fields"),
+    (_zip({"session.json": _doc(capture="nope")}), "'capture' must be an object"),
+    (_zip({"session.json": _doc(), "arrays.safetensors": b"garbage"}), "not a valid safetensors"),
+    (_zip({"session.json": _doc(), "arrays.safetensors": save_tensors({"cka": torch.ones(3, 3)})}), "must be 6×6"),
+    (_zip({"session.json": _doc(), "arrays.safetensors": save_tensors({"entropy": torch.tensor([float("nan")] * 6)})}),
+     "NaN"),
+    (_zip({"session.json": _doc(), "arrays.safetensors": save_tensors({"weights": torch.ones(2)})}), "unexpected tensor"),
+    (_zip({"session.json": _doc(), "arrays.safetensors": save_tensors({"entropy": torch.arange(6)})}), "floating point"),
+])
+def test_broken_and_foreign_files_are_refused(data, message):
+    with pytest.raises(SessionError, match=message) as e:
+        Session.from_bytes(data, source="upload.zip")
+    assert "upload.zip" in str(e.value)
+    assert e.value.fix    # always says what to do
+
+
+def test_newer_format_says_update():
+    data = _zip({"session.json": json.dumps({"layerscope_session": 99, "session": {}}).encode()})
+    with pytest.raises(SessionError, match="newer LayerScope"):
+        Session.from_bytes(data)
+
+
+def test_truncated_archive_is_refused():
+    data = _full_session().to_bytes()
+    with pytest.raises(SessionError):
+        Session.from_bytes(data[: len(data) // 2])
+
+
+def test_a_broken_stored_session_is_listed_with_its_error(store):
+    s = _full_session()
+    path = sessions.save(s, store)
+    path.write_bytes(b"broken")
+    rows = sessions.list_sessions(store)
+    assert rows[0]["id"] == s.id and "not a zip archive" in rows[0]["error"]
+    with pytest.raises(SessionError):
+        sessions.load(store, s.id)
+
+
+def test_layer_sets_are_deduplicated_and_checked():
+    s = Session()
+    s.add_layer_set("a", [3, 1])
+    s.add_layer_set("b", [1, 3], strategy="greedy")   # same layers: renamed, not duplicated
+    assert s.layer_sets == [{"name": "b", "layers": [1, 3], "strategy": "greedy"}]
+    with pytest.raises(SessionError):
+        s.add_layer_set("empty", [])
+    s.remove_layer_set([3, 1])
+    assert s.layer_sets == []
+
+
+def test_nan_statistics_do_not_break_saving():
+    s = Session()
+    s.set_stats({"entropy": [1.0, 2.0], "cka": [[1.0, 0.5], [0.5, 1.0]], "threshold": float("nan")})
+    back = Session.from_bytes(s.to_bytes())
+    assert back.stats["threshold"] is None
