@@ -18,7 +18,7 @@ def render(s: Session) -> None:
         ("Prompt set", s.prompt_set or "—"),
         ("Capture", (f"{cap.get('tokens', 0):,} tokens · {cap.get('conversations', '?')} prompts · "
                      f"layers 0..{cap.get('num_layers', '?')}") if s.capture_key else "none yet"),
-        ("Device", s.device or device_label()),
+        ("Device", device_label()),
     ]
     st.markdown("  \n".join(f"{k}: {v}" for k, v in rows))
     if s.layer_sets:

@@ -58,6 +58,8 @@ def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dic
                 st.caption("Showing the previous statistics until the new ones are ready.")
         elif v.state in ("failed", "cancelled"):
             job_status(v, key=f"{key}_analysis")
+            if stats is not None:
+                st.caption("Showing the statistics computed with the previous options.")
     elif stats is not None and s.capture_key and not store.has_capture(s.capture_key):
         st.caption(f"Capture {s.capture_key} is not in this store: showing the statistics saved with the session.")
     return stats

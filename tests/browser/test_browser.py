@@ -198,10 +198,10 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page.get_by_text("Prompts", exact=True).first.wait_for()
     page.get_by_role("radio", name="builtin").check(force=True)
     wait_idle(page)
-    set_number(page, "Prompts", 2)
-    set_number(page, "New tokens", 40)
+    set_number(page, "Prompts", 6)
+    set_number(page, "New tokens", 160)
     page.get_by_role("button", name="Run benchmark").click()
-    page.get_by_text("Running τ").wait_for(timeout=60_000)
+    page.get_by_text("Running τ", exact=True).first.wait_for(timeout=60_000)
     seen, deadline, live_shot = [], time.time() + 180, False
     while time.time() < deadline:
         values = page.evaluate("""() => [...document.querySelectorAll('[data-testid="stMetric"]')]
