@@ -20,10 +20,8 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
 import secrets
-import tempfile
 import zipfile
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
@@ -34,6 +32,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from layerscope.errors import SessionError
+from layerscope.store import atomic_write_bytes
 
 FORMAT = 1
 ARCHIVE_NAME = "session.zip"
@@ -347,17 +346,7 @@ def save(session: Session, store, *, name: str | None = None, touch: bool = True
         session.updated = now_iso()
     data = session.to_bytes()
     path = _archive_path(store, session.id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{ARCHIVE_NAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)
     return path
 
 
