@@ -30,8 +30,7 @@ def share_link(sid: str) -> str:
 left, right = st.columns(2, gap="large")
 with left:
     st.subheader("This session")
-    st.markdown(f"**{s.title()}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
-                f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
+    summary = st.empty()        # filled after the save button: it shows the name just given
     st.session_state.setdefault("ls_w_sess_name", s.name or "")
     name = st.text_input("Name", key="ls_w_sess_name", placeholder="e.g. SmolLM2 builtin-16, first look", max_chars=120)
     if st.button("Save", type="primary", key="ls_sess_save", icon=":material/save:"):
@@ -41,6 +40,8 @@ with left:
             else:
                 sessions.save(s, store, name=name)
                 st.success(f"Saved as “{s.name}”.")
+    summary.markdown(f"**{s.title()}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
+                     f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
     st.code(share_link(s.id), language=None)
     st.download_button("Download session file (.zip)", data=lambda: sessions.export_bytes(s),

@@ -10,7 +10,7 @@ from layerscope.select import default_layers
 from layerscope.ui import tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import active_session, commit, get_store
-from layerscope.ui.views import live_job
+from layerscope.ui.views import live_job, stats_or_progress
 from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, table
 
 s = active_session()
@@ -134,7 +134,7 @@ else:
         if not cur:
             return
         c = st.columns(5)
-        c[0].metric("Decoding with", cur, help=f"prompt {m.get('prompt')}/{m.get('prompts_total')}")
+        c[0].markdown(f"**Decoding with**  \n{cur}  \nprompt {m.get('prompt')}/{m.get('prompts_total')}")
         c[1].metric("τ this step", "—" if m.get("step_tau") is None else f"{m['step_tau']}")
         c[2].metric("Running τ", f"{live.get(cur, {}).get('tau') or 0:.3f}")
         c[3].metric("Tokens / s", f"{live.get(cur, {}).get('tokens_per_s') or 0:.1f}")
@@ -201,9 +201,9 @@ st.caption("The experiment LayerScope exists for: one draft per layer set (every
            "sets) trained with exactly the same budget, data and seed, all benchmarked on the same held-out prompts. "
            "Does a proxy score (entropy, redundancy, aggregate entropy) predict τ? Drafts already trained come from "
            "the store, so adding one set trains only that one.")
-stats = s.stats_dict()
+stats = stats_or_progress(s, store, key="study") if have_capture else None
 if not (have_capture and stats):
-    st.caption("Needs this session's capture in the store and its statistics (CKA heatmap page).")
+    st.caption("The study needs this session's capture in the store and its layer statistics.")
 else:
     q1, q2, q3, q4, q5 = st.columns(5)
     st_k = q1.number_input("Layers per set (k)", min_value=1, max_value=max(1, n), value=min(3, max(1, n)), step=1,

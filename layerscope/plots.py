@@ -375,7 +375,8 @@ def bench_comparison(
 
     if not results:
         raise ValueError("bench_comparison needs at least one result")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ (tokens per target forward)", "speedup vs plain decoding"])
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ (tokens / target forward)", "speedup vs plain"],
+                        horizontal_spacing=0.14)
     names = [str(r.get("name")) + (f" {list(r['layers'])}" if r.get("layers") else "") for r in results]
     colors = [set_color(str(r.get("name", "")), i) for i, r in enumerate(results)]
     taus = [None if r.get("tau") is None else float(r["tau"]) for r in results]
@@ -387,6 +388,7 @@ def bench_comparison(
                   row=1, col=2)
     fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"), row=1, col=2)
     _base_layout(fig, title, showlegend=False, height=420)
+    fig.update_annotations(font_size=12)
     return fig
 
 

@@ -150,10 +150,13 @@ class Session:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes, source: str = "the file") -> "Session":
-        """Parse and validate an archive; any problem is a SessionError naming it."""
-        doc, arrays = _read_archive(data, source)
-        return _validate(doc, arrays, source)
+    def from_bytes(cls, data: bytes, source: str = "the file", *, arrays: bool = True) -> "Session":
+        """Parse and validate an archive; any problem is a SessionError naming it.
+
+        With arrays=False the tensors are not read (a quick look for listings); the rest is validated.
+        """
+        doc, tensors = _read_archive(data, source, with_arrays=arrays)
+        return _validate(doc, tensors, source)
 
 
 def _finite(o):
@@ -187,7 +190,7 @@ def _refuse(source: str, problem: str, fix: str = "Export the session again from
     raise SessionError(f"{source} is not a valid LayerScope session: {problem}", fix)
 
 
-def _read_archive(data: bytes, source: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_archive(data: bytes, source: str, with_arrays: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     if not isinstance(data, (bytes, bytearray)) or not data:
         _refuse(source, "it is empty")
     try:
@@ -211,7 +214,7 @@ def _read_archive(data: bytes, source: str) -> tuple[dict, dict[str, torch.Tenso
             _refuse(source, f"{ARRAYS_MEMBER} is larger than {MAX_ARRAYS_BYTES >> 20} MiB")
         try:
             raw = z.read(JSON_MEMBER)
-            blob = z.read(ARRAYS_MEMBER) if ARRAYS_MEMBER in infos else None
+            blob = z.read(ARRAYS_MEMBER) if with_arrays and ARRAYS_MEMBER in infos else None
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
             _refuse(source, f"the archive is corrupted ({e})")
     try:
@@ -388,7 +391,7 @@ def list_sessions(store, *, include_unnamed: bool = True) -> list[dict]:
         if not (d.is_dir() and valid_id(d.name) and path.is_file()):
             continue
         try:
-            s = Session.from_bytes(path.read_bytes(), source=f"Session {d.name}")
+            s = Session.from_bytes(path.read_bytes(), source=f"Session {d.name}", arrays=False)
         except SessionError as e:
             out.append({"id": d.name, "name": None, "error": str(e), "updated": ""})
             continue

@@ -307,6 +307,7 @@ def test_sessions_page_save_list_open_and_import(app_store, copy_of):
     no_exception(at)
     s = at.session_state["ls_session"]
     assert s.id == exported.id and s.name == "from a colleague" and s.has_stats
+    assert at.text_input(key="ls_w_sess_name").value == "from a colleague"   # not the previous session's name
     assert at.query_params["session"] == exported.id
     # open the first one again from the list
     at.selectbox(key="ls_sess_pick").set_value(copy_of).run()
@@ -328,8 +329,8 @@ def test_an_imported_session_without_its_capture_shows_its_snapshot(app_store, c
 def test_a_running_job_survives_a_refresh_and_can_be_cancelled(app_store):
     at = new_app().run()
     at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
-    at.number_input(key="ls_w_cap_limit").set_value(40)
-    at.number_input(key="ls_w_cap_new").set_value(48)
+    at.number_input(key="ls_w_cap_limit").set_value(60)
+    at.number_input(key="ls_w_cap_new").set_value(64)
     at.number_input(key="ls_w_cap_batch").set_value(1)
     at.run()
     at.button(key="ls_cap_start").click().run()

@@ -93,7 +93,8 @@ def switch_to(s: Session) -> None:
     st.session_state[SESSION_KEY] = s
     st.session_state[STAMP_KEY] = _stamp(get_store(), s.id)
     st.query_params["session"] = s.id
-    for k in [k for k in st.session_state if str(k).startswith("ls_page_")]:
+    # widgets that show the previous session's values (names, picks, choices) start afresh
+    for k in [k for k in st.session_state if str(k).startswith(("ls_w_", "ls_sets_", "ls_cka_", "ls_spec_"))]:
         del st.session_state[k]
 
 

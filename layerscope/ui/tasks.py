@@ -187,7 +187,7 @@ def train_job(*, store, capture_key: str, model: str, layers: list[int], strateg
 def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
     """What the session keeps about a trained draft."""
     layers = [int(l) for l in meta.get("layers") or meta.get("aux_layers") or []]
-    return {"name": name or meta.get("strategy") or f"layers {layers}", "path": str(path), "layers": layers,
+    return {"name": name or meta.get("strategy") or "draft", "path": str(path), "layers": layers,
             "strategy": meta.get("strategy"), "val_accuracy": meta.get("val_accuracy"),
             "target_fingerprint": meta.get("target_fingerprint"), "capture_key": meta.get("capture_key"),
             "steps": (meta.get("budget") or {}).get("resolved_steps"), "seconds": meta.get("seconds"),

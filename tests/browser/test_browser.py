@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import Error as PlaywrightError
 
 pytestmark = pytest.mark.browser
 
@@ -208,8 +209,14 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
             .map(m => m.innerText.replace(/\\s+/g, ' ')).join(' | ')""")
         if values and (not seen or seen[-1] != values):
             seen.append(values)
-        if not live_shot and "manual" in values and "τ this step —" not in values and page.get_by_text("Generating").count():
-            shot(page, "5-speculate-live")      # the draft decoding: live τ, acceptance bars, highlighted text
+        try:       # the live view is redrawn every second: an element can vanish between two calls
+            on_draft = "manual" in page.locator("[data-testid='stMarkdown']", has_text="Decoding with").first.inner_text(timeout=500)
+        except PlaywrightError:
+            on_draft = False
+        if not live_shot and on_draft and "τ this step —" not in values and page.get_by_text("Generating").count():
+            page.get_by_text(re.compile(r"^Benchmark of 1 draft")).first.evaluate("e => e.scrollIntoView({block: 'start'})")
+            SHOTS.mkdir(parents=True, exist_ok=True)     # at once, as it is: the view changes every second
+            page.screenshot(path=str(SHOTS / "5-speculate-live.png"))
             live_shot = True
         if page.get_by_text(re.compile(r"Benchmark of 1 draft\(s\): done in")).count():
             break
