@@ -51,3 +51,14 @@ def smollm2(session_store):
     from layerscope.models import load_model
 
     return load_model("smollm2-135m", store=session_store)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread, and far faster on a shared, busy machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -81,16 +81,21 @@ def sidebar_text(at: AppTest) -> str:
     return "\n".join(m.value for m in at.sidebar.markdown)
 
 
+def start_tiny_capture(at, *, limit: int, new_tokens: int, batch: int) -> None:
+    """Fill the Capture page for the tiny model and press Start."""
+    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
+    at.number_input(key="ls_w_cap_limit").set_value(limit)
+    at.number_input(key="ls_w_cap_new").set_value(new_tokens)
+    at.number_input(key="ls_w_cap_batch").set_value(batch)
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+
+
 @pytest.fixture(scope="module")
 def captured(app_store) -> str:
     """Session id of a session holding a finished tiny capture and its statistics."""
     at = new_app().run()
-    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
-    at.number_input(key="ls_w_cap_limit").set_value(3)
-    at.number_input(key="ls_w_cap_new").set_value(6)
-    at.number_input(key="ls_w_cap_batch").set_value(2)
-    at.run()
-    at.button(key="ls_cap_start").click().run()
+    start_tiny_capture(at, limit=3, new_tokens=6, batch=2)
     settle(at)
     no_exception(at)
     s = at.session_state["ls_session"]
@@ -135,12 +140,7 @@ def test_capture_run_fills_the_session_and_the_store(app_store, captured):
     table = at.dataframe[-1].value
     assert s.capture_key in list(table["key"])
     # the same capture again is served from the store
-    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
-    at.number_input(key="ls_w_cap_limit").set_value(3)
-    at.number_input(key="ls_w_cap_new").set_value(6)
-    at.number_input(key="ls_w_cap_batch").set_value(2)
-    at.run()
-    at.button(key="ls_cap_start").click().run()
+    start_tiny_capture(at, limit=3, new_tokens=6, batch=2)
     settle(at)
     assert any("served from the store" in c.value for c in at.caption)
     assert at.session_state["ls_session"].capture_key == s.capture_key
@@ -328,12 +328,7 @@ def test_an_imported_session_without_its_capture_shows_its_snapshot(app_store, c
 
 def test_a_running_job_survives_a_refresh_and_can_be_cancelled(app_store):
     at = new_app().run()
-    at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
-    at.number_input(key="ls_w_cap_limit").set_value(60)
-    at.number_input(key="ls_w_cap_new").set_value(64)
-    at.number_input(key="ls_w_cap_batch").set_value(1)
-    at.run()
-    at.button(key="ls_cap_start").click().run()
+    start_tiny_capture(at, limit=60, new_tokens=64, batch=1)
     job = manager().latest(sid(at), "capture")
     assert job is not None and job.view().running
     refreshed = new_app(sid(at)).run()          # the browser reloads the page: a new script session
