@@ -152,8 +152,9 @@ def _no_split(what: str, split: str) -> None:
 
 
 def _sample(items: list, limit: int | None, seed: int) -> list:
-    """All items in order, or `limit` of them drawn by a seeded shuffle (prefix-stable in limit)."""
-    if limit is None or limit >= len(items):
+    """All items in order (no limit), or the first `limit` of a seeded shuffle: prefix-stable in limit,
+    also past the set's size, so a larger limit only ever appends prompts."""
+    if limit is None:
         return list(items)
     order = list(range(len(items)))
     random.Random(seed).shuffle(order)
@@ -552,6 +553,41 @@ def chat_ids(tokenizer, prompt: Prompt, *, turns: int = 1) -> list[int]:
     if ids and isinstance(ids[0], list):   # a batch of one
         ids = ids[0]
     return [int(i) for i in ids]
+
+
+def load_fitting_prompts(spec: str, tokenizer, *, limit: int | None, max_tokens: int | None, seed: int = 0,
+                         split: str = "train", turns: int = 1) -> PromptSet:
+    """`limit` prompts of the seeded sample whose `chat_ids` fit in `max_tokens` tokens.
+
+    A longer prompt is replaced by the next one of the same sample, so asking for 20 gives 20 while
+    the set has them; `warnings` says how many were replaced, `content_hash` covers the prompts kept.
+    """
+    if max_tokens is None:
+        return load_prompts(spec, limit=limit, seed=seed, split=split, turns=turns)
+    want = limit
+    while True:
+        loaded = load_prompts(spec, limit=want, seed=seed, split=split, turns=turns)
+        kept, skipped = [], 0
+        for p in loaded.prompts:
+            if limit is not None and len(kept) == limit:
+                break
+            if len(chat_ids(tokenizer, p, turns=turns)) <= max_tokens:
+                kept.append(p)
+            else:
+                skipped += 1
+        if want is None or len(loaded.prompts) < want or len(kept) == limit:
+            break
+        want += 2 * (limit - len(kept)) + 8
+    if not kept:
+        raise PromptSetError(f"no prompt of {loaded.name} fits in {max_tokens} tokens",
+                             "Raise the prompt-token limit or use another prompt set")
+    warnings = list(loaded.warnings)
+    if skipped:
+        warnings.append(f"left out {skipped} prompts longer than {max_tokens} tokens"
+                        + (", taking the next ones of the sample instead" if limit is not None else ""))
+    if limit is not None and len(kept) < limit:
+        warnings.append(f"only {len(kept)} prompts of {loaded.name} fit in {max_tokens} tokens")
+    return PromptSet(loaded.name, kept, content_hash(kept), warnings)
 
 
 def prompt_preview(prompt_set: PromptSet, n: int = 5) -> list[dict]:

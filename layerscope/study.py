@@ -26,7 +26,7 @@ from layerscope.draft.export import load_draft, read_meta
 from layerscope.draft.train import draft_for
 from layerscope.errors import SelectionError
 from layerscope.metrics.correlation import spearman
-from layerscope.prompts import load_prompts
+from layerscope.prompts import load_fitting_prompts
 from layerscope.store import make_key
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread")
@@ -122,8 +122,9 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
                          progress=lambda u, m=message, i=i: say(StudyProgress("train", m, i, len(sets), u)), **o.train)
         drafts.append(path)
 
-    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.seed)
-    prompts, _skipped = bench.encode(target.tokenizer, prompt_set, o.max_prompt_tokens)
+    prompt_set = load_fitting_prompts(o.prompts, target.tokenizer, limit=o.limit, seed=o.seed,
+                                      max_tokens=o.max_prompt_tokens)
+    prompts, _ = bench.encode(target.tokenizer, prompt_set)
     bench_opts = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
                   "device": str(target.device)}
     results, todo = {}, []

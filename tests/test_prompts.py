@@ -318,6 +318,25 @@ def test_chat_ids_plain_text_without_template():
     assert with_bos == [256] + plain
 
 
+def test_fitting_prompts_replace_long_ones_by_the_next_of_the_sample(tmp_path):
+    lines = [("x" * 40 if i % 3 == 0 else f"short {i}") for i in range(30)]
+    path = write(tmp_path, "mixed.txt", "\n".join(lines))
+    tok = byte_tokenizer()
+    sample = load_prompts(str(path), limit=30, seed=3).prompts           # the whole seeded order
+    fit = P.load_fitting_prompts(str(path), tok, limit=12, max_tokens=20, seed=3)
+    expected = [p for p in sample if len(p.text) <= 20][:12]
+    assert fit.prompts == expected and len(fit) == 12
+    assert fit.content_hash == content_hash(expected)
+    dropped = sum(len(p.text) > 20 for p in sample[:sample.index(expected[-1]) + 1])
+    assert dropped > 0 and fit.warnings == [f"left out {dropped} prompts longer than 20 tokens, "
+                                            "taking the next ones of the sample instead"]
+    assert load_prompts(str(path), limit=5, seed=3).prompts == sample[:5]   # prefix-stable up to the whole set
+    short = P.load_fitting_prompts(str(path), tok, limit=25, max_tokens=20, seed=3)
+    assert len(short) == 20 and short.warnings[-1] == "only 20 prompts of mixed.txt fit in 20 tokens"
+    with pytest.raises(PromptSetError, match="no prompt of mixed.txt fits in 3 tokens"):
+        P.load_fitting_prompts(str(path), tok, limit=5, max_tokens=3)
+
+
 def test_prompt_preview():
     s = load_prompts("builtin")
     rows = prompt_preview(s, n=3)

@@ -41,9 +41,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from layerscope import bench
     from layerscope.draft.export import load_draft, read_meta
-    from layerscope.errors import LayerScopeError, PromptSetError
+    from layerscope.errors import LayerScopeError
     from layerscope.models import load_model
-    from layerscope.prompts import load_prompts
+    from layerscope.prompts import load_fitting_prompts
     from layerscope.specdec import TreeSpec
 
     try:
@@ -59,22 +59,17 @@ def run(args) -> int:
     target = load_model(spec, store=store)
     names = _names(args.draft)
     drafts = [(name, load_draft(path, target)) for name, path in zip(names, args.draft)]
-    prompt_set = load_prompts(args.prompts, limit=args.limit, seed=args.seed,
-                              **({"split": args.split} if args.split else {}))
-    prompts, skipped = bench.encode(target.tokenizer, prompt_set, args.max_prompt_tokens)
-    if not prompts:
-        raise PromptSetError(f"no prompt of {prompt_set.name} fits in {args.max_prompt_tokens} tokens",
-                             "Raise --max-prompt-tokens or use another prompt set")
+    prompt_set = load_fitting_prompts(args.prompts, target.tokenizer, limit=args.limit, seed=args.seed,
+                                      max_tokens=args.max_prompt_tokens,
+                                      **({"split": args.split} if args.split else {}))
+    prompts, _ = bench.encode(target.tokenizer, prompt_set)
     trees = [TreeSpec(args.tree_budget, args.tree_top_k, args.tree_depth)] if args.tree else []
     lineup = bench.build_contenders(drafts, ks=ks, trees=trees, peers=not args.no_peers,
                                     lookup_tokens=args.prompt_lookup)
     eos = target.model.generation_config.eos_token_id
     eos = eos if eos is not None else target.tokenizer.eos_token_id
     pad = target.tokenizer.pad_token_id
-    warnings = list(prompt_set.warnings)
-    if skipped:
-        warnings.append(f"left out {len(skipped)} prompts longer than {args.max_prompt_tokens} tokens")
-    for w in warnings:
+    for w in prompt_set.warnings:
         print(f"warning: {w}", file=sys.stderr)
     report, shown = None, 0.0
     with Progress("bench", unit="run") as bar:
