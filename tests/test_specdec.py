@@ -413,3 +413,44 @@ def test_smollm2_chain_and_tree_are_lossless(smollm2):
             out, events = sd.collect(sd.speculative(model, draft, ids, 16, eos_token_id=eos, **kw))
             assert out == ref, kw
             assert sum(len(e.tokens) for e in events) == len(out)
+
+
+@pytest.fixture(scope="module")
+def smollm2_trained(smollm2, session_store):
+    """A real draft for [2, 15, 27], trained by `draft_for` on a small SmolLM2 capture of 6 builtin prompts
+    (it learns those conversations by heart), with the prompts it was trained on."""
+    from layerscope.capture import capture
+    from layerscope.draft.export import load_draft
+    from layerscope.draft.train import draft_for
+    from layerscope.prompts import load_prompts
+
+    prompts = load_prompts("builtin", limit=6, seed=0)
+    result = capture(smollm2, prompts, session_store, max_new_tokens=32, batch_size=6)
+    path = draft_for(session_store.open_capture(result.key), [2, 15, 27], smollm2, session_store, steps=60,
+                     batch_size=6, seq_len=96, val_fraction=0.0, draft_vocab=2048, lr=3e-3)
+    return load_draft(path, smollm2), prompts
+
+
+@pytest.mark.smollm2
+def test_smollm2_trained_draft_is_lossless_and_accepted(smollm2, smollm2_trained):
+    """Train -> save -> load -> decode on the real target: output equals plain greedy, and on the conversations
+    it was trained on the draft is mostly accepted (a layer-index or alignment slip between training and
+    decoding would leave tau near 1)."""
+    from layerscope.prompts import chat_ids
+
+    draft, prompts = smollm2_trained
+    eos = smollm2.tokenizer.eos_token_id
+    produced = {"chain": 0, "tree": 0}
+    steps = {"chain": 0, "tree": 0}
+    for prompt in prompts.prompts[:3]:
+        ids = chat_ids(smollm2.tokenizer, prompt)
+        ref, _ = sd.collect(sd.autoregressive(smollm2.model, ids, 32, eos_token_id=eos))
+        for name, kw in (("chain", {"k": 4}), ("tree", {"tree": sd.TreeSpec(8, 2, 4)})):
+            out, events = sd.collect(sd.speculative(smollm2.model, draft, ids, 32, eos_token_id=eos, **kw))
+            assert out == ref, (prompt.id, name)
+            assert sum(len(e.tokens) for e in events) == len(out)
+            produced[name] += len(out)
+            steps[name] += len(events)
+    for name in produced:
+        assert produced[name] / steps[name] > 2.0, (name, produced[name] / steps[name])
+
