@@ -62,6 +62,7 @@ class CaptureProgress:
     tokens_done: int           # tokens recorded so far
     tokens_per_s: float        # recorded tokens per second of wall time, generation included
     elapsed_s: float
+    generated: int = 0         # "generate": new tokens generated so far for the current batch (of max_new_tokens)
 
 
 @dataclass
@@ -124,11 +125,14 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
             continue
         if should_stop is not None and should_stop():
             raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
-        report = lambda phase: progress and progress(CaptureProgress(  # noqa: E731
+        report = lambda phase, generated=0: progress and progress(CaptureProgress(  # noqa: E731
             phase, start, len(prompts), tokens_done, tokens_done / max(time.perf_counter() - t0, 1e-9),
-            time.perf_counter() - t0))
+            time.perf_counter() - t0, generated))
         report("generate")
-        responses = generate_responses(loaded, encoded[start:end], opts)
+        responses = generate_responses(loaded, encoded[start:end], opts, on_step=lambda n: report("generate", n),
+                                       should_stop=should_stop)
+        if should_stop is not None and should_stop():     # stopped mid-batch: this batch's responses are cut short
+            raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
         report("record")
         tensors = record(loaded, encoded[start:end], responses, first_conversation=start)
         atomic_save_tensors(partial / chunk_name(start, end), tensors)
@@ -161,9 +165,30 @@ def _chunk_tokens(path: Path) -> int:
 
 # ----------------------------------------------------------------------------- the two passes
 
+class _EveryStep:
+    """A generate() stopping criterion that reports each new token and stops the batch on cancel."""
+
+    def __init__(self, on_step: Callable[[int], None] | None, should_stop: Callable[[], bool] | None):
+        self.on_step, self.should_stop, self.steps = on_step, should_stop, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self.steps)
+        stop = self.should_stop is not None and bool(self.should_stop())
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
-def generate_responses(loaded: LoadedModel, prompts: list[list[int]], opts: CaptureOptions) -> list[list[int]]:
-    """The target's own response to each prompt (left-padded batch), cut after its end-of-sequence token."""
+def generate_responses(loaded: LoadedModel, prompts: list[list[int]], opts: CaptureOptions, *,
+                       on_step: Callable[[int], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> list[list[int]]:
+    """The target's own response to each prompt (left-padded batch), cut after its end-of-sequence token.
+
+    on_step(n) is called after the n-th new token of the batch; should_stop() true ends the batch early
+    (the caller must then discard the cut-short responses)."""
+    from transformers import StoppingCriteriaList
+
     tok, model = loaded.tokenizer, loaded.model
     width = max(len(p) for p in prompts)
     pad = tok.pad_token_id
@@ -176,7 +201,8 @@ def generate_responses(loaded: LoadedModel, prompts: list[list[int]], opts: Capt
     sampling = {"do_sample": True, "temperature": opts.temperature, "top_k": 0, "top_p": 1.0} if opts.temperature > 0 \
         else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     out = model.generate(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
-                         max_new_tokens=opts.max_new_tokens, pad_token_id=pad, eos_token_id=eos or None, **sampling)
+                         max_new_tokens=opts.max_new_tokens, pad_token_id=pad, eos_token_id=eos or None,
+                         stopping_criteria=StoppingCriteriaList([_EveryStep(on_step, should_stop)]), **sampling)
     responses = []
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))

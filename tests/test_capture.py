@@ -91,15 +91,26 @@ def test_second_identical_capture_comes_from_the_store(tiny, session_store, tiny
 def test_cancelled_capture_leaves_no_entry_and_resumes(tiny, store):
     prompts = load_prompts("builtin", limit=4, seed=0)
     calls = []
-    with pytest.raises(CaptureCancelled):
-        capture(tiny, prompts, store, max_new_tokens=4, batch_size=2, should_stop=lambda: len(calls) > 0,
+    with pytest.raises(CaptureCancelled):      # cancelled once the first batch is recorded
+        capture(tiny, prompts, store, max_new_tokens=4, batch_size=2, should_stop=lambda: "record" in calls,
                 progress=lambda p: calls.append(p.phase))
     assert store.list_captures() == []
     phases = []
     result = capture(tiny, prompts, store, max_new_tokens=4, batch_size=2, progress=lambda p: phases.append(p))
     assert not result.cached
-    assert sum(p.phase == "generate" for p in phases) == 1  # only the missing chunk ran
+    assert [p.conversations_done for p in phases if p.phase == "record"] == [2]   # only the missing chunk ran
     assert store.open_capture(result.key).tokens()["conversation"].unique().tolist() == [0, 1, 2, 3]
+
+
+def test_generation_reports_every_token_and_cancels_mid_batch(tiny, store):
+    prompts = load_prompts("builtin", limit=2, seed=0)
+    seen = []
+    with pytest.raises(CaptureCancelled, match="0 of 2 conversations are saved"):
+        capture(tiny, prompts, store, max_new_tokens=16, batch_size=2, progress=seen.append,
+                should_stop=lambda: any(p.generated >= 3 for p in seen))
+    assert [p.generated for p in seen] == [0, 1, 2, 3]           # stopped after the 3rd new token
+    assert store.list_captures() == []
+    assert list((store.root / "captures").glob("*/chunk-*")) == []   # the cut-short batch was not saved
 
 
 def test_interrupted_chunk_write_leaves_no_capture(tiny, store, monkeypatch):

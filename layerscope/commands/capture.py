@@ -37,7 +37,8 @@ def run(args) -> int:
     loaded = load_model(args.model, store=store)
     with Progress("capture", unit="tok", enabled=True) as bar:
         def on_progress(p):
-            bar.update(p.tokens_done, None, phase=p.phase, conv=f"{p.conversations_done}/{p.conversations_total}",
+            phase = f"generate {p.generated}/{args.max_new_tokens}" if p.phase == "generate" else p.phase
+            bar.update(p.tokens_done, None, phase=phase, conv=f"{p.conversations_done}/{p.conversations_total}",
                        tok_s=p.tokens_per_s)
         result = capture(loaded, prompt_set, store, progress=on_progress, limit=args.limit,
                          max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens,

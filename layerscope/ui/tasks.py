@@ -70,11 +70,13 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
         def progress(p):
             total = max(p.conversations_total, 1)
             step = batch_size / total
-            frac = p.conversations_done / total + (0.5 * step if p.phase == "record" else 0.0)
+            within = 0.8 * p.generated / max(max_new_tokens, 1) if p.phase == "generate" else 0.8
+            frac = p.conversations_done / total + step * min(within, 0.8)
             if p.phase == "done":
                 frac = 1.0
             job.update(0.05 + 0.85 * min(frac, 1.0),
-                       f"{p.phase}: {p.conversations_done}/{p.conversations_total} prompts, {p.tokens_done:,} tokens",
+                       f"{p.phase}: {p.conversations_done}/{p.conversations_total} prompts, {p.tokens_done:,} tokens"
+                       + (f" (batch at token {p.generated}/{max_new_tokens})" if p.phase == "generate" and p.generated else ""),
                        tokens=p.tokens_done, tokens_per_s=p.tokens_per_s, conversations=p.conversations_done,
                        conversations_total=p.conversations_total)
 
