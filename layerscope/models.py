@@ -204,6 +204,9 @@ def _download_config(model_id: str, local_error: Exception):
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     try:
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            # huggingface_hub reads this once at import; a later setting must still mean "do not try"
+            raise OSError("HF_HUB_OFFLINE is set")
         return AutoConfig.from_pretrained(model_id)
     except Exception as e:
         raise ModelSpecError(
