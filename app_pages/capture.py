@@ -7,17 +7,15 @@ import streamlit as st
 
 from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import active_session, commit, get_store
+from layerscope.ui.state import commit
+from layerscope.ui.views import page_header
 from layerscope.ui.widgets import fmt_seconds, guard, job_status, poll_interval, show_error, table
 
-s = active_session()
-store = get_store()
+s, store = page_header("Capture hidden states",
+                       "The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
+                       "records the hidden state of every layer 0..N and the predictive entropy of every token. "
+                       "Captures are stored once and reused: the same model, prompts and options come back from the store.")
 manager = get_manager()
-
-st.title("Capture hidden states")
-st.caption("The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
-           "records the hidden state of every layer 0..N and the predictive entropy of every token. "
-           "Captures are stored once and reused: the same model, prompts and options come back from the store.")
 
 for k, v in {"ls_w_cap_model": s.model or "smollm2-135m", "ls_w_cap_source": "builtin", "ls_w_cap_limit": 16,
              "ls_w_cap_new": 48, "ls_w_cap_batch": 8, "ls_w_cap_seed": 0}.items():

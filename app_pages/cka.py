@@ -7,18 +7,15 @@ import streamlit as st
 
 from layerscope import plots
 from layerscope.ui import apply
-from layerscope.ui.state import active_session, commit, get_store
-from layerscope.ui.views import stats_or_progress
+from layerscope.ui.state import commit
+from layerscope.ui.views import page_header, stats_or_progress
 from layerscope.ui.widgets import chart, table
 
-s = active_session()
-store = get_store()
-
-st.title("CKA between layers")
-st.caption("Linear CKA of every pair of layers over the kept tokens (response tokens, attention sinks and "
-           "massive activations excluded, entropy filter as set on the Entropy page). 1 = the two layers carry the "
-           "same information up to rotation and scale. White boxes: compartments, contiguous blocks of similar layers. "
-           "Click a cell or drag a box to pick layers for a hand-made set.")
+s, store = page_header("CKA between layers",
+                       "Linear CKA of every pair of layers over the kept tokens (response tokens, attention sinks and "
+                       "massive activations excluded, entropy filter as set on the Entropy page). 1 = the two layers carry the "
+                       "same information up to rotation and scale. White boxes: compartments, contiguous blocks of similar layers. "
+                       "Click a cell or drag a box to pick layers for a hand-made set.")
 
 stats = stats_or_progress(s, store, key="cka")
 if stats is not None:

@@ -11,17 +11,14 @@ from layerscope import plots
 from layerscope.analysis import AnalysisOptions
 from layerscope.select import default_layers
 from layerscope.ui import apply
-from layerscope.ui.state import active_session, commit, get_store
-from layerscope.ui.views import live_job, stats_or_progress
+from layerscope.ui.state import commit
+from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, job_status, table, wait_briefly
 
-s = active_session()
-store = get_store()
-
-st.title("Matrix entropy per layer")
-st.caption("For each layer, the Rényi entropy of the trace-normalized Gram matrix of its (centered, unit-length) "
-           "token states, in nats: higher means the layer spreads its tokens over more directions. Computed on the "
-           "kept tokens; normalized = entropy / log min(n, d).")
+s, store = page_header("Matrix entropy per layer",
+                       "For each layer, the Rényi entropy of the trace-normalized Gram matrix of its (centered, unit-length) "
+                       "token states, in nats: higher means the layer spreads its tokens over more directions. Computed on the "
+                       "kept tokens; normalized = entropy / log min(n, d).")
 
 opts = {**asdict(AnalysisOptions()), **s.analysis_options}
 with st.form("ls_entropy_form", border=True):

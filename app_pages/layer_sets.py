@@ -8,17 +8,14 @@ import streamlit as st
 from layerscope import plots
 from layerscope import select as sel
 from layerscope.ui import apply
-from layerscope.ui.state import active_session, commit, get_store
-from layerscope.ui.views import stats_or_progress
+from layerscope.ui.state import commit
+from layerscope.ui.views import page_header, stats_or_progress
 from layerscope.ui.widgets import chart, guard, table
 
-s = active_session()
-store = get_store()
-
-st.title("Layer sets")
-st.caption("Each strategy proposes the layers a draft should read; every set, your own included, is scored the same "
-           "way: mean entropy (informative), mean pairwise CKA (redundant), aggregate entropy of the set taken "
-           "together (α = 2, nats; the common score) and the mRMR objective (mean normalized entropy − λ·mean CKA).")
+s, store = page_header("Layer sets",
+                       "Each strategy proposes the layers a draft should read; every set, your own included, is scored the same "
+                       "way: mean entropy (informative), mean pairwise CKA (redundant), aggregate entropy of the set taken "
+                       "together (α = 2, nats; the common score) and the mRMR objective (mean normalized entropy − λ·mean CKA).")
 
 stats = stats_or_progress(s, store, key="sets")
 if stats is not None:

@@ -8,16 +8,14 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import session as sessions
-from layerscope.ui.state import active_session, get_store, switch_to
+from layerscope.ui.state import switch_to
+from layerscope.ui.views import page_header
 from layerscope.ui.widgets import guard, table
 
-s = active_session()
-store = get_store()
-
-st.title("Sessions")
-st.caption("A session is everything on these pages: the capture, analysis options, statistics, layer sets, "
-           "drafts and benchmark results. It is saved as you work; give it a name to list it here. "
-           "Files are JSON + safetensors in one .zip, checked on import; nothing is ever unpickled.")
+s, store = page_header("Sessions",
+                       "A session is everything on these pages: the capture, analysis options, statistics, layer sets, "
+                       "drafts and benchmark results. It is saved as you work; give it a name to list it here. "
+                       "Files are JSON + safetensors in one .zip, checked on import; nothing is ever unpickled.")
 
 
 def share_link(sid: str) -> str:

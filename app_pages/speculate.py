@@ -9,18 +9,15 @@ from layerscope import plots, specdec
 from layerscope.select import default_layers
 from layerscope.ui import tasks
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import active_session, commit, get_store
-from layerscope.ui.views import live_job, stats_or_progress
+from layerscope.ui.state import commit
+from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, table
 
-s = active_session()
-store = get_store()
+s, store = page_header("Speculative decoding",
+                       "The proof of a layer set: train an EAGLE-3 draft that reads those layers, then decode with it and count "
+                       "how many draft tokens the target accepts. Greedy decoding is lossless: the text is exactly what the "
+                       "target alone writes; only the speed changes.")
 manager = get_manager()
-
-st.title("Speculative decoding")
-st.caption("The proof of a layer set: train an EAGLE-3 draft that reads those layers, then decode with it and count "
-           "how many draft tokens the target accepts. Greedy decoding is lossless: the text is exactly what the "
-           "target alone writes; only the speed changes.")
 
 if not s.capture_key:
     st.info("This session has no capture yet: the drafts train on a capture's hidden states. Start on the **Capture** page.",

@@ -63,3 +63,13 @@ def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dic
     elif stats is not None and s.capture_key and not store.has_capture(s.capture_key):
         st.caption(f"Capture {s.capture_key} is not in this store: showing the statistics saved with the session.")
     return stats
+
+
+def page_header(title: str, caption: str):
+    """Every page's opening: its title and one-paragraph caption; returns (the tab's Session, the Store)."""
+    from layerscope.ui.state import active_session, get_store
+
+    s, store = active_session(), get_store()
+    st.title(title)
+    st.caption(caption)
+    return s, store
