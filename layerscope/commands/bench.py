@@ -30,9 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--k", default=str(DEFAULT_K),
                    help=f"chain draft depth; a list like 2,3,4,6 benchmarks each (default {DEFAULT_K})")
     p.add_argument("--tree", action="store_true", help="also decode each draft with an EAGLE-2 tree")
-    p.add_argument("--tree-budget", type=int, default=TreeSpec.budget, help="draft tokens per tree")
-    p.add_argument("--tree-top-k", type=int, default=TreeSpec.top_k, help="children per expanded node")
-    p.add_argument("--tree-depth", type=int, default=TreeSpec.depth, help="tree depth")
+    p.add_argument("--tree-budget", type=int, default=TreeSpec.budget, help="draft tokens verified per tree (default %(default)s)")
+    p.add_argument("--tree-top-k", type=int, default=TreeSpec.top_k, help="children per expanded node (default %(default)s)")
+    p.add_argument("--tree-depth", type=int, default=TreeSpec.depth, help="tree depth (default %(default)s)")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and HF prompt lookup")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for the HF peer")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
