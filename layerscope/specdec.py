@@ -34,11 +34,11 @@ from transformers.cache_utils import DynamicLayer
 from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
 
-# Draft depth of the chain. On 2 CPU cores a 5-token target forward costs ~1.6x a 1-token one
-# (DESIGN.md), so deeper chains pay only while acceptance stays high; 4 is the starting point until
-# measured with a trained draft: `layerscope bench --draft D --k 2,3,4,5,6` picks the fastest
-# (docs/internals.md, "Choosing K").
-DEFAULT_K = 4
+# Draft depth of the chain, chosen by measurement on 2 CPU cores with SmolLM2-135M and drafts trained on
+# CPU budgets (first-position acceptance 0.23-0.27): K=2 gave 0.657x/0.667x of plain decoding, K=4
+# 0.645x/0.647x, on 20 held-out prompts (docs/internals.md, "Choosing K"). Positions 3-4 accepted <4%.
+# A stronger draft moves the best K up: `layerscope bench --draft D --k 2,3,4,5,6` measures it.
+DEFAULT_K = 2
 
 
 @dataclass(frozen=True)

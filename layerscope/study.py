@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from layerscope import bench, select
+from layerscope import bench, select, specdec
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import load_draft, read_meta
 from layerscope.draft.train import draft_for
@@ -45,7 +45,7 @@ class StudyOptions:
     seed: int = 0
     max_new_tokens: int = 64
     max_prompt_tokens: int = 1024
-    depth: int = 4                                     # chain draft depth K
+    depth: int = specdec.DEFAULT_K                     # chain draft depth K
 
 
 @dataclass
