@@ -172,6 +172,8 @@ else:
         } for r in rows]).round(3)
         table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}",
               column_config={"layers": st.column_config.ListColumn("layers")})
+        for w in res.get("warnings") or []:
+            st.caption(f"Note: {w}.")
         bad = [r["name"] for r in rows if r.get("lossless") is False]
         if bad:
             st.error(f"**Outputs differ from plain greedy decoding for {', '.join(bad)}.** This is a bug in the decoder; "

@@ -28,6 +28,8 @@ import torch
 from layerscope import specdec
 from layerscope.specdec import StepEvent, TreeSpec
 
+MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
+
 
 @dataclass(frozen=True)
 class EncodedPrompt:

@@ -44,7 +44,7 @@ class StudyOptions:
     limit: int = 20
     seed: int = 0
     max_new_tokens: int = 64
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = bench.MAX_PROMPT_TOKENS
     depth: int = specdec.DEFAULT_K                     # chain draft depth K
 
 

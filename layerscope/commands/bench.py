@@ -14,6 +14,7 @@ HELP = ("decode the same prompts with each draft, plain decoding, HF generate an
 
 
 def add_arguments(p) -> None:
+    from layerscope import bench
     from layerscope.specdec import DEFAULT_K, TreeSpec
 
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
@@ -26,7 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=20, help="prompts to run (a seeded sample; default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="leave out longer prompts (default 1024)")
+    p.add_argument("--max-prompt-tokens", type=int, default=bench.MAX_PROMPT_TOKENS,
+                   help="leave out longer prompts, taking the next of the sample instead (default %(default)s)")
     p.add_argument("--k", default=str(DEFAULT_K),
                    help=f"chain draft depth; a list like 2,3,4,6 benchmarks each (default {DEFAULT_K})")
     p.add_argument("--tree", action="store_true", help="also decode each draft with an EAGLE-2 tree")

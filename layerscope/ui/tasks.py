@@ -260,10 +260,11 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
         names = [n for n, _ in heads]
         if len(set(names)) != len(names):     # two drafts of one name: tell them apart by their layers
             heads = [(f"{n} {list(h.aux_layers)}", h) for n, h in heads]
-        prompt_set = load_prompt_set(prompts, limit, seed)
-        encoded, skipped = bench.encode(target.tokenizer, prompt_set, None)
-        if not encoded:
-            raise PromptSetError(f"Prompt set {prompts} has no prompts", "Choose another prompt set")
+        from layerscope.prompts import load_fitting_prompts
+
+        prompt_set = load_fitting_prompts(prompts, target.tokenizer, limit=limit, seed=seed,
+                                          max_tokens=bench.MAX_PROMPT_TOKENS)
+        encoded, _ = bench.encode(target.tokenizer, prompt_set)
         lineup = bench.build_contenders(heads, ks=(k,), peers=peers)
         eos = target.model.generation_config.eos_token_id
         eos = eos if eos is not None else target.tokenizer.eos_token_id
@@ -312,7 +313,7 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
         if report is None:
             return None
         out = report.to_json()
-        out["skipped"] = list(skipped)
+        out["warnings"] = list(prompt_set.warnings)
         out["prompt_set"] = prompt_set.name
         out["k"] = k
         out["drafts"] = [{"name": d["name"], "path": d["path"], "layers": d["layers"]} for d in drafts]
