@@ -113,18 +113,11 @@ class BenchProgress:
     report: BenchReport | None = None   # set on the last item only
 
 
-def encode(tokenizer, prompt_set, max_prompt_tokens: int | None = None) -> tuple[list[EncodedPrompt], list[str]]:
-    """Chat-templated ids of each prompt; prompts longer than `max_prompt_tokens` are left out (their ids returned)."""
+def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
+    """Chat-templated ids of each prompt (length caps are applied when loading: prompts.load_fitting_prompts)."""
     from layerscope.prompts import chat_ids
 
-    kept, skipped = [], []
-    for p in prompt_set.prompts:
-        ids = chat_ids(tokenizer, p)
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            skipped.append(p.id)
-        else:
-            kept.append(EncodedPrompt(p.id, p.category, ids))
-    return kept, skipped
+    return [EncodedPrompt(p.id, p.category, chat_ids(tokenizer, p)) for p in prompt_set.prompts]
 
 
 def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] = (specdec.DEFAULT_K,),

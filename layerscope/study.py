@@ -124,7 +124,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
 
     prompt_set = load_fitting_prompts(o.prompts, target.tokenizer, limit=o.limit, seed=o.seed,
                                       max_tokens=o.max_prompt_tokens)
-    prompts, _ = bench.encode(target.tokenizer, prompt_set)
+    prompts = bench.encode(target.tokenizer, prompt_set)
     bench_opts = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
                   "device": str(target.device)}
     results, todo = {}, []

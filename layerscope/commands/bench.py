@@ -64,7 +64,7 @@ def run(args) -> int:
     prompt_set = load_fitting_prompts(args.prompts, target.tokenizer, limit=args.limit, seed=args.seed,
                                       max_tokens=args.max_prompt_tokens,
                                       **({"split": args.split} if args.split else {}))
-    prompts, _ = bench.encode(target.tokenizer, prompt_set)
+    prompts = bench.encode(target.tokenizer, prompt_set)
     trees = [TreeSpec(args.tree_budget, args.tree_top_k, args.tree_depth)] if args.tree else []
     lineup = bench.build_contenders(drafts, ks=ks, trees=trees, peers=not args.no_peers,
                                     lookup_tokens=args.prompt_lookup)

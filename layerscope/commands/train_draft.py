@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
     p.add_argument("--strategy", default=None,
                    help="take the set from selection instead: default | entropy-topk | greedy | aggregate | spread")
     p.add_argument("--k", type=int, default=3, help="layers to select with --strategy")
-    p.add_argument("--steps", type=int, default=None, help="training budget in optimizer steps (default 2000 on a GPU, 300 on a CPU, where 300 steps take 15-20 min)")
+    p.add_argument("--steps", type=int, default=None, help="training budget in optimizer steps (default 2000 on a GPU, 300 on a CPU, where 300 steps take 20-25 min)")
     p.add_argument("--tokens", type=int, default=None, help="training budget in sequence tokens instead of steps")
     p.add_argument("--out", default=None, help="draft directory to write (default: the store, drafts/<key>)")
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps in training (1..7)")

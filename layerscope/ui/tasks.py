@@ -70,8 +70,8 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
         def progress(p):
             total = max(p.conversations_total, 1)
             step = batch_size / total
-            within = 0.8 * p.generated / max(max_new_tokens, 1) if p.phase == "generate" else 0.8
-            frac = p.conversations_done / total + step * min(within, 0.8)
+            within = 0.8 * min(p.generated / max(max_new_tokens, 1), 1.0) if p.phase == "generate" else 0.8
+            frac = p.conversations_done / total + step * within
             if p.phase == "done":
                 frac = 1.0
             job.update(0.05 + 0.85 * min(frac, 1.0),
@@ -264,7 +264,7 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
 
         prompt_set = load_fitting_prompts(prompts, target.tokenizer, limit=limit, seed=seed,
                                           max_tokens=bench.MAX_PROMPT_TOKENS)
-        encoded, _ = bench.encode(target.tokenizer, prompt_set)
+        encoded = bench.encode(target.tokenizer, prompt_set)
         lineup = bench.build_contenders(heads, ks=(k,), peers=peers)
         eos = target.model.generation_config.eos_token_id
         eos = eos if eos is not None else target.tokenizer.eos_token_id
