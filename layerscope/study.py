@@ -181,6 +181,9 @@ def format_study(report: StudyReport) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    o = report.options
+    lines.insert(0, f"capture {report.capture}: {report.prompts} {o.get('prompts')} prompts, {o.get('max_new_tokens')} new "
+                    f"tokens, chain K={o.get('depth')}, {o.get('train', {}).get('steps')} training steps per draft\n")
     lines.append("")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(
         f"{k} {v:+.2f}" if v is not None else f"{k} n/a" for k, v in report.spearman.items()))

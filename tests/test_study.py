@@ -21,7 +21,7 @@ def test_spearman_known_values():
 
 
 def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
-    from layerscope.study import StudyOptions, run_study
+    from layerscope.study import StudyOptions, format_study, run_study
 
     options = StudyOptions(strategies=("default", "greedy", "entropy-topk"), extra_sets=((0, 3),), k=2,
                            train={"steps": 3, "batch_size": 2, "seq_len": 32}, prompts="builtin", limit=2,
@@ -35,6 +35,9 @@ def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
     for r in report.rows:
         assert r.tau is not None and r.tau >= 1.0 and len(r.val_accuracy) == 3
     assert set(report.spearman) == {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1"}
+    text = format_study(report)
+    assert text.startswith(f"capture {tiny_capture.key}: 2 builtin prompts, 6 new tokens, chain K=2, 3 training steps")
+    assert all(",".join(map(str, r.layers)) in text for r in report.rows)
     # a re-run with one more set trains and benchmarks only that one
     again = []
     import itertools
