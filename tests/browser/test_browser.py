@@ -111,6 +111,28 @@ def set_number(page, label: str, value) -> None:
     wait_idle(page)
 
 
+def open_app(browser, server: str, *, timeout_ms: int):
+    """A new tab on the app's first page (Capture), idle and ready."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(timeout_ms)
+    page.goto(server + "/")
+    page.get_by_text("Capture hidden states").wait_for()
+    wait_idle(page)
+    return page
+
+
+def start_tiny_capture(page, *, prompts: int, new_tokens: int, batch: int) -> None:
+    """On the Capture page: choose the tiny model, set the limits, press Start capture."""
+    model = page.get_by_role("textbox", name="Target model")
+    model.fill("tiny-llama")
+    model.press("Enter")
+    wait_idle(page)
+    set_number(page, "Prompts (limit)", prompts)
+    set_number(page, "New tokens per response", new_tokens)
+    set_number(page, "Batch size", batch)
+    page.get_by_role("button", name="Start capture").click()
+
+
 def heatmap_info(page) -> dict:
     return page.evaluate("""() => {
         const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
@@ -135,22 +157,11 @@ def click_cell(page, row: int, col: int) -> None:
 
 
 def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(120_000)
-    page.goto(server + "/")
-    page.get_by_text("Capture hidden states").wait_for()
-    wait_idle(page)
+    page = open_app(browser, server, timeout_ms=120_000)
     session_id = re.search(r"session=([0-9a-f]{12})", page.url).group(1)
 
     # --- capture on the tiny model
-    model = page.get_by_role("textbox", name="Target model")
-    model.fill("tiny-llama")
-    model.press("Enter")
-    wait_idle(page)
-    set_number(page, "Prompts (limit)", 3)
-    set_number(page, "New tokens per response", 8)
-    set_number(page, "Batch size", 3)
-    page.get_by_role("button", name="Start capture").click()
+    start_tiny_capture(page, prompts=3, new_tokens=8, batch=3)
     page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
     wait_idle(page)
     shot(page, "1-capture")
@@ -256,19 +267,8 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
 
 
 def test_a_running_capture_survives_a_refresh_and_cancels(server, browser):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(60_000)
-    page.goto(server + "/")
-    page.get_by_text("Capture hidden states").wait_for()
-    wait_idle(page)
-    model = page.get_by_role("textbox", name="Target model")
-    model.fill("tiny-llama")
-    model.press("Enter")
-    wait_idle(page)
-    set_number(page, "Prompts (limit)", 60)
-    set_number(page, "New tokens per response", 64)
-    set_number(page, "Batch size", 1)
-    page.get_by_role("button", name="Start capture").click()
+    page = open_app(browser, server, timeout_ms=60_000)
+    start_tiny_capture(page, prompts=60, new_tokens=64, batch=1)
     page.locator("[data-testid='stProgress']").first.wait_for()
     page.reload()
     page.locator("[data-testid='stProgress']").first.wait_for()     # still running after the refresh
