@@ -1,15 +1,20 @@
 """Layer statistics of a capture: per-layer matrix entropy, pairwise CKA, depth compartments.
 
-    stats = analyze(cap, store, AnalysisOptions(alpha=1.0, min_entropy=0.5))
+    stats = analyze(cap, store, AnalysisOptions(alpha=1.0, min_entropy=0.5, kernel="linear"))
 
 1. tokens   one pass over the layers for hidden-state norms, then `metrics.tokens.select_tokens`
             (response tokens, no sinks or massive activations, entropy filter, seeded cap);
-2. layers   a second pass reads each layer 0..N at the kept tokens, prepares it once (float64),
-            takes its entropy (dataset level, and the mean over conversations) and stores it
-            float32 in one [n, N+1, d] matrix;
+2. layers   a second pass reads each layer 0..N at the kept tokens, prepares it once (float64) with
+            the `kernel` preparation ("linear": centered columns, standard linear CKA; "cosine":
+            also unit rows), takes its entropy (dataset level, and the mean over conversations)
+            and stores it float32 in one [n, N+1, d] matrix;
 3. pairs    biased and debiased CKA of every pair from that matrix (exact; or low rank with a
             bound when `rank` is set), then contiguous depth compartments of layers 0..N-1.
-The result is a JSON-able `LayerStats`, cached in the store under capture key + options.
+The result is a `LayerStats`, cached in the store under capture key + options (kernel included).
+
+`LayerStats` is the one statistics contract: `to_json`/`from_json` for the store, the CLI and the
+app, `to_arrays`/`from_arrays` (per-layer vectors and matrices as tensors, the rest as JSON) for
+sessions. A new statistic is a new field here (listed in ARRAY_FIELDS when it is an array).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from layerscope.errors import LayerScopeError
 from layerscope.metrics import cka as C
 from layerscope.metrics import entropy as E
 from layerscope.metrics.tokens import OUTLIER_FACTOR, select_tokens
-from layerscope.select import compartments as segment
+from layerscope.store import make_key
+from layerscope.metrics.compartments import compartments as segment
 
-VERSION = 1                  # bump when the statistics change meaning: old cache entries are ignored
+VERSION = 2                  # bump when the statistics change meaning: old cache entries are ignored
 MIN_TOKENS = 8               # fewer kept tokens than this is an error
 MIN_PROMPT_TOKENS = 8        # a conversation enters the per-prompt mean with at least this many kept tokens
 MAX_COMPARTMENTS = 8
@@ -44,10 +50,14 @@ class AnalysisOptions:
     seed: int = 0
     rank: int | None = None             # low-rank CKA (interactive); None = exact
     debiased: bool = True               # also compute debiased CKA
+    kernel: str = "linear"              # token preparation: "linear" (standard CKA) or "cosine" (unit rows)
 
     def validate(self) -> None:
         bad = None
-        if not self.alpha >= 0:
+        if self.kernel not in E.KERNELS:
+            bad = (f"kernel must be one of {', '.join(E.KERNELS)} (got {self.kernel!r})",
+                   "Use --kernel linear (standard linear CKA) or --kernel cosine (row-normalised tokens)")
+        elif not self.alpha >= 0:
             bad = f"alpha must be >= 0 (got {self.alpha})", "Use 1 for von Neumann entropy, 2 for collision entropy"
         elif self.quantile is not None and not 0 <= self.quantile < 1:
             bad = f"quantile must be in [0, 1) (got {self.quantile})", "Pass e.g. --quantile 0.5"
@@ -59,6 +69,11 @@ class AnalysisOptions:
             bad = f"outlier_factor must be > 1 (got {self.outlier_factor})", "Use e.g. 10 (× the median norm)"
         if bad:
             raise LayerScopeError(*bad)
+
+
+# Fields that hold per-layer vectors or layer×layer matrices (None allowed): tensors in a session.
+ARRAY_FIELDS = ("entropy", "entropy_normalized", "entropy2", "entropy_prompt", "entropy_prompt_normalized",
+                "cka", "cka_debiased", "cka_bound", "token_entropy")
 
 
 @dataclass
@@ -91,19 +106,50 @@ class LayerStats:
     key: str = ""
     seconds: float = 0.0
     version: int = VERSION
+    kernel: str = "linear"               # token preparation of entropy and CKA: "linear" or "cosine"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    to_json = to_dict
+
     @classmethod
     def from_dict(cls, d: dict) -> "LayerStats":
+        """From `to_dict` output; unknown keys are ignored. Statistics from before the kernel option
+        (no "kernel" key) were computed on row-normalised tokens, so they read as "cosine"."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs.setdefault("kernel", str((d.get("options") or {}).get("kernel", "cosine")))
+        return cls(**kwargs)
+
+    from_json = from_dict
+
+    def to_arrays(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(arrays, rest): ARRAY_FIELDS that are set as float64 tensors; every other field as JSON."""
+        return split_arrays(self.to_dict())
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, torch.Tensor], rest: dict) -> "LayerStats":
+        return cls.from_dict(join_arrays(arrays, rest))
+
+
+def split_arrays(stats: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A statistics dict -> (ARRAY_FIELDS that are not None as float64 tensors, the other keys)."""
+    arrays = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in stats.items()
+              if k in ARRAY_FIELDS and v is not None}
+    return arrays, {k: v for k, v in stats.items() if k not in arrays}
+
+
+def join_arrays(arrays: dict[str, torch.Tensor], rest: dict) -> dict:
+    """The inverse of `split_arrays`: one plain dict, tensors as (nested) lists of floats."""
+    unknown = set(arrays) - set(ARRAY_FIELDS)
+    if unknown:
+        raise ValueError(f"not layer-statistics arrays: {sorted(unknown)}")
+    return dict(rest) | {k: t.to(torch.float64).tolist() for k, t in arrays.items()}
 
 
 def analysis_key(capture_key: str, options: AnalysisOptions) -> str:
-    from layerscope.store import make_key
-
+    """Cache key: capture, every option (the kernel among them) and VERSION."""
     return make_key({"capture": capture_key, "options": asdict(options), "version": VERSION})
 
 
@@ -150,12 +196,12 @@ def analyze(cap, store=None, options: AnalysisOptions | None = None,
     for l in range(L):
         report(0.1 + 0.5 * l / L, f"entropy of layer {l}/{L - 1}")
         x = cap.layer(l, index)
-        p = E.prepare(x)
+        p = E.prepare(x, options.kernel)
         eigs = E.spectrum(p)
         h.append(E.renyi(eigs, options.alpha))
         hn.append(E.normalized(h[-1], n, d))
         h2.append(E.renyi(eigs, 2.0))
-        per = E.group_entropies(x, groups, options.alpha)
+        per = E.group_entropies(x, groups, options.alpha, options.kernel)
         hp.append(sum(per) / len(per) if per else 0.0)
         hpn.append(sum(E.normalized(v, len(g), d) for v, g in zip(per, groups)) / len(per) if per else 0.0)
         stack[:, l] = p.to(torch.float32)
@@ -180,7 +226,7 @@ def analyze(cap, store=None, options: AnalysisOptions | None = None,
         tokens_total=tok["tokens_total"], tokens_kept=n, outliers_dropped=tok["outliers_dropped"],
         threshold=tok["threshold"], tokens=tok, token_entropy=eligible, prompts_used=len(groups),
         final_state=cap.manifest.get("final_state", "post-norm"), model=str(cap.manifest.get("model", "")),
-        options=asdict(options), key=key, seconds=round(time.perf_counter() - t0, 3),
+        options=asdict(options), key=key, seconds=round(time.perf_counter() - t0, 3), kernel=options.kernel,
     )
     if store is not None:
         store.put_json("analysis", key, stats.to_dict())

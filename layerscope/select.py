@@ -11,6 +11,10 @@ returns a `Selection`. Drafts may read layers 0..N-1 (N is the final state). Str
     spread         cut depth into k contiguous compartments by clustering the CKA matrix, then the
                    most informative layer of each compartment
     manual         a set given by the user
+Controls (for the study: what "better than the default" means against chance; not in `compare`):
+    random         k distinct layers drawn uniformly from 0..N-1 with a seeded generator (`seed`)
+    last-k         the k deepest layers N-k..N-1
+    single         one layer, N-1 (an EAGLE-1-style draft that reads the top of the stack)
 All sets get the same `score_set` explanation and `score` (aggregate entropy, nats), so sets from
 different strategies, hand-picked ones included, are compared on one scale. Ties break toward
 lower layer indices; every strategy is deterministic.
@@ -23,10 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from layerscope.errors import SelectionError
+from layerscope.metrics.compartments import compartment_objective, compartments
 from layerscope.metrics.entropy import aggregate_entropy2
 
 STRATEGIES = ("default", "entropy-topk", "greedy", "aggregate", "spread", "manual")
 AUTOMATIC = STRATEGIES[:-1]
+CONTROLS = ("random", "last-k", "single")
 
 
 @dataclass
@@ -91,6 +97,7 @@ def score_set(stats, layers, lam: float = 0.5) -> dict:
     return {
         "layers": layers,
         "alpha": stats.alpha,
+        "kernel": stats.kernel,
         "entropy": [float(h[l]) for l in layers],
         "entropy_normalized": [float(hn[l]) for l in layers],
         "cka": [[float(v) for v in row] for row in sub],
@@ -165,56 +172,28 @@ def best_aggregate(h2: torch.Tensor, c: torch.Tensor, n: int, k: int) -> list[in
     return sorted(chosen)
 
 
-def compartments(cka, k: int) -> list[list[int]]:
-    """Cut layers 0..M-1 into k contiguous blocks [first, last] by clustering the CKA matrix [M, M].
-
-    Contiguous kernel k-means with CKA as the kernel (a PSD matrix): maximise
-    Σ_blocks (1/|b|) Σ_{i,j∈b} CKA_ij, solved exactly by dynamic programming in O(k·M²).
-    """
-    c = torch.as_tensor(cka, dtype=torch.float64)
-    m = c.shape[0]
-    if not 1 <= k <= m:
-        raise SelectionError(f"Cannot cut {m} layers into {k} compartments", f"Ask for 1..{m}")
-    s = torch.zeros(m + 1, m + 1, dtype=torch.float64)
-    s[1:, 1:] = c.cumsum(0).cumsum(1)
-    a = torch.arange(m)
-    first, last = a[:, None], a[None, :]             # block [first, last]
-    size = (last - first + 1).clamp_min(1)
-    total = s[last + 1, last + 1] - s[first, last + 1] - s[last + 1, first] + s[first, first]
-    gain = torch.where(last >= first, total / size, torch.full_like(total, float("-inf")))
-    best = gain[0].clone()                          # best[e]: layers 0..e in 1 block
-    cut = [[0] * m]                                 # cut[j][e]: start of the last block
-    for _ in range(1, k):
-        new, starts = torch.full_like(best, float("-inf")), [0] * m
-        for e in range(m):
-            for f in range(1, e + 1):               # last block [f, e], earlier blocks cover 0..f-1
-                v = best[f - 1] + gain[f, e]
-                if v > new[e]:
-                    new[e], starts[e] = v, f
-        best = new
-        cut.append(starts)
-    blocks, e = [], m - 1
-    for j in range(k - 1, -1, -1):
-        f = cut[j][e]
-        blocks.append([f, e])
-        e = f - 1
-    return blocks[::-1]
+def random_layers(n: int, k: int, seed: int) -> list[int]:
+    """k distinct layers of 0..n-1, uniformly at random from a generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(int(seed))
+    return sorted(torch.randperm(n, generator=g)[:k].tolist())
 
 
-def compartment_objective(cka, blocks) -> float:
-    """The clustering objective of a segmentation: Σ_blocks mean within-block CKA × |block|."""
-    c = torch.as_tensor(cka, dtype=torch.float64)
-    return float(sum(c[f:e + 1, f:e + 1].sum() / (e - f + 1) for f, e in blocks))
-
-
-def select(stats, strategy: str = "aggregate", k: int = 3, *, lam: float = 0.5, layers=None) -> Selection:
-    """One layer set from `stats` (a LayerStats) by `strategy`; k layers (the default rule has 3)."""
+def select(stats, strategy: str = "aggregate", k: int = 3, *, lam: float = 0.5, layers=None,
+           seed: int = 0) -> Selection:
+    """One layer set from `stats` (a LayerStats) by `strategy`; k layers (the default rule has 3,
+    `single` has 1). `seed` seeds the `random` control."""
     n, h, hn, h2, c = _tensors(stats)
-    if strategy not in STRATEGIES:
-        raise SelectionError(f"Unknown strategy {strategy!r}", f"Use one of {', '.join(STRATEGIES)}")
+    if strategy not in STRATEGIES + CONTROLS:
+        raise SelectionError(f"Unknown strategy {strategy!r}", f"Use one of {', '.join(STRATEGIES + CONTROLS)}")
     if strategy != "manual":
         _check_k(k, n)
-    if strategy == "manual":
+    if strategy in CONTROLS:
+        chosen = {"random": lambda: random_layers(n, k, seed), "last-k": lambda: list(range(n - k, n)),
+                  "single": lambda: [n - 1]}[strategy]()
+        rule = {"random": f"uniform random draw, seed {seed}", "last-k": f"the {k} deepest layers",
+                "single": "one layer, the deepest a draft may read"}[strategy]
+        sel = _selection(stats, strategy, chosen, lam, {"name": f"control: {rule}", "value": None})
+    elif strategy == "manual":
         sel = _selection(stats, strategy, check_layers(layers, n), lam, {"name": "aggregate_entropy", "value": None})
     elif strategy == "default":
         chosen, note = default_layers(n)

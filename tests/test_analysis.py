@@ -64,7 +64,7 @@ def test_one_massive_token_makes_unrelated_layers_look_identical():
     x, y = torch.randn(200, 32, generator=g), torch.randn(200, 32, generator=g)
     x[10] = 300.0
     y[10] = 300.0
-    assert C.cka(x, y) < 0.3                           # `prepare` scales rows: one token has one vote
+    assert C.cka(x, y, kernel="cosine") < 0.3          # the cosine `prepare` scales rows: one token has one vote
     raw = lambda a, b: float((a.T @ b).square().sum() / ((a.T @ a).square().sum() * (b.T @ b).square().sum()).sqrt())
     xc, yc = x - x.mean(0), y - y.mean(0)
     assert raw(xc, yc) > 0.95                          # plain linear CKA is fooled
@@ -116,6 +116,42 @@ def test_stats_are_json_and_cached_by_options(tiny_capture, store):
     assert other.key != stats.key and other.entropy == pytest.approx(stats.entropy2)
 
 
+def test_kernel_is_named_cached_apart_and_matches_its_metrics(tiny_capture, store):
+    linear = analyze(tiny_capture, store, ALL)
+    cosine = analyze(tiny_capture, store, AnalysisOptions(min_entropy=0.0, max_tokens=None, kernel="cosine"))
+    assert linear.kernel == "linear" == linear.options["kernel"] and cosine.kernel == "cosine"
+    assert cosine.key != linear.key and store.get_json("analysis", cosine.key)["kernel"] == "cosine"
+    index, _ = token_index(tiny_capture, ALL)
+    x, y = tiny_capture.layer(0, index), tiny_capture.layer(3, index)
+    assert cosine.cka[0][3] == pytest.approx(C.cka(x, y, kernel="cosine"), abs=1e-6)
+    assert cosine.entropy[3] == pytest.approx(E.matrix_entropy(y, kernel="cosine"), abs=1e-9)
+    assert linear.cka[0][3] == pytest.approx(C.cka(x, y, kernel="linear"), abs=1e-6)
+    assert max(abs(a - b) for a, b in zip(linear.entropy, cosine.entropy)) > 1e-3
+    with pytest.raises(LayerScopeError, match="kernel"):
+        analyze(tiny_capture, None, AnalysisOptions(kernel="rbf"))
+
+
+def test_layer_stats_arrays_round_trip_and_old_stats_read_as_cosine(tiny_capture):
+    from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
+
+    stats = analyze(tiny_capture, None, ALL)
+    arrays, rest = stats.to_arrays()
+    N = stats.num_layers
+    assert set(arrays) == {f for f in ARRAY_FIELDS if getattr(stats, f) is not None}
+    assert arrays["cka"].shape == (N + 1, N + 1) and arrays["entropy"].dtype == torch.float64
+    assert not set(rest) & set(arrays) and rest["kernel"] == "linear"
+    assert LayerStats.from_arrays(arrays, json.loads(json.dumps(rest))) == stats
+    assert LayerStats.from_json(json.loads(json.dumps(stats.to_json()))) == stats
+    old = {k: v for k, v in stats.to_dict().items() if k != "kernel"}
+    old["options"] = {k: v for k, v in old["options"].items() if k != "kernel"}
+    assert LayerStats.from_dict(old).kernel == "cosine"          # before the option, CKA was row-normalised
+    a, r = split_arrays({"entropy": [1.0, 2.0], "cka_bound": None, "alpha": 1.0})
+    assert set(a) == {"entropy"} and r == {"cka_bound": None, "alpha": 1.0}
+    assert join_arrays(a, r) == {"entropy": [1.0, 2.0], "cka_bound": None, "alpha": 1.0}
+    with pytest.raises(ValueError):
+        join_arrays({"nonsense": torch.zeros(2)}, {})
+
+
 def test_lowrank_mode_reports_its_bound(tiny_capture):
     exact = analyze(tiny_capture, None, ALL)
     low = analyze(tiny_capture, None, AnalysisOptions(min_entropy=0.0, max_tokens=None, rank=4))
@@ -164,6 +200,11 @@ def test_cli_text_and_errors(tiny_capture, session_store, capsys):
     base = [tiny_capture.key, "--store", str(session_store.root), "--min-entropy", "0"]
     code, out, _ = run_cli(capsys, "analyze", *base)
     assert code == 0 and "tokens:" in out and "compartments" in out and "linear CKA" in out
+    assert "standard linear CKA" in out and "linear kernel" in out
+    code, out, _ = run_cli(capsys, "analyze", *base, "--kernel", "cosine")
+    assert code == 0 and "cosine-kernel CKA" in out
+    code, out, _ = run_cli(capsys, "analyze", *base, "--kernel", "cosine", "--json")
+    assert code == 0 and json.loads(out)["kernel"] == "cosine" and json.loads(out)["options"]["kernel"] == "cosine"
     code, out, _ = run_cli(capsys, "select", *base, "--compare")
     assert code == 0 and all(s in out for s in ("default", "entropy-topk", "greedy", "aggregate", "spread"))
     code, _, err = run_cli(capsys, "select", *base, "--layers", f"1,{tiny_capture.num_layers}")

@@ -125,3 +125,44 @@ def test_lowrank_at_full_rank_is_exact():
 def test_tail_energy():
     assert C.tail_energy(torch.tensor([3.0, 4.0, 0.0]), 1) == pytest.approx(0.6)   # sqrt(9) / sqrt(9 + 16)
     assert C.tail_energy(torch.tensor([3.0, 4.0]), 2) == 0.0
+
+
+# ---- the two kernels -----------------------------------------------------------------------------
+
+def kornblith_linear_cka(x, y):
+    """Linear CKA exactly as Kornblith et al. (2019) write it, in numpy: centre the columns, then
+    ‖YᵀX‖_F² / (‖XᵀX‖_F ‖YᵀY‖_F); checked against their Gram form with the centring matrix H."""
+    import numpy as np
+
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    feat = np.linalg.norm(yc.T @ xc) ** 2 / (np.linalg.norm(xc.T @ xc) * np.linalg.norm(yc.T @ yc))
+    n = x.shape[0]
+    h = np.eye(n) - np.ones((n, n)) / n
+    k, l = h @ (x @ x.T) @ h, h @ (y @ y.T) @ h
+    gram = np.sum(k * l) / np.sqrt(np.sum(k * k) * np.sum(l * l))
+    assert abs(feat - gram) < 1e-10
+    return float(feat)
+
+
+@pytest.mark.parametrize("n,d", [(80, 12), (15, 40)])
+def test_standard_linear_cka_matches_numpy_kornblith(n, d):
+    x, y = correlated_layers(2, n, d, seed=21)
+    x = x * 3 + 5.0                                       # uncentered, unscaled: the formula centres
+    y[0] *= 40                                            # one large-norm token: no row normalisation
+    want = kornblith_linear_cka(x.numpy(), y.numpy())
+    assert C.cka(x, y) == pytest.approx(want, abs=1e-10)                  # the default kernel
+    assert C.cka(x, y, kernel="linear") == pytest.approx(want, abs=1e-10)
+    res = C.cka_matrix([x, y], debiased=False)
+    assert float(res.biased[0, 1]) == pytest.approx(want, abs=1e-6)
+    # the cosine kernel is Kornblith's formula on row-normalised centred tokens, and differs here
+    unit = lambda z: (z - z.mean(0)) / (z - z.mean(0)).norm(dim=1, keepdim=True)   # noqa: E731
+    cos = kornblith_linear_cka(unit(x).numpy(), unit(y).numpy())
+    assert C.cka(x, y, kernel="cosine") == pytest.approx(cos, abs=1e-10)
+    assert abs(cos - want) > 0.01
+
+
+def test_unknown_kernel_is_refused():
+    x = rand(10, 4, 1)
+    with pytest.raises(ValueError, match="kernel"):
+        C.cka(x, x, kernel="rbf")

@@ -93,14 +93,31 @@ def test_alpha2_is_minus_log_purity():
     assert E.matrix_entropy(p, 2.0, prepared=True) == pytest.approx(-math.log(float((k @ k).trace())), abs=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["linear", "cosine"])
 @pytest.mark.parametrize("n,d", [(120, 16), (10, 24)])
-def test_alpha2_aggregate_identity(n, d):
+def test_alpha2_aggregate_identity(n, d, kernel):
     zs = correlated_layers(4, n, d, seed=8)
+    zs[1] = zs[1] * torch.linspace(0.2, 5, n, dtype=torch.float64)[:, None]   # unequal token norms
     for subset in ([0], [0, 1], [0, 2, 3], [0, 1, 2, 3]):
-        direct = E.aggregate_entropy([zs[i] for i in subset], alpha=2.0)
-        h2 = torch.tensor([E.matrix_entropy(zs[i], 2.0) for i in subset], dtype=torch.float64)
-        cka = torch.tensor([[C.cka(zs[i], zs[j]) for j in subset] for i in subset], dtype=torch.float64)
+        direct = E.aggregate_entropy([zs[i] for i in subset], alpha=2.0, kernel=kernel)
+        h2 = torch.tensor([E.matrix_entropy(zs[i], 2.0, kernel=kernel) for i in subset], dtype=torch.float64)
+        cka = torch.tensor([[C.cka(zs[i], zs[j], kernel=kernel) for j in subset] for i in subset],
+                           dtype=torch.float64)
         assert E.aggregate_entropy2(h2, cka) == pytest.approx(direct, abs=1e-10)
+    # the preparation matters: mixing cosine entropies with linear CKA breaks the identity
+    if kernel == "linear":
+        h2c = torch.tensor([E.matrix_entropy(z, 2.0, kernel="cosine") for z in zs[:2]], dtype=torch.float64)
+        ckal = torch.tensor([[C.cka(a, b) for b in zs[:2]] for a in zs[:2]], dtype=torch.float64)
+        assert abs(E.aggregate_entropy2(h2c, ckal) - E.aggregate_entropy(zs[:2], 2.0)) > 1e-3
+
+
+def test_linear_preparation_only_centres():
+    z = decaying(30, 8, seed=12) + 4.0
+    p = E.prepare(z)
+    assert torch.allclose(p, z - z.mean(0), atol=1e-12)
+    c = E.prepare(z, "cosine")
+    assert torch.allclose(c.mean(0), torch.zeros(8, dtype=torch.float64), atol=1e-12)
+    assert not torch.allclose(c.norm(dim=1), p.norm(dim=1))
 
 
 def test_aggregate_of_identical_layers_is_the_layer_and_grows_with_new_information():

@@ -22,6 +22,9 @@ def add_analysis_arguments(p) -> None:
                    help="drop tokens whose norm at some layer exceeds this × the median (0: keep them)")
     p.add_argument("--rank", type=int, default=None, help="low-rank CKA with an error bound (faster); default exact")
     p.add_argument("--seed", type=int, default=0, help="seed of the token subsample")
+    p.add_argument("--kernel", choices=("linear", "cosine"), default="linear",
+                   help="token preparation of entropy and CKA: linear = standard linear CKA (Kornblith et al. 2019, "
+                        "centred columns; default), cosine = tokens scaled to unit length first")
 
 
 def options_from_args(args):
@@ -29,7 +32,8 @@ def options_from_args(args):
 
     return AnalysisOptions(alpha=args.alpha, min_entropy=args.min_entropy, quantile=args.quantile,
                            response_only=not args.all_tokens, outlier_factor=args.outlier_factor or None,
-                           max_tokens=args.max_tokens or None, seed=args.seed, rank=args.rank)
+                           max_tokens=args.max_tokens or None, seed=args.seed, rank=args.rank,
+                           kernel=args.kernel)
 
 
 def load_stats(args):
@@ -58,6 +62,11 @@ def token_line(stats) -> str:
             f"{t.get('low_entropy_dropped', 0)} below the entropy threshold {rule}{stats.threshold:.3g} nats{cap})")
 
 
+def kernel_name(kernel: str) -> str:
+    return {"linear": "standard linear CKA (centred columns)",
+            "cosine": "cosine-kernel CKA (linear CKA of unit-length tokens)"}.get(kernel, f"CKA ({kernel})")
+
+
 def print_matrix(m, fmt: str = "{:5.2f}") -> None:
     n = len(m)
     print("      " + "".join(f"{j:>5d}" for j in range(n)))
@@ -76,7 +85,7 @@ def run(args) -> int:
     print(f"capture {stats.capture_key} ({stats.model}): layers 0..{N}, d={stats.hidden_size}; "
           f"layer {N} is the final state ({stats.final_state}), drafts read 0..{N - 1}")
     print(token_line(stats))
-    print(f"\nmatrix entropy, Rényi α={stats.alpha:g} (nats); normalized by log min(n, d); "
+    print(f"\nmatrix entropy, Rényi α={stats.alpha:g}, {stats.kernel} kernel (nats); normalized by log min(n, d); "
           f"per-prompt = mean over {stats.prompts_used} conversations")
     print(f"{'layer':>5}  {'entropy':>8}  {'normalized':>10}  {'per-prompt':>10}")
     for l in range(N + 1):
@@ -85,7 +94,7 @@ def run(args) -> int:
     print(f"\ncompartments of layers 0..{N - 1} (contiguous clusters of the CKA matrix): {blocks}")
     note = "" if stats.cka_bound is None else \
         f", low rank: error at most {max(max(r) for r in stats.cka_bound):.3g}"
-    print(f"\nlinear CKA (biased, {stats.cka_route}{note}):")
+    print(f"\n{kernel_name(stats.kernel)} (biased, {stats.cka_route}{note}):")
     print_matrix(stats.cka)
     print(f"\n({stats.seconds:.1f} s to compute; cached as analysis {stats.key})")
     return 0

@@ -1,10 +1,17 @@
 """Linear CKA between layers: how redundant two layers' token representations are.
 
-All inputs are prepared token matrices P [n, d] (see `entropy.prepare`: centered, unit rows,
-centered again), so the Grams K = P Pᵀ are centered and
+All inputs are prepared token matrices P [n, d] (see `entropy.prepare`), so the Grams K = P Pᵀ are
+centered and
     biased CKA(i, j) = tr(K_i K_j) / sqrt(tr K_i² · tr K_j²),   tr(K_i K_j) = ‖P_iᵀ P_j‖_F²
 (the feature-space form, O(n·d²), instead of O(n²·d) with n×n Grams). The debiased estimator
 replaces each tr(K K') with the unbiased HSIC of Song et al. (2012), also in feature space.
+
+Two token preparations (`kernel`):
+- "linear" (default): centered columns only. This is standard linear CKA (Kornblith et al. 2019),
+  what torch_cka and most papers report.
+- "cosine": centered columns, unit rows, centered again: linear CKA on row-normalised tokens (a
+  cosine kernel). LayerScope's only convention before; less sensitive to a few huge-norm tokens.
+The two can differ a lot (on SmolLM2 by 0.2 on average over layer pairs), so every result names its kernel.
 
 Three ways to get every pair of L layers:
 - `cka` per pair, float64: the straightforward reference.
@@ -23,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from layerscope.metrics.entropy import prepare
+from layerscope.metrics.entropy import check_kernel, prepare
 
 
 @dataclass
@@ -65,11 +72,13 @@ def _ratio(num: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
 
 
-def cka(x: torch.Tensor, y: torch.Tensor, debiased: bool = False, prepared: bool = False) -> float:
-    """Linear CKA of two layers' tokens x [n, d1], y [n, d2] (same tokens, same order), float64."""
+def cka(x: torch.Tensor, y: torch.Tensor, debiased: bool = False, prepared: bool = False,
+        kernel: str = "linear") -> float:
+    """Linear CKA of two layers' tokens x [n, d1], y [n, d2] (same tokens, same order), float64,
+    under the `kernel` token preparation ("linear": standard; "cosine": row-normalised)."""
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x and y must hold the same tokens: {x.shape[0]} != {y.shape[0]} rows")
-    p, q = (x, y) if prepared else (prepare(x), prepare(y))
+    p, q = (x, y) if prepared else (prepare(x, kernel), prepare(y, kernel))
     p, q = p.to(torch.float64), q.to(torch.float64)
     n = p.shape[0]
     if not debiased:
@@ -147,9 +156,10 @@ def cka_all_pairs(p: torch.Tensor, debiased: bool = True, block: int = 4096, rou
     return result
 
 
-def cka_matrix(layers, debiased: bool = True, block: int = 4096) -> CKAResult:
+def cka_matrix(layers, debiased: bool = True, block: int = 4096, kernel: str = "linear") -> CKAResult:
     """All-pairs CKA from raw layers: a list of [n, d] tensors or a tensor [L, n, d]."""
-    p = torch.stack([prepare(z).to(torch.float32) for z in layers], dim=1)
+    check_kernel(kernel)
+    p = torch.stack([prepare(z, kernel).to(torch.float32) for z in layers], dim=1)
     return cka_all_pairs(p, debiased=debiased, block=block)
 
 

@@ -1,12 +1,16 @@
 """Matrix entropy of a layer: how many directions its token representations really use.
 
 For a token matrix Z [n, d] of one layer:
-    P = prepare(Z)                   center columns, scale rows to unit length, center again (float64)
+    P = prepare(Z, kernel)           the token preparation, float64:
+        "linear"  center columns (standard linear CKA, Kornblith et al. 2019: K = Z̃ Z̃ᵀ)
+        "cosine"  center columns, scale rows to unit length, center again (a cosine kernel: every
+                  token gets one vote, so a few huge-norm tokens cannot dominate the Gram)
     K = P Pᵀ / tr(P Pᵀ)              trace-normalized Gram [n, n]; eigenvalues λ ≥ 0 sum to 1
     S_α = log(Σ λ^α) / (1 - α)       Rényi entropy in nats; α = 1 is the von Neumann limit -Σ λ log λ
     S_α / log min(n, d)              normalized entropy in [0, 1]
 When n > d the spectrum comes from the d×d covariance Pᵀ P (same nonzero eigenvalues, cheaper).
-Because P is centered, K is already centered, so CKA on prepared matrices needs no further centering.
+Both preparations end with centered columns, so K is already centered and CKA on prepared matrices
+needs no further centering; entropy and CKA must use the same preparation for the identity below.
 
 Aggregate entropy of a layer set: the entropy of the concatenation [P_1/‖P_1‖, ..., P_k/‖P_k‖]
 (each block scaled to unit trace, so no layer dominates by norm); its Gram is the mean of the K_i.
@@ -21,12 +25,26 @@ import math
 import torch
 
 
-def prepare(z: torch.Tensor) -> torch.Tensor:
-    """[n, d] any float -> [n, d] float64: centered columns, unit rows, centered columns again."""
+KERNELS = ("linear", "cosine")   # token preparations; "linear" is standard linear CKA and the default
+
+
+def check_kernel(kernel: str) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
+    return kernel
+
+
+def prepare(z: torch.Tensor, kernel: str = "linear") -> torch.Tensor:
+    """[n, d] any float -> [n, d] float64 with centered columns.
+
+    "linear": centered columns only. "cosine": centered columns, unit rows, centered columns again.
+    """
+    check_kernel(kernel)
     p = z.to(torch.float64, copy=True)
     p -= p.mean(0, keepdim=True)
-    p /= p.norm(dim=1, keepdim=True).clamp_min(1e-300)   # an all-zero row stays zero
-    p -= p.mean(0, keepdim=True)
+    if kernel == "cosine":
+        p /= p.norm(dim=1, keepdim=True).clamp_min(1e-300)   # an all-zero row stays zero
+        p -= p.mean(0, keepdim=True)
     return p
 
 
@@ -74,13 +92,15 @@ def renyi(eigs: torch.Tensor, alpha: float = 1.0) -> float:
     return float(torch.logsumexp(alpha * log, 0) / (1.0 - alpha))
 
 
-def matrix_entropy(z: torch.Tensor, alpha: float = 1.0, route: str = "auto", prepared: bool = False) -> float:
-    """Rényi matrix entropy (nats) of one layer's tokens Z [n, d]."""
-    p = z if prepared else prepare(z)
+def matrix_entropy(z: torch.Tensor, alpha: float = 1.0, route: str = "auto", prepared: bool = False,
+                   kernel: str = "linear") -> float:
+    """Rényi matrix entropy (nats) of one layer's tokens Z [n, d] under the `kernel` preparation."""
+    p = z if prepared else prepare(z, kernel)
     return renyi(spectrum(p, route), alpha)
 
 
-def group_entropies(z: torch.Tensor, groups: list[torch.Tensor], alpha: float = 1.0) -> list[float]:
+def group_entropies(z: torch.Tensor, groups: list[torch.Tensor], alpha: float = 1.0,
+                    kernel: str = "linear") -> list[float]:
     """Entropy (nats) of each group of rows of z [n, d] (e.g. one conversation's tokens), each group
     prepared on its own. Batched: groups are padded with zero rows, which add only zero eigenvalues."""
     if not groups:
@@ -88,7 +108,7 @@ def group_entropies(z: torch.Tensor, groups: list[torch.Tensor], alpha: float = 
     m, d = max(len(g) for g in groups), z.shape[1]
     batch = torch.zeros(len(groups), m, d, dtype=torch.float64, device=z.device)
     for i, g in enumerate(groups):
-        batch[i, :len(g)] = prepare(z[g])
+        batch[i, :len(g)] = prepare(z[g], kernel)
     grams = batch @ batch.mT if m <= d else batch.mT @ batch
     ev = torch.linalg.eigvalsh(grams)
     return [renyi(_clean(ev[i], max(m, d)), alpha) for i in range(len(groups))]
@@ -111,9 +131,10 @@ def concat_unit_trace(ps: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p / p.norm().clamp_min(1e-300) for p in ps], dim=1)
 
 
-def aggregate_entropy(zs: list[torch.Tensor], alpha: float = 1.0, prepared: bool = False) -> float:
+def aggregate_entropy(zs: list[torch.Tensor], alpha: float = 1.0, prepared: bool = False,
+                      kernel: str = "linear") -> float:
     """Entropy (nats) of a layer set: the matrix entropy of its unit-trace blocks side by side."""
-    ps = [z if prepared else prepare(z) for z in zs]
+    ps = [z if prepared else prepare(z, kernel) for z in zs]
     return renyi(spectrum(concat_unit_trace(ps)), alpha)
 
 
@@ -122,6 +143,7 @@ def aggregate_entropy2(h2: torch.Tensor, cka: torch.Tensor) -> float:
 
     K_S = (1/k) Σ K_i, and tr(K_i K_j) = CKA_ij · exp(-(H2_i + H2_j)/2) because H2_i = -log tr(K_i²), so
         H2(S) = -log( (1/k²) Σ_ij CKA_ij exp(-(H2_i + H2_j)/2) ).
+    Holds for either kernel as long as the entropies and the CKA come from the same preparation.
     """
     h2 = torch.as_tensor(h2, dtype=torch.float64)
     c = torch.as_tensor(cka, dtype=torch.float64).clone()
