@@ -14,21 +14,54 @@ accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregres
 Prompts are the outer loop, so a change in machine load touches every contender alike.
 
 `run(...)` is a generator of `BenchProgress` (live stats for a progress bar or the app); the last
-item carries the `BenchReport`.
+item carries the `BenchReport`. The set-up around it lives here once, for the CLI, the study and the
+app alike: `fitting_prompts` (the seeded sample whose prompts fit, chat-encoded), `load_drafts`
+(distinct contender names), `contenders_for` (the line-up a `BenchOptions` asks for),
+`stop_tokens` (EOS and pad) and `measure` (run to the report, progress through a callback).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from layerscope import specdec
+from layerscope.draft.export import load_draft
+from layerscope.errors import LayerScopeError
+from layerscope.prompts import PromptSet, chat_ids, load_fitting_prompts
 from layerscope.specdec import StepEvent, TreeSpec
 
 MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
+
+
+@dataclass
+class BenchOptions:
+    """What a benchmark decodes and with which contenders: the one source of the bench defaults."""
+
+    model: str | None = None         # target spec; None: the one the first draft was trained for, else smollm2-135m
+    prompts: str = "sharegpt-heldout"
+    split: str | None = None         # train | heldout (ShareGPT only); None: the prompt set's own
+    limit: int = 20                  # prompts to run (a seeded sample)
+    seed: int = 0
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS   # longer prompts are replaced by the next of the sample
+    ks: tuple[int, ...] = (specdec.DEFAULT_K,)   # chain depths, each a contender per draft
+    trees: tuple[TreeSpec, ...] = ()             # EAGLE-2 trees, each a contender per draft
+    peers: bool = True               # HF generate and HF prompt lookup
+    lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
+
+    def validate(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise LayerScopeError(f"chain depths {list(self.ks)} are not positive integers", "Write it like --k 4 or --k 2,3,4")
+        if self.max_new_tokens < 1:
+            raise LayerScopeError("--max-new-tokens must be at least 1", "Pass --max-new-tokens 1 or more")
+        if self.limit < 1:
+            raise LayerScopeError(f"--limit must be at least 1 (got {self.limit})", "Pass --limit 1 or more")
 
 
 @dataclass(frozen=True)
@@ -115,8 +148,6 @@ class BenchProgress:
 
 def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
     """Chat-templated ids of each prompt (length caps are applied when loading: prompts.load_fitting_prompts)."""
-    from layerscope.prompts import chat_ids
-
     return [EncodedPrompt(p.id, p.category, chat_ids(tokenizer, p)) for p in prompt_set.prompts]
 
 
@@ -134,6 +165,58 @@ def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] 
         out.append(Contender("hf-prompt-lookup", "hf-prompt-lookup", f"prompt lookup n={lookup_tokens}",
                              lookup_tokens=lookup_tokens))
     return out
+
+
+def fitting_prompts(tokenizer, o: BenchOptions) -> tuple[PromptSet, list[EncodedPrompt]]:
+    """The options' seeded sample of prompts that fit in `o.max_prompt_tokens`, and their encodings."""
+    prompt_set = load_fitting_prompts(o.prompts, tokenizer, limit=o.limit, seed=o.seed, max_tokens=o.max_prompt_tokens,
+                                      **({"split": o.split} if o.split else {}))
+    return prompt_set, encode(tokenizer, prompt_set)
+
+
+def unique_names(names: Sequence[str], heads: Sequence) -> list[str]:
+    """Contender names for drafts: each as given; a name given twice gets the draft's layers, and a pair
+    still alike (same name, same layers) gets its position: "low", "d [1, 2]", "d [1, 2]#3"."""
+    names = [n if names.count(n) == 1 else f"{n} {list(h.aux_layers)}" for n, h in zip(names, heads)]
+    return [f"{n}#{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def folder_names(paths: Sequence) -> list[str]:
+    """Names for draft directories: their folder names."""
+    return [Path(p).resolve().name or "draft" for p in paths]
+
+
+def load_drafts(target, named: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+    """(name, path) pairs -> (unique contender name, DraftHead checked against `target`, on its device)."""
+    heads = [load_draft(path, target) for _, path in named]
+    return list(zip(unique_names([n for n, _ in named], heads), heads))
+
+
+def contenders_for(drafts: Sequence[tuple[str, object]], o: BenchOptions) -> list[Contender]:
+    """The line-up `o` asks for: autoregressive, each draft under each of o.ks and o.trees, the HF peers."""
+    return build_contenders(drafts, ks=o.ks, trees=o.trees, peers=o.peers, lookup_tokens=o.lookup_tokens)
+
+
+def stop_tokens(target) -> tuple[object, int | None]:
+    """(eos, pad) for decoding `target`: EOS from its generation config, else its tokenizer's (an id or a
+    list of ids); pad from the tokenizer, else the EOS id when there is a single one."""
+    eos = target.model.generation_config.eos_token_id
+    eos = eos if eos is not None else target.tokenizer.eos_token_id
+    pad = target.tokenizer.pad_token_id
+    return eos, pad if pad is not None else (eos if isinstance(eos, int) else None)
+
+
+def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], max_new_tokens: int,
+            progress: Callable[[BenchProgress], None] | None = None, warmup: bool = True) -> BenchReport:
+    """`run` to the end with `target`'s stop tokens: every live BenchProgress to `progress`, the report returned."""
+    eos, pad = stop_tokens(target)
+    for p in run(target.model, prompts, contenders, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                 pad_token_id=pad, warmup=warmup):
+        if p.report is not None:
+            return p.report
+        if progress is not None:
+            progress(p)
+    raise AssertionError("bench.run ended without a report")
 
 
 def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], *, max_new_tokens: int = 64,
@@ -214,8 +297,6 @@ def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_
     generate fills unset options from `model.generation_config` (a repetition penalty, say), so that
     config is swapped for a bare one for the call: the peer decodes exactly greedily, like ours.
     """
-    from transformers import GenerationConfig
-
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               prompt_lookup_num_tokens=lookup_tokens or None)

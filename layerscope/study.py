@@ -22,11 +22,10 @@ from dataclasses import asdict, dataclass, field
 
 from layerscope import bench, select, specdec
 from layerscope.analysis import AnalysisOptions, analyze
-from layerscope.draft.export import load_draft, read_meta
+from layerscope.draft.export import read_meta
 from layerscope.draft.train import draft_for
 from layerscope.errors import SelectionError
 from layerscope.metrics.correlation import spearman
-from layerscope.prompts import load_fitting_prompts
 from layerscope.store import make_key
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread")
@@ -39,13 +38,20 @@ class StudyOptions:
     extra_sets: tuple[tuple[int, ...], ...] = ()      # hand-picked sets (--layers), studied as "manual"
     k: int = 3
     lam: float = 0.5
-    train: dict = field(default_factory=lambda: {"steps": 300})   # draft.train.TrainOptions fields
+    train: dict = field(default_factory=dict)   # draft.train.TrainOptions fields; workflow.study adds the
+                                                 # device's default steps (workflow.default_train_steps) when none
     prompts: str = "sharegpt-heldout"
     limit: int = 20
     seed: int = 0
     max_new_tokens: int = 64
     max_prompt_tokens: int = bench.MAX_PROMPT_TOKENS
     depth: int = specdec.DEFAULT_K                     # chain draft depth K
+
+    def bench_options(self) -> bench.BenchOptions:
+        """The benchmark of the study: these prompts, one chain of depth K per draft, no HF peers."""
+        return bench.BenchOptions(prompts=self.prompts, limit=self.limit, seed=self.seed,
+                                  max_new_tokens=self.max_new_tokens, max_prompt_tokens=self.max_prompt_tokens,
+                                  ks=(self.depth,), peers=False)
 
 
 @dataclass
@@ -122,38 +128,30 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
                          progress=lambda u, m=message, i=i: say(StudyProgress("train", m, i, len(sets), u)), **o.train)
         drafts.append(path)
 
-    prompt_set = load_fitting_prompts(o.prompts, target.tokenizer, limit=o.limit, seed=o.seed,
-                                      max_tokens=o.max_prompt_tokens)
-    prompts = bench.encode(target.tokenizer, prompt_set)
-    bench_opts = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
-                  "device": str(target.device)}
+    bench_options = o.bench_options()
+    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options)
+    cache = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
+             "device": str(target.device)}
+    baseline_key = make_key({"autoregressive": target.fingerprint, **cache})
     results, todo = {}, []
     for path in drafts:
-        key = make_key({"draft": read_meta(path).get("key", str(path)), **bench_opts})
+        key = make_key({"draft": read_meta(path).get("key", str(path)), **cache})
         cached = store.get_json("study-bench", key)
         if cached is not None:
             results[str(path)] = cached
         else:
             todo.append((path, key))
-    baseline = store.get_json("study-bench", make_key({"autoregressive": target.fingerprint, **bench_opts}))
+    baseline = store.get_json("study-bench", baseline_key)
     if todo:
-        contenders = bench.build_contenders([(str(p), load_draft(p, target)) for p, _ in todo], ks=(o.depth,),
-                                            peers=False)
-        eos = target.model.generation_config.eos_token_id
-        report = None
-        for p in bench.run(target.model, prompts, contenders, max_new_tokens=o.max_new_tokens,
-                           eos_token_id=eos if eos is not None else target.tokenizer.eos_token_id,
-                           pad_token_id=target.tokenizer.pad_token_id):
-            if p.report is not None:
-                report = p.report
-            else:
-                say(StudyProgress("bench", f"benchmark: {p.contender}", detail=p))
+        heads = bench.load_drafts(target, [(str(p), p) for p, _ in todo])
+        report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
+                               progress=lambda p: say(StudyProgress("bench", f"benchmark: {p.contender}", detail=p)))
         by_name = {r["name"]: r for r in report.results}
         for path, key in todo:
             results[str(path)] = by_name[str(path)]
             store.put_json("study-bench", key, by_name[str(path)])
         baseline = by_name["autoregressive"]
-        store.put_json("study-bench", make_key({"autoregressive": target.fingerprint, **bench_opts}), baseline)
+        store.put_json("study-bench", baseline_key, baseline)
 
     rows = []
     for (layers, strategies), path in zip(sets, drafts):

@@ -11,7 +11,18 @@ import hashlib
 import time
 from pathlib import Path
 
+from layerscope import workflow
+from layerscope.bench import BenchOptions, Tally
 from layerscope.errors import LayerScopeError, PromptSetError
+from layerscope.ui.models import get_model, is_loaded
+
+
+def load_in_job(job, spec: str, store):
+    """workflow's `load` for a job: the model from the app's per-process cache, saying so on the job."""
+    job.update(None, f"loading model {spec}" + ("" if is_loaded(spec) else " (first load can take ~20 s)"))
+    target = get_model(spec, store)
+    job.check_cancel()
+    return target
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -238,83 +249,69 @@ class _LiveText:
                 self.pieces.append((piece, kind))
 
 
+class _BenchLive:
+    """bench.BenchProgress -> the job's live metrics: running τ and tokens/s, acceptance per draft
+    position (a bench.Tally per contender), the text of the run being decoded."""
+
+    def __init__(self, job):
+        self.job, self.tokenizer = job, None
+        self.live: dict[str, dict] = {}
+        self.tallies: dict[str, Tally] = {}
+        self.text, self.text_key = None, None
+
+    def __call__(self, p) -> None:
+        job, e = self.job, p.event
+        job.check_cancel()
+        if p.tau is not None:
+            self.live[p.contender] = {"tau": p.tau, "tokens_per_s": p.tokens_per_s}
+        if e is not None:
+            if e.step > 0:
+                job.push(f"tau:{p.contender}", len(e.tokens))
+                self.tallies.setdefault(p.contender, Tally()).add_event(e)
+            if (p.prompt_index, p.contender) != self.text_key:
+                self.text, self.text_key = _LiveText(self.tokenizer), (p.prompt_index, p.contender)
+            self.text.add(e.tokens, e.accepted)
+        base = (self.live.get("autoregressive") or {}).get("tokens_per_s")
+        cur = self.live.get(p.contender, {})
+        frac = (p.runs_done + (0.5 if e is not None else 0.0)) / max(p.runs_total, 1)
+        job.update(0.02 + 0.98 * min(frac, 1.0),
+                   f"{p.contender}: prompt {p.prompt_index + 1}/{p.prompts_total}"
+                   + (f" · τ {cur['tau']:.2f}" if cur.get("tau") else ""),
+                   contender=p.contender, prompt=p.prompt_index + 1, prompts_total=p.prompts_total,
+                   live={name: dict(v) for name, v in self.live.items()},
+                   speedup=(cur.get("tokens_per_s") / base) if base and cur.get("tokens_per_s") else None,
+                   step_tau=len(e.tokens) if e is not None and e.step > 0 else None,
+                   acceptance={name: {"drafted": list(t.drafted_at), "accepted": list(t.accepted_at)}
+                               for name, t in self.tallies.items()},
+                   text=list(self.text.pieces) if self.text is not None else [], text_of=p.contender)
+
+
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int, k: int,
               peers: bool, seed: int = 0):
-    """Benchmark the session's drafts (and plain decoding, HF peers) with live stats on the job.
+    """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
 
     Live, per contender: running τ and tokens/s (metrics["live"]), τ of every step (series
     "tau:<name>"), accepted/drafted counts per draft position (metrics["acceptance"]), and the text
     of the run being decoded with accepted draft tokens marked (metrics["text"]).
     """
+    options = BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
+                           ks=(k,), peers=peers)
 
     def run(job):
-        from layerscope import bench
-        from layerscope.draft.export import load_draft
-        from layerscope.ui.models import get_model, is_loaded
-
         if not drafts:
             raise LayerScopeError("No draft chosen for the benchmark", "Train a draft or pick one above first")
-        job.update(0.0, f"loading model {model}" + ("" if is_loaded(model) else " (first load can take ~20 s)"))
-        target = get_model(model, store)
-        heads = [(d["name"], load_draft(d["path"], target)) for d in drafts]
-        names = [n for n, _ in heads]
-        if len(set(names)) != len(names):     # two drafts of one name: tell them apart by their layers
-            heads = [(f"{n} {list(h.aux_layers)}", h) for n, h in heads]
-        from layerscope.prompts import load_fitting_prompts
+        live = _BenchLive(job)
 
-        prompt_set = load_fitting_prompts(prompts, target.tokenizer, limit=limit, seed=seed,
-                                          max_tokens=bench.MAX_PROMPT_TOKENS)
-        encoded = bench.encode(target.tokenizer, prompt_set)
-        lineup = bench.build_contenders(heads, ks=(k,), peers=peers)
-        eos = target.model.generation_config.eos_token_id
-        eos = eos if eos is not None else target.tokenizer.eos_token_id
-        pad = target.tokenizer.pad_token_id
-        pad = pad if pad is not None else (eos if isinstance(eos, int) else None)
-        job.update(0.01, "warming up")
-        live, acceptance = {}, {}
-        text, text_key = None, None
-        report = None
-        for p in bench.run(target.model, encoded, lineup, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                           pad_token_id=pad):
-            job.check_cancel()
-            if p.report is not None:
-                report = p.report
-                break
-            if p.tau is not None:
-                live[p.contender] = {"tau": p.tau, "tokens_per_s": p.tokens_per_s}
-            e = p.event
-            if e is not None:
-                if e.step > 0:
-                    job.push(f"tau:{p.contender}", len(e.tokens))
-                    acc = acceptance.setdefault(p.contender, {"drafted": [], "accepted": []})
-                    for i, ok in enumerate(e.accepted_mask):
-                        if i == len(acc["drafted"]):
-                            acc["drafted"].append(0)
-                            acc["accepted"].append(0)
-                        acc["drafted"][i] += 1
-                        acc["accepted"][i] += int(bool(ok))
-                key = (p.prompt_index, p.contender)
-                if key != text_key:
-                    text, text_key = _LiveText(target.tokenizer), key
-                text.add(e.tokens, e.accepted)
-            base = (live.get("autoregressive") or {}).get("tokens_per_s")
-            cur = live.get(p.contender, {})
-            frac = (p.runs_done + (0.5 if e is not None else 0.0)) / max(p.runs_total, 1)
-            job.update(0.02 + 0.98 * min(frac, 1.0),
-                       f"{p.contender}: prompt {p.prompt_index + 1}/{p.prompts_total}"
-                       + (f" · τ {cur['tau']:.2f}" if cur.get("tau") else ""),
-                       contender=p.contender, prompt=p.prompt_index + 1, prompts_total=p.prompts_total,
-                       live={k2: dict(v) for k2, v in live.items()},
-                       speedup=(cur.get("tokens_per_s") / base) if base and cur.get("tokens_per_s") else None,
-                       step_tau=len(e.tokens) if e is not None and e.step > 0 else None,
-                       acceptance={k2: {"drafted": list(v["drafted"]), "accepted": list(v["accepted"])}
-                                   for k2, v in acceptance.items()},
-                       text=list(text.pieces) if text is not None else [], text_of=p.contender)
-        if report is None:
-            return None
-        out = report.to_json()
-        out["warnings"] = list(prompt_set.warnings)
-        out["prompt_set"] = prompt_set.name
+        def load(spec, store_):
+            target = load_in_job(job, spec, store_)
+            live.tokenizer = target.tokenizer
+            job.update(0.01, "warming up")
+            return target
+
+        done = workflow.bench([(d["name"], d["path"]) for d in drafts], options, store, load=load, progress=live)
+        out = done.report.to_json()
+        out["warnings"] = list(done.prompt_set.warnings)
+        out["prompt_set"] = done.prompt_set.name
         out["k"] = k
         out["drafts"] = [{"name": d["name"], "path": d["path"], "layers": d["layers"]} for d in drafts]
         out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -1,0 +1,175 @@
+"""The workflow, one function per step: capture → analyze → select → train → bench → study.
+
+The CLI (layerscope/commands/) and the app's background jobs (layerscope/ui/tasks.py) call these and
+nothing else for a step, so a step is written once. Each takes an options object (the one source of
+its defaults: capture.CaptureOptions, analysis.AnalysisOptions, SelectOptions here,
+draft.train.TrainOptions, bench.BenchOptions, study.StudyOptions), the store, and a progress callback
+(the step's own progress type: capture.CaptureProgress, a fraction and a message, a training dict,
+bench.BenchProgress, study.StudyProgress), and returns a typed result.
+
+Loading the target model is the caller's choice of `load(spec, store) -> LoadedModel`: the CLI loads
+it afresh (`load_target`), the app from its per-process cache (ui.models.get_model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from layerscope import bench as bench_mod
+from layerscope import capture as capture_mod
+from layerscope import select as select_mod
+from layerscope.analysis import AnalysisOptions, LayerStats
+from layerscope.analysis import analyze as analyze_capture
+from layerscope.capture import CaptureOptions, CaptureResult
+from layerscope.draft.export import read_meta, save_draft
+from layerscope.draft.train import TrainOptions, draft_for, draft_meta, target_weights, train_draft
+from layerscope.errors import DraftError
+from layerscope.models import DEFAULT_MODEL, LoadedModel, load_model
+from layerscope.prompts import PromptSet, load_prompts
+from layerscope.store import Store
+from layerscope.study import StudyOptions, StudyReport, run_study
+
+Loader = Callable[[str, Store], LoadedModel]
+DEFAULT_PROMPTS = "builtin"          # the capture's prompt set when none is named
+
+
+def load_target(spec: str, store: Store) -> LoadedModel:
+    """The CLI's loader: the model behind `spec`, de-quantized weights cached in `store`."""
+    return load_model(spec, store=store)
+
+
+def default_train_steps(device) -> int:
+    """The training budget when none is given: 300 optimizer steps on a CPU (20-25 min for a SmolLM2-135M
+    draft on one core), 2000 on a GPU."""
+    return 300 if torch.device(device).type == "cpu" else 2000
+
+
+def with_budget(options: TrainOptions, device) -> TrainOptions:
+    """`options`, with the device's default steps when neither steps nor tokens are given."""
+    if options.steps is None and options.tokens is None:
+        return replace(options, steps=default_train_steps(device))
+    return options
+
+
+# ---------------------------------------------------------------------------- 1. capture
+
+@dataclass
+class Captured:
+    result: CaptureResult
+    prompt_set: PromptSet            # .warnings: prompts left out or replaced, for the user
+    target: LoadedModel
+
+
+def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, load: Loader = load_target,
+            progress: Callable[[capture_mod.CaptureProgress], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Captured:
+    """Every layer's hidden states of `model` over the prompt set `prompts`, stored under captures/<key>."""
+    options.validate()                                      # bad options fail before the model loads
+    prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed)
+    target = load(model, store)
+    result = capture_mod.capture(target, prompt_set, store, progress=progress, should_stop=should_stop,
+                                 **asdict(options))
+    return Captured(result, prompt_set, target)
+
+
+# ---------------------------------------------------------------------------- 2. analyze
+
+def analyze(store: Store, capture_key: str, options: AnalysisOptions,
+            progress: Callable[[float, str], None] | None = None) -> LayerStats:
+    """Matrix entropy per layer and CKA between layers of a stored capture (cached in the store)."""
+    return analyze_capture(store.open_capture(capture_key), store, options, progress=progress)
+
+
+# ---------------------------------------------------------------------------- 3. select
+
+@dataclass
+class SelectOptions:
+    k: int = 3                       # layers in the set
+    strategy: str | None = None      # None: aggregate, or manual when `layers` is given
+    lam: float = 0.5                 # λ: weight of redundancy in greedy mRMR and in the mrmr score
+    layers: tuple[int, ...] | None = None   # a hand-picked set, scored like the others
+    compare: bool = False            # every strategy, side by side
+
+
+def select(stats: LayerStats, options: SelectOptions) -> list[select_mod.Selection]:
+    """The proposed layer set (one Selection), or with `compare` every strategy's."""
+    o = options
+    layers = list(o.layers) if o.layers is not None else None
+    if o.compare:
+        return select_mod.compare(stats, o.k, lam=o.lam, layers=layers)
+    strategy = o.strategy or ("manual" if layers else "aggregate")
+    return [select_mod.select(stats, strategy, o.k, lam=o.lam, layers=layers)]
+
+
+# ---------------------------------------------------------------------------- 4. train
+
+@dataclass
+class Trained:
+    path: Path                       # the draft directory (config.json, model.safetensors, layerscope.json)
+    meta: dict                       # its layerscope.json
+
+
+def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainOptions, *, model: str | None = None,
+          strategy: str | None = None, out: str | Path | None = None, load: Loader = load_target,
+          progress: Callable[[dict], None] | None = None, should_stop: Callable[[], bool] | None = None) -> Trained:
+    """A draft reading `layers`, trained on the capture with the target `model` (default: the capture's).
+
+    Without `out` it lives in the store under drafts/<key> (trained once per capture, target, layers
+    and options); with `out` it is trained and written there. No budget: default_train_steps.
+    """
+    cap = store.open_capture(capture_key)
+    layers = select_mod.check_layers(list(layers), cap.num_layers)
+    target = load(model or cap.manifest["model"], store)
+    if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
+        raise DraftError(f"Model {target.spec} now loads with fingerprint {target.fingerprint}, but capture "
+                         f"{cap.key} was made with {cap.manifest['fingerprint']}", "Capture again with the current model")
+    o = with_budget(options, target.device)
+    if out is None:
+        path = draft_for(cap, layers, target, store, strategy=strategy, progress=progress, should_stop=should_stop,
+                         **asdict(o))
+    else:
+        config, embed, lm_head = target_weights(target)
+        head, report = train_draft(cap, layers, config, embed, lm_head, progress=progress, should_stop=should_stop,
+                                   **asdict(o))
+        path = save_draft(out, head, draft_meta(report, cap, target.fingerprint, target.spec, strategy))
+    return Trained(Path(path), read_meta(path))
+
+
+# ---------------------------------------------------------------------------- 5. bench
+
+@dataclass
+class Benchmarked:
+    report: bench_mod.BenchReport
+    prompt_set: PromptSet            # .warnings: prompts replaced for length, for the user
+    target: LoadedModel
+
+
+def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOptions, store: Store, *,
+          load: Loader = load_target, progress: Callable[[bench_mod.BenchProgress], None] | None = None) -> Benchmarked:
+    """Decode the same prompts with each (name, draft directory) and the baselines; see layerscope/bench.py."""
+    options.validate()
+    spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
+    target = load(spec, store)
+    heads = bench_mod.load_drafts(target, drafts)
+    prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options)
+    report = bench_mod.measure(target, prompts, bench_mod.contenders_for(heads, options), options.max_new_tokens,
+                               progress)
+    return Benchmarked(report, prompt_set, target)
+
+
+# ---------------------------------------------------------------------------- 6. study
+
+def study(store: Store, capture_key: str, options: StudyOptions, *, model: str | None = None,
+          analysis: AnalysisOptions | None = None, load: Loader = load_target,
+          progress: Callable | None = None) -> StudyReport:
+    """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study.py."""
+    cap = store.open_capture(capture_key)
+    target = load(model or cap.manifest["model"], store)
+    train = dict(options.train)
+    if train.get("steps") is None and train.get("tokens") is None:
+        train["steps"] = default_train_steps(target.device)
+    return run_study(cap, target, store, replace(options, train=train), analysis or AnalysisOptions(), progress)
