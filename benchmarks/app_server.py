@@ -1,0 +1,127 @@
+"""How much CPU the app's Streamlit server takes while it only shows pages, with browser tabs open.
+
+    .venv/bin/python benchmarks/app_server.py                      # the app's own config (.streamlit/config.toml)
+    .venv/bin/python benchmarks/app_server.py --streamlit-defaults # Streamlit's defaults: file watcher, GC per run
+    .venv/bin/python benchmarks/app_server.py --tabs 3 --seconds 60 --page cka --session ID --store cache
+
+Starts `streamlit run app.py` on a free port, opens `--tabs` headless Chromium tabs on a page (Debian's
+chromium through Playwright), waits until they have drawn, then reads the server's CPU time from
+/proc/<pid>/stat over `--seconds` and prints the share of one core it used (the tabs' own CPU is not
+counted: they are other processes). Prints one JSON line; `--json` only that line.
+
+The server gets a temporary empty store unless `--store` is given (then a `--session` id shows that
+session's pages). On a shared machine, run both configurations back to back and compare the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("LAYERSCOPE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update"]
+STREAMLIT_DEFAULTS = ["--server.fileWatcherType", "auto", "--runner.postScriptGC", "true"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_server(store: Path, extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, LAYERSCOPE_STORE=str(store), TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"),
+                             "--server.port", str(port), *extra],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"streamlit did not start; see {log_path}")
+        time.sleep(0.3)
+
+
+def measure(args) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    tmp = tempfile.TemporaryDirectory(prefix="layerscope-bench-")
+    store = Path(args.store).resolve() if args.store else Path(tmp.name) / "store"
+    extra = STREAMLIT_DEFAULTS if args.streamlit_defaults else []
+    proc, url = start_server(store, extra, Path(tmp.name) / "streamlit.log")
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page_url = f"{url}/{args.page}" + (f"?session={args.session}" if args.session else "")
+            tabs = []
+            for _ in range(args.tabs):
+                tab = browser.new_page(viewport={"width": 1440, "height": 1000})
+                tab.goto(page_url)
+                tab.wait_for_selector("h1", timeout=120_000)
+                tabs.append(tab)
+            time.sleep(args.settle)           # first runs, imports and figure drawing are over
+            c0, t0 = cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(args.seconds)
+            c1, t1 = cpu_seconds(proc.pid), time.monotonic()
+            browser.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        tmp.cleanup()
+    return {"config": "streamlit defaults" if args.streamlit_defaults else "app (.streamlit/config.toml)",
+            "tabs": args.tabs, "page": args.page, "seconds": round(t1 - t0, 1),
+            "server_cpu_percent_of_one_core": round(100 * (c1 - c0) / (t1 - t0), 2),
+            "load_average_1min": os.getloadavg()[0]}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tabs", type=int, default=3, help="browser tabs open on the page (default 3)")
+    ap.add_argument("--seconds", type=float, default=30.0, help="measurement window (default 30)")
+    ap.add_argument("--settle", type=float, default=10.0, help="wait after the tabs drew (default 10)")
+    ap.add_argument("--page", default="capture", help="url path of the page the tabs show (default capture)")
+    ap.add_argument("--store", help="store directory (default: a temporary empty store)")
+    ap.add_argument("--session", help="session id the tabs open (?session=ID)")
+    ap.add_argument("--streamlit-defaults", action="store_true",
+                    help="override the app's config with Streamlit's defaults (file watcher, GC after every run)")
+    ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = ap.parse_args(argv)
+    result = measure(args)
+    if not args.json:
+        print(f"{result['config']}: server used {result['server_cpu_percent_of_one_core']:.2f} % of one core "
+              f"over {result['seconds']} s with {result['tabs']} tab(s) on /{result['page']} "
+              f"(1-min load average {result['load_average_1min']:.2f})")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
