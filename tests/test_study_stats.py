@@ -1,0 +1,165 @@
+"""The study's statistics: bootstrap coverage, paired differences, seed spread, correlations, verdict."""
+
+import pytest
+import torch
+
+from layerscope.bench import BenchProgress
+from layerscope.metrics import bootstrap as B
+from layerscope.metrics.correlation import spearman
+from layerscope.specdec import StepEvent
+from layerscope.study_stats import (PromptRuns, best_versions, compare_sets, correlate, significant,
+                                    verdict)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_bootstrap_intervals_cover_the_known_mean_at_about_the_nominal_rate():
+    """300 synthetic samples of 40 prompts from N(2, 1): the 95% interval of the mean (the study's
+    ratio of sums with unit denominators) should hold 2.0 about 95% of the time (percentile
+    intervals run a little short at n = 40: about 93%)."""
+    trials, n = 300, 40
+    x = 2.0 + torch.randn(trials, n, generator=gen(0), dtype=torch.float64)
+    idx = B.resample(n, 1000, seed=1)
+    boot = B.ratio_of_sums(x, torch.ones_like(x), idx)                  # [1000, trials]
+    assert boot.shape == (1000, trials)
+    assert torch.allclose(B.ratio_of_sums(x, torch.ones_like(x)), x.mean(1))
+    cis = [B.interval(boot[:, t]) for t in range(trials)]
+    coverage = sum(lo <= 2.0 <= hi for lo, hi in cis) / trials
+    assert 0.90 <= coverage <= 0.98, coverage
+    # and a 50% interval covers about half the time: the rate follows the level
+    half = sum(lo <= 2.0 <= hi for lo, hi in (B.interval(boot[:, t], 0.5) for t in range(trials))) / trials
+    assert 0.38 <= half <= 0.62, half
+
+
+def test_ratio_of_sums_interval_covers_a_known_tau():
+    """τ-like data: per-prompt forwards vary, tokens = forwards × 1.5 + noise, population τ = 1.5."""
+    trials, n = 200, 40
+    forwards = torch.randint(10, 60, (trials, n), generator=gen(2)).double()
+    tokens = forwards * 1.5 + torch.randn(trials, n, generator=gen(3), dtype=torch.float64) * forwards.sqrt()
+    boot = B.ratio_of_sums(tokens, forwards, B.resample(n, 1000, seed=4))
+    coverage = sum(lo <= 1.5 <= hi for lo, hi in (B.interval(boot[:, t]) for t in range(trials))) / trials
+    assert 0.88 <= coverage <= 0.99, coverage
+
+
+def runs(tokens, forwards, seconds=None, drafted=None, accepted=None, base_tokens=None, base_seconds=None):
+    p = len(tokens)
+    return PromptRuns(tokens=list(tokens), forwards=list(forwards), seconds=list(seconds or [1.0] * p),
+                      drafted=list(drafted or [2 * f for f in forwards]), accepted=list(accepted or [t - f for t, f in zip(tokens, forwards)]),
+                      base_tokens=list(base_tokens or tokens), base_seconds=list(base_seconds or [1.2] * p))
+
+
+def synthetic_sets(p=40, gain=0.05, seed=5):
+    """Three sets on the same prompts: prompt difficulty shared (large), set B = A plus a small gain."""
+    g = gen(seed)
+    forwards = torch.randint(20, 40, (p,), generator=g).double()
+    hard = 1.2 + 0.6 * torch.rand(p, generator=g, dtype=torch.float64)            # per-prompt τ of set A
+    a = (forwards * hard).round()
+    b = (forwards * (hard + gain)).round()
+    noise = (forwards * (hard + 0.3 * (torch.rand(p, generator=g) - 0.5))).round()
+    f = forwards.int().tolist()
+    return runs(a.int().tolist(), f), runs(b.int().tolist(), f), runs(noise.int().tolist(), f)
+
+
+def test_paired_difference_of_a_set_with_itself_is_exactly_zero():
+    a, b, c = synthetic_sets()
+    rows, tau_boot = compare_sets([[a], [a], [b], [c]], reference=0, draws=500)
+    assert tau_boot.shape == (500, 4)
+    for row in rows[:2]:
+        assert row["delta_vs_default"] == 0.0 and row["delta_ci"] == [0.0, 0.0]
+        for m in ("tau", "acceptance", "speedup"):
+            assert row["paired"][m] == {"delta": 0.0, "ci": [0.0, 0.0]}
+    assert rows[0]["tau"] == pytest.approx(sum(a.tokens) / sum(a.forwards), abs=1e-12)   # the pooled τ
+
+
+def test_pairing_sees_a_small_gain_that_separate_intervals_miss():
+    a, b, _ = synthetic_sets(gain=0.02)
+    rows, _ = compare_sets([[a], [b]], reference=0)
+    ra, rb = rows
+    assert ra["tau_ci"][0] < rb["tau"] < ra["tau_ci"][1]            # B's τ lies inside A's own interval ...
+    assert significant(rb["delta_ci"]) and rb["delta_ci"][0] > 0    # ... yet the paired difference is clear
+    assert rb["delta_vs_default"] == pytest.approx(rb["tau"] - ra["tau"], abs=1e-12)
+    assert rb["delta_ci"][1] - rb["delta_ci"][0] < (ra["tau_ci"][1] - ra["tau_ci"][0]) / 3
+
+
+def test_seeds_average_and_spread():
+    a, b, c = synthetic_sets()
+    rows, _ = compare_sets([[a, b], [a, a]], reference=1, draws=300)
+    two = rows[0]
+    ta, tb = sum(a.tokens) / sum(a.forwards), sum(b.tokens) / sum(b.forwards)
+    assert two["tau"] == pytest.approx((ta + tb) / 2, abs=1e-12)
+    assert [s["tau"] for s in two["seeds"]] == pytest.approx([ta, tb], abs=1e-12)
+    assert two["tau_seed_range"] == pytest.approx(tb - ta, abs=1e-12) and two["tau_seed_sd"] > 0
+    assert rows[1]["tau_seed_range"] == 0.0 and rows[1]["delta_ci"] == [0.0, 0.0]
+    assert two["speedup"] == pytest.approx((sum(a.tokens) / 40 + sum(b.tokens) / 40) / 2 / (sum(a.tokens) / 48), rel=0.05)
+    with pytest.raises(ValueError, match="same prompts"):
+        compare_sets([[a], [runs([1, 2], [1, 1])]])
+
+
+def test_prompt_runs_from_bench_progress_events():
+    def ev(tokens, drafted, accepted):
+        return StepEvent(0, drafted, accepted, (True,) * accepted + (False,) * (drafted - accepted), tokens[-1],
+                         tuple(tokens), 0.5)
+
+    items = [BenchProgress("autoregressive", 0, 2, 0, 4, None, None, ev([1], 0, 0)),
+             BenchProgress("autoregressive", 0, 2, 0, 4, None, None, ev([2], 0, 0)),
+             BenchProgress("d", 0, 2, 1, 4, None, None, ev([1], 0, 0)),
+             BenchProgress("d", 0, 2, 1, 4, None, None, ev([2, 3], 2, 1)),
+             BenchProgress("d", 0, 2, 2, 4, None, None, None),
+             BenchProgress("autoregressive", 1, 2, 2, 4, None, None, ev([4], 0, 0)),
+             BenchProgress("d", 1, 2, 3, 4, None, None, ev([4, 5, 6], 2, 2))]
+    r = PromptRuns.from_progress(items, "d")
+    assert r.tokens == [3, 3] and r.forwards == [2, 1] and r.drafted == [2, 2] and r.accepted == [1, 2]
+    assert r.base_tokens == [2, 1] and r.seconds == [1.0, 0.5] and r.base_seconds == [1.0, 0.5]
+    assert PromptRuns.from_json(r.to_json()) == r
+
+
+def test_batched_spearman_equals_the_reference():
+    g = gen(6)
+    a = torch.randint(0, 4, (50, 7), generator=g).double()          # many ties
+    b = torch.randn(50, 7, generator=g, dtype=torch.float64)
+    got = B.spearman_rows(a, b)
+    for i in range(50):
+        want = spearman(a[i].tolist(), b[i].tolist())
+        assert (want is None and torch.isnan(got[i])) or got[i].item() == pytest.approx(want, abs=1e-12)
+
+
+def test_correlations_intervals_and_best_version():
+    taus = [1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7]
+    tau_boot = torch.tensor(taus, dtype=torch.float64).expand(400, 7) + \
+        0.01 * torch.randn(400, 7, generator=gen(7), dtype=torch.float64)
+    proxies = [{"linear, H≥0.5": {"aggregate_entropy": t * 2, "mean_cka": 1 - t},
+                "cosine, H≥0.5": {"aggregate_entropy": [3, 1, 2, 5, 4, 7, 6][i], "mean_cka": 0.5}}
+               for i, t in enumerate(taus)]
+    corr = correlate(proxies, taus, tau_boot)
+    by = {(c["version"], c["proxy"]): c for c in corr}
+    top = by[("linear, H≥0.5", "aggregate_entropy")]
+    assert top["rho"] == pytest.approx(1.0) and top["ci"][0] > 0.8 and top["sets"] == 7
+    assert by[("linear, H≥0.5", "mean_cka")]["rho"] == pytest.approx(-1.0)
+    assert by[("cosine, H≥0.5", "mean_cka")]["rho"] is None            # a constant proxy has no rank
+    best = best_versions(corr)
+    assert best["aggregate_entropy"]["version"] == "linear, H≥0.5"
+    assert best["mean_cka"]["version"] == "linear, H≥0.5"               # expected sign: less redundancy
+
+
+def row(strategies, layers, tau, ci, delta, dci, spread=0.0):
+    return {"strategies": strategies, "layers": layers, "tau": tau, "tau_ci": ci, "delta_vs_default": delta,
+            "delta_ci": dci, "tau_seed_range": spread}
+
+
+def test_verdict_in_plain_words():
+    ref = row(["default"], [2, 15, 27], 1.30, [1.27, 1.33], 0.0, [0.0, 0.0])
+    win = row(["aggregate"], [3, 14, 28], 1.36, [1.33, 1.39], 0.06, [0.03, 0.09])
+    rnd = row(["random#1"], [5, 9, 20], 1.25, [1.22, 1.28], -0.05, [-0.08, -0.02])
+    corr = [{"proxy": "aggregate_entropy", "version": "linear, H≥0.5", "rho": 0.8, "ci": [0.3, 1.0], "sets": 3}]
+    text = verdict([ref, win, rnd], 0, corr, prompts=40, seeds=2)
+    assert text.startswith("aggregate [3, 14, 28] won: τ 1.360") and "significant" in text
+    assert "Significantly below the default: random#1" in text and "Controls: random#1" in text
+    assert "Best predictor of τ: aggregate_entropy (linear, H≥0.5)" in text
+    noisy = verdict([ref, {**win, "tau_seed_range": 0.08}, rnd], 0, corr, prompts=40, seeds=2)
+    assert "tentative" in noisy
+    flat = verdict([ref, {**win, "delta_ci": [-0.01, 0.13]}], 0, [], prompts=40, seeds=2)
+    assert flat.startswith("No difference at this budget") and "Too few distinct sets" in flat
+    lost = verdict([ref, rnd], 0, [{**corr[0], "ci": [-0.5, 1.0]}], prompts=40, seeds=1)
+    assert lost.startswith("No set beat the default rule [2, 15, 27]") and "No proxy predicted τ reliably" in lost
