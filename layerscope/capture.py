@@ -10,6 +10,11 @@ Per batch of conversations:
 Peak memory is one batch, whatever the number of prompts. The store key is a hash of
 (model fingerprint, prompt-set content, options, format version); an identical request is served
 from the store, and an interrupted one resumes from its finished chunks.
+
+Concurrency: the writing happens under the store's lock for the key. Any number of identical
+captures may start at once; one writes, the others wait (phase "waiting") and are then served the
+finished capture. A killed writer frees the lock at once and the next one resumes from its chunks.
+The manifest records every chunk's size and sha256 (checked when the capture is read).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
 from layerscope.prompts import PromptSet, chat_ids
-from layerscope.store import Store, atomic_save_tensors, chunk_name, list_chunks, make_key
+from layerscope.store import (LockWaitCancelled, Store, atomic_save_tensors, chunk_name, file_sha256, list_chunks,
+                              make_key, read_header)
 
 FORMAT_VERSION = 1
 
@@ -56,7 +63,7 @@ class CaptureOptions:
 
 @dataclass
 class CaptureProgress:
-    phase: str                 # "generate" | "record" | "done"
+    phase: str                 # "waiting" (another process writes this capture) | "generate" | "record" | "done"
     conversations_done: int
     conversations_total: int
     tokens_done: int           # tokens recorded so far
@@ -112,9 +119,31 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     else:
         _check_lengths(encoded, prompts, opts, loaded.context_length)
 
+    def waiting():
+        if progress:
+            progress(CaptureProgress("waiting", 0, len(prompts), 0, 0.0, time.perf_counter() - t0))
+
+    try:
+        with store.lock("captures", key, should_stop=should_stop, on_wait=waiting):
+            if store.has_capture(key):      # another process finished it while we waited
+                cap = store.open_capture(key)
+                return CaptureResult(key, True, time.perf_counter() - t0, cap.num_tokens, cap.path, cap.manifest)
+            return _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
+    except LockWaitCancelled as e:
+        raise CaptureCancelled("Capture cancelled while another process was writing it", e.fix) from None
+
+
+def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop) -> CaptureResult:
+    """Write the missing chunks, then the manifest, and rename the capture into place (the lock is held)."""
     partial = store.partial_capture_dir(key)
     partial.mkdir(parents=True, exist_ok=True)
-    done = {(s, e): p for s, e, p in list_chunks(partial)}
+    done = {}
+    for s, e, p in list_chunks(partial):
+        try:
+            read_header(p)
+            done[(s, e)] = p
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            p.unlink(missing_ok=True)      # not a complete chunk (damaged on disk): write it again
     tokens_done = sum(_chunk_tokens(p) for p in done.values())
     torch.manual_seed(opts.seed)
     for start in range(0, len(prompts), opts.batch_size):
@@ -141,7 +170,15 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
         progress(CaptureProgress("done", len(prompts), len(prompts), tokens_done,
                                  tokens_done / max(time.perf_counter() - t0, 1e-9), time.perf_counter() - t0))
 
-    chunks = [(s, e, p) for s, e, p in list_chunks(partial)]
+    have = {(s, e): p for s, e, p in list_chunks(partial)}
+    chunks = []
+    for start in range(0, len(prompts), opts.batch_size):     # the planned batches, in order, up to the first gap
+        end = min(start + opts.batch_size, len(prompts))
+        if (start, end) not in have:
+            break
+        chunks.append((start, end, have[(start, end)]))
+    if not chunks:
+        raise CaptureError("The capture wrote no chunk", "Run it again")
     manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
     path = store.finish_capture(key, manifest)
     return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
@@ -157,8 +194,6 @@ def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None
 
 
 def _chunk_tokens(path: Path) -> int:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as sf:
         return sf.get_slice("token_id").get_shape()[0]
 
@@ -257,7 +292,8 @@ def predictive_entropy(lm_head, final: torch.Tensor, block: int = 1024) -> torch
 
 
 def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opts, chunks, seconds) -> dict:
-    chunk_list = [{"file": p.name, "start": s, "end": e, "tokens": _chunk_tokens(p)} for s, e, p in chunks]
+    chunk_list = [{"file": p.name, "start": s, "end": e, "tokens": _chunk_tokens(p), "bytes": p.stat().st_size,
+                   "sha256": file_sha256(p)} for s, e, p in chunks]
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
         "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,

@@ -4,23 +4,33 @@ Layout under the root (default ./cache, else $LAYERSCOPE_STORE, else the `root` 
     index/                    a diskcache.Cache holding JSON only (never pickle: a store can be shared)
     captures/<key>/           a finished capture: manifest.json + chunk-<start>-<end>.safetensors
     captures/<key>.partial/   chunks of a capture in progress; renamed to captures/<key>/ when complete
+    locks/<kind>/<key>.lock   one lock file per entry being written (fcntl.flock; never listed)
     models/<fingerprint>/     de-quantized model weights
     drafts/<key>/, sessions/<id>/ ...   other kinds, one directory per entry
 
-Every file is written to a temporary name and renamed into place, so a run killed at any moment
-leaves a complete entry or none. Each chunk covers a range of conversations and is complete on
-its own: an interrupted capture resumes from the chunks it finished, and several processes can
-write chunks of one capture side by side (the manifest merges them without copying tensors).
+Guarantees (docs/internals.md, "Store guarantees"): every file is written to a temporary name and
+renamed into place, so a run killed at any moment leaves a complete entry or none; one writer per
+entry at a time (`Store.lock`), the others wait and then find the finished entry; every chunk's size
+and sha256 are in its capture's manifest, checked on open (sizes, headers) and on first read (hash);
+only names that are entry keys are listed. The index is a cache of what is on disk: when it is
+damaged it is rebuilt from the entries, when the store is read-only it lives in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import sqlite3
+import struct
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import diskcache
@@ -32,6 +42,20 @@ from layerscope.errors import StoreError
 
 ENTRY_KINDS = ("captures", "drafts", "models", "sessions")   # directory kinds the size limit evicts
 DEFAULT_SIZE_LIMIT = 50 * 2**30
+KEY_RE = re.compile(r"[0-9a-f]{24}")               # a capture key, in full
+PREFIX_RE = re.compile(r"[0-9a-f]{1,24}")          # what a user may type for one
+ENTRY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")   # any entry directory name (no dots: temp names have them)
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+MAX_MANIFEST_BYTES = 64 * 2**20
+MAX_HEADER_BYTES = 100 * 2**20
+CHUNK_DTYPES = {"token_id": "I32", "position": "I32", "conversation": "I32", "is_response": "BOOL",
+                "entropy": "F32"}
+
+
+class StoreWarning(UserWarning):
+    """Something in the store was repaired or could not be written; the command goes on."""
 
 
 def default_root() -> Path:
@@ -47,18 +71,54 @@ def make_key(obj) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# ---------------------------------------------------------------------------- writes
+
+def write_error(e: OSError, path: Path) -> StoreError:
+    """An OSError met while writing `path`, as one clear line: full disk, read-only store, or other."""
+    where = Path(path).parent
+    if e.errno in NO_SPACE:
+        return StoreError(f"No space left on the disk holding {where} (while writing {Path(path).name})",
+                          "Free disk space or pass --store on a larger disk; finished entries and chunks are kept "
+                          "and a rerun resumes")
+    if e.errno in READ_ONLY:
+        return StoreError(f"The store at {where} is read-only ({e.strerror})",
+                          "Pass --store (or set LAYERSCOPE_STORE) to a writable directory; reading and listing "
+                          "still work here")
+    return StoreError(f"Cannot write {path}: {e.strerror or e}", "Check the disk and the store directory")
+
+
+def _write_via_temp(path: Path, write) -> None:
+    """Create `path` through a temporary sibling (never listed: it starts with a dot) and one rename."""
+    path = Path(path)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o644)   # mkstemp makes it private; a store may be shared
+        write(fd, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise write_error(e, path) from None
+    except BaseException:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    def write(fd, tmp):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_via_temp(path, write)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -66,15 +126,32 @@ def atomic_write_json(path: Path, obj) -> None:
 
 
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    def write(fd, tmp):
+        os.close(fd)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    _write_via_temp(path, write)
+
+
+def check_entry_name(kind: str, key: str) -> str:
+    """`key` as one safe directory name (no separators, no dots, no leading dash), else StoreError."""
+    if not isinstance(key, str) or not ENTRY_NAME_RE.fullmatch(key):
+        raise StoreError(f"{key!r} is not a valid {kind[:-1] if kind.endswith('s') else kind} name",
+                         "Use letters, digits, '-' and '_' only (a capture key is 24 hex characters)")
+    return key
+
+
+# ---------------------------------------------------------------------------- the index
+
+class _MemoryIndex(dict):
+    """Stand-in for the diskcache index when the store cannot hold one (read-only): same calls, no disk."""
+
+    def set(self, key, value):
+        self[key] = value
+
+    def close(self):
+        pass
 
 
 class Store:
@@ -82,57 +159,175 @@ class Store:
 
     def __init__(self, root: str | os.PathLike | None = None, size_limit: int | None = None):
         self.root = Path(root).expanduser() if root else default_root()
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"The store path {self.root} is a file, not a directory",
+                             "Pass --store (or set LAYERSCOPE_STORE) to a directory")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"Cannot create the store directory {self.root} ({e.strerror or e})",
+                             "Pass --store (or set LAYERSCOPE_STORE) to a directory you can write") from None
         self.size_limit = size_limit or int(os.environ.get("LAYERSCOPE_STORE_LIMIT", DEFAULT_SIZE_LIMIT))
         self._index = None
+        self.warnings: list[str] = []   # repairs and skipped writes, for the UI; also sent to warnings.warn
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+            warnings.warn(message, StoreWarning, stacklevel=3)
 
     @property
-    def index(self) -> diskcache.Cache:
+    def writable(self) -> bool:
+        return os.access(self.root, os.W_OK)
+
+    @property
+    def index(self):
+        """The diskcache index; rebuilt from the entries when damaged, in memory when the store is read-only."""
         if self._index is None:
-            self._index = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk,
-                                          eviction_policy="none", size_limit=2**40)
+            self._index = self._open_index()
         return self._index
+
+    def _open_index(self):
+        directory = self.root / "index"
+        try:
+            cache = diskcache.Cache(str(directory), disk=diskcache.JSONDisk, eviction_policy="none", size_limit=2**40)
+            cache.get("used/check")      # opening is lazy about some damage: touch the table once
+            return cache
+        except (sqlite3.DatabaseError, OSError) as e:
+            return self._repair_index(e)
+
+    def _repair_index(self, error: Exception):
+        if not self.writable or isinstance(error, OSError) and error.errno in READ_ONLY \
+                or "readonly" in str(error) or "read-only" in str(error):
+            self.warn(f"The store at {self.root} is read-only: cached results are kept in memory only")
+            return _MemoryIndex()
+        with self.lock("index", "repair"):
+            try:   # another process may have repaired it while we waited
+                cache = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk, eviction_policy="none",
+                                        size_limit=2**40)
+                cache.get("used/check")
+                return cache
+            except (sqlite3.DatabaseError, OSError):
+                pass
+            aside = self.root / f".index.damaged-{int(time.time())}-{os.getpid()}"
+            try:
+                os.replace(self.root / "index", aside)
+                cache = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk, eviction_policy="none",
+                                        size_limit=2**40)
+            except (sqlite3.DatabaseError, OSError) as e:
+                self.warn(f"The store index in {self.root} is damaged and could not be rebuilt ({e}); "
+                          "cached results are kept in memory only")
+                return _MemoryIndex()
+            for p in self._entry_dirs("captures"):
+                with contextlib.suppress(StoreError, sqlite3.DatabaseError):
+                    cache.set(f"capture/{p.name}", summarize_manifest(read_manifest(p)))
+            self.warn(f"The store index in {self.root} was damaged ({error}); rebuilt it from the entries on disk "
+                      f"(the damaged copy is in {aside.name}; cached analyses will be recomputed)")
+            return cache
+
+    def _index_call(self, method: str, *args, default=None):
+        """One index operation; a damaged index is repaired once, a full or read-only one is skipped with a warning."""
+        for attempt in (0, 1):
+            try:
+                return getattr(self.index, method)(*args)
+            except sqlite3.DatabaseError as e:
+                text = str(e)
+                if "full" in text or "readonly" in text or "read-only" in text or attempt:
+                    self.warn(f"The store index in {self.root} cannot be written ({text}); results are not cached")
+                    return default
+                self.close()
+                self._index = self._repair_index(e)
+            except OSError as e:
+                self.warn(f"The store index in {self.root} cannot be used ({e.strerror or e}); results are not cached")
+                return default
+        return default
 
     def close(self) -> None:
         if self._index is not None:
-            self._index.close()
+            with contextlib.suppress(Exception):
+                self._index.close()
             self._index = None
 
     # ------------------------------------------------------------------ small JSON results
     def get_json(self, namespace: str, key: str):
-        value = self.index.get(f"{namespace}/{key}")
+        value = self._index_call("get", f"{namespace}/{key}")
         if value is not None:
             self.touch(namespace, key)
         return value
 
     def put_json(self, namespace: str, key: str, value) -> None:
-        self.index.set(f"{namespace}/{key}", json.loads(json.dumps(value, default=float)))
+        self._index_call("set", f"{namespace}/{key}", json.loads(json.dumps(value, default=float)))
+
+    # ------------------------------------------------------------------ locks
+    @contextlib.contextmanager
+    def lock(self, kind: str, key: str, *, should_stop=None, on_wait=None, poll_s: float = 0.2):
+        """Hold the exclusive write lock of entry kind/key (fcntl.flock on locks/<kind>/<key>.lock).
+
+        Blocks while another process holds it, calling on_wait() once; should_stop() true while waiting
+        raises LockWaitCancelled. The lock goes with the process: a killed holder frees it at once.
+        """
+        check_entry_name(kind, key)
+        path = self.root / "locks" / kind / f"{key}.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise write_error(e, path) from None
+        try:
+            waited = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not waited and on_wait is not None:
+                        on_wait()
+                    waited = True
+                    if should_stop is not None and should_stop():
+                        raise LockWaitCancelled(f"Stopped waiting for another process writing {kind}/{key}",
+                                                "Run it again later: the other process's result will be there")
+                    time.sleep(poll_s)
+            yield
+        finally:
+            os.close(fd)      # releases the lock
 
     # ------------------------------------------------------------------ directory entries
     def path(self, kind: str, key: str) -> Path:
         """The directory for entry `key` of `kind` (not created)."""
         return self.root / kind / key
 
+    def _entry_dirs(self, kind: str) -> list[Path]:
+        """Entry directories of a kind: only entry names (temporary and partial names carry dots)."""
+        base = self.root / kind
+        if not base.is_dir():
+            return []
+        return [p for p in base.iterdir() if ENTRY_NAME_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+
     def touch(self, kind: str, key: str) -> None:
-        """Record a use, for least-recently-used eviction."""
-        self.index.set(f"used/{kind}/{key}", time.time())
+        """Record a use, for least-recently-used eviction (best effort: a read-only store skips it)."""
+        self._index_call("set", f"used/{kind}/{key}", time.time())
 
     def entry_size(self, kind: str, key: str) -> int:
         p = self.path(kind, key)
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+        total = 0
+        if p.is_dir():
+            for f in p.rglob("*"):
+                with contextlib.suppress(OSError):     # a file removed by another process meanwhile
+                    if f.is_file():
+                        total += f.stat().st_size
+        return total
 
     def total_size(self) -> int:
-        return sum(self.entry_size(kind, p.name) for kind in ENTRY_KINDS
-                   for p in (self.root / kind).glob("*") if p.is_dir())
+        return sum(self.entry_size(kind, p.name) for kind in ENTRY_KINDS for p in self._entry_dirs(kind))
 
     def evict(self, limit_bytes: int | None = None) -> list[str]:
         """Delete least recently used entries until the store is under `limit_bytes`; returns what went."""
         limit = self.size_limit if limit_bytes is None else limit_bytes
         entries = []
         for kind in ENTRY_KINDS:
-            for p in (self.root / kind).glob("*"):
-                if p.is_dir():
-                    used = self.index.get(f"used/{kind}/{p.name}") or p.stat().st_mtime
+            for p in self._entry_dirs(kind):
+                with contextlib.suppress(OSError):
+                    used = self._index_call("get", f"used/{kind}/{p.name}") or p.stat().st_mtime
                     entries.append((used, kind, p.name, self.entry_size(kind, p.name)))
         total = sum(e[3] for e in entries)
         removed = []
@@ -147,62 +342,227 @@ class Store:
     def remove(self, kind: str, key: str) -> None:
         p = self.path(kind, key)
         if p.is_dir():
-            trash = p.with_name(f".{p.name}.deleting")
-            os.replace(p, trash)      # the entry vanishes at once; the files go after
+            trash = p.with_name(f".{p.name}.deleting-{os.getpid()}")
+            try:
+                os.replace(p, trash)      # the entry vanishes at once; the files go after
+            except FileNotFoundError:     # another process removed it first
+                pass
+            except OSError as e:
+                raise write_error(e, p) from None
             shutil.rmtree(trash, ignore_errors=True)
-        self.index.pop(f"used/{kind}/{key}", None)
+        self._index_call("pop", f"used/{kind}/{key}", None)
         if kind == "captures":
-            self.index.pop(f"capture/{key}", None)
+            self._index_call("pop", f"capture/{key}", None)
 
     # ------------------------------------------------------------------ captures
     def has_capture(self, key: str) -> bool:
-        return (self.path("captures", key) / "manifest.json").is_file()
+        return bool(KEY_RE.fullmatch(str(key))) and (self.path("captures", key) / "manifest.json").is_file()
+
+    def resolve_capture_key(self, key: str) -> str:
+        """The full key of a stored capture from its key or an unambiguous prefix (hex); StoreError otherwise."""
+        key = str(key).strip().lower()
+        if not PREFIX_RE.fullmatch(key):
+            raise StoreError(f"{key!r} is not a capture key", "A capture key is hex characters (24 in full, or a "
+                             "unique prefix); run `layerscope captures` to list them")
+        if self.has_capture(key):
+            return key
+        matches = sorted(p.name for p in self._entry_dirs("captures")
+                         if p.name.startswith(key) and KEY_RE.fullmatch(p.name) and (p / "manifest.json").is_file())
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            shown = ", ".join(matches[:10]) + (f" and {len(matches) - 10} more" if len(matches) > 10 else "")
+            raise StoreError(f"The prefix {key!r} matches {len(matches)} captures: {shown}",
+                             "Type more characters of the key")
+        raise StoreError(f"No capture with key {key!r} in {self.root}",
+                         "Run `layerscope captures` to list the stored keys, or capture first")
 
     def open_capture(self, key: str) -> "CaptureReader":
-        path = self.path("captures", key)
-        if not (path / "manifest.json").is_file():
-            matches = [p.name for p in (self.root / "captures").glob(f"{key}*")
-                       if (p / "manifest.json").is_file()] if key else []
-            if len(matches) == 1:
-                path, key = self.path("captures", matches[0]), matches[0]
-            else:
-                raise StoreError(f"No capture with key {key!r} in {self.root}",
-                                 "Run `layerscope captures` to list the stored keys, or capture first")
+        """The finished capture `key` (or unique prefix), checked cheaply (schema, sizes, chunk headers)."""
+        key = self.resolve_capture_key(key)
+        reader = CaptureReader(self.path("captures", key))
         self.touch("captures", key)
-        return CaptureReader(path)
+        return reader
 
     def partial_capture_dir(self, key: str) -> Path:
         return self.root / "captures" / f"{key}.partial"
 
     def finish_capture(self, key: str, manifest: dict) -> Path:
-        """Write the manifest into the partial directory and rename it into place: the capture now exists."""
+        """Write the manifest into the partial directory and rename it into place: the capture now exists.
+
+        Call with `lock("captures", key)` held. A capture that already exists is never replaced: the
+        partial directory is dropped and the existing capture stands.
+        """
         partial = self.partial_capture_dir(key)
-        atomic_write_json(partial / "manifest.json", manifest)
         final = self.path("captures", key)
-        if final.exists():
+        if (final / "manifest.json").is_file():
+            shutil.rmtree(partial, ignore_errors=True)
+            return final
+        validate_manifest(manifest, key)
+        atomic_write_json(partial / "manifest.json", manifest)
+        if final.exists():          # a directory without a manifest: leftovers, not a capture
             shutil.rmtree(final)
-        os.replace(partial, final)
-        self.index.set(f"capture/{key}", summarize_manifest(manifest))
+        try:
+            os.replace(partial, final)
+        except OSError as e:
+            raise write_error(e, final) from None
+        self._index_call("set", f"capture/{key}", summarize_manifest(manifest))
         self.touch("captures", key)
         self.evict()
         return final
 
     def list_captures(self) -> list[dict]:
-        """Summaries of finished captures, newest first."""
+        """Summaries of finished captures, newest first. A damaged one is listed with `problem` set."""
         out = []
-        for p in (self.root / "captures").glob("*"):
-            if p.is_dir() and (p / "manifest.json").is_file():
-                summary = self.index.get(f"capture/{p.name}")
-                if summary is None:
-                    summary = summarize_manifest(json.loads((p / "manifest.json").read_text()))
-                summary["size_bytes"] = self.entry_size("captures", p.name)
-                out.append(summary)
-        return sorted(out, key=lambda s: s.get("created", ""), reverse=True)
+        for p in self._entry_dirs("captures"):
+            if not (KEY_RE.fullmatch(p.name) and (p / "manifest.json").is_file()):
+                continue
+            try:
+                manifest = read_manifest(p)
+                check_chunk_files(p, manifest)
+                summary = summarize_manifest(manifest)
+                summary["problem"] = None
+            except StoreError as e:
+                summary = {k: None for k in SUMMARY_KEYS} | {"key": p.name, "problem": e.problem,
+                                                            "conversations": 0, "tokens": 0, "created": ""}
+            summary["size_bytes"] = self.entry_size("captures", p.name)
+            out.append(summary)
+        return sorted(out, key=lambda s: s.get("created") or "", reverse=True)
+
+    def verify_capture(self, key: str) -> list[str]:
+        """Every problem of capture `key` (full check: schema, sizes, headers and sha256 of every chunk)."""
+        path = self.path("captures", self.resolve_capture_key(key))
+        try:
+            manifest = read_manifest(path)
+            check_chunk_files(path, manifest)
+        except StoreError as e:
+            return [e.problem]
+        problems = []
+        for c in manifest["chunks"]:
+            if "sha256" not in c:
+                problems.append(f"chunk {c['file']} has no checksum (captured before checksums were recorded)")
+            elif file_sha256(path / c["file"]) != c["sha256"]:
+                problems.append(f"chunk {c['file']} does not match its checksum (its bytes changed)")
+        return problems
+
+
+class LockWaitCancelled(StoreError):
+    """should_stop() asked to give up waiting for another writer."""
+
+
+SUMMARY_KEYS = ("key", "model", "num_layers", "hidden_size", "prompt_set", "tokens", "conversations", "created",
+                "seconds")
 
 
 def summarize_manifest(m: dict) -> dict:
-    return {k: m.get(k) for k in ("key", "model", "num_layers", "hidden_size", "prompt_set", "tokens",
-                                 "conversations", "created", "seconds")}
+    return {k: m.get(k) for k in SUMMARY_KEYS}
+
+
+# ---------------------------------------------------------------------------- manifests
+
+def damaged(path: Path, problem: str) -> StoreError:
+    key = Path(path).name
+    return StoreError(f"Capture {key} is damaged: {problem}",
+                      f"Do not use it: run `layerscope verify {key} --delete` to remove it, then capture again")
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of the capture directory `path`, parsed and validated; StoreError naming the key if not."""
+    f = Path(path) / "manifest.json"
+    try:
+        if f.stat().st_size > MAX_MANIFEST_BYTES:
+            raise damaged(path, f"manifest.json is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+        manifest = json.loads(f.read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        raise damaged(path, f"manifest.json is unreadable ({e})") from None
+    validate_manifest(manifest, Path(path).name)
+    return manifest
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_manifest(m, key: str) -> None:
+    """The manifest schema: types, ranges, contiguous chunks named as chunk_name says (so inside the entry)."""
+    where = Path(key)
+
+    def need(cond, problem):
+        if not cond:
+            raise damaged(where, f"manifest.json: {problem}")
+
+    need(isinstance(m, dict), "not a JSON object")
+    need(m.get("key") == key, f"its key {m.get('key')!r} is not the directory's name")
+    need(_is_int(m.get("format")) and m["format"] >= 1, "'format' must be a positive integer")
+    for name, top in (("num_layers", 100_000), ("hidden_size", 1_000_000)):
+        need(_is_int(m.get(name)) and 1 <= m[name] <= top, f"{name!r} must be an integer in 1..{top}")
+    for name in ("model", "prompt_set", "created"):
+        need(m.get(name) is None or isinstance(m[name], str), f"{name!r} must be a string")
+    chunks = m.get("chunks")
+    need(isinstance(chunks, list) and chunks, "'chunks' must be a non-empty list")
+    start = 0
+    for i, c in enumerate(chunks):
+        need(isinstance(c, dict), f"chunk {i} is not an object")
+        need(_is_int(c.get("start")) and _is_int(c.get("end")) and c["start"] == start and c["end"] > start,
+             f"chunk {i} does not continue at conversation {start}")
+        need(c.get("file") == chunk_name(c["start"], c["end"]), f"chunk {i} file name {c.get('file')!r} is not "
+             f"{chunk_name(c['start'], c['end'])}")
+        need(_is_int(c.get("tokens")) and c["tokens"] >= 1, f"chunk {i} 'tokens' must be a positive integer")
+        need("bytes" not in c or (_is_int(c["bytes"]) and c["bytes"] > 8), f"chunk {i} 'bytes' must be an integer")
+        need("sha256" not in c or (isinstance(c["sha256"], str) and SHA256_RE.fullmatch(c["sha256"])),
+             f"chunk {i} 'sha256' must be 64 hex characters")
+        start = c["end"]
+    need(m.get("conversations") == start, f"'conversations' is {m.get('conversations')!r}, the chunks hold {start}")
+    need(m.get("tokens") == sum(c["tokens"] for c in chunks),
+         f"'tokens' is {m.get('tokens')!r}, the chunks hold {sum(c['tokens'] for c in chunks)}")
+    prompts = m.get("prompts", [])
+    need(isinstance(prompts, list) and all(isinstance(p, dict) for p in prompts), "'prompts' must be a list of objects")
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}}; ValueError when malformed."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError("header length runs past the file")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"{size} bytes where the header describes {8 + n + end}")
+    return header
+
+
+def check_chunk_files(path: Path, manifest: dict) -> None:
+    """The cheap check: every chunk is a regular file of its recorded size whose header has the tensors
+    and shapes the manifest implies ([tokens] and [tokens, hidden_size] for layers 0..num_layers)."""
+    N, d = manifest["num_layers"], manifest["hidden_size"]
+    for c in manifest["chunks"]:
+        f = Path(path) / c["file"]
+        if f.is_symlink() or not f.is_file():
+            raise damaged(path, f"chunk {c['file']} is missing")
+        if "bytes" in c and f.stat().st_size != c["bytes"]:
+            raise damaged(path, f"chunk {c['file']} is {f.stat().st_size} bytes, the manifest says {c['bytes']}")
+        try:
+            header = read_header(f)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise damaged(path, f"chunk {c['file']} is not a valid safetensors file ({e})") from None
+        n = c["tokens"]
+        want = {f"hidden.{l}": ([n, d], "F16") for l in range(N + 1)}
+        want |= {name: ([n], dtype) for name, dtype in CHUNK_DTYPES.items()}
+        if manifest.get("has_prenorm_final"):
+            want["prenorm_final"] = ([n, d], "F16")
+        for name, (shape, dtype) in want.items():
+            got = header.get(name)
+            if not isinstance(got, dict):
+                raise damaged(path, f"chunk {c['file']} has no tensor {name}")
+            if got.get("shape") != shape or got.get("dtype") != dtype:
+                raise damaged(path, f"chunk {c['file']} tensor {name} is {got.get('dtype')} {got.get('shape')}, "
+                              f"the manifest implies {dtype} {shape}")
 
 
 # ---------------------------------------------------------------------------- chunks and readers
@@ -212,12 +572,18 @@ def chunk_name(start: int, end: int) -> str:
     return f"chunk-{start:07d}-{end:07d}.safetensors"
 
 
+CHUNK_RE = re.compile(r"chunk-(\d{7})-(\d{7})\.safetensors")
+
+
 def list_chunks(directory: Path) -> list[tuple[int, int, Path]]:
     """(start, end, path) of every complete chunk in `directory`, by conversation range."""
     out = []
-    for p in directory.glob("chunk-*.safetensors"):
-        _, start, end = p.stem.split("-")
-        out.append((int(start), int(end), p))
+    if not Path(directory).is_dir():
+        return out
+    for p in Path(directory).iterdir():
+        m = CHUNK_RE.fullmatch(p.name)
+        if m and p.is_file() and not p.is_symlink():
+            out.append((int(m[1]), int(m[2]), p))
     return sorted(out)
 
 
@@ -226,19 +592,20 @@ class CaptureReader:
 
     Chunk tensors: `hidden.<l>` [n, d] float16 for l in 0..N, `prenorm_final` [n, d] float16,
     `token_id`, `position`, `conversation` int32 [n], `is_response` bool [n], `entropy` float32 [n].
+    Opening checks the manifest schema, chunk sizes and headers; the first read of each chunk checks
+    its sha256, so damaged bytes raise StoreError instead of reaching a result.
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.manifest = json.loads((self.path / "manifest.json").read_text())
-        except (OSError, ValueError) as e:
-            raise StoreError(f"Capture manifest in {self.path} is unreadable ({e})",
-                             "Delete that directory and capture again") from e
+        self.manifest = read_manifest(self.path)
+        check_chunk_files(self.path, self.manifest)
         self.key = self.manifest["key"]
         self.num_layers = int(self.manifest["num_layers"])
         self.hidden_size = int(self.manifest["hidden_size"])
         self.chunks = [(c["file"], int(c["tokens"])) for c in self.manifest["chunks"]]
+        self._sha = {c["file"]: c.get("sha256") for c in self.manifest["chunks"]}
+        self._verified: set[str] = set()
         self.offsets = torch.tensor([0] + [n for _, n in self.chunks]).cumsum(0)
         self.num_tokens = int(self.offsets[-1])
         self._tokens = None
@@ -246,12 +613,25 @@ class CaptureReader:
     def __repr__(self) -> str:
         return f"CaptureReader({self.key}, {self.num_tokens} tokens, layers 0..{self.num_layers})"
 
+    def _chunk(self, f: str) -> str:
+        """Path of chunk `f`, its checksum verified the first time this reader reads it."""
+        if f not in self._verified:
+            want = self._sha.get(f)
+            try:
+                got = file_sha256(self.path / f) if want else None
+            except OSError as e:
+                raise damaged(self.path, f"chunk {f} is unreadable ({e.strerror})") from None
+            if want and got != want:
+                raise damaged(self.path, f"chunk {f} does not match its checksum (its bytes changed)")
+            self._verified.add(f)
+        return str(self.path / f)
+
     def tokens(self) -> dict[str, torch.Tensor]:
         """The token table: token_id, position, conversation (int64), is_response (bool), entropy (float32)."""
         if self._tokens is None:
             parts = {name: [] for name in ("token_id", "position", "conversation", "is_response", "entropy")}
             for f, _ in self.chunks:
-                with safe_open(str(self.path / f), framework="pt") as sf:
+                with safe_open(self._chunk(f), framework="pt") as sf:
                     for name in parts:
                         parts[name].append(sf.get_tensor(name))
             table = {name: torch.cat(v) for name, v in parts.items()}
@@ -265,7 +645,7 @@ class CaptureReader:
         if index is None:
             out = []
             for f, _ in self.chunks:
-                with safe_open(str(self.path / f), framework="pt") as sf:
+                with safe_open(self._chunk(f), framework="pt") as sf:
                     out.append(sf.get_tensor(name))
             return torch.cat(out).float()
         index = torch.as_tensor(index, dtype=torch.long)
@@ -276,7 +656,7 @@ class CaptureReader:
         for c in chunk_of.unique().tolist():
             where = (chunk_of == c).nonzero().squeeze(1)
             f, _ = self.chunks[c]
-            with safe_open(str(self.path / f), framework="pt") as sf:
+            with safe_open(self._chunk(f), framework="pt") as sf:
                 block = sf.get_tensor(name)
             result[where] = block[index[where] - self.offsets[c]].float()
         return result
@@ -293,4 +673,6 @@ class CaptureReader:
 
     def prenorm_final(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Output of the last decoder layer before the final norm: [n, d] float32."""
+        if not self.manifest.get("has_prenorm_final"):
+            raise StoreError(f"Capture {self.key} has no pre-norm final states", "Capture again with this version")
         return self._read("prenorm_final", index)
