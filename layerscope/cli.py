@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "train_draft",
     "bench",
     "study",
+    "verify",
 ]
 
 

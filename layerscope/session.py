@@ -78,6 +78,7 @@ class Session:
     study: list[dict] = field(default_factory=list)
     device: str | None = None
     notes: str = ""
+    view: dict = field(default_factory=dict)    # the app's view choices (estimator, kernel, compartments, threshold, run)
     created: str = field(default_factory=now_iso)
     updated: str = field(default_factory=now_iso)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -278,7 +279,7 @@ def _validate(doc, arrays: dict[str, torch.Tensor], source: str) -> Session:
     ck = body.get("capture_key")
     _check(ck is None or (isinstance(ck, str) and re.fullmatch(r"[0-9a-f]{8,64}", ck) is not None), source,
            "the capture key must be hex characters")
-    for key in ("capture", "analysis_options", "stats"):
+    for key in ("capture", "analysis_options", "stats", "view"):
         _check(isinstance(body.get(key, {}), dict), source, f"field {key!r} must be an object")
     for key in ("layer_sets", "drafts", "bench_results", "study"):
         v = body.get(key, [])
