@@ -1,15 +1,20 @@
-"""The layer-set study: do the proxy scores predict acceptance?
+"""The layer-set study: which layer set gives the best draft, by how much, and do the proxies predict it?
 
 For one capture:
-  1. statistics   analysis.analyze (cached in the store);
-  2. sets         one layer set per strategy (default, greedy, aggregate, entropy-topk, ... plus any
-                  user sets); strategies that propose the same set share one draft;
-  3. drafts       draft.train.draft_for per set, all with the same budget, data and seed (cached:
-                  a re-run that adds a set trains only that one);
-  4. benchmark    bench.run on held-out prompts, every draft against plain decoding in one run
-                  (each draft's result is cached with the prompts and decoding options);
-  5. table        per set: proxy scores, validation accuracy, τ, speedup; and the Spearman
-                  correlation between each proxy and τ.
+  1. statistics   analysis.analyze (cached in the store) with the study's analysis options (these pick
+                  the sets), and once more per proxy version: each kernel × each token-entropy
+                  threshold (`kernels`, `filters`; 0 = no filter), for the proxies only;
+  2. sets         one layer set per strategy (default, greedy, aggregate, entropy-topk, spread, plus
+                  any user sets) and the controls: `random_sets` seeded random sets of the same size,
+                  the last k layers, a single-layer draft; strategies that propose the same set share
+                  one draft. The default rule is always in: it is the reference of every comparison;
+  3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
+                  and data (cached: a re-run that adds a set or a seed trains only those);
+  4. benchmark    bench.run on held-out prompts, every draft against plain decoding in one run; each
+                  draft's result and its per-prompt totals are cached with the prompts and decoding options;
+  5. statistics   study_stats: per set τ, acceptance and speedup with paired bootstrap intervals over
+                  the prompts, the paired difference to the default rule, the seed spread; the Spearman
+                  correlation of every proxy version with τ with an interval; a plain-words verdict.
 
 `run_study(...)` returns the StudyReport and reports StudyProgress through a callback as it goes
 (training steps and benchmark steps live), for a CLI bar or the app's background job.
@@ -18,18 +23,20 @@ For one capture:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import bench, select, specdec
+from layerscope import bench, select, specdec, study_stats
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
 from layerscope.draft.train import draft_for
 from layerscope.errors import SelectionError
 from layerscope.metrics.correlation import spearman
 from layerscope.store import make_key
+from layerscope.study_stats import PromptRuns
 
-STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread")
+STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
 PROXIES = ("mean_entropy", "mean_cka", "aggregate_entropy")
+BENCH_FORMAT = 2       # study-bench cache entries: the benchmark entry plus per-prompt totals
 
 
 @dataclass
@@ -46,6 +53,10 @@ class StudyOptions:
     max_new_tokens: int = 64
     max_prompt_tokens: int = bench.MAX_PROMPT_TOKENS
     depth: int = specdec.DEFAULT_K                     # chain draft depth K
+    seeds: tuple[int, ...] | None = None               # training seeds, each set trained once per seed; None: train["seed"]
+    random_sets: int = 2                               # seeded random control sets the "random" strategy adds
+    kernels: tuple[str, ...] = ("linear", "cosine")    # proxy versions: token preparation of entropy and CKA ...
+    filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
 
     def bench_options(self) -> bench.BenchOptions:
         """The benchmark of the study: these prompts, one chain of depth K per draft, no HF peers."""
@@ -58,16 +69,28 @@ class StudyOptions:
 class StudyRow:
     layers: list[int]
     strategies: list[str]
-    mean_entropy: float
+    mean_entropy: float                  # the proxies under the study's analysis options
     mean_cka: float
     aggregate_entropy: float
-    val_accuracy: list[float]
-    tau: float | None = None
+    val_accuracy: list[float]            # per TTT step, mean over seeds
+    tau: float | None = None             # mean over seeds of the pooled τ
     speedup: float | None = None
     tokens_per_s: float | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
     lossless: bool | None = None
-    draft: str = ""
+    draft: str = ""                      # the first seed's draft
+    tau_ci: list[float] | None = None    # 95% paired bootstrap interval over the prompts
+    acceptance: float | None = None      # accepted / drafted tokens over all verification steps
+    acceptance_ci: list[float] | None = None
+    speedup_ci: list[float] | None = None
+    delta_vs_default: float | None = None   # τ minus the default rule's τ (0 for the default's own row)
+    delta_ci: list[float] | None = None
+    paired: dict = field(default_factory=dict)          # {tau|acceptance|speedup: {"delta", "ci"}} vs default
+    seeds: list[dict] = field(default_factory=list)     # per training seed: seed, tau, acceptance, speedup, ...
+    tau_seed_range: float | None = None  # max − min of τ over the seeds
+    tau_seed_sd: float | None = None
+    proxies: dict = field(default_factory=dict)         # version ("linear, H≥0.5") -> {proxy: value}
+    drafts: list[str] = field(default_factory=list)     # one per seed
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -77,14 +100,20 @@ class StudyRow:
 class StudyReport:
     capture: str
     rows: list[StudyRow]
-    spearman: dict[str, float | None]      # proxy -> rank correlation with τ over the rows
+    spearman: dict[str, float | None]      # proxy -> rank correlation with τ over the rows (study's analysis)
     baseline_tokens_per_s: float | None
     prompts: int
     options: dict
+    verdict: str = ""
+    correlations: list[dict] = field(default_factory=list)   # every proxy version: proxy, version, rho, ci, sets
+    best_proxies: dict = field(default_factory=dict)          # proxy -> its best-correlated version
+    reference: int = 0                                        # index of the default rule's row
 
     def to_json(self) -> dict:
-        return {"capture": self.capture, "rows": [r.to_json() for r in self.rows], "spearman": self.spearman,
-                "baseline_tokens_per_s": self.baseline_tokens_per_s, "prompts": self.prompts, "options": self.options}
+        return {"verdict": self.verdict, "rows": [r.to_json() for r in self.rows], "correlations": self.correlations,
+                "best_proxies": self.best_proxies, "options": self.options, "capture": self.capture,
+                "spearman": self.spearman, "baseline_tokens_per_s": self.baseline_tokens_per_s,
+                "prompts": self.prompts, "reference": self.reference}
 
 
 @dataclass(frozen=True)
@@ -97,92 +126,209 @@ class StudyProgress:
 
 
 def propose_sets(stats, o: StudyOptions) -> list[tuple[list[int], list[str]]]:
-    """Distinct layer sets in strategy order, each with the strategies that proposed it."""
+    """Distinct layer sets, each with the strategies that proposed it: the default rule first (always,
+    the reference), the strategies in order, the user's sets, then the random controls ("random#1",
+    ...), each redrawn until it differs from every set before it (when the model has room for that)."""
     sets: dict[tuple[int, ...], list[str]] = {}
-    for strategy in o.strategies:
+    strategies = ["default"] + [x for x in o.strategies if x not in ("default", "random")]
+    for strategy in strategies:
         sel = select.select(stats, strategy, o.k, lam=o.lam)
         sets.setdefault(tuple(sorted(sel.layers)), []).append(strategy)
     for layers in o.extra_sets:
         sel = select.select(stats, "manual", o.k, lam=o.lam, layers=list(layers))
         sets.setdefault(tuple(sorted(sel.layers)), []).append("manual")
+    if "random" in o.strategies:
+        draw = 0
+        for i in range(o.random_sets):
+            for _ in range(100):
+                layers = tuple(select.select(stats, "random", o.k, seed=1000 * o.seed + draw).layers)
+                draw += 1
+                if layers not in sets:
+                    break
+            sets.setdefault(layers, []).append(f"random#{i + 1}")
     if not sets:
         raise SelectionError("The study has no layer sets", "Give at least one strategy or --layers set")
     return [(list(k), v) for k, v in sets.items()]
+
+
+def proxy_versions(analysis: AnalysisOptions, o: StudyOptions) -> dict[str, AnalysisOptions]:
+    """Version name -> analysis options for the proxies: the study's own analysis first, then each
+    kernel × token-entropy threshold (the rest of the options as the study's)."""
+    def name(a: AnalysisOptions) -> str:
+        rule = f"H≥q{a.quantile:g}" if a.quantile is not None else \
+            ("no filter" if not a.min_entropy else f"H≥{a.min_entropy:g}")
+        return f"{a.kernel}, {rule}"
+
+    out = {name(analysis): analysis}
+    for kernel in o.kernels:
+        for threshold in o.filters:
+            a = replace(analysis, kernel=kernel, min_entropy=float(threshold), quantile=None)
+            out.setdefault(name(a), a)
+    return out
+
+
+def training_seeds(o: StudyOptions) -> tuple[int, ...]:
+    seeds = tuple(o.seeds) if o.seeds is not None else (int(o.train.get("seed", 0)),)
+    if not seeds:
+        raise SelectionError("The study has no training seeds", "Pass e.g. --seeds 0 or --seeds 0,1,2")
+    return seeds
+
+
+def train_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list]:
+    """Draft paths per set, one per training seed (draft_for: trained once, then from the store)."""
+    seeds = training_seeds(o)
+    drafts, total = [], len(sets) * len(seeds)
+    for i, (layers, strategies) in enumerate(sets):
+        paths = []
+        for j, seed in enumerate(seeds):
+            n = i * len(seeds) + j
+            seed_note = f", seed {seed}" if len(seeds) > 1 else ""
+            message = f"draft {n + 1}/{total}: {'/'.join(strategies)} {layers}{seed_note}"
+            say(StudyProgress("train", message, n, total))
+            paths.append(draft_for(cap, layers, target, store, strategy=strategies[0],
+                                   progress=lambda u, m=message, n=n: say(StudyProgress("train", m, n, total, u)),
+                                   **{**o.train, "seed": seed}))
+        drafts.append(paths)
+    return drafts
+
+
+def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, dict, int, dict]:
+    """Every draft on the same prompts against plain decoding. Returns ({path: bench entry},
+    {path: PromptRuns}, prompts, plain decoding's entry); drafts benchmarked before with these prompts and
+    options come from the store (plain decoding's entry then from the latest run that measured it)."""
+    bench_options = o.bench_options()
+    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options)
+    cache = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
+             "device": str(target.device), "format": BENCH_FORMAT}
+    baseline_key = make_key({"autoregressive": target.fingerprint, **cache})
+    results, per_prompt, todo = {}, {}, []
+    for path in dict.fromkeys(str(p) for p in paths):
+        key = make_key({"draft": read_meta(path).get("key", path), **cache})
+        cached = store.get_json("study-bench", key)
+        if cached is not None:
+            results[path], per_prompt[path] = cached["result"], PromptRuns.from_json(cached["per_prompt"])
+        else:
+            todo.append((path, key))
+    if todo:
+        heads = bench.load_drafts(target, [(path, path) for path, _ in todo])   # named by their (unique) paths
+        items = []
+
+        def seen(p):
+            items.append(p)
+            say(StudyProgress("bench", f"benchmark: {p.contender}", detail=p))
+
+        report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
+                               progress=seen)
+        by_name = {r["name"]: r for r in report.results}
+        for path, key in todo:
+            results[path], per_prompt[path] = by_name[path], PromptRuns.from_progress(items, path)
+            store.put_json("study-bench", key, {"result": results[path], "per_prompt": per_prompt[path].to_json()})
+        store.put_json("study-bench", baseline_key, by_name["autoregressive"])
+    return results, per_prompt, len(prompts), store.get_json("study-bench", baseline_key) or {}
 
 
 def run_study(cap, target, store, options: StudyOptions | None = None, analysis: AnalysisOptions | None = None,
               progress: Callable[[StudyProgress], None] | None = None) -> StudyReport:
     """Run the study for capture `cap` (a CaptureReader) with `target` (its LoadedModel)."""
     o = options or StudyOptions()
+    seeds = training_seeds(o)
+    analysis = analysis or AnalysisOptions()
     say = progress or (lambda p: None)
     say(StudyProgress("analyze", "layer statistics"))
-    stats = analyze(cap, store, analysis or AnalysisOptions())
+    stats = analyze(cap, store, analysis)
     sets = propose_sets(stats, o)
+    versions = {}
+    for name, a in proxy_versions(analysis, o).items():
+        say(StudyProgress("analyze", f"layer statistics for the proxies: {name}"))
+        versions[name] = stats if a == analysis else analyze(cap, store, a)
 
-    drafts = []
-    for i, (layers, strategies) in enumerate(sets):
-        label = f"{'/'.join(strategies)} {layers}"
-        message = f"draft {i + 1}/{len(sets)}: {label}"
-        say(StudyProgress("train", message, i, len(sets)))
-        path = draft_for(cap, layers, target, store, strategy=strategies[0],
-                         progress=lambda u, m=message, i=i: say(StudyProgress("train", m, i, len(sets), u)), **o.train)
-        drafts.append(path)
-
-    bench_options = o.bench_options()
-    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options)
-    cache = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
-             "device": str(target.device)}
-    baseline_key = make_key({"autoregressive": target.fingerprint, **cache})
-    results, todo = {}, []
-    for path in drafts:
-        key = make_key({"draft": read_meta(path).get("key", str(path)), **cache})
-        cached = store.get_json("study-bench", key)
-        if cached is not None:
-            results[str(path)] = cached
-        else:
-            todo.append((path, key))
-    baseline = store.get_json("study-bench", baseline_key)
-    if todo:
-        heads = bench.load_drafts(target, [(str(p), p) for p, _ in todo])
-        report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
-                               progress=lambda p: say(StudyProgress("bench", f"benchmark: {p.contender}", detail=p)))
-        by_name = {r["name"]: r for r in report.results}
-        for path, key in todo:
-            results[str(path)] = by_name[str(path)]
-            store.put_json("study-bench", key, by_name[str(path)])
-        baseline = by_name["autoregressive"]
-        store.put_json("study-bench", baseline_key, baseline)
+    drafts = train_drafts(cap, target, store, sets, o, say)
+    results, per_prompt, n_prompts, baseline = benchmark(target, store, [p for ps in drafts for p in ps], o, say)
+    reference = next(i for i, (_, strategies) in enumerate(sets) if "default" in strategies)
+    compared, tau_boot = study_stats.compare_sets([[per_prompt[str(p)] for p in ps] for ps in drafts], reference,
+                                                  seed=o.seed)
 
     rows = []
-    for (layers, strategies), path in zip(sets, drafts):
+    for (layers, strategies), paths, c in zip(sets, drafts, compared):
         score = select.score_set(stats, layers, o.lam)
-        r = results[str(path)]
-        rows.append(StudyRow(layers, strategies, score["mean_entropy"], score["mean_cka"], score["aggregate_entropy"],
-                             read_meta(path).get("val_accuracy", []), r["tau"], r["speedup"], r["tokens_per_s"],
-                             r["acceptance_by_position"], r["lossless"], str(path)))
+        metas = [read_meta(p) for p in paths]
+        entries = [results[str(p)] for p in paths]
+        proxies = {}
+        for name, v in versions.items():
+            sc = select.score_set(v, layers, o.lam)
+            proxies[name] = {p: sc[p] for p in PROXIES}
+        per_seed = [{"seed": seed, **c["seeds"][j], "val_accuracy": metas[j].get("val_accuracy", []),
+                     "draft": str(p)} for j, (seed, p) in enumerate(zip(seeds, paths))]
+        rows.append(StudyRow(
+            layers, strategies, score["mean_entropy"], score["mean_cka"], score["aggregate_entropy"],
+            _mean_lists([m.get("val_accuracy", []) for m in metas]), c["tau"], c["speedup"],
+            _mean([e["tokens_per_s"] for e in entries]), _mean_lists([e["acceptance_by_position"] for e in entries]),
+            all(e["lossless"] for e in entries), str(paths[0]), tau_ci=c["tau_ci"], acceptance=c["acceptance"],
+            acceptance_ci=c["acceptance_ci"], speedup_ci=c["speedup_ci"], delta_vs_default=c["delta_vs_default"],
+            delta_ci=c["delta_ci"], paired=c["paired"], seeds=per_seed, tau_seed_range=c["tau_seed_range"],
+            tau_seed_sd=c["tau_seed_sd"], proxies=proxies, drafts=[str(p) for p in paths]))
+
     taus = [r.tau for r in rows]
     corr = {p: spearman([getattr(r, p) for r in rows], taus) for p in PROXIES}
     corr["val_accuracy@1"] = spearman([r.val_accuracy[0] if r.val_accuracy else None for r in rows], taus)
-    report = StudyReport(cap.key, rows, corr, (baseline or {}).get("tokens_per_s"), len(prompts), asdict(o))
+    table = [r.proxies | {"training": {"val_accuracy@1": r.val_accuracy[0] if r.val_accuracy else None}}
+             for r in rows]
+    correlations = study_stats.correlate(table, taus, tau_boot, seed=o.seed + 1)
+    text = study_stats.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts,
+                               seeds=len(seeds))
+    options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel}
+    report = StudyReport(cap.key, rows, corr, baseline.get("tokens_per_s"), n_prompts, options_json, text,
+                         correlations, study_stats.best_versions(correlations), reference)
     say(StudyProgress("done", "study complete"))
     return report
 
 
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _mean_lists(lists) -> list[float]:
+    """Element-wise mean of lists (over the positions all of them have)."""
+    lists = [x for x in lists if x]
+    return [sum(v) / len(v) for v in zip(*lists)] if lists else []
+
+
 def format_study(report: StudyReport) -> str:
-    head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "tau", "speedup", "lossless"]
+    """The verdict, the table (τ with its interval, the paired difference to the default rule, the seed
+    spread), and the proxies' rank correlations with τ: the study's own and the best version of each."""
+    head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "tau", "tau 95% CI",
+            "vs default", "diff 95% CI", "seed range", "speedup", "lossless"]
     rows = [head]
+    f3 = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]" if c else "-"  # noqa: E731
     for r in report.rows:
         rows.append([",".join(map(str, r.layers)), "/".join(r.strategies), f"{r.mean_entropy:.3f}", f"{r.mean_cka:.3f}",
                      f"{r.aggregate_entropy:.3f}", f"{r.val_accuracy[0]:.3f}" if r.val_accuracy else "-",
-                     f"{r.tau:.3f}" if r.tau is not None else "-", f"{r.speedup:.2f}x" if r.speedup else "-",
-                     "yes" if r.lossless else "NO"])
+                     f3(r.tau), ci(r.tau_ci), f"{r.delta_vs_default:+.3f}" if r.delta_vs_default is not None else "-",
+                     ci(r.delta_ci), f3(r.tau_seed_range) if len(r.seeds) > 1 else "-",
+                     f"{r.speedup:.2f}x" if r.speedup else "-", "yes" if r.lossless else "NO"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     o = report.options
+    seeds = o.get("seeds") or []
     lines.insert(0, f"capture {report.capture}: {report.prompts} {o.get('prompts')} prompts, {o.get('max_new_tokens')} new "
-                    f"tokens, chain K={o.get('depth')}, {o.get('train', {}).get('steps')} training steps per draft\n")
+                    f"tokens, chain K={o.get('depth')}, {o.get('train', {}).get('steps')} training steps per draft, "
+                    f"training seeds {','.join(map(str, seeds))}, {o.get('kernel')} kernel\n")
+    lines.insert(1, report.verdict + "\n")
     lines.append("")
+    lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy).")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(
         f"{k} {v:+.2f}" if v is not None else f"{k} n/a" for k, v in report.spearman.items()))
+    by_proxy: dict[str, list[dict]] = {}
+    for c in report.correlations:
+        by_proxy.setdefault(c["proxy"], []).append(c)
+    if by_proxy:
+        lines.append("Every version (kernel, token-entropy filter), rho with its 95% interval; * = best of the proxy:")
+        for proxy, cs in by_proxy.items():
+            best = report.best_proxies.get(proxy, {}).get("version")
+            lines.append(f"  {proxy}: " + "; ".join(
+                f"{c['version']} {c['rho']:+.2f} {ci(c['ci'])}{'*' if c['version'] == best else ''}"
+                if c["rho"] is not None else f"{c['version']} n/a" for c in cs))
     return "\n".join(lines)

@@ -49,3 +49,52 @@ def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
     assert trained == {new_index}
     benched = {p.detail.contender for p in again if p.phase == "bench"}
     assert benched == {"autoregressive", report2.rows[new_index].draft}
+
+
+STUDY_ALL = dict(k=2, train={"steps": 2, "batch_size": 2, "seq_len": 32}, prompts="builtin", limit=3,
+                 max_new_tokens=6, depth=2, seeds=(0, 1), random_sets=2)
+
+
+def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_capture, session_store, one_thread):
+    """Every strategy and control, two training seeds: paired intervals, the proxies under both kernels
+    and three token-entropy filters, correlations with intervals and a verdict, all strict JSON."""
+    import json
+
+    from layerscope.study import STUDY_STRATEGIES, StudyOptions, format_study, run_study
+
+    assert {"random", "last-k", "single"} <= set(STUDY_STRATEGIES)
+    report = run_study(tiny_capture, tiny, session_store, StudyOptions(**STUDY_ALL))
+    rows, N = report.rows, tiny_capture.num_layers
+    ref = rows[report.reference]
+    assert "default" in ref.strategies and ref.delta_vs_default == 0.0 and ref.delta_ci == [0.0, 0.0]
+    labels = [s for r in rows for s in r.strategies]
+    assert {"default", "greedy", "aggregate", "entropy-topk", "spread", "random#1", "random#2", "last-k",
+            "single"} <= set(labels)
+    assert next(r for r in rows if "single" in r.strategies).layers == [N - 1]
+    assert next(r for r in rows if "last-k" in r.strategies).layers == [N - 2, N - 1]
+    assert len({tuple(r.layers) for r in rows}) == len(rows)
+    versions = {f"{k}, {f}" for k in ("linear", "cosine") for f in ("no filter", "H≥0.5", "H≥1")}
+    for r in rows:
+        assert r.lossless and len(r.seeds) == 2 and len(set(r.drafts)) == 2 and r.draft == r.drafts[0]
+        assert [s["seed"] for s in r.seeds] == [0, 1]
+        assert r.tau == pytest.approx(sum(s["tau"] for s in r.seeds) / 2)
+        assert r.tau_ci[0] <= r.tau <= r.tau_ci[1] and r.speedup_ci[0] <= r.speedup <= r.speedup_ci[1]
+        assert r.tau_seed_range == pytest.approx(max(s["tau"] for s in r.seeds) - min(s["tau"] for s in r.seeds))
+        assert r.delta_vs_default == pytest.approx(r.tau - ref.tau, abs=1e-12)
+        assert set(r.proxies) == versions and all(set(v) == {"mean_entropy", "mean_cka", "aggregate_entropy"}
+                                                   for v in r.proxies.values())
+        assert r.proxies["linear, H≥0.5"]["aggregate_entropy"] == pytest.approx(r.aggregate_entropy)
+    assert rows[0].proxies["linear, H≥0.5"] != rows[0].proxies["cosine, H≥0.5"]
+    assert {(c["proxy"], c["version"]) for c in report.correlations} == \
+        {(p, v) for p in ("mean_entropy", "mean_cka", "aggregate_entropy") for v in versions} | \
+        {("val_accuracy@1", "training")}
+    assert all(c["sets"] == len(rows) for c in report.correlations)
+    assert set(report.best_proxies) <= {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1"}
+    assert report.verdict and "default rule" in report.verdict and "Controls:" in report.verdict
+    out = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert {"rows", "verdict", "correlations", "options"} <= set(out)
+    assert out["options"]["seeds"] == [0, 1] and out["options"]["kernel"] == "linear"
+    for key in ("tau", "tau_ci", "delta_vs_default", "delta_ci", "seeds", "proxies"):
+        assert key in out["rows"][0]
+    text = format_study(report)
+    assert report.verdict in text and "tau 95% CI" in text and "cosine, no filter" in text
