@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 from layerscope.errors import SessionError
 from layerscope.store import atomic_write_bytes
 
@@ -42,9 +43,8 @@ MAX_JSON_BYTES = 16 * 2**20
 MAX_ARRAYS_BYTES = 256 * 2**20
 ID_RE = re.compile(r"^[0-9a-f]{12}$")
 NAME_MAX = 120
-# Layer statistics that are stored as tensors rather than JSON lists.
-ARRAY_KEYS = ("entropy", "entropy_normalized", "entropy2", "entropy_prompt", "entropy_prompt_normalized",
-              "cka", "cka_debiased", "cka_bound", "token_entropy")
+# Layer statistics that are stored as tensors rather than JSON lists: LayerStats decides which.
+ARRAY_KEYS = ARRAY_FIELDS
 
 
 def new_id() -> str:
@@ -98,12 +98,8 @@ class Session:
 
     def set_stats(self, stats: dict) -> None:
         """Keep a snapshot of layer statistics (a LayerStats.to_dict()): arrays as tensors, the rest as JSON."""
-        arrays, scalars = {}, {}
-        for k, v in stats.items():
-            if k in ARRAY_KEYS and v is not None:
-                arrays[k] = torch.as_tensor(v, dtype=torch.float64).to(torch.float32)
-            else:
-                scalars[k] = v
+        arrays, scalars = split_arrays(stats)
+        arrays = {k: v.to(torch.float32) for k, v in arrays.items()}
         self.arrays = {k: v for k, v in self.arrays.items() if k not in ARRAY_KEYS} | arrays
         self.stats = json.loads(json.dumps(scalars, default=_json_default))
 
@@ -111,11 +107,7 @@ class Session:
         """The statistics snapshot as one plain dict (tensors as lists), or None when there is none."""
         if not self.has_stats:
             return None
-        out = dict(self.stats)
-        for k in ARRAY_KEYS:
-            if k in self.arrays:
-                out[k] = self.arrays[k].tolist()
-        return out
+        return join_arrays({k: v for k, v in self.arrays.items() if k in ARRAY_KEYS}, self.stats)
 
     def add_layer_set(self, name: str, layers, strategy: str = "manual") -> dict:
         """Add a set to test (or rename the existing entry with the same layers). Returns the entry."""
