@@ -29,7 +29,7 @@ from layerscope import bench, select, specdec, study_stats
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
 from layerscope.draft.train import draft_for
-from layerscope.errors import SelectionError
+from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.metrics.correlation import spearman
 from layerscope.store import make_key
 from layerscope.study_stats import PromptRuns
@@ -237,10 +237,13 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     say(StudyProgress("analyze", "layer statistics"))
     stats = analyze(cap, store, analysis)
     sets = propose_sets(stats, o)
-    versions = {}
+    versions, skipped = {}, {}
     for name, a in proxy_versions(analysis, o).items():
         say(StudyProgress("analyze", f"layer statistics for the proxies: {name}"))
-        versions[name] = stats if a == analysis else analyze(cap, store, a)
+        try:
+            versions[name] = stats if a == analysis else analyze(cap, store, a)
+        except LayerScopeError as e:            # e.g. a threshold that leaves too few tokens: that version only
+            skipped[name] = str(e)
 
     drafts = train_drafts(cap, target, store, sets, o, say)
     results, per_prompt, n_prompts, baseline = benchmark(target, store, [p for ps in drafts for p in ps], o, say)
@@ -276,7 +279,8 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     correlations = study_stats.correlate(table, taus, tau_boot, seed=o.seed + 1)
     text = study_stats.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts,
                                seeds=len(seeds))
-    options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel}
+    options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
+                                "proxy_versions": list(versions), "proxy_versions_skipped": skipped}
     report = StudyReport(cap.key, rows, corr, baseline.get("tokens_per_s"), n_prompts, options_json, text,
                          correlations, study_stats.best_versions(correlations), reference)
     say(StudyProgress("done", "study complete"))

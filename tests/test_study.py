@@ -98,3 +98,18 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
         assert key in out["rows"][0]
     text = format_study(report)
     assert report.verdict in text and "tau 95% CI" in text and "cosine, no filter" in text
+
+
+def test_study_rerun_is_served_from_the_store_and_skips_a_proxy_version_that_keeps_no_tokens(
+        tiny, tiny_capture, session_store, one_thread):
+    from layerscope.study import StudyOptions, run_study
+
+    seen = []
+    report = run_study(tiny_capture, tiny, session_store, StudyOptions(**{**STUDY_ALL, "filters": (0.0, 100.0)}),
+                       progress=seen.append)
+    assert not [p for p in seen if p.phase == "bench" or (p.phase == "train" and p.detail is not None)]
+    skipped = report.options["proxy_versions_skipped"]
+    assert set(skipped) == {"linear, H≥100", "cosine, H≥100"} and "pass the filters" in skipped["linear, H≥100"]
+    assert report.options["proxy_versions"] == ["linear, H≥0.5", "linear, no filter", "cosine, no filter"]
+    assert all(set(r.proxies) == set(report.options["proxy_versions"]) for r in report.rows)
+    assert all(r.tau_ci is not None and len(r.seeds) == 2 for r in report.rows)
