@@ -40,7 +40,8 @@ def logits_of(head, tiny, seed=0):
 
 def test_checkpoint_has_the_engines_names_and_keys(trained, tiny):
     head, report, path = trained
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "layerscope.json", "model.safetensors"]
+    # layers.json (issue 13) gives the set in every engine's convention beside the engines' own files
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "layers.json", "layerscope.json", "model.safetensors"]
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["draft_vocab_size"] == 100 and cfg["vocab_size"] == tiny.model.config.vocab_size

@@ -1,17 +1,24 @@
-"""Draft checkpoints: a directory other engines load, and LayerScope loads back without pickle.
+"""Draft checkpoints: a directory the engines load as it is, and LayerScope loads back without pickle.
 
-    config.json         DraftConfig.to_hf_config(): the EAGLE-3 Llama draft config vLLM and SGLang read,
-                        with the auxiliary layer ids written for each engine (docs/drafts.md)
-    model.safetensors   fc, midlayer.*, norm, lm_head (float32), d2t (int64), t2d (bool); no embed_tokens:
-                        both engines share the target's embedding when the checkpoint has none
-    layerscope.json     what produced it: target fingerprint, capture key, layers, strategy, budget,
-                        seed, validation accuracy per TTT step, tokens, seconds
+    config.json         DraftConfig.to_hf_config() with the engines' ids for this target (layerscope/engines.py)
+                        and "torch_dtype"/"dtype" = the dtype the weights are saved in (the target's by default)
+    model.safetensors   fc, midlayer.*, norm, lm_head (in that dtype), d2t (int64), t2d (bool); no embed_tokens:
+                        every engine shares the target's embedding when the checkpoint has none
+    layers.json         the layer set three ways (hidden_states index, vLLM/speculators id, SGLang/SpecForge id),
+                        the target facts they were computed for, and what each engine can or cannot do with it
+    layerscope.json     what produced it: target fingerprint, capture key, layers, strategy, budget, seed,
+                        validation accuracy per TTT step, tokens, seconds
 
-The directory is written under a temporary name beside the destination and renamed into place.
+Crash safety: the directory is written in a staging folder beside the destination (`.layerscope-staging/`,
+which no draft listing looks into) and swapped into place with one atomic rename (renameat2
+RENAME_EXCHANGE where the kernel has it). A process killed at any point leaves `path` either the complete
+old draft or the complete new one, never missing and never half-written.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -20,58 +27,211 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from layerscope import engines
 from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead
+from layerscope.engines import TargetFacts
 from layerscope.errors import DraftError
 
 FORMAT = 1
-FILES = ("config.json", "model.safetensors", "layerscope.json")
+FILES = ("config.json", "model.safetensors", "layers.json", "layerscope.json")
+STAGING = ".layerscope-staging"
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def serving_notes(config: DraftConfig) -> list[str]:
-    """What keeps a draft from being served as-is by vLLM / SGLang (empty when nothing does)."""
+    """What keeps a draft from being served by some engine, for any target (empty when nothing does);
+    layers.json has the per-engine verdicts for the actual target."""
     notes = []
     if config.k != 3:
-        notes.append(f"reads {config.k} layers: vLLM's and SGLang's Llama EAGLE-3 loaders build fc for exactly 3 "
-                     "layers (3 x target_hidden_size), so only LayerScope can run it")
+        notes.append(f"reads {config.k} layers: vLLM, speculators and SpecForge take exactly 3 (vLLM's Llama EAGLE-3 "
+                     "draft builds fc for 3 x target_hidden_size); SGLang takes any number since May 2026")
     if 0 in config.aux_layers:
-        notes.append("reads layer 0 (the embedding output): the engines' Llama capture loops add a residual that "
-                     "is still None before the first decoder layer, so they cannot supply it")
+        notes.append("reads layer 0 (the embedding output): SGLang's and SpecForge's Llama/Qwen targets cannot "
+                     "supply it (their capture loop adds a residual that is still None before the first layer)")
     return notes
 
 
-def save_draft(path, head: DraftHead, meta: dict | None = None) -> Path:
-    """Write `head` to directory `path` (replacing it whole); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
-    tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}
-    info = {"format": FORMAT, "aux_layers": head.aux_layers, "draft_vocab_size": head.config.draft_vocab_size,
-            "serving_notes": serving_notes(head.config), "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **(meta or {})}
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+# ----------------------------------------------------------------------------------------- contents
+
+def layers_record(layers: list[int], facts: TargetFacts | None) -> dict:
+    """layers.json: the set three ways and each engine's verdict for this target (None: target unknown,
+    the Llama/Qwen SGLang convention is assumed and said so)."""
+    assumed = facts is None
+    facts = facts or TargetFacts(model_type="llama", num_layers=max(layers) + 1, dtype="float32")
     try:
-        (tmp / "config.json").write_text(json.dumps(head.config.to_hf_config(), indent=2))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "layerscope.json").write_text(json.dumps(info, indent=2, default=float))
-        if path.exists():
-            trash = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, trash)
-            os.replace(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        sgl = engines.sglang_ids(layers, facts.model_type)
+    except DraftError:
+        sgl = None
+    verdicts = {}
+    for engine in engines.ENGINES:
+        reason = engines.refusal(engine, layers, facts)
+        verdicts[engine] = {"ok": reason is None, "reason": reason, "notes": engines.notes(engine, layers, facts)}
+    return {
+        "hf_hidden_states": list(layers),
+        "vllm_speculators_ids": engines.vllm_ids(layers),
+        "sglang_specforge_ids": sgl,
+        "sglang_rule": engines.sglang_rule(facts.model_type),
+        "target": None if assumed else facts.to_dict(),
+        "target_assumed": assumed,
+        "engines": verdicts,
+    }
+
+
+def engine_config(config: DraftConfig, facts: TargetFacts | None, dtype: str) -> dict:
+    """config.json: the draft config with the dtype and the SGLang ids for this target's family."""
+    cfg = config.to_hf_config()
+    cfg["torch_dtype"] = cfg["dtype"] = dtype
+    cfg["eagle_aux_hidden_state_layer_ids"] = engines.vllm_ids(config.aux_layers)
+    if facts is not None:
+        try:
+            cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = engines.sglang_ids(config.aux_layers, facts.model_type)
+        except DraftError:
+            pass    # no SGLang id list reads this set; layers.json says so and check-draft reports it
+    return cfg
+
+
+def draft_tensors(head: DraftHead, dtype: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors: floating point ones in `dtype`, d2t int64, t2d bool, all on the CPU."""
+    want = TORCH_DTYPES[engines.dtype_name(dtype)]
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    return {k: (v.to(want) if v.is_floating_point() else v) for k, v in tensors.items()}
+
+
+def write_draft(directory: Path, head: DraftHead, meta: dict | None, facts: TargetFacts | None, dtype: str) -> None:
+    """Write the four files of a draft into an existing empty `directory` (not atomic: see save_draft)."""
+    dtype = engines.dtype_name(dtype)
+    info = {"format": FORMAT, "aux_layers": head.aux_layers, "draft_vocab_size": head.config.draft_vocab_size,
+            "serving_notes": serving_notes(head.config), "dtype": dtype,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(meta or {})}
+    (directory / "config.json").write_text(json.dumps(engine_config(head.config, facts, dtype), indent=2))
+    save_file(draft_tensors(head, dtype), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts), indent=2))
+    (directory / "layerscope.json").write_text(json.dumps(info, indent=2, default=float))
+
+
+def save_draft(path, head: DraftHead, meta: dict | None = None, *, target=None, facts: TargetFacts | None = None,
+               dtype: str | None = None) -> Path:
+    """Write `head` to directory `path`, replacing it whole or not at all; returns the path.
+    target (a LoadedModel) or facts: the target's family, depth and dtype, for the SGLang ids and the dtype.
+    dtype: of the saved weights and config.json (default: the target's; float32 when the target is unknown)."""
+    path = Path(path)
+    if facts is None and target is not None:
+        facts = engines.target_facts(target)
+    dtype = engines.dtype_name(dtype or (facts.dtype if facts else "float32"))
+    with staged(path) as tmp:
+        write_draft(tmp, head, meta, facts, dtype)
     return path
 
+
+# ----------------------------------------------------------------------------------------- placing a directory
+
+class staged:
+    """`with staged(path) as tmp:` fill `tmp`; on a clean exit it replaces `path` atomically, on an error it
+    is removed and `path` is untouched. tmp lives in `<parent>/.layerscope-staging/`."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.area = self.path.parent / STAGING
+
+    def __enter__(self) -> Path:
+        for attempt in range(3):     # another writer may remove the empty staging folder between the two calls
+            self.area.mkdir(parents=True, exist_ok=True)
+            try:
+                self.tmp = Path(tempfile.mkdtemp(dir=self.area, prefix=f"{self.path.name}.{os.getpid()}."))
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        _remove_stale(self.area, self.path.name)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                swap_into_place(self.tmp, self.path)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)   # after a swap it holds the old directory
+            try:
+                self.area.rmdir()                          # only when empty: other writers may be staging
+            except OSError:
+                pass
+        return False
+
+
+def swap_into_place(tmp: Path, path: Path) -> None:
+    """Make the complete directory `tmp` appear at `path`. An existing `path` is exchanged with `tmp` in one
+    rename (the old directory ends up at `tmp`); without renameat2, `path` is moved aside into the staging
+    area first, so the window where `path` is missing holds no half-written directory either."""
+    if not path.exists():
+        os.replace(tmp, path)
+        return
+    if _exchange(tmp, path):
+        return
+    aside = tmp.with_name(tmp.name + ".old")
+    os.replace(path, aside)
+    os.replace(tmp, path)
+    os.replace(aside, tmp)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2); False where the system cannot."""
+    fn = getattr(_LIBC, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove_stale(area: Path, name: str) -> None:
+    """Staging folders for `name` left by processes that no longer run."""
+    for entry in area.glob(f"{name}.*"):
+        try:
+            pid = int(entry.name[len(name) + 1:].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ----------------------------------------------------------------------------------------- reading back
 
 def read_meta(path) -> dict:
     """layerscope.json of a draft directory ({} when the draft came from elsewhere)."""
     f = Path(path) / "layerscope.json"
     return _read_json(f) if f.is_file() else {}
+
+
+def read_layers_record(path) -> dict:
+    """layers.json of a draft directory ({} for drafts saved before it existed or made elsewhere)."""
+    f = Path(path) / "layers.json"
+    return _read_json(f) if f.is_file() else {}
+
+
+def recorded_facts(path) -> TargetFacts | None:
+    """The target facts layers.json was written for (None when not recorded)."""
+    target = read_layers_record(path).get("target")
+    return TargetFacts.from_dict(target) if target else None
 
 
 def load_draft(path, target=None) -> DraftHead:
@@ -143,3 +303,292 @@ def _read_json(f: Path) -> dict:
     if not isinstance(value, dict):
         raise DraftError(f"{f} does not hold a JSON object", "The draft is damaged; train or copy it again")
     return value
+
+
+# ----------------------------------------------------------------------------------------- exports for engines
+
+def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str | None = None,
+                 target_path: str = "TARGET") -> Path:
+    """Write what `engine` needs to train at scale, serve and benchmark the draft in `draft_dir` into `out`
+    (replaced whole or not at all). Refuses, naming the engine and the reason, a set the engine cannot take."""
+    engine = engine.lower()
+    if engine not in engines.ENGINES:
+        raise DraftError(f"Unknown engine {engine!r}", f"Use --for {' | '.join(engines.ENGINES)}")
+    head = load_draft(draft_dir)
+    layers = head.aux_layers
+    if facts.num_layers <= layers[-1]:
+        raise DraftError(f"Draft reads layers {layers} but the target has {facts.num_layers} decoder layers",
+                         "Export with the target the draft was trained for (--target)")
+    reason = engines.refusal(engine, layers, facts)
+    if reason:
+        raise DraftError(f"Cannot export for {engine}: {reason}", f"Train a draft on a layer set {engine} takes "
+                         f"(layers.json lists every engine's verdict), or export for another engine")
+    dtype = engines.dtype_name(dtype or facts.dtype)
+    meta = {**read_meta(draft_dir), "exported_for": engine, "exported_from": str(draft_dir), "dtype": dtype}
+    out = Path(out)
+    with staged(out) as tmp:
+        if engine == "speculators":
+            write_speculators(tmp, head, meta, facts, dtype, target_path)
+        else:
+            write_draft(tmp, head, meta, facts, dtype)
+        if engine == "specforge":
+            write_specforge(tmp, head, facts, dtype, target_path, out)
+        (tmp / "COMMANDS.md").write_text(commands_md(engine, layers, facts, dtype, target_path, out,
+                                                     head.config.draft_vocab_size))
+    return out
+
+
+def write_specforge(directory: Path, head: DraftHead, facts: TargetFacts, dtype: str, target_path: str, out: Path) -> None:
+    """SpecForge's inputs: the draft config (model.draft_model_config; its eagle_config ids are the capture
+    layers resolve_eagle_capture_layers reads), the vocabulary mapping load_vocab_mapping reads
+    (specforge/modeling/draft/base.py: torch.load -> {"d2t", "t2d"}, the layout generate_vocab_mapping_file
+    writes in specforge/data/preprocessing.py) and a run config in SpecForge's schema (specforge/config/schema.py)."""
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "draft_config.json").write_text(json.dumps(cfg, indent=2))
+    # written with torch.save because that is the format SpecForge reads; LayerScope itself never loads it
+    torch.save({"d2t": head.d2t.detach().cpu().long(), "t2d": head.t2d.detach().cpu().bool()}, directory / "vocab_mapping.pt")
+    ids = engines.sglang_ids(head.aux_layers, facts.model_type)
+    (directory / "specforge.yaml").write_text(SPECFORGE_YAML.format(
+        target=target_path, out=out, ids=json.dumps(ids), dtype=dtype))
+
+
+SPECFORGE_YAML = """\
+# SpecForge run config for the LayerScope draft in {out} (fields: specforge/config/schema.py).
+# Offline EAGLE-3: first write the target's hidden states with scripts/prepare_hidden_states.py (COMMANDS.md).
+model:
+  target_model_path: "{target}"
+  draft_model_config: "{out}/draft_config.json"
+  vocab_mapping_path: "{out}/vocab_mapping.pt"
+  # SGLang ids (SpecForge hands them to the target's set_eagle3_layers_to_capture); exactly three
+  aux_hidden_state_layer_ids: {ids}
+  # start from the LayerScope draft instead of a random one (drop this line to train from scratch)
+  draft_checkpoint_path: "{out}"
+  target_backend: "sglang"
+  torch_dtype: "{dtype}"
+data:
+  hidden_states_path: "./cache/hidden_states/layerscope"
+  max_length: 4096
+  chat_template: "llama3"     # the target's chat template name in SpecForge (qwen, llama3, ...)
+  cache_dir: "./cache"
+training:
+  strategy: "eagle3"
+  num_epochs: 10
+  batch_size: 1
+  learning_rate: 1.0e-4
+  max_grad_norm: 0.5
+  ttt_length: 7
+  attention_backend: "sdpa"
+  save_interval: 1000
+  log_interval: 50
+  seed: 0
+run_id: "layerscope-eagle3"
+output_dir: "./outputs/layerscope-eagle3"
+deployment:
+  mode: local_colocated
+  trainer:
+    nnodes: 1
+    nproc_per_node: 8
+"""
+
+
+def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, target_path: str) -> dict:
+    """The config.json `speculators convert --algorithm eagle3` writes (Eagle3SpeculatorConfig,
+    src/speculators/models/eagle3/config.py, built by src/speculators/convert/eagle/eagle3_converter.py),
+    with eagle_aux_hidden_state_layer_ids set: the converter would leave it null and the draft would read the
+    default layers. norm_before_residual is false: vLLM's speculators reader defaults a missing one to true
+    (vllm/transformers_utils/configs/speculators/algos.py), which is not how LayerScope drafts are trained."""
+    hf = engine_config(head.config, facts, dtype)
+    layer = {k: hf[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                                "rope_theta", "rope_scaling", "max_position_embeddings", "attention_bias", "mlp_bias",
+                                "tie_word_embeddings")}
+    layer.update({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": dtype, "dtype": dtype})
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": target_path,
+                         "architectures": list(facts.architectures) or ["LlamaForCausalLM"]},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head.config.draft_vocab_size,
+        "target_hidden_size": head.config.target_hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": engines.vllm_ids(head.aux_layers),
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def write_speculators(directory: Path, head: DraftHead, meta: dict, facts: TargetFacts, dtype: str, target_path: str) -> None:
+    """A converted speculators checkpoint: the converter's config (ids set) and its weight names
+    (midlayer.* -> layers.0.*, Eagle3Speculator in src/speculators/convert/eagle/eagle3_legacy_model.py)."""
+    (directory / "config.json").write_text(json.dumps(speculators_config(head, facts, dtype, target_path), indent=2))
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in draft_tensors(head, dtype).items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts), indent=2))
+    info = {"format": FORMAT, "aux_layers": head.aux_layers, "draft_vocab_size": head.config.draft_vocab_size,
+            "serving_notes": serving_notes(head.config), **meta}
+    (directory / "layerscope.json").write_text(json.dumps(info, indent=2, default=float))
+
+
+def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, target: str, out: Path,
+                draft_vocab: int) -> str:
+    """COMMANDS.md: the command lines to train at scale, serve and benchmark this draft with `engine`."""
+    vllm = engines.vllm_ids(layers)
+    space = " ".join(str(i) for i in vllm)
+    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    sgl = None if engine in ("vllm", "speculators") else engines.sglang_ids(layers, facts.model_type)
+    head = [f"# {engine}: LayerScope draft on layers {layers}",
+            "",
+            f"Target: `{target}` ({facts.model_type}, {facts.num_layers} decoder layers, {dtype}). The target must be "
+            "the weights the draft was trained on. Layer l below is Hugging Face `hidden_states[l]`; `layers.json` "
+            "has the set in every engine's ids. Check what an engine will read before serving:",
+            "",
+            "```bash",
+            f"layerscope check-draft {out} --target {target}",
+            "```",
+            ""]
+    notes = engines.notes(engine, layers, facts)
+    if notes:
+        head += ["Notes:", *[f"- {n}" for n in notes], ""]
+    serve_vllm = ["## Serve (vLLM)", "", "```bash",
+                  f"vllm serve {target} --dtype {dtype} \\",
+                  f"  --speculative-config '{spec}'",
+                  "```", "",
+                  "## Benchmark (vLLM)", "", "```bash",
+                  f"vllm bench serve --model {target} --dataset-name sharegpt \\",
+                  "  --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json --num-prompts 200",
+                  "# acceptance per position, offline (vLLM repository):",
+                  f"python examples/offline_inference/spec_decode.py --method eagle3 --model-dir {target} \\",
+                  f"  --eagle-dir {out} --num-spec-tokens 3 --dataset-name hf --dataset-path philschmid/mt-bench",
+                  "```", ""]
+    train_speculators = ["## Train at scale (speculators, vLLM's trainer; scripts/ of the speculators repository)", "",
+                         "```bash",
+                         f"python scripts/launch_vllm.py {target} --target-layer-ids {space} -- --port 8000 &",
+                         "torchrun --standalone --nproc_per_node 8 scripts/train.py \\",
+                         f"  --verifier-name-or-path {target} --data-path ./output --vllm-endpoint http://localhost:8000/v1 \\",
+                         f"  --save-path ./output/checkpoints --draft-vocab-size {draft_vocab} --target-layer-ids {space}",
+                         "```", "",
+                         "Both commands need the ids: without them the server captures and the trainer assumes "
+                         f"`[2, N//2, N-3]` = {engines.default_layers('speculators', facts.num_layers)}.", ""]
+    serve_sglang = ["## Serve (SGLang)", "", "```bash",
+                    f"python -m sglang.launch_server --model-path {target} --dtype {dtype} \\",
+                    f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {out} \\",
+                    "  --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+                    "```", "",
+                    "## Benchmark (SGLang)", "", "```bash",
+                    "python -m sglang.bench_serving --backend sglang --dataset-name sharegpt --num-prompts 200",
+                    "```", ""]
+    if engine == "vllm":
+        body = serve_vllm + train_speculators
+    elif engine == "speculators":
+        convert = json.dumps({"eagle_aux_hidden_state_layer_ids": vllm})
+        body = [f"`{out}` is already the converted checkpoint, with `eagle_aux_hidden_state_layer_ids` = {vllm}. "
+                "To convert the LayerScope draft with the speculators tool instead, pass the ids, or it silently "
+                f"falls back to {engines.default_layers('speculators', facts.num_layers)}:", "",
+                "```bash",
+                f"speculators convert DRAFT_DIR --algorithm eagle3 --verifier {target} \\",
+                f"  --output-path {out} --algorithm-kwargs '{convert}'",
+                "```", ""] + serve_vllm + train_speculators
+    elif engine == "sglang":
+        body = serve_sglang + [
+            "## Train at scale", "",
+            f"SpecForge trains SGLang drafts: `layerscope export DRAFT --for specforge --out DIR` writes its inputs "
+            f"with the SGLang ids {sgl}.", ""]
+    else:
+        body = ["## Train at scale (SpecForge)", "",
+                "Hidden states of the target for the layers in `draft_config.json` (its eagle_config ids "
+                f"{sgl}), then training; `specforge.yaml` warm-starts from this draft:", "",
+                "```bash",
+                "torchrun --nproc_per_node 8 scripts/prepare_hidden_states.py \\",
+                f"  --target-model-path {target} --data-path ./cache/dataset/sharegpt_train.jsonl \\",
+                "  --output-path ./cache/hidden_states/layerscope --chat-template llama3 --max-length 4096 \\",
+                f"  --strategy eagle3 --draft-model-config {out}/draft_config.json",
+                f"specforge train --config {out}/specforge.yaml",
+                "python -m specforge.export.to_sglang --checkpoint ./outputs/layerscope-eagle3 \\",
+                f"  --draft-config {out}/draft_config.json --vocab-mapping {out}/vocab_mapping.pt \\",
+                "  --output-dir ./outputs/layerscope-eagle3-sglang",
+                "```", "",
+                "`model.aux_hidden_state_layer_ids` in `specforge.yaml` and the draft config's eagle_config ids are "
+                f"the same SGLang ids; SpecForge takes exactly three, and without them captures "
+                f"`[1, N//2-1, N-4]` (SGLang ids) = {engines.default_layers('specforge', facts.num_layers)}.", ""]
+        body += [line.replace(str(out), "./outputs/layerscope-eagle3-sglang") if "speculative-draft-model-path" in line
+                 else line for line in serve_sglang]
+    return "\n".join(head + body)
+
+
+# ----------------------------------------------------------------------------------------- checking a directory
+
+def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) -> dict:
+    """Which layers each engine would read from `directory` for this target, against the set the draft was
+    trained on (layerscope.json, cross-checked with the width of fc). Returns {"trained", "rows", "ok"}; a row
+    fails when an engine that should load the directory reads another set or cannot load it at all."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+        raise DraftError(f"{directory} is not a draft directory (config.json and model.safetensors are needed)",
+                         "Give a directory written by `layerscope train-draft` or `layerscope export`")
+    cfg = _read_json(directory / "config.json")
+    meta = read_meta(directory)
+    trained = meta.get("aux_layers") or meta.get("layers")
+    if not trained:
+        raise DraftError(f"{directory} has no record of the layers it was trained on (layerscope.json)",
+                         "Check a draft LayerScope trained or exported; for others the trained set is unknown")
+    trained = [int(l) for l in trained]
+    width = _fc_inputs(directory, cfg)
+    problems = []
+    if width is not None and width != len(trained):
+        problems.append(f"fc reads {width} layers but layerscope.json records {len(trained)} ({trained})")
+    converted = "speculators_model_type" in cfg
+    if only:
+        wanted = list(only)
+    elif meta.get("exported_for"):
+        wanted = [meta["exported_for"]]
+    else:
+        wanted = ["speculators"] if converted else ["vllm", "sglang", "specforge"]
+    rows = []
+    for engine in engines.ENGINES:
+        if converted != (engine == "speculators"):
+            if engine in wanted:
+                problems.append(f"{engine} does not load a {'speculators' if converted else 'LayerScope'}-format "
+                                "directory like this one")
+            continue
+        reads, source = engines.read_layers(engine, cfg, facts)
+        refused = engines.refusal(engine, trained, facts)
+        checked = engine in wanted
+        ok = refused is None and reads == trained
+        if refused:
+            status = f"cannot load it: {refused}"
+        elif reads == trained:
+            status = "reads the trained layers"
+        elif source.startswith("default"):
+            status = f"SILENT FALLBACK to {reads}: {source}"
+        else:
+            status = f"READS OTHER LAYERS {reads} than the trained {trained}"
+        rows.append({"engine": engine, "reads": reads, "source": source, "ok": ok, "checked": checked,
+                     "status": status})
+        if checked and not ok:
+            problems.append(f"{engine}: {status}")
+    return {"directory": str(directory), "trained": trained, "target": facts.to_dict(), "rows": rows,
+            "problems": problems, "ok": not problems}
+
+
+def _fc_inputs(directory: Path, cfg: dict) -> int | None:
+    """How many layers fc concatenates, from the checkpoint's header (None when it cannot tell)."""
+    hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size") or \
+        (cfg.get("transformer_layer_config") or {}).get("hidden_size")
+    try:
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            if "fc.weight" not in f.keys():
+                return None
+            cols = f.get_slice("fc.weight").get_shape()[1]
+    except Exception:  # an unreadable checkpoint is load_draft's to report
+        return None
+    return int(cols) // int(hidden) if hidden else None

@@ -1,0 +1,78 @@
+"""`layerscope export`: package a draft for one engine (vLLM, SGLang, SpecForge, speculators) with COMMANDS.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layerscope import engines
+from layerscope.commands.common import open_store, print_json
+from layerscope.errors import DraftError
+
+NAME = "export"
+HELP = ("write a draft the way one engine takes it (sglang | vllm | specforge | speculators), with the layer ids in "
+        "its convention, the target's dtype and COMMANDS.md to train at scale, serve and benchmark there")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("draft", help="draft directory (or the key of a draft in the store, drafts/<key>)")
+    p.add_argument("--for", dest="engine", required=True, choices=engines.ENGINES, help="the engine to export for")
+    p.add_argument("--out", required=True, help="directory to write (replaced whole; the old one stays until the new is complete)")
+    p.add_argument("--target", default=None,
+                   help="the target model spec (as for capture); default: the target facts recorded in layers.json")
+    p.add_argument("--target-path", default=None,
+                   help="how the engine should name the target in COMMANDS.md (default: the directory it loads from)")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the target's dtype)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def resolve_draft(spec: str, args) -> Path:
+    """A draft directory from a path or a store key."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    candidate = Path(open_store(args).path("drafts", spec))
+    if candidate.is_dir():
+        return candidate
+    raise DraftError(f"{spec} is neither a draft directory nor a draft in the store",
+                     "Give the directory `layerscope train-draft --out` wrote")
+
+
+def target_of(args, draft: Path):
+    """(TargetFacts, how COMMANDS.md names the target) from --target, else from layers.json."""
+    from layerscope.draft.export import _read_json, check_fits, read_meta, recorded_facts
+    from layerscope.draft.model import DraftConfig
+    from layerscope.models import load_model
+
+    if args.target is None:
+        facts = recorded_facts(draft)
+        if facts is None:
+            raise DraftError(f"{draft}/layers.json does not record the target's family, depth and dtype",
+                             "Pass --target MODEL (the model the draft was trained for)")
+        return facts, args.target_path or read_meta(draft).get("target_model") or "TARGET"
+    target = load_model(args.target, store=open_store(args))
+    meta = read_meta(draft)
+    config = DraftConfig.from_hf_config(_read_json(draft / "config.json"), meta.get("aux_layers"))
+    check_fits(config, meta, target, draft)
+    source = str(getattr(target.model.config, "_name_or_path", "") or "")
+    return engines.target_facts(target), args.target_path or (source if Path(source).is_dir() else args.target)
+
+
+def run(args) -> int:
+    from layerscope.draft.export import export_draft, read_layers_record
+
+    draft = resolve_draft(args.draft, args)
+    facts, target_path = target_of(args, draft)
+    out = export_draft(draft, args.engine, args.out, facts, dtype=args.dtype, target_path=target_path)
+    record = read_layers_record(out)
+    result = {"out": str(out), "engine": args.engine, "layers": record.get("hf_hidden_states"),
+              "vllm_speculators_ids": record.get("vllm_speculators_ids"),
+              "sglang_specforge_ids": record.get("sglang_specforge_ids"), "target": facts.to_dict(),
+              "files": sorted(p.name for p in out.iterdir())}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"exported layers {result['layers']} for {args.engine} to {out} "
+              f"(vLLM/speculators ids {result['vllm_speculators_ids']}, SGLang/SpecForge ids "
+              f"{result['sglang_specforge_ids']}; {facts.model_type} target, {facts.num_layers} layers)")
+        print(f"files: {', '.join(result['files'])}; commands in {out}/COMMANDS.md")
+    return 0

@@ -1,0 +1,219 @@
+"""How each production engine names, limits and reads the auxiliary layers of an EAGLE-3 draft.
+
+LayerScope layer l is Hugging Face `hidden_states[l]`: 0 is the embedding output, l in 1..N-1 the residual
+stream entering decoder layer l (= the output of decoder layer l-1). Each engine writes and reads its own ids:
+
+    engine        id of layer l                 where the id is read                     layers    layer 0
+    vllm          l                             draft config.json, top-level key         exactly 3  yes (*)
+    speculators   l                             converted config.json, top-level key     exactly 3  yes (*)
+    sglang        l-1 (Llama/Qwen/most)         draft config.json, eagle_config key      any (**)   no
+                  l   (deepseek_v2/v3, glm4_moe_lite; a set starting at 1 cannot be written)         yes
+    specforge     the SGLang id                 run config, else draft eagle_config      exactly 3  no (ids >= 0)
+
+(*) vLLM releases whose decoder loops capture through EagleModelMixin._maybe_add_hidden_state (2026) take
+    the embedding output; older Llama loops add a residual that is still None before layer 0 and fail.
+(**) SGLang sizes fc from the length of the id list since PR #24663 (May 2026); older releases take 3.
+
+Every reading rule below is reproduced from the engines' sources (paths in the comments; none of their code
+is copied). When the ids are missing, every engine silently falls back to a default set, so `read_layers`
+returns where the ids came from as well as the layers an engine will actually read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from layerscope.errors import DraftError
+
+ENGINES = ("vllm", "sglang", "specforge", "speculators")
+
+# SGLang targets whose set_eagle3_layers_to_capture adds 1 only when the first id is 1 and otherwise captures
+# the ids as given (sglang python/sglang/srt/models/deepseek_v2.py and glm4_moe_lite.py, the "TODO
+# (Qiaolin-Yu)" branch; DeepseekV3ForCausalLM subclasses DeepseekV2ForCausalLM). Their layers capture the
+# input of layer i through LayerCommunicator (python/sglang/srt/layers/communicator.py), which also works
+# before layer 0, where the residual is still None.
+SGLANG_FIRST_ID_ONE = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite"})
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the engines need to know about the target: its family, depth and weight dtype."""
+    model_type: str          # the target's config.json model_type ("llama", "qwen3", "deepseek_v3", ...)
+    num_layers: int          # N decoder layers
+    dtype: str               # "bfloat16" | "float16" | "float32": the dtype of the target's weights
+    architectures: tuple = ()   # the target's config.json architectures
+
+    def to_dict(self) -> dict:
+        return {"model_type": self.model_type, "num_layers": self.num_layers, "dtype": self.dtype,
+                "architectures": list(self.architectures)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TargetFacts":
+        return cls(model_type=str(d["model_type"]), num_layers=int(d["num_layers"]), dtype=str(d["dtype"]),
+                   architectures=tuple(d.get("architectures") or ()))
+
+
+def sglang_rule(model_type: str) -> str:
+    """"always": SGLang adds 1 to every id (Llama, Qwen, Mistral, ... : python/sglang/srt/models/llama.py,
+    qwen2.py, qwen3.py set_eagle3_layers_to_capture); "first-is-one": it adds 1 only when the first id is 1."""
+    return "first-is-one" if model_type in SGLANG_FIRST_ID_ONE else "always"
+
+
+def default_layers(engine: str, num_layers: int) -> list[int]:
+    """The set an engine reads when no ids reach it, as LayerScope layers (hidden_states indices).
+    vLLM: get_eagle3_default_aux_hidden_state_layers = (2, N//2, N-3) (vllm/model_executor/models/llama.py),
+    used by set_eagle3_aux_hidden_state_layers when the draft config has no ids
+    (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py); SGLang: [2, N//2, N-3] captured without the +1
+    (set_eagle3_layers_to_capture(None)); SpecForge: [1, N//2-1, N-4] in SGLang ids
+    (specforge/algorithms/model_providers.py resolve_eagle_capture_layers), i.e. the same layers;
+    speculators: resolve_target_layer_ids -> [2, N//2, N-3] (src/speculators/models/utils.py)."""
+    _check_engine(engine)
+    n = int(num_layers)
+    return [2, n // 2, n - 3]
+
+
+def refusal(engine: str, layers: list[int], facts: TargetFacts) -> str | None:
+    """Why `engine` cannot serve or train a draft on `layers` of this target (None when it can)."""
+    _check_engine(engine)
+    k = len(layers)
+    if engine in ("vllm", "speculators") and k != 3:
+        # vllm/model_executor/models/llama_eagle3.py: fc = ReplicatedLinear(target_hidden_size * 3, hidden_size);
+        # a speculators checkpoint is served by the same Eagle3LlamaForCausalLM
+        # (vllm/transformers_utils/configs/speculators/algos.py update_eagle3)
+        return (f"{engine} reads exactly 3 layers (its Llama EAGLE-3 draft builds fc for 3 x target_hidden_size); "
+                f"this draft reads {k}")
+    if engine == "specforge" and k != 3:
+        # specforge/application/planning.py and algorithms/model_providers.py: "exactly three" non-negative ids
+        return f"specforge trains EAGLE-3 drafts on exactly 3 layers (model.aux_hidden_state_layer_ids); this draft reads {k}"
+    if engine in ("sglang", "specforge"):
+        try:
+            ids = sglang_ids(layers, facts.model_type)
+        except DraftError as e:
+            return e.problem
+        if engine == "specforge" and min(ids) < 0:
+            return (f"specforge needs non-negative SGLang ids, and layer 0 (the embedding output) would be id -1 "
+                    f"for a {facts.model_type} target")
+    return None
+
+
+def notes(engine: str, layers: list[int], facts: TargetFacts) -> list[str]:
+    """What the user must know to serve `layers` on `engine` even when the engine takes them."""
+    out = []
+    if engine in ("vllm", "speculators") and 0 in layers:
+        out.append("layer 0 (the embedding output) needs a vLLM whose decoder loop captures through "
+                   "EagleModelMixin._maybe_add_hidden_state (vllm/model_executor/models/interfaces.py, 2026); "
+                   "older Llama loops add a None residual before layer 0 and fail")
+    if engine == "sglang" and len(layers) != 3:
+        out.append(f"{len(layers)} layers need an SGLang whose EAGLE-3 draft sizes fc from the length of "
+                   "eagle_config.eagle_aux_hidden_state_layer_ids (PR #24663, May 2026); older releases take 3")
+    if engine == "speculators":
+        out.append("speculators convert ignores the ids in the draft's config.json and falls back to "
+                   f"{default_layers('speculators', facts.num_layers)} unless they are passed in --algorithm-kwargs")
+    return out
+
+
+# ----------------------------------------------------------------------------------------- writing ids
+
+def vllm_ids(layers: list[int]) -> list[int]:
+    """vLLM and speculators ids: id l = the input of decoder layer l = hidden_states[l] (the target's decoder
+    loop appends hidden_states + residual before running layer idx, or through _maybe_add_hidden_state(idx)
+    after layer idx-1: vllm/model_executor/models/llama.py, interfaces.py)."""
+    return [int(l) for l in layers]
+
+
+def sglang_ids(layers: list[int], model_type: str) -> list[int]:
+    """The ids to write under eagle_config for SGLang (and SpecForge) so that it reads `layers` of this target."""
+    layers = [int(l) for l in layers]
+    if sglang_rule(model_type) == "always":
+        # llama.py set_eagle3_layers_to_capture: layers_to_capture = [val + 1 for val in layer_ids], and the
+        # decoder loop captures hidden_states + residual before layer i, i.e. hidden_states[i]
+        if 0 in layers:
+            raise DraftError(f"sglang cannot read layer 0 (the embedding output) of a {model_type} target: its "
+                             "decoder loop adds a residual that is still None before the first layer (id -1)",
+                             "Choose a layer set without layer 0 for SGLang")
+        return [l - 1 for l in layers]
+    # first-is-one: [id + 1 ...] when ids[0] == 1, else the ids as written. Writing the layers themselves reads
+    # them unless the set starts at 1; a set starting at 2 may be written either way, a set starting at 1 not at all
+    if layers[0] == 1:
+        raise DraftError(f"sglang cannot read a set starting at layer 1 of a {model_type} target: it adds 1 to "
+                         "every id when the first id is 1, and takes the ids as written otherwise",
+                         "Start the layer set at another layer for this target")
+    return list(layers)
+
+
+# ----------------------------------------------------------------------------------------- reading ids
+
+def read_layers(engine: str, config: dict, facts: TargetFacts, run_ids: list[int] | None = None) -> tuple[list[int], str]:
+    """The layers (hidden_states indices) `engine` actually reads from a draft `config` (config.json as a
+    dict) for this target, and where they came from: "config" or "default (...)" for a silent fallback.
+    run_ids: ids given outside the draft (SpecForge model.aux_hidden_state_layer_ids, speculators
+    --algorithm-kwargs), which take precedence the way each engine applies them."""
+    _check_engine(engine)
+    n = facts.num_layers
+    if engine == "vllm":
+        # eagle3_utils.get_eagle3_aux_layers_from_config: hf_config.eagle_aux_hidden_state_layer_ids if it is a
+        # non-empty list or tuple, else the target's default
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        if ids and isinstance(ids, (list, tuple)):
+            return vllm_ids(ids), "config"
+        return default_layers("vllm", n), "default (no top-level eagle_aux_hidden_state_layer_ids)"
+    if engine == "speculators":
+        if "speculators_model_type" in config:
+            # a converted checkpoint: vLLM's speculators reader copies the top-level ids when they are truthy
+            # (vllm/transformers_utils/configs/speculators/algos.py); speculators itself resolves None to the default
+            ids = config.get("eagle_aux_hidden_state_layer_ids")
+            if ids:
+                return vllm_ids(ids), "config"
+            return default_layers("speculators", n), "default (converted without eagle_aux_hidden_state_layer_ids)"
+        # an unconverted draft: Eagle3Converter.convert takes the ids only from its argument
+        # (src/speculators/convert/eagle/eagle3_converter.py), never from the input config.json
+        if run_ids:
+            return vllm_ids(run_ids), "--algorithm-kwargs"
+        return default_layers("speculators", n), "default (speculators convert ignores the ids in config.json)"
+    # sglang and specforge read the nested eagle_config list (sglang model_runner.py; SpecForge
+    # resolve_eagle_capture_layers, where model.aux_hidden_state_layer_ids of the run config comes first)
+    ids = run_ids if (engine == "specforge" and run_ids is not None) else (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return default_layers(engine, n), "default (no eagle_config.eagle_aux_hidden_state_layer_ids)"
+    ids = [int(i) for i in ids]
+    if sglang_rule(facts.model_type) == "always" or (ids and ids[0] == 1):
+        return [i + 1 for i in ids], "config"
+    return ids, "config"
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise DraftError(f"Unknown engine {engine!r}", f"Use one of {', '.join(ENGINES)}")
+
+
+def target_facts(target) -> TargetFacts:
+    """TargetFacts of a LoadedModel. The dtype is the one its checkpoint's config.json declares (what an engine
+    loads it in under --dtype auto), not the dtype LayerScope happened to load it in on this machine."""
+    config = target.model.config
+    declared = None
+    source = Path(str(getattr(config, "_name_or_path", "") or ""))
+    if (source / "config.json").is_file():
+        try:
+            on_disk = json.loads((source / "config.json").read_text())
+            declared = on_disk.get("dtype") or on_disk.get("torch_dtype")
+        except (OSError, ValueError):
+            declared = None
+    if declared is None:
+        declared = getattr(config, "dtype", None) or target.dtype    # transformers 5 names it dtype
+    return TargetFacts(model_type=str(config.model_type), num_layers=int(target.num_layers), dtype=dtype_name(declared),
+                       architectures=tuple(getattr(config, "architectures", None) or ()))
+
+
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+          "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def dtype_name(value) -> str:
+    """'bfloat16' | 'float16' | 'float32' for a torch dtype or a name such as 'bf16' or 'torch.float16'."""
+    name = str(value).replace("torch.", "").strip().lower()
+    if name not in DTYPES:
+        raise DraftError(f"Unsupported dtype {value!r} for a draft", "Use bfloat16, float16 or float32")
+    return DTYPES[name]
