@@ -1,7 +1,8 @@
 """The `layerscope` command: one subcommand per module in `layerscope/commands/`.
 
 Each command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
-Every command takes `--store DIR` (else $LAYERSCOPE_STORE, else ./cache) and most take `--json`.
+Every command takes `--store DIR` (else $LAYERSCOPE_STORE, else ./cache under the working directory)
+and most take `--json`. The steps themselves are in layerscope/workflow.py; a command parses and prints.
 A `LayerScopeError` prints its message and exits 2; nothing else is caught.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from layerscope.commands.common import STORE_HELP
 from layerscope.errors import LayerScopeError
 
 COMMAND_MODULES = [
@@ -22,21 +24,18 @@ COMMAND_MODULES = [
     "bench",
     "study",
     "verify",
+    "export", "check_draft",
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerscope", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="layerscope", description=__doc__.splitlines()[0],
+                                     epilog=f"Every command takes --store DIR: the {STORE_HELP}.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"layerscope.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"layerscope.commands.{name}":
-                continue  # command not built in this checkout
-            raise
+        module = importlib.import_module(f"layerscope.commands.{name}")
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
-        p.add_argument("--store", default=None, help="artifact store directory (default: $LAYERSCOPE_STORE or ./cache)")
+        p.add_argument("--store", default=None, help=STORE_HELP)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
