@@ -237,12 +237,27 @@ else:
         st.markdown(f"Latest study: {len(rows)} sets · {(o.get('train') or {}).get('steps')} training steps each · "
                     f"{res['prompts']} {o.get('prompts', '')} prompts × {o.get('max_new_tokens')} tokens · "
                     f"K = {o.get('depth')} · {res.get('device', '')}")
+        if res.get("verdict"):
+            st.info(res["verdict"], icon=":material/gavel:")
+        ci = lambda c, i: c[i] if c else None  # noqa: E731
         df = pd.DataFrame([{"set": "/".join(r["strategies"]), "layers": r["layers"],
                             "mean entropy": r["mean_entropy"], "mean CKA": r["mean_cka"],
                             "aggregate entropy": r["aggregate_entropy"],
                             "val acc@1": (r.get("val_accuracy") or [None])[0], "τ": r.get("tau"),
+                            "τ low": ci(r.get("tau_ci"), 0), "τ high": ci(r.get("tau_ci"), 1),
+                            "Δτ vs default": r.get("delta_vs_default"), "Δ low": ci(r.get("delta_ci"), 0),
+                            "Δ high": ci(r.get("delta_ci"), 1), "seed range": r.get("tau_seed_range"),
                             "speedup": r.get("speedup"), "lossless": r.get("lossless")} for r in rows]).round(4)
         table(df, key="ls_spec_study_table", filename="study", column_config={"layers": st.column_config.ListColumn("layers")})
+        st.caption("τ low/high and Δ low/high: 95% paired bootstrap intervals over the prompts; seed range: max − min "
+                   "of τ over the training seeds.")
+        if res.get("correlations"):
+            best = {p: c.get("version") for p, c in (res.get("best_proxies") or {}).items()}
+            cdf = pd.DataFrame([{"proxy": c["proxy"], "version": c["version"], "Spearman ρ with τ": c["rho"],
+                                 "ρ low": ci(c.get("ci"), 0), "ρ high": ci(c.get("ci"), 1),
+                                 "best version": best.get(c["proxy"]) == c["version"]}
+                                for c in res["correlations"]]).round(3)
+            table(cdf, key="ls_spec_study_corr", filename="study-correlations")
         corr = res.get("spearman") or {}
         st.markdown("**Spearman correlation with τ** over the sets: " + " · ".join(
             f"{name.replace('_', ' ')} {'n/a' if v is None else format(v, '+.2f')}" for name, v in corr.items())
