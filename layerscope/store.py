@@ -35,7 +35,7 @@ from pathlib import Path
 
 import diskcache
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from layerscope.errors import StoreError
@@ -128,7 +128,13 @@ def atomic_write_json(path: Path, obj) -> None:
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     def write(fd, tmp):
         os.close(fd)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        except SafetensorError as e:      # an I/O error inside safetensors: keep its errno (full disk ...)
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1]))) from None
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
     _write_via_temp(path, write)
@@ -145,13 +151,42 @@ def check_entry_name(kind: str, key: str) -> str:
 # ---------------------------------------------------------------------------- the index
 
 class _MemoryIndex(dict):
-    """Stand-in for the diskcache index when the store cannot hold one (read-only): same calls, no disk."""
+    """Stand-in for the diskcache index when the store cannot hold one (read-only): same calls, no disk.
+
+    With `readonly_dir` it also reads the values an existing index holds (sqlite opened read-only);
+    what is set lives in memory and shadows them."""
+
+    def __init__(self, readonly_dir: Path | None = None):
+        super().__init__()
+        self._db = self._disk = None
+        db = Path(readonly_dir) / "cache.db" if readonly_dir else None
+        if db is not None and db.is_file():
+            try:   # immutable: a WAL database opens without writing its -shm file
+                self._db = sqlite3.connect(f"{db.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False)
+                self._db.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+                self._disk = diskcache.JSONDisk(str(readonly_dir))
+            except (sqlite3.Error, OSError):
+                self._db = None
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error, OSError, ValueError):
+                db_key, raw = self._disk.put(key)
+                row = self._db.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ?",
+                                       (db_key, raw)).fetchone()
+                if row is not None:
+                    return self._disk.fetch(row[0], row[1], row[2], False)
+        return default
 
     def set(self, key, value):
         self[key] = value
 
     def close(self):
-        pass
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
 class Store:
@@ -199,8 +234,8 @@ class Store:
     def _repair_index(self, error: Exception):
         if not self.writable or isinstance(error, OSError) and error.errno in READ_ONLY \
                 or "readonly" in str(error) or "read-only" in str(error):
-            self.warn(f"The store at {self.root} is read-only: cached results are kept in memory only")
-            return _MemoryIndex()
+            self.warn(f"The store at {self.root} is read-only: new results are kept in memory only")
+            return _MemoryIndex(self.root / "index")
         with self.lock("index", "repair"):
             try:   # another process may have repaired it while we waited
                 cache = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk, eviction_policy="none",

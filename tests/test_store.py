@@ -62,3 +62,218 @@ def test_missing_capture_is_a_clear_error(store):
 def test_env_variable_chooses_root(monkeypatch, tmp_path):
     monkeypatch.setenv("LAYERSCOPE_STORE", str(tmp_path / "elsewhere"))
     assert Store().root == tmp_path / "elsewhere"
+
+
+# ---------------------------------------------------------------------------- integrity
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from layerscope import cli  # noqa: E402
+from layerscope.analysis import AnalysisOptions, analysis_key, analyze  # noqa: E402
+from layerscope.store import CaptureReader, StoreWarning  # noqa: E402
+
+
+@pytest.fixture
+def copied(tiny_capture, store):
+    """A private copy of the tiny capture in a fresh store, free to damage: (store, key, path)."""
+    path = store.path("captures", tiny_capture.key)
+    shutil.copytree(tiny_capture.path, path)
+    return store, tiny_capture.key, path
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _write_manifest(path, m):
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_manifest_records_size_and_checksum_of_every_chunk(tiny_capture):
+    import hashlib
+
+    for c in tiny_capture.manifest["chunks"]:
+        data = (tiny_capture.path / c["file"]).read_bytes()
+        assert c["bytes"] == len(data) and c["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_flipped_byte_is_never_used_nor_cached(copied):
+    store, key, path = copied
+    chunk = path / _manifest(path)["chunks"][-1]["file"]
+    data = bytearray(chunk.read_bytes())
+    data[-5] ^= 0xFF                              # inside the tensor data: the header still parses
+    chunk.write_bytes(bytes(data))
+    cap = store.open_capture(key)                 # the cheap check cannot see it (same size, same header)
+    options = AnalysisOptions(min_entropy=0.0, max_tokens=None)
+    with pytest.raises(StoreError, match=f"Capture {key} is damaged: chunk .* does not match its checksum"):
+        analyze(cap, store, options)
+    assert store.get_json("analysis", analysis_key(key, options)) is None
+    assert any("does not match its checksum" in p for p in store.verify_capture(key))
+    assert cli.main(["verify", key[:8], "--store", str(store.root)]) == 1
+    assert cli.main(["verify", "--delete", "--store", str(store.root)]) == 0
+    assert not path.exists() and store.list_captures() == []
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: m.update(tokens=m["tokens"] + 1), "'tokens' is"),
+    (lambda m: (m["chunks"][0].update(tokens=m["chunks"][0]["tokens"] - 1), m.update(tokens=m["tokens"] - 1)),
+     "tensor hidden.0 is F16"),      # consistent counts that the chunk's own header contradicts
+    (lambda m: m.pop("num_layers"), "'num_layers' must be an integer"),
+    (lambda m: m["chunks"][0].update(file="../../../etc/passwd"), "file name '../../../etc/passwd' is not"),
+    (lambda m: m["chunks"][0].update(sha256="zz"), "'sha256' must be 64 hex"),
+    (lambda m: m.update(chunks=m["chunks"][1:]), "does not continue at conversation 0"),
+    (lambda m: m.update(key="0" * 24), "is not the directory's name"),
+    (lambda m: m.update(hidden_size=True), "'hidden_size' must be an integer"),
+])
+def test_edited_manifest_is_refused_with_key_and_fix(copied, edit, problem):
+    store, key, path = copied
+    m = _manifest(path)
+    edit(m)
+    _write_manifest(path, m)
+    with pytest.raises(StoreError, match="layerscope verify") as e:
+        store.open_capture(key)
+    assert key in str(e.value) and problem in str(e.value)
+    [row] = store.list_captures()                  # still listed, with its problem, and listing does not fail
+    assert row["key"] == key and problem in row["problem"]
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-100]), "bytes, the manifest says"),
+    (lambda f: f.unlink(), "is missing"),
+    (lambda f: f.write_bytes(b"not a safetensors file at all"), "bytes, the manifest says"),
+])
+def test_damaged_chunk_file_is_refused_on_open(copied, damage, problem):
+    store, key, path = copied
+    damage(path / _manifest(path)["chunks"][0]["file"])
+    with pytest.raises(StoreError, match=problem):
+        store.open_capture(key)
+    assert cli.main(["verify", "--store", str(store.root)]) == 1
+
+
+def test_chunk_replaced_by_a_symlink_is_refused(copied, tmp_path):
+    store, key, path = copied
+    chunk = path / _manifest(path)["chunks"][0]["file"]
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(chunk, outside)
+    chunk.symlink_to(outside)
+    with pytest.raises(StoreError, match="is missing"):
+        store.open_capture(key)
+
+
+def test_keys_and_prefixes_are_checked(copied):
+    store, key, path = copied
+    for bad in ("../captures", "*", key + "/..", "", "x" * 30):
+        with pytest.raises(StoreError, match="is not a capture key"):
+            store.open_capture(bad)
+    twin = store.path("captures", key[:4] + ("1" if key[4] == "0" else "0") * 20)   # shares 4 characters
+    shutil.copytree(path, twin)
+    with pytest.raises(StoreError, match=f"matches 2 captures: .*{key}"):
+        store.open_capture(key[:4])
+    assert store.open_capture(key[:5]).key == key
+
+
+def test_temporary_and_partial_names_are_never_listed(copied):
+    store, key, path = copied
+    shutil.copytree(path, path.with_name(f"{key}.partial"))
+    shutil.copytree(path, path.with_name(f".{key}.deleting-1"))
+    assert [r["key"] for r in store.list_captures()] == [key]
+
+
+def test_reader_refuses_a_directory_not_named_by_its_key(copied, tmp_path):
+    store, key, path = copied
+    other = tmp_path / "renamed"
+    shutil.copytree(path, other)
+    with pytest.raises(StoreError, match="not the directory's name"):
+        CaptureReader(other)
+
+
+# ---------------------------------------------------------------------------- index, read-only, full disk
+
+def test_damaged_index_is_rebuilt_from_the_entries(copied):
+    store, key, path = copied
+    store.put_json("analysis", "abc", {"x": 1})
+    store.close()
+    (store.root / "index" / "cache.db").write_bytes(b"this is not a sqlite database" * 100)
+    fresh = Store(store.root)
+    with pytest.warns(StoreWarning, match="rebuilt it from the entries on disk"):
+        rows = fresh.list_captures()
+        assert fresh.get_json("analysis", "abc") is None        # the cache is gone, not wrong
+    assert [r["key"] for r in rows] == [key] and fresh.index.get(f"capture/{key}")["key"] == key
+    fresh.put_json("analysis", "abc", {"x": 2})
+    assert fresh.get_json("analysis", "abc") == {"x": 2}
+    assert cli.main(["captures", "--store", str(store.root)]) == 0
+    fresh.close()
+
+
+def _as_other_user(argv, **kw):
+    """Run argv bound by permission bits: as root, without the capabilities that override them."""
+    import ctypes
+    import os
+    import subprocess
+
+    def drop():
+        if os.geteuid() == 0:
+            libc = ctypes.CDLL(None, use_errno=True)
+            for cap in (1, 2, 3):    # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, out of the bounding set
+                if libc.prctl(24, cap, 0, 0, 0) != 0:     # PR_CAPBSET_DROP
+                    os._exit(99)
+    env = dict(os.environ, HOME="/tmp", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run(argv, preexec_fn=drop, env=env, capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_read_only_store_lists_and_reads(tiny_capture):
+    import os
+    import sys
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="ls-readonly-"))     # outside pytest's private tmp: another user reads it
+    os.chmod(top, 0o755)
+    store = Store(top / "store")
+    key = tiny_capture.key
+    shutil.copytree(tiny_capture.path, store.path("captures", key))
+    store.put_json("analysis", "abc", {"x": 1})
+    store.close()
+    for p in [store.root, *store.root.rglob("*")]:
+        os.chmod(p, 0o555 if p.is_dir() else 0o444)
+    try:
+        code = ("import sys, warnings; from layerscope.store import Store; s = Store(sys.argv[1]); "
+                "print([r['key'] for r in s.list_captures()], s.get_json('analysis', 'abc')); "
+                "c = s.open_capture(sys.argv[2][:6]); print(c.num_tokens == int(c.tokens()['token_id'].numel()))")
+        r = _as_other_user([sys.executable, "-c", code, str(store.root), key])
+        if r.returncode == 99:
+            pytest.skip("cannot drop root's file capabilities here")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split("\n")[:2] == [f"['{key}'] {{'x': 1}}", "True"]
+        r = _as_other_user([sys.executable, "-m", "layerscope.cli", "captures", "--store", str(store.root)])
+        assert r.returncode == 0 and key in r.stdout, r.stderr
+        r = _as_other_user([sys.executable, "-m", "layerscope.cli", "capture", "--model", "tiny-llama", "--limit", "1",
+                            "--max-new-tokens", "2", "--store", str(store.root)])
+        assert r.returncode == 2 and "read-only" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        for p in [store.root, *store.root.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        shutil.rmtree(top)
+
+
+def test_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    """A real write failure: the child may write no file over 20 kB (RLIMIT_FSIZE, as a full quota would)."""
+    import subprocess
+    import sys
+
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1]))); "
+            "from layerscope import cli; sys.exit(cli.main(sys.argv[2:]))")
+    args = ["capture", "--model", "tiny-llama", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "3",
+            "--store", str(tmp_path / "s"), "--json"]
+    r = subprocess.run([sys.executable, "-c", code, "20000", *args], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "No space left" in lines[0] and "Traceback" not in r.stderr
+    store = Store(tmp_path / "s")
+    assert store.list_captures() == []
+    assert not [p for p in store.root.rglob("*.tmp")]          # no temporary file left behind
+    r = subprocess.run([sys.executable, "-c", code, str(2**30), *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompts"] == 4 and store.verify_capture(json.loads(r.stdout)["key"]) == []
