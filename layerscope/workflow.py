@@ -25,6 +25,7 @@ from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.analysis import analyze as analyze_capture
 from layerscope.capture import CaptureOptions, CaptureResult
+from layerscope.draft import online as online_mod
 from layerscope.draft.export import read_meta, save_draft
 from layerscope.draft.train import TrainOptions, draft_for, draft_meta, target_weights, train_draft
 from layerscope.errors import DraftError
@@ -139,6 +140,25 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     return Trained(Path(path), read_meta(path))
 
 
+def layers_from_strategy(store: Store, cap, strategy: str, k: int) -> list[int]:
+    """The layer set a selection strategy proposes for a capture (`default` needs no statistics)."""
+    if strategy == "default":
+        return select_mod.default_layers(cap.num_layers)[0]
+    return select_mod.select(analyze_capture(cap, store, AnalysisOptions()), strategy, k).layers
+
+
+def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], options: online_mod.OnlineOptions, *,
+                 strategy: list[str] | None = None, load: Loader = load_target,
+                 progress: Callable[[dict], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> online_mod.OnlineResult:
+    """One draft per layer set, trained online with `model` in the loop (draft/online.py): resumable, and
+    served from the store when the same run has finished."""
+    options.validate()                                      # bad options fail before the model loads
+    target = load(model, store)
+    return online_mod.train_online(target, [list(s) for s in layer_sets], store, progress=progress,
+                                   should_stop=should_stop, strategy=strategy, **asdict(options))
+
+
 # ---------------------------------------------------------------------------- 5. bench
 
 @dataclass
@@ -163,13 +183,20 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
 
 # ---------------------------------------------------------------------------- 6. study
 
+@dataclass
+class Studied:
+    report: StudyReport
+    target: LoadedModel
+
+
 def study(store: Store, capture_key: str, options: StudyOptions, *, model: str | None = None,
           analysis: AnalysisOptions | None = None, load: Loader = load_target,
-          progress: Callable | None = None) -> StudyReport:
+          progress: Callable | None = None) -> Studied:
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study.py."""
     cap = store.open_capture(capture_key)
     target = load(model or cap.manifest["model"], store)
     train = dict(options.train)
     if train.get("steps") is None and train.get("tokens") is None:
         train["steps"] = default_train_steps(target.device)
-    return run_study(cap, target, store, replace(options, train=train), analysis or AnalysisOptions(), progress)
+    report = run_study(cap, target, store, replace(options, train=train), analysis or AnalysisOptions(), progress)
+    return Studied(report, target)

@@ -2,49 +2,50 @@
 
 from __future__ import annotations
 
+from layerscope import workflow
+from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.commands.common import Progress, open_store, print_json
+from layerscope.metrics.entropy import KERNELS
 
 NAME = "analyze"
 HELP = "matrix entropy per layer and CKA between layers of a stored capture (cached in the store)"
 
 
 def add_analysis_arguments(p) -> None:
-    """The options that define a set of statistics (shared with `layerscope select`)."""
+    """The options that define a set of statistics (shared with `layerscope select`); defaults: AnalysisOptions."""
+    d = AnalysisOptions()
     p.add_argument("key", help="capture key (a unique prefix is enough; see `layerscope captures`)")
-    p.add_argument("--alpha", type=float, default=1.0, help="Rényi order of the matrix entropy (1 = von Neumann)")
-    p.add_argument("--min-entropy", type=float, default=0.5,
-                   help="keep tokens whose predictive entropy is at least this many nats (0: keep all)")
-    p.add_argument("--quantile", type=float, default=None,
+    p.add_argument("--alpha", type=float, default=d.alpha,
+                   help="Rényi order of the matrix entropy (1 = von Neumann; default %(default)s)")
+    p.add_argument("--min-entropy", type=float, default=d.min_entropy,
+                   help="keep tokens whose predictive entropy is at least this many nats (0: keep all; default %(default)s)")
+    p.add_argument("--quantile", type=float, default=d.quantile,
                    help="keep tokens at or above this quantile of predictive entropy (overrides --min-entropy)")
-    p.add_argument("--all-tokens", action="store_true", help="prompt tokens too, not only the target's responses")
-    p.add_argument("--max-tokens", type=int, default=8192, help="random subsample cap on kept tokens (0: no cap)")
-    p.add_argument("--outlier-factor", type=float, default=10.0,
-                   help="drop tokens whose norm at some layer exceeds this × the median (0: keep them)")
-    p.add_argument("--rank", type=int, default=None, help="low-rank CKA with an error bound (faster); default exact")
-    p.add_argument("--seed", type=int, default=0, help="seed of the token subsample")
-    p.add_argument("--kernel", choices=("linear", "cosine"), default="linear",
+    p.add_argument("--all-tokens", action="store_true", default=not d.response_only,
+                   help="prompt tokens too, not only the target's responses")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="random subsample cap on kept tokens (0: no cap; default %(default)s)")
+    p.add_argument("--outlier-factor", type=float, default=d.outlier_factor,
+                   help="drop tokens whose norm at some layer exceeds this × the median (0: keep them; default %(default)s)")
+    p.add_argument("--rank", type=int, default=d.rank, help="low-rank CKA with an error bound (faster); default exact")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the token subsample")
+    p.add_argument("--kernel", choices=KERNELS, default=d.kernel,
                    help="token preparation of entropy and CKA: linear = standard linear CKA (Kornblith et al. 2019, "
                         "centred columns; default), cosine = tokens scaled to unit length first")
 
 
-def options_from_args(args):
-    from layerscope.analysis import AnalysisOptions
-
+def options_from_args(args) -> AnalysisOptions:
     return AnalysisOptions(alpha=args.alpha, min_entropy=args.min_entropy, quantile=args.quantile,
                            response_only=not args.all_tokens, outlier_factor=args.outlier_factor or None,
                            max_tokens=args.max_tokens or None, seed=args.seed, rank=args.rank,
                            kernel=args.kernel)
 
 
-def load_stats(args):
-    """The capture's LayerStats for these options: from the store, else computed (progress on stderr)."""
-    from layerscope.analysis import analyze
-
-    store = open_store(args)
-    cap = store.open_capture(args.key)
+def load_stats(args) -> LayerStats:
+    """workflow.analyze: the capture's LayerStats for these options, from the store or computed (progress on stderr)."""
     with Progress("analyze", unit="%") as bar:
-        return analyze(cap, store, options_from_args(args),
-                       progress=lambda frac, msg="": bar.update(round(100 * frac), 100, step=msg))
+        return workflow.analyze(open_store(args), args.key, options_from_args(args),
+                                progress=lambda frac, msg="": bar.update(round(100 * frac), 100, step=msg))
 
 
 def add_arguments(p) -> None:

@@ -8,11 +8,13 @@ import sys
 from tqdm import tqdm
 
 from layerscope.errors import LayerScopeError
+from layerscope.store import Store
+
+STORE_HELP = "artifact store directory (default: $LAYERSCOPE_STORE, else ./cache under the working directory)"
 
 
-def open_store(args):
-    from layerscope.store import Store
-
+def open_store(args) -> Store:
+    """The store at --store, else $LAYERSCOPE_STORE, else ./cache (store.default_root)."""
     return Store(args.store)
 
 

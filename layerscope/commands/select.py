@@ -2,33 +2,35 @@
 
 from __future__ import annotations
 
+from layerscope import workflow
 from layerscope.commands.analyze import add_analysis_arguments, load_stats, token_line
 from layerscope.commands.common import parse_layers, print_json
+from layerscope.select import STRATEGIES
 
 NAME = "select"
 HELP = "propose a layer set for an EAGLE-3 draft from the layer statistics (or --compare all strategies)"
 
 
 def add_arguments(p) -> None:
-    from layerscope.select import STRATEGIES
-
+    d = workflow.SelectOptions()
     add_analysis_arguments(p)
-    p.add_argument("--k", type=int, default=3, help="number of layers (default 3)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=None,
+    p.add_argument("--k", type=int, default=d.k, help="number of layers (default %(default)s)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
                    help="default: aggregate, or manual when --layers is given")
-    p.add_argument("--lam", type=float, default=0.5, help="λ: weight of redundancy in greedy mRMR and in the mrmr score")
+    p.add_argument("--lam", type=float, default=d.lam,
+                   help="λ: weight of redundancy in greedy mRMR and in the mrmr score (default %(default)s)")
     p.add_argument("--layers", default=None, help="a manual set, e.g. 2,15,27 (scored like the others)")
-    p.add_argument("--compare", action="store_true", help="run every strategy and print them side by side")
+    p.add_argument("--compare", action="store_true", default=d.compare,
+                   help="run every strategy and print them side by side")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def run(args) -> int:
-    from layerscope.select import compare, select
-
-    layers = parse_layers(args.layers) if args.layers else None
+    options = workflow.SelectOptions(k=args.k, strategy=args.strategy, lam=args.lam, compare=args.compare,
+                                     layers=tuple(parse_layers(args.layers)) if args.layers else None)
     stats = load_stats(args)
+    sels = workflow.select(stats, options)
     if args.compare:
-        sels = compare(stats, args.k, lam=args.lam, layers=layers)
         if args.json:
             print_json([s.to_dict() for s in sels])
             return 0
@@ -45,8 +47,7 @@ def run(args) -> int:
         print(f"\nscore: aggregate entropy of the set (α=2, nats); mrmr: mean normalized entropy − {args.lam:g}·mean CKA")
         print("compartments (spread): " + ", ".join(f"{f}-{e}" for f, e in spread.explanation["compartments"]))
         return 0
-    strategy = args.strategy or ("manual" if layers else "aggregate")
-    sel = select(stats, strategy, args.k, lam=args.lam, layers=layers)
+    sel = sels[0]
     if args.json:
         print_json(sel.to_dict())
         return 0

@@ -6,7 +6,10 @@ import json
 import sys
 import time
 
+from layerscope import workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
+from layerscope.draft.train import TrainOptions
+from layerscope.study import StudyOptions, format_study
 
 NAME = "study"
 HELP = ("train one draft per strategy's layer set with the same budget, benchmark them on held-out prompts, "
@@ -14,40 +17,39 @@ HELP = ("train one draft per strategy's layer set with the same budget, benchmar
 
 
 def add_arguments(p) -> None:
-    from layerscope.study import STUDY_STRATEGIES, StudyOptions
-
+    d, t = StudyOptions(), TrainOptions()
     p.add_argument("key", help="capture key (a unique prefix is enough)")
     p.add_argument("--model", default=None, help="target model spec (default: the capture's model)")
-    p.add_argument("--strategies", default=",".join(STUDY_STRATEGIES), help="comma-separated strategies")
+    p.add_argument("--strategies", default=",".join(d.strategies), help="comma-separated strategies (default %(default)s)")
     p.add_argument("--layers", action="append", default=[], metavar="L1,L2,...", help="a hand-picked set (repeatable)")
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--lam", type=float, default=0.5)
-    p.add_argument("--steps", type=int, default=300, help="training budget per draft, in optimizer steps")
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--prompts", default=StudyOptions.prompts, help="benchmark prompts (default sharegpt-heldout)")
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--depth", type=int, default=StudyOptions.depth, help="chain draft depth K")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=d.k, help="layers per set (default %(default)s)")
+    p.add_argument("--lam", type=float, default=d.lam, help="λ of the greedy mRMR strategy (default %(default)s)")
+    p.add_argument("--steps", type=int, default=t.steps,
+                   help="training budget per draft, in optimizer steps (default 300 on a CPU, 2000 on a GPU)")
+    p.add_argument("--ttt-steps", type=int, default=t.ttt_steps, help="default %(default)s")
+    p.add_argument("--batch-size", type=int, default=t.batch_size, help="default %(default)s")
+    p.add_argument("--seq-len", type=int, default=t.seq_len, help="default %(default)s")
+    p.add_argument("--lr", type=float, default=t.lr, help="default %(default)s")
+    p.add_argument("--prompts", default=d.prompts, help="benchmark prompts (default %(default)s)")
+    p.add_argument("--limit", type=int, default=d.limit, help="benchmark prompts to run (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="default %(default)s")
+    p.add_argument("--depth", type=int, default=d.depth, help="chain draft depth K (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompt sample and training seed")
     p.add_argument("--json", action="store_true")
 
 
-def run(args) -> int:
-    from layerscope.models import load_model
-    from layerscope.study import StudyOptions, format_study, run_study
+def options_from_args(args) -> StudyOptions:
+    train = {"ttt_steps": args.ttt_steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+             "seed": args.seed}
+    if args.steps is not None:
+        train["steps"] = args.steps
+    return StudyOptions(strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+                        extra_sets=tuple(tuple(parse_layers(x)) for x in args.layers), k=args.k, lam=args.lam,
+                        train=train, prompts=args.prompts, limit=args.limit, seed=args.seed,
+                        max_new_tokens=args.max_new_tokens, depth=args.depth)
 
-    store = open_store(args)
-    cap = store.open_capture(args.key)
-    target = load_model(args.model or cap.manifest["model"], store=store)
-    options = StudyOptions(
-        strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
-        extra_sets=tuple(tuple(parse_layers(x)) for x in args.layers), k=args.k, lam=args.lam,
-        train={"steps": args.steps, "ttt_steps": args.ttt_steps, "batch_size": args.batch_size,
-               "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed},
-        prompts=args.prompts, limit=args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens, depth=args.depth)
+
+def run(args) -> int:
     t0 = time.perf_counter()
     with Progress("study", unit="step") as bar:
         def show(p):
@@ -59,12 +61,13 @@ def run(args) -> int:
                            tau=p.detail.tau if p.detail.tau is not None else "-")
             else:
                 bar.update(0, None, phase=p.message)
-        report = run_study(cap, target, store, options, progress=show)
+        done = workflow.study(open_store(args), args.key, options_from_args(args), model=args.model, progress=show)
+    report = done.report
     if args.json:
         print_json([r.to_json() for r in report.rows])
         print("spearman with tau: " + json.dumps(report.spearman), file=sys.stderr)
     else:
-        print(f"study of capture {cap.key} on {target.spec}: {report.prompts} held-out prompts, "
-              f"{args.steps} training steps per draft, {time.perf_counter() - t0:.0f} s")
+        print(f"study of capture {report.capture} on {done.target.spec}: {report.prompts} held-out prompts, "
+              f"{report.options['train']['steps']} training steps per draft, {time.perf_counter() - t0:.0f} s")
         print(format_study(report))
     return 0

@@ -10,7 +10,7 @@ import streamlit as st
 
 from layerscope.session import Session
 from layerscope.ui import tasks
-from layerscope.ui.jobs import get_manager
+from layerscope.ui.jobs import StatsTag, get_manager
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -90,7 +90,7 @@ def stats_for(s: Session, store, options: dict | None = None):
         v = job.view()
         if v.running:
             return snapshot, job
-        if v.state != "done" and getattr(job, "requested", None) == wanted and getattr(job, "capture_key", None) == s.capture_key:
+        if v.state != "done" and job.tag == StatsTag(s.capture_key, wanted):
             return snapshot, job      # it failed for these options: show the error, do not retry in a loop
     key = s.capture_key
     fn = tasks.analysis_job(store=store, capture_key=key, options=wanted)
@@ -98,8 +98,7 @@ def stats_for(s: Session, store, options: dict | None = None):
     def run(j):
         return {"capture_key": key, "requested": wanted, "stats": fn(j)}
 
-    job = manager.submit(s.id, "analysis", run, title="Layer statistics")
-    job.requested, job.capture_key = wanted, key
+    job = manager.submit(s.id, "analysis", run, title="Layer statistics", tag=StatsTag(key, wanted))
     return snapshot, job
 
 
@@ -198,7 +197,7 @@ def extra_stats(s: Session, store, options: dict, kind: str = "analysis-compare"
         return None, None
     manager = get_manager()
     job = manager.latest(s.id, kind)
-    if job is not None and getattr(job, "requested", None) == options and getattr(job, "capture_key", None) == s.capture_key:
+    if job is not None and job.tag == StatsTag(s.capture_key, dict(options)):
         v = job.view()
         if v.finished_ok:
             return v.result, None
@@ -207,6 +206,5 @@ def extra_stats(s: Session, store, options: dict, kind: str = "analysis-compare"
     if job is not None and job.view().running:
         return None, job
     job = manager.submit(s.id, kind, tasks.analysis_job(store=store, capture_key=s.capture_key, options=options),
-                         title="Comparison statistics")
-    job.requested, job.capture_key = dict(options), s.capture_key
+                         title="Comparison statistics", tag=StatsTag(s.capture_key, dict(options)))
     return None, job

@@ -10,6 +10,9 @@ A job function receives its `Job` and reports through it: `job.update(progress, 
 `job.push(series, value)` for live curves, `job.should_stop()` / `job.check_cancel()` for cancel.
 A `LayerScopeError` becomes a readable error with its fix; any other exception is logged to the
 server log with its traceback and shown as a short message, never as a traceback.
+
+A job may carry a typed `tag` saying what it computes (`StatsTag`: which capture, which options), so
+a page can tell whether the latest job of a kind is the one it wants.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ FINISHED = (DONE, FAILED, CANCELLED)
 
 class JobCancelled(Exception):
     """Raised inside a job function (by `check_cancel`) when the user pressed cancel."""
+
+
+@dataclass(frozen=True)
+class StatsTag:
+    """What a statistics job computes: layer statistics of `capture_key` with these analysis options."""
+
+    capture_key: str
+    options: dict
 
 
 @dataclass
@@ -80,6 +91,7 @@ class Job:
     kind: str
     title: str
     fn: Callable[["Job"], Any] = field(repr=False)
+    tag: StatsTag | None = None
     state: str = QUEUED
     progress: float | None = None
     message: str = "waiting to start"
@@ -176,7 +188,8 @@ class JobManager:
         self._ids = itertools.count(1)
         self.keep = keep
 
-    def submit(self, owner: str, kind: str, fn: Callable[[Job], Any], *, title: str | None = None) -> Job:
+    def submit(self, owner: str, kind: str, fn: Callable[[Job], Any], *, title: str | None = None,
+               tag: StatsTag | None = None) -> Job:
         """Start `fn(job)` in the background. A running job of the same owner and kind is refused."""
         with self._lock:
             current = self._latest_locked(owner, kind)
@@ -184,7 +197,7 @@ class JobManager:
                 raise LayerScopeError(f"A {kind} job is already running for this session ({current.title})",
                                       "Wait for it to finish or cancel it first")
             job = Job(id=f"{kind}-{next(self._ids)}-{int(time.time() * 1000) % 100000}", owner=owner, kind=kind,
-                      title=title or kind, fn=fn)
+                      title=title or kind, fn=fn, tag=tag)
             self._jobs[job.id] = job
             self._trim_locked()
         job._thread = threading.Thread(target=self._run, args=(job,), name=f"layerscope-{job.id}", daemon=True)

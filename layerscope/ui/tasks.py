@@ -1,8 +1,9 @@
-"""Job functions the pages start in the background: thin adapters from backend callbacks to `Job` progress.
+"""Job functions the pages start in the background: thin adapters from layerscope.workflow to `Job` progress.
 
-Each `*_job(...)` returns a function `fn(job) -> result` for `JobManager.submit`. Results are plain
-dicts (JSON-able), so a page can apply them to the session and the session can be saved as is.
-Nothing here draws anything.
+Each `*_job(...)` returns a function `fn(job) -> result` for `JobManager.submit`; it calls the step's
+workflow function with the app's model cache as loader (`load_in_job`) and turns the step's progress
+into `job.update`. Results are plain dicts (JSON-able), so a page can apply them to the session and
+the session can be saved as is. Nothing here draws anything.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import time
 from pathlib import Path
 
 from layerscope import workflow
+from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.bench import BenchOptions, Tally
+from layerscope.capture import CaptureOptions
+from layerscope.draft.export import read_meta
+from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError, PromptSetError
+from layerscope.prompts import load_prompts
+from layerscope.store import atomic_write_bytes
+from layerscope.study import StudyOptions, propose_sets
 from layerscope.ui.models import get_model, is_loaded
 
 
@@ -36,15 +44,11 @@ def save_upload(store, name: str, data: bytes) -> Path:
     digest = hashlib.sha256(data).hexdigest()[:16]
     path = Path(store.path("uploads", digest)) / safe
     if not path.is_file():
-        from layerscope.store import atomic_write_bytes
-
         atomic_write_bytes(path, data)
     return path
 
 
 def load_prompt_set(spec: str, limit: int | None, seed: int):
-    from layerscope.prompts import load_prompts
-
     return load_prompts(spec, limit=limit, seed=seed)
 
 
@@ -63,19 +67,10 @@ def capture_summary(manifest: dict) -> dict:
 
 def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
                 store, analysis_options: dict | None = None):
-    """Load the model (cached), read the prompt set, capture, then compute the default statistics."""
+    """workflow.capture (the model from the app's cache), then the default statistics (workflow.analyze)."""
+    options = CaptureOptions(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
 
     def run(job):
-        from layerscope.capture import capture
-        from layerscope.ui.models import get_model, is_loaded
-
-        job.update(0.0, f"loading model {model}" + ("" if is_loaded(model) else " (first load can take ~20 s)"))
-        loaded = get_model(model, store)
-        job.check_cancel()
-        job.update(0.02, f"reading prompt set {prompts}")
-        prompt_set = load_prompt_set(prompts, limit, seed)
-        job.check_cancel()
-        total_conv = min(limit or len(prompt_set.prompts), len(prompt_set.prompts))
         t0 = time.perf_counter()
 
         def progress(p):
@@ -91,11 +86,14 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
                        tokens=p.tokens_done, tokens_per_s=p.tokens_per_s, conversations=p.conversations_done,
                        conversations_total=p.conversations_total)
 
-        result = capture(loaded, prompt_set, store, limit=limit, max_new_tokens=max_new_tokens,
-                         batch_size=batch_size, seed=seed, progress=progress, should_stop=job.should_stop)
+        job.update(0.0, f"reading prompt set {prompts}")
+        done = workflow.capture(model, prompts, options, store, load=lambda spec, st: load_in_job(job, spec, st),
+                                progress=progress, should_stop=job.should_stop)
+        result, prompt_set = done.result, done.prompt_set
         out = {"key": result.key, "cached": result.cached, "seconds": result.seconds, "tokens": result.tokens,
                "summary": capture_summary(result.manifest), "model": model, "prompt_set": prompt_set.name,
-               "warnings": list(prompt_set.warnings)[:20], "conversations": total_conv,
+               "warnings": list(prompt_set.warnings)[:20],
+               "conversations": min(limit or len(prompt_set.prompts), len(prompt_set.prompts)),
                "capture_seconds": time.perf_counter() - t0}
         job.update(0.9, f"captured {result.tokens:,} tokens; computing layer statistics", tokens=result.tokens)
         stats = analyze_now(store, result.key, analysis_options or {}, job, base=0.9, span=0.1)
@@ -108,18 +106,9 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
 # ---------------------------------------------------------------------------- statistics
 
 def analyze_now(store, capture_key: str, options: dict, job=None, base: float = 0.0, span: float = 1.0) -> dict:
-    """Layer statistics of a capture as a plain dict (LayerStats.to_dict()), cached in the store."""
-    from layerscope import analysis
-
-    cap = store.open_capture(capture_key)
-    opts = analysis_options_obj(options)
-    kwargs = {}
-    if job is not None and _accepts(analysis.analyze, "progress"):
-        kwargs["progress"] = lambda frac, msg="": job.update(base + span * float(frac), msg or None)
-    stats = analysis.analyze(cap, store, opts, **kwargs)
-    d = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
-    d["options"] = options_dict(getattr(stats, "options", None) or opts)
-    return d
+    """workflow.analyze as a plain dict (LayerStats.to_json()), cached in the store; progress on `job`."""
+    progress = None if job is None else (lambda frac, msg="": job.update(base + span * float(frac), msg or None))
+    return workflow.analyze(store, capture_key, analysis_options_obj(options), progress).to_json()
 
 
 def analysis_job(*, store, capture_key: str, options: dict):
@@ -130,58 +119,22 @@ def analysis_job(*, store, capture_key: str, options: dict):
     return run
 
 
-def analysis_options_obj(options: dict):
-    """Build the backend's options object from a plain dict (unknown keys are a clear error)."""
-    from layerscope import analysis
-
-    cls = getattr(analysis, "AnalysisOptions", None)
-    if cls is None:
-        return dict(options)
+def analysis_options_obj(options: dict) -> AnalysisOptions:
+    """AnalysisOptions from the session's plain dict (unknown keys are a clear error)."""
     try:
-        return cls(**options)
+        return AnalysisOptions(**options)
     except TypeError as e:
         raise LayerScopeError(f"Analysis options {sorted(options)} are not understood ({e})",
                               "Reset the options on the Entropy page") from None
-
-
-def options_dict(opts) -> dict:
-    if opts is None:
-        return {}
-    if isinstance(opts, dict):
-        return dict(opts)
-    from dataclasses import asdict, is_dataclass
-
-    if is_dataclass(opts):
-        return asdict(opts)
-    return dict(vars(opts))
-
-
-def _accepts(fn, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------------------- drafts
 
 def train_job(*, store, capture_key: str, model: str, layers: list[int], strategy: str | None, name: str,
               options: dict):
-    """Train (or fetch from the store) a draft for `layers`; live loss and per-step accuracy on the job."""
+    """workflow.train (or the draft from the store) for `layers`; live loss and per-step accuracy on the job."""
 
     def run(job):
-        from layerscope.draft.export import read_meta
-        from layerscope.draft.train import draft_for
-        from layerscope.ui.models import get_model, is_loaded
-
-        job.update(0.0, f"loading model {model}" + ("" if is_loaded(model) else " (first load can take ~20 s)"))
-        target = get_model(model, store)
-        cap = store.open_capture(capture_key)
-        job.check_cancel()
-        job.update(0.01, "reading the training features from the capture")
-
         def progress(p):
             job.update(p["step"] / max(p["steps"], 1),
                        f"step {p['step']}/{p['steps']} · loss {p['loss']:.3f} · acc@1 {p['acc'][0]:.0%}",
@@ -189,10 +142,14 @@ def train_job(*, store, capture_key: str, model: str, layers: list[int], strateg
                        tokens_per_s=p["tokens_per_s"])
             job.push("history", {"step": p["step"], "loss": p["loss"], "accuracy": list(p["acc"])})
 
-        path = draft_for(cap, layers, target, store, strategy=strategy, progress=progress,
-                         should_stop=job.should_stop, **options)
-        meta = read_meta(path)
-        return draft_entry(path, meta, name=name)
+        def load(spec, st):
+            target = load_in_job(job, spec, st)
+            job.update(0.01, "reading the training features from the capture")
+            return target
+
+        done = workflow.train(store, capture_key, layers, TrainOptions(**options), model=model, strategy=strategy,
+                              load=load, progress=progress, should_stop=job.should_stop)
+        return draft_entry(done.path, done.meta, name=name)
 
     return run
 
@@ -209,8 +166,6 @@ def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
 
 def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
     """Drafts in the store (drafts/<key>/ with layerscope.json), optionally only those for one target."""
-    from layerscope.draft.export import read_meta
-
     root = Path(store.path("drafts", "x")).parent
     out = []
     if not root.is_dir():
@@ -323,34 +278,22 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
 # ---------------------------------------------------------------------------- the study
 
 def study_options(session_sets: list[dict], *, k: int, train: dict, prompts: str, limit: int, max_new_tokens: int,
-                  depth: int, lam: float = 0.5):
+                  depth: int, lam: float = 0.5) -> StudyOptions:
     """StudyOptions for the session: every automatic strategy plus the session's own sets."""
-    from layerscope.study import StudyOptions
-
     return StudyOptions(extra_sets=tuple(tuple(x["layers"]) for x in session_sets), k=k, lam=lam, train=dict(train),
                         prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, depth=depth)
 
 
-def study_plan(stats: dict, options) -> list[tuple[list[int], list[str]]]:
+def study_plan(stats: dict, options: StudyOptions) -> list[tuple[list[int], list[str]]]:
     """The distinct sets the study will train, each with the strategies that propose it."""
-    from layerscope.analysis import LayerStats
-    from layerscope.study import propose_sets
-
-    return propose_sets(LayerStats.from_dict(stats), options)
+    return propose_sets(LayerStats.from_json(stats), options)
 
 
-def study_job(*, store, capture_key: str, model: str, options, analysis_options: dict):
-    """layerscope.study.run_study in the background: one draft per set, the same budget for all, one benchmark;
+def study_job(*, store, capture_key: str, model: str, options: StudyOptions, analysis_options: dict):
+    """workflow.study in the background: one draft per set, the same budget for all, one benchmark;
     live progress through the training steps and the benchmark."""
 
     def run(job):
-        from layerscope.study import run_study
-        from layerscope.ui.models import get_model
-
-        job.update(0.0, f"loading model {model}")
-        target = get_model(model, store)
-        cap = store.open_capture(capture_key)
-
         def progress(p):
             job.check_cancel()       # raising here stops training or the benchmark where it is
             if p.phase == "analyze":
@@ -367,10 +310,11 @@ def study_job(*, store, capture_key: str, model: str, options, analysis_options:
                 job.update(frac, p.message + (f", prompt {b.prompt_index + 1}/{b.prompts_total}" if b is not None else "")
                            + (f" · τ {b.tau:.2f}" if b is not None and b.tau else ""), phase=p.phase)
 
-        report = run_study(cap, target, store, options, analysis_options_obj(analysis_options), progress=progress)
-        out = report.to_json()
+        done = workflow.study(store, capture_key, options, model=model, analysis=analysis_options_obj(analysis_options),
+                              load=lambda spec, st: load_in_job(job, spec, st), progress=progress)
+        out = done.report.to_json()
         out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        out["device"] = str(target.device)
+        out["device"] = str(done.target.device)
         return out
 
     return run
