@@ -1,97 +1,189 @@
-"""`layerscope train-draft`: train an EAGLE-3 draft on a stored capture for one layer set."""
+"""`layerscope train-draft`: train EAGLE-3 drafts, online with the target in the loop or from a stored capture.
+
+    layerscope train-draft --model MODEL --prompts SET --layers 2,15,27 [--layers ...] --tokens 2M|--time 45m|--steps N
+    layerscope train-draft KEY --layers 2,15,27 [--steps N]          (from a capture, as before)
+
+Online, every --layers set trains its own draft from the same target forward, with identical batches;
+the same command run again resumes from the last checkpoint or returns the finished drafts.
+"""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 
+import torch
+
+from layerscope import workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
+from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
+from layerscope.draft.train import TrainOptions
+from layerscope.errors import DraftError
 
 NAME = "train-draft"
-HELP = "train an EAGLE-3 draft head reading a layer set, from a stored capture; save it for vLLM/SGLang"
+HELP = ("train EAGLE-3 draft heads reading layer sets: online (--model, the target in the loop, several sets per "
+        "pass, resumable) or from a stored capture (KEY); save them for vLLM/SGLang")
+
+D = {f.name: f.default for f in fields(OnlineOptions)}
+T = {f.name: f.default for f in fields(TrainOptions)}
+
+THREADS_HELP = ("torch threads (default: $OMP_NUM_THREADS when set, else every core of the machine); with several "
+                "jobs side by side give each --threads 1 (or OMP_NUM_THREADS=1)")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("key", help="capture key (or a unique prefix); see `layerscope captures`")
-    p.add_argument("--layers", default=None, help="layer set, e.g. 2,15,27 (hidden_states indices 0..N-1)")
+    p.add_argument("key", nargs="?", default=None, help="capture key (or unique prefix) to train from a capture; "
+                   "leave it out and give --model to train online")
+    p.add_argument("--model", default=None, help="train online with this target in the loop (e.g. smollm2-135m)")
+    p.add_argument("--prompts", default=D["prompts"], help=f"online data: builtin | sharegpt | a file (default {D['prompts']})")
+    p.add_argument("--limit", type=int, default=D["limit"], help="online: conversations to draw from the prompt set (default: all)")
+    p.add_argument("--responses", default=D["responses"], choices=["regenerate", "own"],
+                   help="online: 'regenerate' = the target's own greedy answers, generated once and stored as token "
+                        "ids (EAGLE-3's choice); 'own' = the conversations' own assistant turns (ShareGPT, faster)")
+    p.add_argument("--max-new-tokens", type=int, default=D["max_new_tokens"], help="online: response length cap")
+    p.add_argument("--max-prompt-tokens", type=int, default=D["max_prompt_tokens"], help="online: longer prompts are left out")
+    p.add_argument("--val-conversations", type=int, default=D["val_conversations"],
+                   help="online: held-out conversations for the learning curve")
+    p.add_argument("--eval-points", type=int, default=D["eval_points"], help="online: evaluations over the budget")
+    p.add_argument("--layers", action="append", default=None,
+                   help="a layer set, e.g. 2,15,27 (hidden_states indices 0..N-1); repeat for several sets")
     p.add_argument("--strategy", default=None,
-                   help="take the set from selection instead: default | entropy-topk | greedy | aggregate | spread")
+                   help="capture training: take the set from selection instead: default | entropy-topk | greedy | aggregate | spread")
     p.add_argument("--k", type=int, default=3, help="layers to select with --strategy")
-    p.add_argument("--steps", type=int, default=None, help="training budget in optimizer steps (default 2000 on a GPU, 300 on a CPU, where 300 steps take 20-25 min)")
-    p.add_argument("--tokens", type=int, default=None, help="training budget in sequence tokens instead of steps")
-    p.add_argument("--out", default=None, help="draft directory to write (default: the store, drafts/<key>)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps in training (1..7)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent response tokens)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="held-out conversations for validation")
+    p.add_argument("--steps", type=int, default=None,
+                   help="budget in optimizer steps (capture training default: 300 on a CPU, 2000 on a GPU)")
+    p.add_argument("--tokens", default=None, help="budget in tokens through the draft, e.g. 2M or 500k")
+    p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m, 2h, 1h30m")
+    p.add_argument("--out", default=None, help="capture training: draft directory to write (default: the store)")
+    p.add_argument("--ttt-steps", type=int, default=T["ttt_steps"], help="unrolled draft steps in training (1..7)")
+    p.add_argument("--seed", type=int, default=T["seed"])
+    p.add_argument("--lr", type=float, default=T["lr"])
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"sequences per step (default {T['batch_size']}; online: conversations per step, {D['batch_size']})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"rows per draft window (default {T['seq_len']}; online {D['seq_len']})")
+    p.add_argument("--draft-vocab", type=int, default=T["draft_vocab"], help="draft vocabulary size (most frequent response tokens)")
+    p.add_argument("--val-fraction", type=float, default=T["val_fraction"], help="capture training: held-out conversations")
+    p.add_argument("--checkpoint-every", default="5m", help="online: training time between checkpoints (default 5m)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def layers_from_strategy(cap, store, strategy: str, k: int) -> list[int]:
-    from layerscope import select
-    from layerscope.errors import SelectionError
-
-    if strategy == "default":
-        return select.default_layers(cap.num_layers)[0]
-    try:
-        from layerscope.analysis import analyze
-    except ModuleNotFoundError as e:
-        if e.name != "layerscope.analysis":
-            raise
-        raise SelectionError(f"--strategy {strategy} needs the layer statistics (layerscope.analysis), which this "
-                             "checkout does not have", "Pass --layers, or --strategy default") from None
-    return select.select(analyze(cap, store), strategy, k).layers
-
-
 def run(args) -> int:
-    from layerscope.draft.export import save_draft
-    from layerscope.draft.train import draft_for, draft_meta, target_weights, train_draft
-    from layerscope.errors import DraftError
-    from layerscope.models import load_model
-    from layerscope.select import check_layers
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DraftError(f"--threads must be 1 or more (got {args.threads})", "Pass --threads 1 or leave it out")
+        torch.set_num_threads(args.threads)
+    if (args.key is None) == (args.model is None):
+        raise DraftError("Give a capture KEY to train from a capture, or --model to train online (one of them)",
+                         "E.g. train-draft --model smollm2-135m --prompts sharegpt --layers 2,15,27 --tokens 2M")
+    store = open_store(args)
+    if args.model is not None:
+        return run_online(args, store)
+    return run_capture(args, store)
 
+
+def run_online(args, store) -> int:
+    if not args.layers:
+        raise DraftError("Online training needs at least one --layers set", "E.g. --layers 2,15,27 --layers 5,27,29")
+    if args.strategy is not None:
+        raise DraftError("--strategy picks a set from a capture's statistics; online training takes --layers",
+                         "Run `layerscope select KEY --compare` and pass the sets it prints with --layers")
+    budgets = [b for b in (args.steps, args.tokens, args.time) if b is not None]
+    if len(budgets) != 1:
+        raise DraftError("Give the online budget as exactly one of --steps, --tokens or --time",
+                         "E.g. --tokens 2M or --time 45m")
+    sets = [parse_layers(s) for s in args.layers]
+    options = OnlineOptions(
+        prompts=args.prompts, limit=args.limit, responses=args.responses, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, val_conversations=args.val_conversations,
+        eval_points=args.eval_points, steps=args.steps,
+        tokens=parse_count(args.tokens) if args.tokens is not None else None,
+        time_s=parse_duration(args.time) if args.time is not None else None,
+        ttt_steps=args.ttt_steps, seed=args.seed, lr=args.lr,
+        batch_size=args.batch_size or D["batch_size"], seq_len=args.seq_len or D["seq_len"],
+        draft_vocab=args.draft_vocab, checkpoint_every_s=parse_duration(args.checkpoint_every))
+    if not args.json:
+        print(f"training {len(sets)} draft(s) online on {args.model} ({args.prompts}, {args.responses} responses), "
+              f"layer sets {sets}, {torch.get_num_threads()} thread(s)", file=sys.stderr)
+    bars = {}
+
+    def on_progress(p):
+        phase = p["phase"]
+        if phase == "responses":
+            bar = bars.setdefault(phase, Progress("responses", unit="batch"))
+            bar.update(p["done"], p["total"], tok_s=p["tokens_per_s"], eta=fmt_s(p["eta_s"]))
+        elif phase == "features":
+            bar = bars.setdefault(phase, Progress("held-out features", unit="conv"))
+            bar.update(p["done"], p["total"])
+        elif phase == "train":
+            bar = bars.setdefault(phase, Progress("train", unit="%"))
+            best = [v[0] for v in p["val"] if v]
+            bar.update(round(100 * p["fraction"]), 100, step=p["step"], tokens=p["tokens"], tok_s=p["tokens_per_s"],
+                       loss=(sum(p["loss"]) / len(p["loss"])) if p["loss"] else float("nan"),
+                       val1=max(best) if best else "-", eta=fmt_s(p["eta_s"]))
+
+    try:
+        result = workflow.train_online(store, args.model, sets, options, progress=on_progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    if args.json:
+        print_json(result.to_json())
+        return 0
+    how = "from the store" if result.cached else ("resumed and finished" if result.resumed else "trained")
+    print(f"{len(result.drafts)} draft(s) {how}: {result.conversations} training conversations "
+          f"({result.data_tokens} tokens), {result.seconds:.0f} s of training at {result.tokens_per_s:.0f} tok/s")
+    for d in result.drafts:
+        acc = ", ".join(f"{a:.3f}" for a in d.val_accuracy)
+        curve = "  ".join(f"{t}:{a[0]:.3f}" for t, a in d.curve)
+        print(f"  layers {d.layers}: {d.tokens_seen} tokens seen; held-out agreement per TTT step {acc} "
+              f"(draft vocabulary covers {d.val_coverage:.1%}); curve (tokens:step-1) {curve}")
+        print(f"    {d.path}")
+    return 0
+
+
+def fmt_s(s) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def run_capture(args, store) -> int:
+    if args.time is not None:
+        raise DraftError("--time is a budget for online training", "From a capture, pass --steps or --tokens")
+    if args.layers is not None and len(args.layers) > 1:
+        raise DraftError("Several --layers sets train in one pass only online",
+                         "Pass --model to train online, or run train-draft once per set")
     if (args.layers is None) == (args.strategy is None):
         raise DraftError("Give the layer set with --layers or --strategy (one of them)", "E.g. --layers 2,15,27")
-    store = open_store(args)
     cap = store.open_capture(args.key)
-    if args.layers is not None:
-        layers = check_layers(parse_layers(args.layers), cap.num_layers)
-    else:
-        layers = layers_from_strategy(cap, store, args.strategy, args.k)
-    target = load_model(cap.manifest["model"], store=store)
-    if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
-        raise DraftError(f"Model {cap.manifest['model']} now loads with fingerprint {target.fingerprint}, but capture "
-                         f"{cap.key} was made with {cap.manifest['fingerprint']}", "Capture again with the current model")
-    default_steps = 300 if target.device.type == "cpu" else 2000
-    options = dict(steps=args.steps if args.steps is not None or args.tokens is not None else default_steps, tokens=args.tokens,
-                   ttt_steps=args.ttt_steps, seed=args.seed, lr=args.lr, batch_size=args.batch_size,
-                   seq_len=args.seq_len, draft_vocab=args.draft_vocab, val_fraction=args.val_fraction)
+    layers = parse_layers(args.layers[0]) if args.layers else workflow.layers_from_strategy(store, cap, args.strategy, args.k)
+    options = TrainOptions(steps=args.steps, tokens=parse_count(args.tokens) if args.tokens is not None else None,
+                           ttt_steps=args.ttt_steps, seed=args.seed, lr=args.lr,
+                           batch_size=args.batch_size or T["batch_size"], seq_len=args.seq_len or T["seq_len"],
+                           draft_vocab=args.draft_vocab, val_fraction=args.val_fraction)
     if not args.json:
         print(f"training a draft on layers {layers} of {cap.manifest['model']} (capture {cap.key}, "
               f"{cap.num_tokens} tokens)", file=sys.stderr)
     with Progress("train-draft", unit="step") as bar:
         def on_progress(p):
             bar.update(p["step"], p["steps"], loss=p["loss"], acc1=p["acc"][0], tok_s=p["tokens_per_s"])
-        if args.out is None:
-            out = draft_for(cap, layers, target, store, strategy=args.strategy, progress=on_progress, **options)
-        else:
-            config, embed, lm_head = target_weights(target)
-            head, report = train_draft(cap, layers, config, embed, lm_head, progress=on_progress, **options)
-            out = save_draft(args.out, head, draft_meta(report, cap, target.fingerprint, target.spec, args.strategy))
-    from layerscope.draft.export import read_meta
-
-    meta = read_meta(out)
-    result = {"out": str(out), "layers": meta["layers"], "steps": meta["budget"]["resolved_steps"],
+        trained = workflow.train(store, cap.key, layers, options, strategy=args.strategy, out=args.out,
+                                 progress=on_progress)
+    meta = trained.meta
+    result = {"out": str(trained.path), "layers": meta["layers"], "steps": meta["budget"]["resolved_steps"],
               "train_tokens": meta["train_tokens"], "seconds": meta["seconds"], "val_accuracy": meta["val_accuracy"]}
     if args.json:
         print_json(result)
     else:
         acc = ", ".join(f"{a:.3f}" for a in result["val_accuracy"])
         print(f"draft on layers {result['layers']}: {result['steps']} steps over {result['train_tokens']} training "
-              f"tokens in {result['seconds']:.1f} s; validation top-1 agreement per TTT step: {acc}")
+              f"tokens in {result['seconds']:.1f} s; held-out agreement per TTT step (every position): {acc}")
         for note in meta.get("serving_notes", []):
             print(f"note: {note}")
-        print(f"saved to {out}")
+        print(f"saved to {trained.path}")
     return 0
+
+

@@ -1,0 +1,630 @@
+"""Online draft training: the target runs inside the loop and k layer sets train from one target pass.
+
+Data: conversations as token ids, prompt (chat template + generation prompt) then a response:
+  responses="regenerate"  the target's own greedy response (EAGLE-3's choice), generated once and kept in
+                          the store as token ids only (responses/<key>/), reused by every later run and set;
+  responses="own"         the conversation's own first assistant turn (ShareGPT records): a forward pass only.
+A seeded choice of `val_conversations` conversations is held out; the rest are the training stream.
+
+Per step, `batch_size` conversations (a seeded order, bucketed by length) go through ONE target forward
+with output_hidden_states, and every layer set s gets the same rows:
+    aux_s = cat(hidden_states[l] for l in s)      [n, k*d]  float16, exactly as a capture stores it
+    final = hidden_states[N]                      [n, d]    post-norm: teacher = softmax(lm_head(final)) on V
+then its own draft takes one AdamW step on train.ttt_loss. Nothing per-layer is stored.
+The held-out conversations are forwarded once; their features stay in memory and every draft is
+evaluated on them `eval_points` times over the budget (train.evaluate: every position counts), which
+gives the learning curve [[tokens seen, [agreement per TTT step]], ...] per set.
+
+Budgets: steps, tokens (rows through the draft, as in train.py) or seconds of training; the learning
+rate follows warm-up + cosine over the fraction of the budget used. Checkpoints (weights, optimizer
+moments, step, data cursor, curve, elapsed seconds, RNG) are written every `checkpoint_every_s` to
+runs/<key>/ckpt-<step>/ through a temporary folder and one rename; the same command resumes from the
+newest complete checkpoint and, for a steps or tokens budget, ends with the same drafts as an
+uninterrupted run. When the run is finished, runs/<key>/result.json names one stored draft per set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from layerscope.capture import CaptureOptions, generate_responses
+from layerscope.draft.export import read_meta, save_draft
+from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+from layerscope.draft.train import (TrainingCancelled, TrainOptions, evaluate, make_batch, split_of, target_argmax,
+                                    ttt_loss, windows_of)
+from layerscope.errors import DraftError
+from layerscope.models import LoadedModel
+from layerscope.prompts import chat_ids, load_prompts, sharegpt_index, sharegpt_path
+from layerscope.store import Store, atomic_write_json, make_key
+
+FORMAT = 1
+RESPONSES_FORMAT = 1
+MODES = ("regenerate", "own")
+
+
+@dataclass
+class OnlineOptions(TrainOptions):
+    """TrainOptions (draft shape, TTT, optimizer, budget in steps or tokens) plus the online data and run.
+    batch_size counts conversations per step; seq_len caps the rows of one draft window (a longer
+    conversation is split as in train.py)."""
+    prompts: str = "sharegpt"           # builtin | sharegpt | a prompt file
+    limit: int | None = None            # conversations drawn from the set (None: all of it)
+    responses: str = "regenerate"       # regenerate | own
+    max_new_tokens: int = 128           # response cap for regenerate
+    max_prompt_tokens: int = 256        # longer prompts are left out
+    gen_batch_size: int = 32            # prompts per generate() call when regenerating
+    time_s: float | None = None         # budget in seconds of training (instead of steps or tokens)
+    val_conversations: int = 32         # held out, evaluated for the learning curve
+    eval_points: int = 8                # evaluations over the budget (the last one at the end)
+    warmup: int | None = 20             # warm-up steps
+    seq_len: int = 512
+    batch_size: int = 8
+    checkpoint_every_s: float = 300.0   # seconds of training between checkpoints
+
+    def validate(self) -> None:
+        budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
+        if len(budgets) != 1:
+            raise DraftError("Give the training budget as one of steps, tokens or time",
+                             "Pass --steps N, --tokens 2M or --time 45m")
+        for name in ("steps", "tokens", "time_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise DraftError(f"The {name.replace('_s', '')} budget must be a positive number (got {v})",
+                                 "Pass e.g. --steps 300, --tokens 2M or --time 45m")
+        if self.responses not in MODES:
+            raise DraftError(f"responses must be one of {', '.join(MODES)} (got {self.responses!r})",
+                             "Pass --responses regenerate (the target's own answers) or --responses own")
+        for name in ("max_new_tokens", "max_prompt_tokens", "gen_batch_size", "val_conversations", "eval_points"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise DraftError(f"{name} must be a whole number >= 1 (got {getattr(self, name)!r})",
+                                 f"Pass --{name.replace('_', '-')} 1 or more")
+        if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s > 0):
+            raise DraftError(f"checkpoint_every_s must be positive (got {self.checkpoint_every_s})", "Use e.g. 300")
+        self.validate_draft()
+
+    def run_fields(self) -> dict:
+        """What decides the drafts: every field but where and how often progress is saved."""
+        d = asdict(self)
+        d.pop("checkpoint_every_s")
+        return d
+
+
+@dataclass
+class Conversations:
+    """Token-id conversations: prompt ids then response ids (the response is what the draft learns)."""
+    prompt: list[list[int]]
+    response: list[list[int]]
+    ids: list[str]
+    key: str                            # content address of exactly these conversations
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p) + len(r) for p, r in zip(self.prompt, self.response))
+
+
+@dataclass
+class DraftResult:
+    layers: list[int]
+    path: str
+    tokens_seen: int
+    val_accuracy: list[float]
+    val_coverage: float
+    curve: list                          # [[tokens seen, [agreement per TTT step]], ...]
+
+
+@dataclass
+class OnlineResult:
+    drafts: list[DraftResult]
+    seconds: float                       # training seconds over all runs of this key
+    tokens_per_s: float
+    resumed: bool
+    cached: bool
+    run_key: str
+    conversations: int                   # training conversations
+    data_tokens: int                     # tokens in the training conversations
+
+    def to_json(self) -> dict:
+        return {"drafts": [asdict(d) for d in self.drafts], "seconds": round(self.seconds, 1),
+                "tokens_per_s": round(self.tokens_per_s, 1), "resumed": self.resumed, "cached": self.cached,
+                "run_key": self.run_key, "conversations": self.conversations, "data_tokens": self.data_tokens}
+
+
+# ----------------------------------------------------------------------------- budgets people think in
+
+def parse_count(text: str) -> int:
+    """'2M' -> 2_000_000, '500k' -> 500_000, '12000' -> 12000."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+    if not m:
+        raise DraftError(f"{text!r} is not a token count", "Write it like 2M, 500k or 120000")
+    n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+    if not 1 <= n < 1e15:
+        raise DraftError(f"{text!r} is not a positive token count", "Write it like 2M, 500k or 120000")
+    return int(n)
+
+
+def parse_duration(text: str) -> float:
+    """'45m' -> 2700, '1h30m' -> 5400, '90s' / '90' -> 90 (seconds)."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", str(text).strip())
+    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([hms]?)", "", str(text)).strip():
+        raise DraftError(f"{text!r} is not a duration", "Write it like 45m, 2h, 1h30m or 600s")
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
+    if not 0 < seconds < 1e8:
+        raise DraftError(f"{text!r} is not a positive duration", "Write it like 45m, 2h, 1h30m or 600s")
+    return seconds
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, progress=None,
+                       should_stop=None) -> Conversations:
+    """The conversations of o.prompts (train split for ShareGPT) that fit, with o.responses answers."""
+    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.seed)
+    prompts = [(p, chat_ids(target.tokenizer, p)) for p in prompt_set.prompts]
+    room = target.context_length - o.max_new_tokens
+    prompts = [(p, ids) for p, ids in prompts if len(ids) <= min(o.max_prompt_tokens, room)]
+    if not prompts:
+        raise DraftError(f"No prompt of {prompt_set.name} fits in {o.max_prompt_tokens} tokens",
+                         "Raise --max-prompt-tokens or choose other prompts")
+    if o.responses == "own":
+        return own_responses(target, prompts, prompt_set.content_hash, o)
+    return regenerated_responses(target, prompts, prompt_set.content_hash, o, store, progress=progress,
+                                 should_stop=should_stop)
+
+
+def own_responses(target, prompts, content_hash: str, o: OnlineOptions) -> Conversations:
+    """Each ShareGPT record's first assistant turn after its first user turn, tokenized, + end of turn."""
+    if not o.prompts.startswith("sharegpt"):
+        raise DraftError(f"--responses own needs conversations with assistant turns; {o.prompts} has none",
+                         "Use --prompts sharegpt, or --responses regenerate to have the target answer")
+    path = sharegpt_path()
+    where = {f"sharegpt/{rid}": (off, n) for rid, off, n in sharegpt_index(path)["records"]}
+    eos = target.tokenizer.eos_token_id
+    out = Conversations([], [], [], make_key({"target": target.fingerprint, "prompts": content_hash, "mode": "own",
+                                               "max_prompt_tokens": o.max_prompt_tokens, "format": RESPONSES_FORMAT}))
+    with open(path, "rb") as f:
+        for p, ids in prompts:
+            off, n = where[p.id]
+            f.seek(off)
+            reply = first_reply(json.loads(f.read(n)))
+            if not reply:
+                continue
+            resp = target.tokenizer(reply, add_special_tokens=False)["input_ids"][: o.max_new_tokens]
+            out.prompt.append(ids)
+            out.response.append(list(resp) + ([eos] if eos is not None else []))
+            out.ids.append(p.id)
+    return out
+
+
+def first_reply(record: dict) -> str | None:
+    """The text of the first assistant ("gpt") turn that follows a user turn, or None."""
+    seen_user = False
+    for m in record.get("conversations") or []:
+        role = m.get("from", m.get("role"))
+        if role in ("human", "user"):
+            seen_user = True
+        elif seen_user and role in ("gpt", "assistant") and isinstance(m.get("value"), str) and m["value"].strip():
+            return m["value"]
+    return None
+
+
+def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, store: Store, *, progress=None,
+                          should_stop=None) -> Conversations:
+    """The target's greedy answers, generated once into responses/<key>/: one JSON part per `gen_batch_size`
+    prompts, written atomically, each row carrying its prompt id and a hash of its prompt's token ids. The key
+    leaves out the limit, so a larger --limit of the same (prefix-stable) sample reuses every finished part;
+    a part whose prompts differ is generated again."""
+    key = make_key({"target": target.fingerprint, "prompts": o.prompts, "seed": o.seed, "mode": "regenerate",
+                    "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
+                    "batch": o.gen_batch_size, "format": RESPONSES_FORMAT})
+    root = store.path("responses", key)
+    parts = [(start, prompts[start: start + o.gen_batch_size]) for start in range(0, len(prompts), o.gen_batch_size)]
+    if any(read_part(root, start, batch) is None for start, batch in parts):
+        with store.lock("responses", key, should_stop=should_stop):
+            generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop)
+    out = Conversations([], [], [], make_key({"responses": key, "prompts": content_hash}))
+    for start, batch in parts:
+        for (p, ids), response in zip(batch, read_part(root, start, batch)):
+            if response:
+                out.prompt.append(ids)
+                out.response.append(response)
+                out.ids.append(p.id)
+    return out
+
+
+def part_name(start: int, end: int) -> str:
+    return f"part-{start:06d}-{end:06d}.json"
+
+
+def prompt_hash(ids: list[int]) -> str:
+    return make_key(ids)
+
+
+def read_part(root: Path, start: int, batch) -> list[list[int]] | None:
+    """The stored responses of `batch` (a list of (Prompt, ids)), or None when missing or made for other prompts."""
+    path = root / part_name(start, start + len(batch))
+    try:
+        rows = json.loads(path.read_text())["responses"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if len(rows) != len(batch) or any(r.get("id") != p.id or r.get("prompt_hash") != prompt_hash(ids)
+                                      for r, (p, ids) in zip(rows, batch)):
+        return None
+    return [[int(t) for t in r["response"]] for r in rows]
+
+
+def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None, should_stop=None) -> None:
+    opts = CaptureOptions(max_new_tokens=o.max_new_tokens)
+    t0, made, total = time.perf_counter(), 0, sum(len(b) for _, b in parts)
+    todo = [(start, batch) for start, batch in parts if read_part(root, start, batch) is None]
+    for n, (start, batch) in enumerate(todo):
+        if should_stop is not None and should_stop():
+            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(todo)} batches done)",
+                                    "Run the same command again to resume")
+        responses = generate_responses(target, [ids for _, ids in batch], opts, should_stop=should_stop)
+        if should_stop is not None and should_stop():
+            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(todo)} batches done)",
+                                    "Run the same command again to resume")
+        atomic_write_json(root / part_name(start, start + len(batch)),
+                          {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids), "response": r}
+                                         for (p, ids), r in zip(batch, responses)]})
+        made += sum(len(r) for r in responses)
+        if progress is not None:
+            elapsed = time.perf_counter() - t0
+            progress({"phase": "responses", "done": n + 1, "total": len(todo), "conversations": total,
+                      "tokens_per_s": made / max(elapsed, 1e-9),
+                      "eta_s": elapsed / (n + 1) * (len(todo) - n - 1)})
+
+
+def held_out(n: int, count: int, seed: int) -> torch.Tensor:
+    """Bool [n]: a seeded choice of min(count, n // 5) conversations held out (at least one when n >= 2)."""
+    k = min(count, max(1, n // 5)) if n >= 2 else 0
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7919))[:k]] = True
+    return mask
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of batches of conversation indices: a seeded shuffle, sorted by length inside groups of
+    16 batches (less padding), the batches then shuffled again. Depends on (lengths, seed, epoch) only."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    group = batch_size * 16
+    batches = []
+    for i in range(0, len(order), group):
+        chunk = sorted(order[i: i + group], key=lambda c: lengths[c])
+        batches += [chunk[j: j + batch_size] for j in range(0, len(chunk), batch_size)]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[p] for p in perm]
+
+
+# ----------------------------------------------------------------------------- the target's side
+
+@torch.no_grad()
+def target_features(target: LoadedModel, convs: Conversations, index: list[int], layers: list[int]):
+    """One right-padded target forward over conversations `index`.
+
+    Returns rows {token_id, position, conversation, is_response} [n] and feats {l: [n, d] float16} for each l in
+    `layers` and for N (post-norm), n = the conversations' total length, rows of a conversation contiguous."""
+    seqs = [convs.prompt[i] + convs.response[i] for i in index]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), target.tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+        mask[r, : len(s)] = True
+    out = target.model.model(input_ids=ids.to(target.device), attention_mask=mask.long().to(target.device),
+                             output_hidden_states=True, use_cache=False)
+    valid = mask.to(target.device)
+    N = target.num_layers
+    feats = {l: out.hidden_states[l][valid].to(torch.float16).cpu() for l in sorted(set(layers) | {N})}
+    rows = {"token_id": ids[mask], "position": torch.cat([torch.arange(len(s)) for s in seqs]),
+            "conversation": torch.cat([torch.full((len(s),), i) for i, s in zip(index, seqs)]),
+            "is_response": torch.cat([torch.arange(len(s)) >= len(convs.prompt[i]) for i, s in zip(index, seqs)])}
+    return rows, feats
+
+
+def split_for(rows, feats, layers: list[int], N: int):
+    return split_of(rows["token_id"], rows["position"], rows["conversation"], rows["is_response"],
+                    torch.cat([feats[l] for l in layers], dim=1), feats[N])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(run_dir: Path, state: dict, heads: list[DraftHead], opts: list[torch.optim.Optimizer]) -> Path:
+    """runs/<key>/ckpt-<step>/ {state.json, tensors.safetensors}, placed with one rename; older ones removed."""
+    tensors = {"rng": torch.get_rng_state()}
+    groups = []
+    for i, (head, opt) in enumerate(zip(heads, opts)):
+        for name, t in head.state_dict().items():
+            tensors[f"head{i}.{name}"] = t.detach().cpu()
+        sd = opt.state_dict()
+        groups.append(sd["param_groups"])
+        for p, st in sd["state"].items():
+            for name, t in st.items():
+                tensors[f"opt{i}.{p}.{name}"] = t.detach().cpu().reshape(-1) if t.dim() == 0 else t.detach().cpu()
+    final = run_dir / f"ckpt-{state['step']:09d}"
+    if final.is_dir():
+        return final
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".ckpt-tmp-"))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "param_groups": groups}, default=float))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in complete_checkpoints(run_dir)[:-1]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """ckpt-<step> folders, oldest first (temporary folders start with a dot and are never listed)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(r"ckpt-\d{9}", p.name)
+                  and (p / "state.json").is_file() and (p / "tensors.safetensors").is_file())
+
+
+def load_checkpoint(path: Path, heads: list[DraftHead], opts: list[torch.optim.Optimizer]) -> dict:
+    state = json.loads((path / "state.json").read_text())
+    with safe_open(str(path / "tensors.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    assert len(state["param_groups"]) == len(heads), "checkpoint holds another number of layer sets"
+    for i, (head, opt) in enumerate(zip(heads, opts)):
+        sd = head.state_dict()
+        missing = [k for k in sd if f"head{i}.{k}" not in t]
+        assert not missing, f"checkpoint {path} lacks {missing[:3]}"
+        head.load_state_dict({k: t[f"head{i}.{k}"] for k in sd})
+        opt_state = {}
+        for k, v in t.items():
+            parts = k.split(".")
+            if parts[0] == f"opt{i}":
+                opt_state.setdefault(int(parts[1]), {})[parts[2]] = v.reshape(()) if parts[2] == "step" else v
+        opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"][i]})
+    torch.set_rng_state(t["rng"])
+    return state
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run_key(target: LoadedModel, convs: Conversations, sets: list[list[int]], o: OnlineOptions) -> str:
+    return make_key({"target": target.fingerprint, "data": convs.key, "sets": sets, "options": o.run_fields(),
+                     "format": FORMAT})
+
+
+def normalise_sets(layer_sets, num_layers: int) -> list[list[int]]:
+    sets = []
+    for s in layer_sets:
+        s = sorted({int(l) for l in s})
+        if not s or s[0] < 0 or s[-1] >= num_layers:
+            raise DraftError(f"Layer set {s} is out of range 0..{num_layers - 1}",
+                             "A draft reads hidden_states 0..N-1 of the target, e.g. --layers 2,15,27")
+        if s in sets:
+            raise DraftError(f"Layer set {s} is given twice", "Give each --layers once")
+        sets.append(s)
+    if not sets:
+        raise DraftError("No layer set given", "Pass --layers 2,15,27 (repeat --layers for more sets)")
+    return sets
+
+
+def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Callable[[dict], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, strategy: list[str] | None = None,
+                 **options) -> OnlineResult:
+    """Train one draft per layer set from one target pass per step; resumable; finished runs come from the store.
+
+    progress gets {"phase": "responses" | "features" | "train" | "eval" | "done", ...}; in "train":
+    step, tokens (rows seen), fraction (of the budget), tokens_per_s, eta_s, loss [per set], val [per set:
+    latest agreement per TTT step or None]."""
+    o = OnlineOptions(**options)
+    o.validate()
+    sets = normalise_sets(layer_sets, target.num_layers)
+    say = progress or (lambda p: None)
+    convs = load_conversations(target, o, store, progress=say, should_stop=should_stop)
+    key = run_key(target, convs, sets, o)
+    run_dir = store.path("runs", key)
+    result_file = run_dir / "result.json"
+    val_mask = held_out(len(convs), o.val_conversations, o.seed)
+    train_idx = [i for i in range(len(convs)) if not val_mask[i]]
+    val_idx = [i for i in range(len(convs)) if val_mask[i]]
+    data_tokens = sum(len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx)
+    if result_file.is_file():
+        cached = cached_result(result_file, key, len(train_idx), data_tokens)
+        if cached is not None:
+            return cached
+    if len(train_idx) < 1:
+        raise DraftError(f"Only {len(convs)} conversation(s): nothing is left to train on after the held-out ones",
+                         "Use more prompts (--limit)")
+    with store.lock("runs", key, should_stop=should_stop):
+        if result_file.is_file():
+            cached = cached_result(result_file, key, len(train_idx), data_tokens)
+            if cached is not None:
+                return cached
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return _train(target, convs, sets, o, store, key, run_dir, train_idx, val_idx, data_tokens, say,
+                      should_stop, strategy)
+
+
+def cached_result(result_file: Path, key: str, conversations: int, data_tokens: int) -> OnlineResult | None:
+    r = json.loads(result_file.read_text())
+    drafts = [DraftResult(**d) for d in r["drafts"]]
+    if not all((Path(d.path) / "layerscope.json").is_file() for d in drafts):
+        return None                      # a draft was evicted or removed: train again
+    return OnlineResult(drafts, r["seconds"], r["tokens_per_s"], False, True, key, conversations, data_tokens)
+
+
+def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx, val_idx, data_tokens, say,
+           should_stop, strategy) -> OnlineResult:
+    device = target.device
+    N, J = target.num_layers, o.ttt_steps
+    embed = target.model.get_input_embeddings().weight
+    lm_head = target.model.get_output_embeddings().weight
+    vocab = int(embed.shape[0])
+    resp_ids = torch.tensor([t for i in train_idx for t in convs.response[i]], dtype=torch.long)
+    d2t, t2d = build_draft_vocab(resp_ids, o.draft_vocab, vocab)
+    V = len(d2t)
+    teacher_w = lm_head.detach()[(d2t + torch.arange(V)).to(lm_head.device)].float().to(device)
+    union = sorted({l for s in sets for l in s})
+
+    # held-out features, once: one split per set over all held-out conversations
+    say({"phase": "features", "done": 0, "total": len(val_idx)})
+    parts = []
+    for i in range(0, len(val_idx), o.batch_size):
+        parts.append(target_features(target, convs, val_idx[i: i + o.batch_size], union))
+        say({"phase": "features", "done": min(i + o.batch_size, len(val_idx)), "total": len(val_idx)})
+    val_rows = {k: torch.cat([r[k] for r, _ in parts]) for k in parts[0][0]}
+    val_feats = {l: torch.cat([f[l] for _, f in parts]) for l in parts[0][1]}
+    val_next = target_argmax(val_feats[N], lm_head)
+    val_splits = [split_for(val_rows, val_feats, s, N) for s in sets]
+    for sp in val_splits:
+        sp.target_next = val_next
+    del parts
+
+    heads, opts = [], []
+    for s in sets:
+        torch.manual_seed(o.seed)
+        head = DraftHead(DraftConfig.from_target(target.model.config, s, V, vocab_size=vocab), embed.detach(),
+                         d2t, t2d).to(device)
+        if o.init_lm_head:
+            with torch.no_grad():
+                head.lm_head.weight.copy_(teacher_w)
+        head.train()
+        heads.append(head)
+        opts.append(torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=o.lr, betas=(0.9, 0.95),
+                                      weight_decay=o.weight_decay))
+
+    state = {"step": 0, "tokens": 0, "elapsed": 0.0, "epoch": 0, "cursor": 0, "curves": [[] for _ in sets],
+             "loss_curves": [[] for _ in sets], "evals_done": 0, "format": FORMAT}
+    ckpts = complete_checkpoints(run_dir)
+    resumed = bool(ckpts)
+    if ckpts:
+        state = load_checkpoint(ckpts[-1], heads, opts)
+        state.pop("param_groups", None)
+    lengths = [len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx]
+
+    def fraction() -> float:
+        if o.steps is not None:
+            return state["step"] / o.steps
+        if o.tokens is not None:
+            return state["tokens"] / o.tokens
+        return state["elapsed"] / o.time_s
+
+    def lr_now() -> float:
+        if state["step"] < (o.warmup or 0):
+            return o.lr * (state["step"] + 1) / o.warmup
+        f = min(1.0, fraction())
+        return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * f)))
+
+    def run_eval() -> list[tuple[list[float], float]]:
+        say({"phase": "eval", "step": state["step"], "tokens": state["tokens"]})
+        out = []
+        for head, sp in zip(heads, val_splits):
+            acc, _, _, cov = evaluate(head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, teacher_w,
+                                      o.batch_size, device)
+            out.append(([round(a, 5) for a in acc], round(cov, 5)))
+        return out
+
+    tokens_at_start, elapsed_at_start, fraction_at_start = state["tokens"], state["elapsed"], fraction()
+    last_ckpt = time.perf_counter()
+    val_latest = [c[-1][1] if c else None for c in state["curves"]]
+    batches = epoch_batches(lengths, o.batch_size, o.seed, state["epoch"])
+    while fraction() < 1.0:
+        if should_stop is not None and should_stop():
+            save_checkpoint(run_dir, state, heads, opts)
+            raise TrainingCancelled(f"Training stopped at step {state['step']} ({state['tokens']} tokens)",
+                                    "The progress is saved; run the same command again to continue")
+        if state["cursor"] >= len(batches):
+            state["epoch"], state["cursor"] = state["epoch"] + 1, 0
+            batches = epoch_batches(lengths, o.batch_size, o.seed, state["epoch"])
+        t_step = time.perf_counter()
+        index = [train_idx[c] for c in batches[state["cursor"]]]
+        rows, feats = target_features(target, convs, index, union)
+        losses, seen = [], 0
+        for head, opt, s in zip(heads, opts, sets):
+            sp = split_for(rows, feats, s, N)
+            nxt = torch.zeros_like(sp.token_id)
+            nxt[:-1] = sp.token_id[1:]
+            ok = sp.counted & head.t2d[nxt]
+            wins = windows_of(sp, o.seq_len, ok, J)
+            if not wins:
+                continue
+            batch = make_batch(sp, wins, J, ok, device)
+            for g in opt.param_groups:
+                g["lr"] = lr_now()
+            loss, _ = ttt_loss(head, batch, teacher_w)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], o.grad_clip)
+            opt.step()
+            losses.append(round(loss.item(), 5))
+            seen = batch["rows"]
+        state["step"] += 1
+        state["cursor"] += 1
+        state["tokens"] += seen
+        state["elapsed"] += time.perf_counter() - t_step
+        if state["step"] % 10 == 1 or fraction() >= 1.0:
+            for c, l in zip(state["loss_curves"], losses):
+                c.append([state["tokens"], l])
+        due = min(o.eval_points, math.floor(fraction() * o.eval_points + 1e-9))
+        if due > state["evals_done"]:
+            for s_i, (acc, cov) in enumerate(run_eval()):
+                state["curves"][s_i].append([state["tokens"], acc, cov])
+                val_latest[s_i] = acc
+            state["evals_done"] = due
+        rate = (state["tokens"] - tokens_at_start) / max(state["elapsed"] - elapsed_at_start, 1e-9)
+        f = min(1.0, fraction())
+        eta = ((state["elapsed"] - elapsed_at_start) / (f - fraction_at_start) * (1 - f)
+               if f > fraction_at_start else None)
+        say({"phase": "train", "step": state["step"], "tokens": state["tokens"], "fraction": f,
+             "tokens_per_s": rate, "eta_s": eta, "loss": losses, "val": val_latest, "sets": sets,
+             "elapsed_s": state["elapsed"]})
+        if time.perf_counter() - last_ckpt >= o.checkpoint_every_s:
+            save_checkpoint(run_dir, state, heads, opts)
+            last_ckpt = time.perf_counter()
+
+    # the drafts, then result.json (the run counts as finished only once every draft is in place)
+    drafts = []
+    for s_i, (head, s) in enumerate(zip(heads, sets)):
+        head.eval()
+        dkey = make_key({"run": key, "layers": s})
+        path = store.path("drafts", dkey)
+        curve = [[c[0], c[1]] for c in state["curves"][s_i]]
+        acc, cov = state["curves"][s_i][-1][1], state["curves"][s_i][-1][2]
+        meta = {"key": dkey, "run_key": key, "target_fingerprint": target.fingerprint, "target_model": target.spec,
+                "capture_key": None, "layers": s, "strategy": strategy[s_i] if strategy else None,
+                "online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
+                           "conversations": len(train_idx), "data_tokens": data_tokens},
+                "budget": {"steps": o.steps, "tokens": o.tokens, "time_s": o.time_s, "resolved_steps": state["step"]},
+                "seed": o.seed, "options": asdict(o), "val_accuracy": acc, "val_coverage": cov,
+                "val_positions": None, "train_tokens": data_tokens, "tokens_seen": state["tokens"],
+                "curve": curve, "loss_curve": state["loss_curves"][s_i], "seconds": round(state["elapsed"], 1),
+                "draft_vocab_size": V, "train_format": FORMAT}
+        save_draft(path, head, meta, target=target)
+        store.touch("drafts", dkey)
+        drafts.append(DraftResult(s, str(path), state["tokens"], acc, cov, curve))
+    rate = state["tokens"] / max(state["elapsed"], 1e-9)
+    atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state["elapsed"],
+                                                "tokens_per_s": rate, "sets": sets})
+    for old in complete_checkpoints(run_dir):
+        shutil.rmtree(old, ignore_errors=True)
+    say({"phase": "done", "step": state["step"], "tokens": state["tokens"]})
+    return OnlineResult(drafts, state["elapsed"], rate, resumed, False, key, len(train_idx), data_tokens)

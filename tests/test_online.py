@@ -1,0 +1,211 @@
+"""Online draft training on tiny-llama: same loss as capture training on the same data, k sets in one pass
+equal to k separate runs, resume equal to an uninterrupted run, kill -9 leaves a usable checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+from layerscope.draft.online import (Conversations, OnlineOptions, complete_checkpoints, epoch_batches,
+                                     load_conversations, parse_count, parse_duration, split_for,
+                                     target_features, train_online)
+from layerscope.draft.train import (TrainingCancelled, load_splits, make_batch, target_argmax, evaluate,
+                                    ttt_loss, windows_of)
+from layerscope.errors import DraftError
+from layerscope.store import Store
+
+SMALL = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
+             val_conversations=2, eval_points=2, draft_vocab=64)
+
+
+def weights(path) -> dict:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def same_weights(a, b) -> bool:
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_budgets_read_as_people_write_them():
+    assert parse_count("2M") == 2_000_000 and parse_count("500k") == 500_000 and parse_count("1200") == 1200
+    assert parse_duration("45m") == 2700 and parse_duration("1h30m") == 5400 and parse_duration("90") == 90
+    for bad in ("", "2X", "-5", "nan"):
+        with pytest.raises(DraftError):
+            parse_count(bad)
+    for bad in ("", "45x", "0", "m"):
+        with pytest.raises(DraftError):
+            parse_duration(bad)
+    for kw in ({}, {"steps": 3, "tokens": 100}, {"time_s": float("nan")}, {"steps": 3, "responses": "mine"}):
+        with pytest.raises(DraftError):
+            OnlineOptions(**kw).validate()
+
+
+def test_epoch_batches_are_seeded_and_cover_every_conversation():
+    lengths = [5 + (i * 7) % 13 for i in range(50)]
+    b = epoch_batches(lengths, 4, seed=1, epoch=0)
+    assert b == epoch_batches(lengths, 4, seed=1, epoch=0) and b != epoch_batches(lengths, 4, seed=1, epoch=1)
+    assert sorted(i for batch in b for i in batch) == list(range(50))
+
+
+def test_online_features_give_the_capture_loss_on_the_same_data(tiny, tiny_capture, one_thread):
+    """The same conversations, recorded by a capture or run through the target inside the loop, give the same
+    draft inputs and the same TTT loss (both store the states as float16)."""
+    cap, layers, J = tiny_capture, [1, 3], 3
+    tok = cap.tokens()
+    first = tok["conversation"] < 4                               # the capture's first batch: conversations 0..3
+    train, _ = load_splits(cap, ~first, layers)                   # "held out" = everything else
+    convs = Conversations([], [], [], "x")
+    for c in range(4):
+        rows = tok["conversation"] == c
+        ids, resp = tok["token_id"][rows].tolist(), tok["is_response"][rows]
+        convs.prompt.append(ids[: int((~resp).sum())])
+        convs.response.append(ids[int((~resp).sum()):])
+    rows, feats = target_features(tiny, convs, [0, 1, 2, 3], layers)
+    online = split_for(rows, feats, layers, tiny.num_layers)
+    assert torch.equal(online.token_id, train.token_id) and torch.equal(online.counted, train.counted)
+    assert torch.allclose(online.aux.float(), train.aux.float(), atol=2e-3)
+    assert torch.allclose(online.final.float(), train.final.float(), atol=2e-3)
+
+    embed, lm_head = tiny.model.get_input_embeddings().weight, tiny.model.get_output_embeddings().weight
+    d2t, t2d = build_draft_vocab(train.token_id, 64, embed.shape[0])
+    teacher = lm_head.detach()[d2t + torch.arange(len(d2t))].float()
+    torch.manual_seed(0)
+    head = DraftHead(DraftConfig.from_target(tiny.model.config, layers, len(d2t)), embed, d2t, t2d)
+    losses = []
+    for sp in (train, online):
+        nxt = torch.zeros_like(sp.token_id)
+        nxt[:-1] = sp.token_id[1:]
+        ok = sp.counted & t2d[nxt]
+        losses.append(ttt_loss(head, make_batch(sp, windows_of(sp, 64, ok, J), J, ok, "cpu"), teacher)[0].item())
+    assert losses[0] > 0 and abs(losses[0] - losses[1]) < 1e-3 * losses[0], losses
+
+
+def test_validation_counts_every_position_and_reports_coverage(tiny, tiny_capture, one_thread):
+    cap, layers, J = tiny_capture, [2], 2
+    train, _ = load_splits(cap, torch.zeros(cap.num_tokens, dtype=torch.bool), layers)
+    lm_head = tiny.model.get_output_embeddings().weight
+    train.target_next = target_argmax(train.final, lm_head)
+    embed = tiny.model.get_input_embeddings().weight
+    for V in (4, 256):
+        d2t, t2d = build_draft_vocab(train.token_id, V, embed.shape[0])
+        head = DraftHead(DraftConfig.from_target(tiny.model.config, layers, len(d2t)), embed, d2t, t2d)
+        teacher = lm_head.detach()[d2t + torch.arange(len(d2t))].float()
+        acc, _, n, cov = evaluate(head, train, windows_of(train, 64, train.counted, J), J, teacher, 4, "cpu")
+        assert n == int(train.counted.sum())                      # every counted position, in the vocabulary or not
+        covered = float(t2d[train.target_next[train.counted]].float().mean())
+        assert cov == pytest.approx(covered) and acc[0] <= cov + 1e-9
+        assert (cov < 1) == (V == 4)
+
+
+def test_k_sets_in_one_pass_equal_k_separate_runs_and_are_served_again(tiny, tmp_path, one_thread):
+    store = Store(tmp_path / "s")
+    both = train_online(tiny, [[1, 2], [0, 3]], store, steps=5, **SMALL)
+    alone = [train_online(tiny, [s], store, steps=5, **SMALL).drafts[0] for s in ([1, 2], [0, 3])]
+    assert [d.layers for d in both.drafts] == [[1, 2], [0, 3]]
+    for d, a in zip(both.drafts, alone):
+        assert same_weights(d.path, a.path) and d.val_accuracy == a.val_accuracy and d.tokens_seen == a.tokens_seen
+        assert len(d.curve) == 2 and d.curve[-1][0] == d.tokens_seen and len(d.curve[-1][1]) == 3
+        meta = json.loads((Path(d.path) / "layerscope.json").read_text())
+        assert meta["layers"] == d.layers and meta["curve"] == d.curve and meta["online"]["responses"] == "regenerate"
+    assert not both.resumed and not both.cached
+    again = train_online(tiny, [[1, 2], [0, 3]], store, steps=5, **SMALL)
+    assert again.cached and [d.path for d in again.drafts] == [d.path for d in both.drafts]
+    responses = list((store.root / "responses").iterdir())
+    assert len(responses) == 1                                    # every run reused the one set of responses
+
+
+def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path, one_thread):
+    whole = train_online(tiny, [[1, 3]], Store(tmp_path / "a"), steps=8, **SMALL)
+    store = Store(tmp_path / "b")
+    calls = []
+
+    def stop_after_4():
+        return sum(1 for p in calls if p.get("phase") == "train") >= 4
+
+    with pytest.raises(TrainingCancelled):
+        train_online(tiny, [[1, 3]], store, steps=8, progress=calls.append, should_stop=stop_after_4,
+                     checkpoint_every_s=1e9, **SMALL)
+    run_dir = next((store.root / "runs").iterdir())
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["ckpt-000000004"]
+    assert not (store.root / "drafts").exists() or not any((store.root / "drafts").iterdir())
+    # debris of a checkpoint that was being written when the process died is never used
+    (run_dir / ".ckpt-tmp-dead").mkdir()
+    (run_dir / "ckpt-000000007").mkdir()                             # no state.json: incomplete
+    resumed = train_online(tiny, [[1, 3]], store, steps=8, **SMALL)
+    assert resumed.resumed and same_weights(resumed.drafts[0].path, whole.drafts[0].path)
+    assert resumed.drafts[0].curve == whole.drafts[0].curve
+
+
+CHILD = """
+import sys, torch
+torch.set_num_threads(1)
+from layerscope.models import load_model
+from layerscope.store import Store
+from layerscope.draft.online import train_online
+opts = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
+            val_conversations=2, eval_points=2, draft_vocab=64)
+train_online(load_model("tiny-llama"), [[1, 3]], Store(sys.argv[1]), steps=400, checkpoint_every_s=1e-6, **opts)
+"""
+
+
+def test_kill_9_during_checkpointing_leaves_a_usable_checkpoint(tiny, tmp_path, one_thread):
+    store_dir = tmp_path / "k"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for delay in (0.0, 0.13):
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(store_dir)], env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (store_dir / "runs").is_dir():
+            time.sleep(0.05)
+        run_dirs = list((store_dir / "runs").iterdir()) if (store_dir / "runs").is_dir() else []
+        while time.time() < deadline and not (run_dirs and complete_checkpoints(run_dirs[0])):
+            time.sleep(0.05)
+            run_dirs = list((store_dir / "runs").iterdir())
+        time.sleep(delay)                      # checkpoints are written after every step: the kill lands in one often
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpts = complete_checkpoints(run_dirs[0])
+        assert ckpts, "no complete checkpoint survived the kill"
+        state = json.loads((ckpts[-1] / "state.json").read_text())
+        assert state["step"] >= 1 and load_file(str(ckpts[-1] / "tensors.safetensors"))
+    # the run picks up from the newest complete checkpoint: its first step is the one after it
+    calls = []
+    with pytest.raises(TrainingCancelled):
+        train_online(tiny, [[1, 3]], Store(store_dir), steps=400, checkpoint_every_s=1e9, progress=calls.append,
+                     should_stop=lambda: any(p.get("phase") == "train" for p in calls), **SMALL)
+    assert next(p for p in calls if p.get("phase") == "train")["step"] == state["step"] + 1
+
+
+def test_own_responses_need_assistant_turns(tiny, tmp_path):
+    with pytest.raises(DraftError, match="assistant turns"):
+        load_conversations(tiny, OnlineOptions(prompts="builtin", limit=3, responses="own", steps=1), Store(tmp_path))
+
+
+def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, capsys, one_thread):
+    from layerscope.cli import main
+
+    args = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10",
+            "--layers", "1,2", "--layers", "0,3", "--steps", "3", "--batch-size", "3", "--seq-len", "64",
+            "--draft-vocab", "64", "--val-conversations", "2", "--json", "--store", str(tmp_path / "s")]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"drafts", "seconds", "tokens_per_s", "resumed"} and not out["resumed"]
+    assert [d["layers"] for d in out["drafts"]] == [[1, 2], [0, 3]]
+    for d in out["drafts"]:
+        assert set(d) >= {"layers", "path", "tokens_seen", "val_accuracy", "curve"} and len(d["val_accuracy"]) == 3
+    assert main(args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [d["path"] for d in again["drafts"]] == [d["path"] for d in out["drafts"]] and again["cached"]
+    assert main(["train-draft", "--model", "tiny-llama", "--layers", "1,9", "--steps", "3",
+                 "--store", str(tmp_path / "s")]) == 2
+    assert "out of range" in capsys.readouterr().err
