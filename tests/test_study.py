@@ -113,3 +113,28 @@ def test_study_rerun_is_served_from_the_store_and_skips_a_proxy_version_that_kee
     assert report.options["proxy_versions"] == ["linear, H≥0.5", "linear, no filter", "cosine, no filter"]
     assert all(set(r.proxies) == set(report.options["proxy_versions"]) for r in report.rows)
     assert all(r.tau_ci is not None and len(r.seeds) == 2 for r in report.rows)
+
+
+def test_cli_study_json_with_controls_and_seeds(tiny_capture, session_store, capsys, one_thread):
+    """The lead's command on the tiny model: every strategy and control, two seeds, one JSON object."""
+    import json
+
+    from layerscope import cli
+
+    argv = ["study", tiny_capture.key, "--store", str(session_store.root), "--model", "tiny-llama",
+            "--strategies", "default,greedy,aggregate,entropy-topk,spread,random,last-k,single", "--random-sets", "2",
+            "--seeds", "0,1", "--prompts", "builtin", "--limit", "3", "--k", "2", "--steps", "2", "--batch-size", "2",
+            "--seq-len", "32", "--max-new-tokens", "6", "--depth", "2"]
+    assert cli.main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"rows", "verdict", "correlations", "options"} <= set(out) and out["verdict"]
+    assert out["options"]["seeds"] == [0, 1] and out["options"]["kernel"] == "linear"
+    labels = {s for r in out["rows"] for s in r["strategies"]}
+    assert {"random#1", "random#2", "last-k", "single", "default"} <= labels
+    for r in out["rows"]:
+        assert len(r["tau_ci"]) == 2 and len(r["delta_ci"]) == 2 and len(r["seeds"]) == 2
+        assert {"linear, H≥0.5", "cosine, H≥0.5", "linear, no filter"} <= set(r["proxies"])
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert out["verdict"] in text and "tau 95% CI" in text
+    assert cli.main(argv + ["--seeds", "0,x"]) == 2 and "--seeds" in capsys.readouterr().err

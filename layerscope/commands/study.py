@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 from layerscope import workflow
+from layerscope.analysis import AnalysisOptions
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft.train import TrainOptions
+from layerscope.errors import LayerScopeError
 from layerscope.study import StudyOptions, format_study
 
 NAME = "study"
-HELP = ("train one draft per strategy's layer set with the same budget, benchmark them on held-out prompts, "
-        "and correlate the proxy scores with tau")
+HELP = ("train one draft per strategy's layer set (and per training seed) with the same budget, benchmark them "
+        "on held-out prompts against controls, and report tau with paired intervals, a verdict, and how well "
+        "each proxy predicts tau")
 
 
 def add_arguments(p) -> None:
-    d, t = StudyOptions(), TrainOptions()
+    d, t, a = StudyOptions(), TrainOptions(), AnalysisOptions()
     p.add_argument("key", help="capture key (a unique prefix is enough)")
     p.add_argument("--model", default=None, help="target model spec (default: the capture's model)")
-    p.add_argument("--strategies", default=",".join(d.strategies), help="comma-separated strategies (default %(default)s)")
+    p.add_argument("--strategies", default=",".join(d.strategies),
+                   help="comma-separated strategies; the controls are random (seeded random sets of the same size), "
+                        "last-k (the k deepest layers) and single (layer N-1); the default rule is always in "
+                        "(default %(default)s)")
+    p.add_argument("--random-sets", type=int, default=d.random_sets,
+                   help="random control sets that 'random' adds (default %(default)s)")
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="training seeds: each set is trained once per seed, the table shows the spread (default: --seed)")
+    p.add_argument("--kernel", choices=("linear", "cosine"), default=a.kernel,
+                   help="token preparation of the statistics that pick the sets: linear = standard linear CKA, "
+                        "cosine = unit-length tokens (default %(default)s); the proxies are reported under both")
+    p.add_argument("--min-entropy", type=float, default=a.min_entropy,
+                   help="token-entropy filter (nats) of the statistics that pick the sets (default %(default)s)")
+    p.add_argument("--filters", default=",".join(f"{x:g}" for x in d.filters), metavar="H1,H2,...",
+                   help="token-entropy thresholds (nats; 0 = no filter) at which the proxies are also computed "
+                        "(default %(default)s)")
     p.add_argument("--layers", action="append", default=[], metavar="L1,L2,...", help="a hand-picked set (repeatable)")
     p.add_argument("--k", type=int, default=d.k, help="layers per set (default %(default)s)")
     p.add_argument("--lam", type=float, default=d.lam, help="λ of the greedy mRMR strategy (default %(default)s)")
@@ -46,7 +62,18 @@ def options_from_args(args) -> StudyOptions:
     return StudyOptions(strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                         extra_sets=tuple(tuple(parse_layers(x)) for x in args.layers), k=args.k, lam=args.lam,
                         train=train, prompts=args.prompts, limit=args.limit, seed=args.seed,
-                        max_new_tokens=args.max_new_tokens, depth=args.depth)
+                        max_new_tokens=args.max_new_tokens, depth=args.depth,
+                        seeds=tuple(parse_list(args.seeds, "--seeds", int)) if args.seeds else None,
+                        random_sets=args.random_sets, filters=tuple(parse_list(args.filters, "--filters", float)))
+
+
+def parse_list(text: str, flag: str, kind) -> list:
+    """'0,1,2' -> [0, 1, 2] (kind int) or floats; a clear error for anything else."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LayerScopeError(f"{flag} {text!r} is not a comma-separated list of {kind.__name__}s",
+                              f"Write it like {flag} 0,1") from None
 
 
 def run(args) -> int:
@@ -61,11 +88,11 @@ def run(args) -> int:
                            tau=p.detail.tau if p.detail.tau is not None else "-")
             else:
                 bar.update(0, None, phase=p.message)
-        done = workflow.study(open_store(args), args.key, options_from_args(args), model=args.model, progress=show)
+        done = workflow.study(open_store(args), args.key, options_from_args(args), model=args.model,
+                              analysis=AnalysisOptions(kernel=args.kernel, min_entropy=args.min_entropy), progress=show)
     report = done.report
     if args.json:
-        print_json([r.to_json() for r in report.rows])
-        print("spearman with tau: " + json.dumps(report.spearman), file=sys.stderr)
+        print_json(report.to_json())
     else:
         print(f"study of capture {report.capture} on {done.target.spec}: {report.prompts} held-out prompts, "
               f"{report.options['train']['steps']} training steps per draft, {time.perf_counter() - t0:.0f} s")
