@@ -167,10 +167,11 @@ def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] 
     return out
 
 
-def fitting_prompts(tokenizer, o: BenchOptions) -> tuple[PromptSet, list[EncodedPrompt]]:
-    """The options' seeded sample of prompts that fit in `o.max_prompt_tokens`, and their encodings."""
+def fitting_prompts(tokenizer, o: BenchOptions, cache: Path | None = None) -> tuple[PromptSet, list[EncodedPrompt]]:
+    """The options' seeded sample of prompts that fit in `o.max_prompt_tokens`, and their encodings
+    (`cache`: the store's prompts/ folder, where the ShareGPT index is kept)."""
     prompt_set = load_fitting_prompts(o.prompts, tokenizer, limit=o.limit, seed=o.seed, max_tokens=o.max_prompt_tokens,
-                                      **({"split": o.split} if o.split else {}))
+                                      cache=cache, **({"split": o.split} if o.split else {}))
     return prompt_set, encode(tokenizer, prompt_set)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from layerscope.errors import ModelSpecError
+from layerscope.store import atomic_write_bytes, default_root
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,7 +105,7 @@ def file_sha256(path: Path, block: int = 1 << 22) -> str:
 
 def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
     """De-quantize once into the store; later loads read the cached safetensors."""
-    fingerprint = "gguf-" + _cached_file_hash(path)
+    fingerprint = "gguf-" + _cached_file_hash(path, _store_root(store))
     cache_dir = _model_cache_dir(store, fingerprint)
     if not (cache_dir / "model.safetensors").is_file():
         _check_fits(path.stat().st_size * 4)  # Q4 → fp32 is ~8×; a cautious 4× lower bound on what's needed
@@ -121,10 +122,10 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
     return loaded
 
 
-def _cached_file_hash(path: Path) -> str:
-    """sha256 of a file, remembered beside nothing but keyed by (path, size, mtime) in a small JSON file."""
+def _cached_file_hash(path: Path, store_root: Path) -> str:
+    """sha256 of a file, remembered keyed by (path, size, mtime) in a small JSON file in the store."""
     st = path.stat()
-    memo_path = Path(tempfile.gettempdir()) / "layerscope-file-hashes.json"
+    memo_path = store_root / "file-hashes.json"
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     try:
         memo = json.loads(memo_path.read_text())
@@ -132,15 +133,16 @@ def _cached_file_hash(path: Path) -> str:
         memo = {}
     if ident not in memo:
         memo[ident] = file_sha256(path)[:24]
-        _atomic_write_text(memo_path, json.dumps(memo))
+        atomic_write_bytes(memo_path, json.dumps(memo).encode())
     return memo[ident]
 
 
+def _store_root(store) -> Path:
+    return default_root() if store is None else Path(store.root)
+
+
 def _model_cache_dir(store, fingerprint: str) -> Path:
-    if store is None:
-        from layerscope.store import Store
-        store = Store()
-    return store.path("models", fingerprint)
+    return default_root() / "models" / fingerprint if store is None else store.path("models", fingerprint)
 
 
 def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
@@ -265,13 +267,6 @@ def _available_memory() -> int | None:
 def _short(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _wrap(model, tokenizer, spec, fingerprint, device, dtype) -> LoadedModel:

@@ -31,11 +31,11 @@ import operator
 import os
 import random
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerscope.errors import PromptSetError
+from layerscope.store import atomic_write_bytes, default_root
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
 SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -88,12 +88,13 @@ class PromptSet:
 
 
 def load_prompts(spec: str, *, limit: int | None = None, seed: int = 0, split: str = "train",
-                 turns: int = 1) -> PromptSet:
+                 turns: int = 1, cache: Path | None = None) -> PromptSet:
     """Resolve a prompt-set spec into a PromptSet; raises PromptSetError on anything unusable.
 
     limit: at most this many prompts (a seeded sample when it cuts); None = all.
     split: "train" or "heldout" (ShareGPT only; "sharegpt-heldout" implies "heldout").
     turns: how many user turns each prompt keeps (ShareGPT and multi-turn file records).
+    cache: where the ShareGPT index is kept (a store's prompts/ folder; default `cache_dir()`).
     """
     limit, seed, turns = _check_options(limit, seed, split, turns)
     spec = str(spec).strip()
@@ -102,7 +103,7 @@ def load_prompts(spec: str, *, limit: int | None = None, seed: int = 0, split: s
         spec, split = "sharegpt", "heldout"
     if spec == "sharegpt":
         name = "sharegpt" if split == "train" else "sharegpt-heldout"
-        prompts = _sharegpt(limit, seed, split, turns)
+        prompts = _sharegpt(limit, seed, split, turns, cache or cache_dir())
     elif spec == "builtin":
         _no_split("the builtin set", split)
         name, prompts = "builtin", _builtin(limit, seed)
@@ -207,10 +208,10 @@ def is_heldout(record_id: str) -> bool:
     return h % 100 < HELDOUT_PERCENT
 
 
-def _sharegpt(limit: int | None, seed: int, split: str, turns: int) -> list[Prompt]:
+def _sharegpt(limit: int | None, seed: int, split: str, turns: int, cache: Path) -> list[Prompt]:
     path = sharegpt_path()
     held = split == "heldout"
-    entries = [e for e in sharegpt_index(path)["records"] if is_heldout(e[0]) == held]
+    entries = [e for e in sharegpt_index(path, cache)["records"] if is_heldout(e[0]) == held]
     prompts = []
     with open(path, "rb") as f:
         for record_id, offset, length in _sample(entries, limit, seed):
@@ -218,12 +219,12 @@ def _sharegpt(limit: int | None, seed: int, split: str, turns: int) -> list[Prom
             user, problem = _user_turns(json.loads(f.read(length)), turns)
             if user is None:
                 raise PromptSetError(f"ShareGPT record {record_id} no longer reads as indexed ({problem})",
-                                     f"Delete the cached index in {cache_dir()} and load again")
+                                     f"Delete the cached index in {cache} and load again")
             prompts.append(Prompt(f"sharegpt/{record_id}", "sharegpt", user))
     return prompts
 
 
-def sharegpt_index(path: Path) -> dict:
+def sharegpt_index(path: Path, cache: Path | None = None) -> dict:
     """Index of a ShareGPT-style JSON array, built once and cached.
 
     Returns {"records": [[id, byte offset, byte length], ...] of records with a user turn, in file
@@ -234,7 +235,7 @@ def sharegpt_index(path: Path) -> dict:
     stat = path.stat()
     identity = [str(path), stat.st_size, stat.st_mtime_ns, INDEX_FORMAT]
     key = hashlib.sha256(json.dumps(identity).encode("utf-8")).hexdigest()[:24]
-    cached = cache_dir() / f"sharegpt-index-{key}.json"
+    cached = (cache or cache_dir()) / f"sharegpt-index-{key}.json"
     try:
         index = json.loads(cached.read_text("utf-8"))
         if index.get("identity") == identity:
@@ -252,31 +253,17 @@ def sharegpt_index(path: Path) -> dict:
 
 
 def cache_dir() -> Path:
-    """<store>/prompts: the store is $LAYERSCOPE_STORE, else <repo>/cache, else ~/.cache/layerscope."""
-    root = os.environ.get("LAYERSCOPE_STORE")
-    if root:
-        return Path(root).expanduser() / "prompts"
-    repo_cache = Path(__file__).resolve().parents[1] / "cache"
-    if repo_cache.is_dir():
-        return repo_cache / "prompts"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerscope" / "prompts"
+    """prompts/ of the default store (store.default_root: $LAYERSCOPE_STORE, else ./cache); a caller with
+    a store passes `cache=store.root / "prompts"` instead."""
+    return default_root() / "prompts"
 
 
 def _write_json_atomic(path: Path, obj) -> None:
-    """Write JSON via a temp file + os.replace; a read-only cache location just means no cache."""
-    tmp = None
+    """The store's atomic write; a read-only cache location just means no cache."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.chmod(tmp, 0o644)   # mkstemp makes it private; a store may be shared
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode("utf-8"))
     except OSError:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+        pass
 
 
 def _unique(name: str, seen: set[str]) -> str:
@@ -556,17 +543,17 @@ def chat_ids(tokenizer, prompt: Prompt, *, turns: int = 1) -> list[int]:
 
 
 def load_fitting_prompts(spec: str, tokenizer, *, limit: int | None, max_tokens: int | None, seed: int = 0,
-                         split: str = "train", turns: int = 1) -> PromptSet:
+                         split: str = "train", turns: int = 1, cache: Path | None = None) -> PromptSet:
     """`limit` prompts of the seeded sample whose `chat_ids` fit in `max_tokens` tokens.
 
     A longer prompt is replaced by the next one of the same sample, so asking for 20 gives 20 while
     the set has them; `warnings` says how many were replaced, `content_hash` covers the prompts kept.
     """
     if max_tokens is None:
-        return load_prompts(spec, limit=limit, seed=seed, split=split, turns=turns)
+        return load_prompts(spec, limit=limit, seed=seed, split=split, turns=turns, cache=cache)
     want = limit
     while True:
-        loaded = load_prompts(spec, limit=want, seed=seed, split=split, turns=turns)
+        loaded = load_prompts(spec, limit=want, seed=seed, split=split, turns=turns, cache=cache)
         kept, skipped = [], 0
         for p in loaded.prompts:
             if limit is not None and len(kept) == limit:

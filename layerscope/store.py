@@ -1,6 +1,6 @@
 """The artifact store: content-addressed captures, cached JSON results, drafts and sessions on disk.
 
-Layout under the root (default ./cache, else $LAYERSCOPE_STORE, else the `root` argument):
+Layout under the root (the `root` argument, else $LAYERSCOPE_STORE, else ./cache under the working directory):
     index/                    a diskcache.Cache holding JSON only (never pickle: a store can be shared)
     captures/<key>/           a finished capture: manifest.json + chunk-<start>-<end>.safetensors
     captures/<key>.partial/   chunks of a capture in progress; renamed to captures/<key>/ when complete
@@ -59,10 +59,11 @@ class StoreWarning(UserWarning):
 
 
 def default_root() -> Path:
+    """The store when none is named: $LAYERSCOPE_STORE, else ./cache under the working directory."""
     env = os.environ.get("LAYERSCOPE_STORE")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parent.parent / "cache"
+    return Path.cwd() / "cache"
 
 
 def make_key(obj) -> str:

@@ -197,7 +197,7 @@ def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, d
     {path: PromptRuns}, prompts, plain decoding's entry); drafts benchmarked before with these prompts and
     options come from the store (plain decoding's entry then from the latest run that measured it)."""
     bench_options = o.bench_options()
-    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options)
+    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options, cache=store.root / "prompts")
     cache = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
              "device": str(target.device), "format": BENCH_FORMAT}
     baseline_key = make_key({"autoregressive": target.fingerprint, **cache})

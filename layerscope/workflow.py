@@ -70,7 +70,7 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
             should_stop: Callable[[], bool] | None = None) -> Captured:
     """Every layer's hidden states of `model` over the prompt set `prompts`, stored under captures/<key>."""
     options.validate()                                      # bad options fail before the model loads
-    prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed)
+    prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed, cache=store.root / "prompts")
     target = load(model, store)
     result = capture_mod.capture(target, prompt_set, store, progress=progress, should_stop=should_stop,
                                  **asdict(options))
@@ -175,7 +175,7 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
     target = load(spec, store)
     heads = bench_mod.load_drafts(target, drafts)
-    prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options)
+    prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
     report = bench_mod.measure(target, prompts, bench_mod.contenders_for(heads, options), options.max_new_tokens,
                                progress)
     return Benchmarked(report, prompt_set, target)
