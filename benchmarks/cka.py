@@ -1,8 +1,8 @@
 """Benchmark: all-pairs linear CKA, fast exact and low-rank, against a per-pair float64 reference.
 
-    .venv/bin/python bench/cka.py                      # synthetic: 31 layers × 8192 tokens × d=576
-    .venv/bin/python bench/cka.py --key KEY            # a stored capture (default analysis token filter)
-    .venv/bin/python bench/cka.py --pairs 0            # run the reference on every pair (slow on CPU)
+    .venv/bin/python benchmarks/cka.py                      # synthetic: 31 layers × 8192 tokens × d=576
+    .venv/bin/python benchmarks/cka.py --key KEY            # a stored capture (default analysis token filter)
+    .venv/bin/python benchmarks/cka.py --pairs 0            # run the reference on every pair (slow on CPU)
 
 The reference is the straightforward way: for each pair, prepare both layers and compute
 ‖XᵀY‖² / (‖XᵀX‖ ‖YᵀY‖) in float64. It is timed on a sample of pairs and extrapolated to all

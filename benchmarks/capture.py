@@ -1,6 +1,6 @@
 """Capture throughput against a plain forward pass over the same inputs, measured in one run.
 
-    .venv/bin/python bench/capture.py [--model smollm2-135m] [--limit 16] [--max-new-tokens 48] [--batch-size 8]
+    .venv/bin/python benchmarks/capture.py [--model smollm2-135m] [--limit 16] [--max-new-tokens 48] [--batch-size 8]
 
 Responses are generated first (not timed here: generation is the same work with or without
 LayerScope). Then, batch by batch and interleaved so both see the same machine state:
