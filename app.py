@@ -17,7 +17,7 @@ st.set_page_config(page_title="LayerScope", page_icon=":material/layers:", layou
 from layerscope.ui import sidebar  # noqa: E402  (after set_page_config)
 from layerscope.ui.apply import collect  # noqa: E402
 from layerscope.ui.state import active_session, pop_notice  # noqa: E402
-from layerscope.ui.widgets import guard  # noqa: E402
+from layerscope.ui.widgets import CANCEL_OWNER_KEY, guard  # noqa: E402
 
 PAGES = [
     st.Page("app_pages/capture.py", title="Capture", icon=":material/download:", url_path="capture", default=True),
@@ -28,6 +28,7 @@ PAGES = [
     st.Page("app_pages/sessions.py", title="Sessions", icon=":material/folder_shared:", url_path="sessions"),
 ]
 
+st.session_state[CANCEL_OWNER_KEY] = {}   # a full run: the first panel drawn for a job gets its cancel button
 session = active_session()
 collect(session)          # results of jobs that finished since the last run land in the session
 page = st.navigation(PAGES, position="sidebar", expanded=True)

@@ -50,13 +50,17 @@ with left:
 with right:
     st.subheader("Prompt preview")
     if prompt_spec:
+        readable = False          # Start capture stays off until the prompt set reads without an error
         with guard("prompt preview"):
             ps = apply.preview_prompts(prompt_spec, int(st.session_state.ls_w_cap_limit), int(st.session_state.ls_w_cap_seed))
+            readable = bool(ps.prompts)
             rows = [{"id": p.id, "category": p.category, "prompt": p.turns[0][:160]} for p in ps.prompts[:200]]
             st.caption(f"{ps.name}: {len(ps.prompts)} prompts (after the limit)")
             if ps.warnings:
                 st.warning(f"{len(ps.warnings)} line(s) skipped: " + "; ".join(ps.warnings[:3]))
             st.dataframe(pd.DataFrame(rows), hide_index=True, height=260, width="stretch")
+        if not readable:
+            prompt_spec = None
     else:
         st.info("Upload a prompt file to preview it.")
 
@@ -68,14 +72,18 @@ if st.button("Start capture", type="primary", icon=":material/play_arrow:", disa
         show_error("No model given", "Type a model spec, e.g. smollm2-135m or tiny-llama")
     else:
         with guard("start capture"):
-            s.model, s.prompt_set = model, (source if source != "upload" else prompt_spec)
-            commit(s)
+            # the session takes the model and prompt set from the finished capture, never from a failed one
             job = manager.submit(s.id, "capture", tasks.capture_job(
                 model=model, prompts=prompt_spec, limit=int(st.session_state.ls_w_cap_limit),
                 max_new_tokens=int(st.session_state.ls_w_cap_new), batch_size=int(st.session_state.ls_w_cap_batch),
                 seed=int(st.session_state.ls_w_cap_seed), store=store, analysis_options=s.analysis_options),
                 title=f"Capture of {model}")
             view = job.view()
+
+
+def m_total(v) -> int | None:
+    """How many prompts the capture will record, once it knows (not while the model loads)."""
+    return v.metrics.get("conversations_total") or None
 
 
 @st.fragment(run_every=poll_interval(view))
@@ -85,12 +93,12 @@ def live_capture():
         return
     v = j.view()
     job_status(v, key="capture")
-    if v.running:
+    if v.running and m_total(v):
         m = v.metrics
         a, b, c = st.columns(3)
         a.metric("Tokens recorded", f"{m.get('tokens', 0):,}")
         b.metric("Tokens / s", f"{m.get('tokens_per_s', 0.0):.0f}")
-        c.metric("Prompts done", f"{m.get('conversations', 0)}/{m.get('conversations_total', '?')}")
+        c.metric("Prompts done", f"{m.get('conversations', 0)}/{m_total(v)}")
     elif view is not None and view.running:
         st.rerun()   # the job just finished: redraw the whole page with its result
     elif v.finished_ok and v.result:

@@ -7,7 +7,7 @@ import streamlit as st
 
 from layerscope import plots
 from layerscope.ui import apply
-from layerscope.ui.state import commit
+from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
 from layerscope.ui.widgets import chart, table
 
@@ -15,48 +15,55 @@ s, store = page_header("CKA between layers",
                        "Linear CKA of every pair of layers over the kept tokens (response tokens, attention sinks and "
                        "massive activations excluded, entropy filter as set on the Entropy page). 1 = the two layers carry the "
                        "same information up to rotation and scale. White boxes: compartments, contiguous blocks of similar layers. "
-                       "Click a cell or drag a box to pick layers for a hand-made set.")
+                       "Click a cell or drag a box to pick layers for a hand-made set; click a picked cell again to unpick it.")
 
 stats = stats_or_progress(s, store, key="cka")
 if stats is not None:
     n = int(stats["num_layers"])
     has_debiased = stats.get("cka_debiased") is not None
     c1, c2, c3 = st.columns([1.2, 1, 1.6])
-    kind = c1.radio("Estimator", ["biased", "debiased"] if has_debiased else ["biased"], horizontal=True,
-                    key="ls_w_cka_kind", help="Debiased CKA uses the unbiased HSIC estimator: less inflated on few tokens")
+    kinds = ["biased", "debiased"] if has_debiased else ["biased"]
     max_k = max(1, min(n, len(stats.get("compartments_by_k") or {}) or 1))
-    k_comp = c2.number_input("Compartments", min_value=1, max_value=max_k, value=min(3, max_k), step=1,
-                             key="ls_w_cka_k", help="How many contiguous blocks to outline (the `spread` strategy uses them)")
+    on_kind = bind_view(s, "cka_estimator", "ls_w_cka_kind", "biased")
+    if st.session_state.ls_w_cka_kind not in kinds:
+        st.session_state.ls_w_cka_kind = "biased"
+    kind = c1.radio("Estimator", kinds, horizontal=True, key="ls_w_cka_kind", on_change=on_kind,
+                    help="Debiased CKA uses the unbiased HSIC estimator: less inflated on few tokens")
+    on_k = bind_view(s, "cka_compartments", "ls_w_cka_k", min(3, max_k))
+    st.session_state.ls_w_cka_k = max(1, min(int(st.session_state.ls_w_cka_k), max_k))
+    k_comp = c2.number_input("Compartments", min_value=1, max_value=max_k, step=1, key="ls_w_cka_k", on_change=on_k,
+                             help="How many contiguous blocks to outline (the `spread` strategy uses them)")
     matrix = stats["cka_debiased"] if kind == "debiased" else stats["cka"]
     comps = (stats.get("compartments_by_k") or {}).get(str(int(k_comp)), stats.get("compartments"))
     c3.markdown(f"**{stats['tokens_kept']:,}** of {stats['tokens_total']:,} tokens · "
                 f"{stats['outliers_dropped']} outliers dropped · threshold {stats['threshold']:.2f} nats · "
+                f"{(stats.get('options') or {}).get('kernel', 'linear')} kernel · "
                 f"layer {n} is the final state ({stats.get('final_state', 'post-norm')})")
 
     picks = apply.manual_layers(s)
     fig = plots.cka_heatmap(matrix, compartments=comps, sets=apply.sets_for_display(s), picks=picks,
                             title=f"Linear CKA ({kind}), {s.model or ''}", final_state=stats.get("final_state", "post-norm"))
-    round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key clears its selection
+    round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key starts with no selection
     event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kind}-{s.capture_key or 'session'}",
                   on_select="rerun", selection_mode=("points", "box"))
     chosen = plots.cells_to_layers(event.selection.points) if event else []
     chosen = [l for l in chosen if l < n]        # drafts read 0..N-1
-    sig = tuple(chosen)
-    if chosen and st.session_state.get("ls_cka_last_sel") != sig:
-        st.session_state["ls_cka_last_sel"] = sig
-        s.manual_picks = sorted(set(s.manual_picks) | set(chosen))
+    if chosen:
+        # a click or box toggles: cells whose layers are all picked unpick them, others add theirs
+        s.manual_picks = apply.toggle_picks(s.manual_picks, chosen)
+        st.session_state["ls_cka_round"] = round_ + 1     # the next click, on the same cell too, is a new selection
         commit(s)
         st.rerun()
 
-    a, b, c = st.columns([3, 1, 1])
-    a.markdown("**Picked layers:** " + (", ".join(map(str, apply.manual_layers(s))) if s.manual_picks else
-                                        "none yet — click cells (each cell picks its row and column layer)"))
-    if b.button("Clear picks", key="ls_cka_clear", disabled=not s.manual_picks, icon=":material/clear:"):
-        s.manual_picks = []
-        st.session_state.pop("ls_cka_last_sel", None)
-        st.session_state["ls_cka_round"] = round_ + 1
+    def _picks_changed():
+        s.manual_picks = sorted(int(x) for x in st.session_state["ls_cka_picks"])
         commit(s)
-        st.rerun()
+
+    st.session_state["ls_cka_picks"] = apply.manual_layers(s)
+    a, c = st.columns([3, 1])
+    a.multiselect("Picked layers", list(range(n)), key="ls_cka_picks", on_change=_picks_changed,
+                  placeholder="none yet: click cells or drag a box on the heatmap",
+                  help="Click a cell to pick its row and column layer, click it again to unpick; remove a layer here")
     c.page_link("app_pages/layer_sets.py", label="Use them on Layer sets", icon=":material/arrow_forward:")
 
     with st.expander("CKA matrix as a table"):

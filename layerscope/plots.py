@@ -7,9 +7,19 @@ layer ``l`` is ``hidden_states[l]``; 0 is the embedding output and ``N`` is the 
 
 from __future__ import annotations
 
+import base64
+import html
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
 
 # One color per layer set, in the order the sets are given; the default rule is always grey.
 SET_COLORS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22"]
@@ -251,9 +261,10 @@ def cka_heatmap(
         fig.add_shape(type="rect", x0=p - 0.5, x1=p + 0.5, y0=p - 0.5, y1=p + 0.5, name=f"picked {p}",
                       line=dict(color="#ff2d2d", width=3), fillcolor="rgba(255,45,45,0.15)", layer="above")
     n_sets = len(_named_sets(sets))
-    # dragmode/clickmode are left to the viewer: Streamlit picks "click selects a cell" (pan mode) and
-    # box selection from the chart toolbar when the chart reports selections.
-    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)))
+    # Dragging draws a selection box (the page's caption says "drag a box"), a click selects one cell;
+    # uirevision keeps the chosen tool, zoom and pan when the page redraws the figure.
+    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), dragmode="select", clickmode="event+select",
+                 uirevision="cka-heatmap")
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
     ticks = list(range(0, n, 1 if n <= 32 else 5))
     fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
@@ -360,8 +371,13 @@ def set_comparison(
             text=[None if y is None else f"{y:.3g}" for y in ys], textposition="outside",
             hovertemplate="%{x}<br>" + m + ": %{y:.4f}<extra></extra>",
         ), row=1, col=c)
-        fig.update_xaxes(showticklabels=len(rows) <= 8, tickangle=-35, row=1, col=c)
-    _base_layout(fig, title, showlegend=False, height=420)
+        top = max((y for y in ys if y is not None), default=1.0)
+        fig.update_yaxes(range=[min(0.0, min((y for y in ys if y is not None), default=0.0)), top * 1.18 or 1.0],
+                         row=1, col=c)
+        # upright labels, one per bar: slanted ones ran into the next subplot's labels on narrow screens
+        fig.update_xaxes(showticklabels=len(rows) <= 10, tickangle=-90, automargin=True, tickfont=dict(size=11),
+                         row=1, col=c)
+    _base_layout(fig, title, showlegend=False, height=480)
     return fig
 
 
@@ -435,3 +451,72 @@ def figure_html(fig: go.Figure, *, offline: bool = True) -> str:
     """A standalone HTML page of the figure; offline embeds plotly.js so it opens without network."""
     return fig.to_html(include_plotlyjs=True if offline else "cdn", full_html=True,
                        config={"displaylogo": False})
+
+
+CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
+
+
+def chromium_path() -> str | None:
+    """The headless browser that renders static images: $LAYERSCOPE_CHROMIUM, else Debian's chromium."""
+    env = os.environ.get("LAYERSCOPE_CHROMIUM")
+    if env:
+        return env if Path(env).exists() else None
+    for name in CHROMIUM_CANDIDATES:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+class ImageExportError(RuntimeError):
+    """A static image could not be rendered (no chromium, or it failed)."""
+
+
+def figure_image(fig: go.Figure, fmt: str = "png", *, width: int = 1100, height: int | None = None,
+                 scale: float = 2.0, timeout: float = 60.0) -> bytes:
+    """The figure as a PNG or SVG file, rendered by plotly.js in headless chromium (no kaleido needed).
+
+    Writes a page with plotly.js inlined that draws the figure and replaces itself with
+    `Plotly.toImage`'s data URL; chromium's --dump-dom prints it. PNG bytes start with the PNG
+    signature; SVG is UTF-8 text starting with "<svg".
+    """
+    fmt = fmt.lower()
+    if fmt not in ("png", "svg"):
+        raise ValueError(f"image format must be png or svg, not {fmt!r}")
+    browser = chromium_path()
+    if browser is None:
+        raise ImageExportError("No chromium found for static images: install Debian's chromium "
+                               "(apt-get install chromium) or set LAYERSCOPE_CHROMIUM")
+    height = int(height or fig.layout.height or 500)
+    opts = {"format": fmt, "width": int(width), "height": height, "scale": float(scale) if fmt == "png" else 1}
+    page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><script>" + get_plotlyjs() + "</script></head><body>"
+            "<div id='fig'></div><script>"
+            f"var spec = {fig.to_json()};"
+            "Plotly.newPlot('fig', spec.data, spec.layout, {staticPlot: true})"
+            f".then(function(gd) {{ return Plotly.toImage(gd, {json.dumps(opts)}); }})"
+            ".then(function(url) { document.body.innerHTML = '<pre id=\"out\"></pre>';"
+            " document.getElementById('out').textContent = url; })"
+            ".catch(function(e) { document.body.innerHTML = '<pre id=\"err\"></pre>';"
+            " document.getElementById('err').textContent = String(e); });"
+            "</script></body></html>")
+    with tempfile.TemporaryDirectory(prefix="layerscope-image-") as tmp:
+        src = Path(tmp) / "figure.html"
+        src.write_text(page, encoding="utf-8")
+        cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp}/profile",
+               "--virtual-time-budget=20000", "--dump-dom", src.as_uri()]
+        try:
+            done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise ImageExportError(f"chromium took more than {timeout:.0f} s to render the figure") from None
+    dom = done.stdout.decode("utf-8", "replace")
+    start = dom.find('<pre id="out">')
+    if start < 0:
+        err = dom.find('<pre id="err">')
+        why = html.unescape(dom[err + 14:dom.find("</pre>", err)]) if err >= 0 else done.stderr.decode()[-300:]
+        raise ImageExportError(f"chromium did not render the figure: {why.strip() or 'no output'}")
+    url = html.unescape(dom[start + len('<pre id="out">'):dom.find("</pre>", start)]).strip()
+    head, _, body = url.partition(",")
+    if head.endswith(";base64"):
+        return base64.b64decode(body)
+    return urllib.parse.unquote(body).encode("utf-8")

@@ -157,6 +157,8 @@ def test_a_bad_model_spec_is_an_error_message_not_a_traceback(app_store):
     assert any("Unknown model spec 'no-such-model'" in e and "tiny-llama" in e for e in errors), errors
     assert "Traceback" not in "".join(errors)
     assert at.session_state["ls_session"].capture_key is None
+    assert at.session_state["ls_session"].model is None          # a failed model name is not kept
+    assert sessions.load(app_store, sid(at)).model is None if sessions.exists(app_store, sid(at)) else True
 
 
 def test_a_bad_prompt_upload_is_an_error_message(app_store):
@@ -167,10 +169,12 @@ def test_a_bad_prompt_upload_is_an_error_message(app_store):
     at.run()
     no_exception(at)
     assert at.error, "an empty prompt file must be refused with a message"
+    assert at.button(key="ls_cap_start").disabled, "no capture can start from a file that does not read"
     at.file_uploader(key="ls_cap_upload").set_value(("ok.txt", b"What is 2+2?\nName a colour.\n", "text/plain"))
     at.run()
     no_exception(at)
     assert not at.error
+    assert not at.button(key="ls_cap_start").disabled
     assert list(at.dataframe[0].value["prompt"]) == ["What is 2+2?", "Name a colour."]
 
 
@@ -226,10 +230,10 @@ def test_layer_sets_page_compares_adds_and_state_survives_page_switches(app_stor
     at.switch_page("app_pages/layer_sets.py").run()
     settle(at)
     no_exception(at)
-    table = at.dataframe[0].value
+    table = at.dataframe[1].value          # each strategy's own objective, in STRATEGIES order
     assert list(table["strategy"]) == ["default", "entropy-topk", "greedy", "aggregate", "spread"]
     at.multiselect(key="ls_sets_manual").set_value([0, 3]).run()
-    assert list(at.dataframe[0].value["strategy"])[-1] == "manual"
+    assert list(at.dataframe[1].value["strategy"])[-1] == "manual"
     assert at.session_state["ls_session"].manual_picks == [0, 3]
     options = at.multiselect(key="ls_sets_to_add").options
     greedy = next(o for o in options if o.startswith("greedy "))
@@ -421,3 +425,119 @@ def test_study_trains_one_draft_per_set_and_correlates(app_store, copy_of):
     assert study["options"]["train"]["steps"] == 2 and study["options"]["k"] == 2
     assert {d["path"] for d in s.drafts} >= {r["draft"] for r in study["rows"]}
     assert any("Spearman correlation with τ" in m.value for m in at.markdown)
+
+
+def test_view_state_survives_page_changes_and_share_links(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/cka.py").run()
+    settle(at)
+    at.radio(key="ls_w_cka_kind").set_value("debiased").run()
+    at.number_input(key="ls_w_cka_k").set_value(2).run()
+    no_exception(at)
+    at.switch_page("app_pages/entropy.py").run()
+    at.radio(key="ls_w_ent_scale").set_value("normalized").run()
+    at.switch_page("app_pages/cka.py").run()
+    assert at.radio(key="ls_w_cka_kind").value == "debiased" and at.number_input(key="ls_w_cka_k").value == 2
+    assert sessions.load(app_store, copy_of).view == {"cka_estimator": "debiased", "cka_compartments": 2,
+                                                      "entropy_scale": "normalized"}
+    other = new_app(copy_of).run()                # a share link opened in another browser
+    other.switch_page("app_pages/cka.py").run()
+    no_exception(other)
+    assert other.radio(key="ls_w_cka_kind").value == "debiased" and other.number_input(key="ls_w_cka_k").value == 2
+    heat = charts(other)[0]["data"][0]["z"]
+    deb = other.session_state["ls_session"].stats_dict()["cka_debiased"]
+    assert [v for r in heat for v in r] == pytest.approx([v for r in deb for v in r], abs=1e-5)
+    other.switch_page("app_pages/entropy.py").run()
+    assert other.radio(key="ls_w_ent_scale").value == "normalized"
+
+
+def test_heatmap_picks_can_be_unpicked(app_store, copy_of):
+    from layerscope.ui.apply import toggle_picks
+
+    assert toggle_picks([], [1, 3]) == [1, 3]
+    assert toggle_picks([1, 3], [1, 3]) == []            # the same cell again unpicks
+    assert toggle_picks([1, 3], [3, 3]) == [1]           # a diagonal cell unpicks its layer
+    assert toggle_picks([1], [1, 2]) == [1, 2]           # a cell with a new layer adds it
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/cka.py").run()
+    settle(at)
+    fig = charts(at)[0]
+    assert fig["layout"]["dragmode"] == "select" and fig["layout"]["uirevision"]   # dragging draws a box, and keeps doing so
+    at.multiselect(key="ls_cka_picks").set_value([1, 2]).run()
+    assert at.session_state["ls_session"].manual_picks == [1, 2]
+    at.multiselect(key="ls_cka_picks").set_value([2]).run()
+    no_exception(at)
+    assert at.session_state["ls_session"].manual_picks == [2]
+    assert [sh["name"] for sh in charts(at)[0]["layout"]["shapes"] if sh.get("name", "").startswith("picked")] == ["picked 2"]
+
+
+def test_layer_sets_page_ranks_sets_and_recommends_one(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/layer_sets.py").run()
+    settle(at)
+    no_exception(at)
+    ranked = at.dataframe[0].value
+    assert list(ranked["rank"]) == list(range(1, len(ranked) + 1))
+    scores = list(ranked["aggregate entropy (nats)"])
+    assert scores == sorted(scores, reverse=True)          # one comparable scale, best first
+    assert "objective" not in ranked.columns and "mRMR" not in ranked.columns
+    marks = list(ranked[""])
+    assert sum("★ recommended" in m for m in marks) == 1 and sum("◆ default rule" in m for m in marks) == 1
+    text = next(t.value for t in at.text if t.value.startswith("Recommended: "))
+    best = ranked[ranked[""].str.contains("recommended")].iloc[0]
+    assert f"{[int(l) for l in best['layers']]}" in text and "default rule" in text and "τ" in text
+    assert text.count(". ") + text.endswith(".") == 2 or text.count(".") >= 2      # two sentences
+    assert 0 not in list(best["layers"]) or all(0 in list(l) for l in ranked["layers"])
+    at.multiselect(key="ls_sets_manual").set_value([0, 1]).run()
+    manual = at.dataframe[0].value
+    row = manual[manual["set"].str.startswith("hand-picked")].iloc[0]
+    assert "layer 0" in row["flags"]
+
+
+def test_entropy_threshold_line_follows_the_slider_and_a_recompute_can_be_undone(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/entropy.py").run()
+    settle(at)
+    before = dict(at.session_state["ls_session"].analysis_options)
+    at.slider(key="ls_ent_threshold").set_value(1.5).run()
+    line = next(sh for sh in charts(at)[1]["layout"]["shapes"] if sh.get("type") == "line")
+    assert line["x0"] == pytest.approx(1.5)                # moved before any recompute
+    assert at.session_state["ls_session"].analysis_options == before     # the session is not changed yet
+    assert any("Not applied yet: threshold 0.5 → 1.5" in c.value for c in at.caption)
+    at.button(key="ls_ent_recompute").click().run()
+    settle(at)
+    assert at.session_state["ls_session"].analysis_options["min_entropy"] == 1.5
+    assert any("recomputed (threshold 0.5 → 1.5)" in i.value for i in at.info)
+    at.button(key="ls_ent_undo_btn").click().run()
+    settle(at)
+    no_exception(at)
+    assert at.session_state["ls_session"].analysis_options == before
+    assert {m.label: m.value for m in at.metric}["Threshold"] == "0.50 nats"
+
+
+def test_tables_show_missing_values_as_a_dash():
+    import pandas as pd
+
+    from layerscope.ui.widgets import display_frame, option_changes
+
+    df = pd.DataFrame({"name": ["a", None], "tau": [1.25, None], "layers": [[1, 2], [3]]})
+    shown = display_frame(df)
+    assert list(shown["name"]) == ["a", "—"] and list(shown["tau"]) == ["1.25", "—"]
+    assert "None" not in shown.astype(str).to_string() and df["tau"].isna().sum() == 1     # the data is untouched
+    assert option_changes({"min_entropy": 0.5, "kernel": "linear"}, {"min_entropy": 1.0, "kernel": "linear"}) == \
+        ["threshold 0.5 → 1"]
+
+
+def test_job_eta_from_recent_progress():
+    from layerscope.ui.jobs import JobView
+    from layerscope.ui.widgets import eta_seconds
+
+    def view(p):
+        return JobView(id="eta-test", owner="o", kind="capture", title="t", state="running", progress=p, message="",
+                       metrics={}, series={}, result=None, error=None, fix=None, created=0.0, started=0.0,
+                       finished=None, applied=False, cancel_requested=False)
+
+    assert eta_seconds(view(0.1), now=100.0) is None        # one sample: no rate yet
+    assert eta_seconds(view(0.2), now=110.0) is None
+    assert eta_seconds(view(0.3), now=120.0) == pytest.approx(70.0)    # 0.1 per 10 s, 0.7 left
+    assert eta_seconds(view(0.3), now=150.0) == pytest.approx(70.0)    # unchanged progress adds no sample

@@ -152,3 +152,30 @@ def test_plots_does_not_import_streamlit():
     code = "import sys, layerscope.plots, layerscope.session; print('streamlit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_heatmap_drags_a_selection_box_and_keeps_the_tool():
+    fig = plots.cka_heatmap(_cka(5))
+    assert fig.layout.dragmode == "select"                 # the caption's "drag a box" is what a drag does
+    assert "select" in fig.layout.clickmode and fig.layout.uirevision   # a redraw keeps the tool, zoom and pan
+
+
+def test_set_comparison_labels_stand_upright():
+    rows = [{"name": f"strategy-{i}", "layers": [i, i + 1, i + 2], "aggregate_entropy": 1.0 + i} for i in range(6)]
+    fig = plots.set_comparison(rows, metrics=("aggregate_entropy",))
+    assert fig.layout.xaxis.tickangle == -90 and fig.layout.xaxis.automargin
+
+
+@pytest.mark.browser
+def test_figure_image_png_and_svg_rendered_by_chromium():
+    if plots.chromium_path() is None:
+        pytest.fail("no chromium: install Debian's chromium (apt-get install -y chromium) for static image export")
+    fig = plots.entropy_curve({"dataset": [1.0, 2.0, 1.5]}, sets={"default": [1]}, title="export check")
+    png = plots.figure_image(fig, "png", width=400, height=300, scale=1)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (400, 300)
+    svg = plots.figure_image(fig, "svg", width=400, height=300).decode()
+    assert svg.startswith("<svg") and "export check" in svg and svg.rstrip().endswith("</svg>")
+    with pytest.raises(ValueError):
+        plots.figure_image(fig, "gif")

@@ -170,6 +170,13 @@ def manual_layers(s: Session) -> list[int]:
     return sorted(set(s.manual_picks))
 
 
+def toggle_picks(picks, chosen) -> list[int]:
+    """Hand-picked layers after a click or box on the heatmap: if every chosen layer is picked already,
+    they are unpicked; otherwise the chosen layers are added."""
+    picks, chosen = set(int(p) for p in picks), set(int(c) for c in chosen)
+    return sorted(picks - chosen if chosen and chosen <= picks else picks | chosen)
+
+
 def layer_stats(stats: dict):
     """A LayerStats from a statistics dict (the session's snapshot)."""
     from layerscope.analysis import LayerStats

@@ -1,4 +1,5 @@
-"""The sidebar: the active session at a glance (model, prompts, capture, sets, device) and app settings."""
+"""The sidebar: the active session at a glance (model, prompts, capture, sets, device), its running jobs
+with their progress and a link to the page that follows them, and app settings."""
 
 from __future__ import annotations
 
@@ -7,15 +8,20 @@ import streamlit as st
 from layerscope.session import Session
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.models import device_label
-from layerscope.ui.widgets import IMAGE_FORMAT_KEY
+from layerscope.ui.widgets import fmt_seconds, md_text
+
+# The page that shows a job of each kind (url paths of app.py's pages).
+JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.py",
+             "analysis-compare": "app_pages/entropy.py", "train": "app_pages/speculate.py",
+             "bench": "app_pages/speculate.py", "study": "app_pages/speculate.py"}
 
 
 def render(s: Session) -> None:
-    st.markdown(f"**Session** · {s.name or '*unsaved*'}  \n`{s.id}`")
+    st.markdown(f"**Session** · {md_text(s.name) if s.name else '*unsaved*'}  \n`{s.id}`")
     cap = s.capture or {}
     rows = [
         ("Model", f"`{s.model}`" if s.model else "—"),
-        ("Prompt set", s.prompt_set or "—"),
+        ("Prompt set", md_text(s.prompt_set) if s.prompt_set else "—"),
         ("Capture", (f"{cap.get('tokens', 0):,} tokens · {cap.get('conversations', '?')} prompts · "
                      f"layers 0..{cap.get('num_layers', '?')}") if s.capture_key else "none yet"),
         ("Device", device_label()),
@@ -23,13 +29,26 @@ def render(s: Session) -> None:
     st.markdown("  \n".join(f"{k}: {v}" for k, v in rows))
     if s.layer_sets:
         st.markdown("Layer sets to test:  \n" + "  \n".join(
-            f"- {x['name']}: `{x['layers']}`" for x in s.layer_sets))
+            f"- {md_text(x['name'])}: `{x['layers']}`" for x in s.layer_sets))
     else:
         st.caption("No layer sets chosen yet (Layer sets page).")
     if s.drafts:
         st.caption(f"{len(s.drafts)} trained draft(s) · {len(s.bench_results)} benchmark result(s)")
     running = get_manager().active(s.id)
     if running:
-        st.caption("Running: " + ", ".join(j.title for j in running))
-    st.radio("Chart download format", ["png", "svg"], key=IMAGE_FORMAT_KEY, horizontal=True,
-             help="What the camera button in a chart's toolbar saves")
+        _running_jobs(s.id)
+
+
+@st.fragment(run_every=2.0)
+def _running_jobs(owner: str) -> None:
+    """Every running job of the session: a small progress bar and a link to the page that follows it."""
+    jobs = get_manager().active(owner)
+    if not jobs:
+        return
+    st.markdown("**Running**")
+    for j in jobs:
+        v = j.view()
+        st.progress(v.progress or 0.0, text=f"{v.title} · {fmt_seconds(v.elapsed)}")
+        page = JOB_PAGES.get(v.kind)
+        if page:
+            st.page_link(page, label="Follow it on its page", icon=":material/arrow_forward:")

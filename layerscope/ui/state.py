@@ -111,3 +111,18 @@ def commit(s: Session) -> None:
 
 def pop_notice():
     return st.session_state.pop(NOTICE_KEY, None)
+
+
+def bind_view(s: Session, name: str, key: str, default):
+    """Tie the widget keyed `key` to the session's view choice `name` (s.view), so the choice survives page
+    changes, refreshes and share links. Call it for the widget's `on_change=` before the widget is drawn
+    (the widget takes no `value=`): it seeds the widget from the session; the callback saves a change."""
+    if key not in st.session_state:
+        st.session_state[key] = s.view.get(name, default)
+
+    def changed():
+        current = st.session_state.get(SESSION_KEY) or s
+        current.view[name] = st.session_state[key]
+        commit(current)
+
+    return changed

@@ -6,6 +6,7 @@ import contextlib
 import html
 import io
 import logging
+import re
 import time
 
 import streamlit as st
@@ -55,7 +56,7 @@ def image_format() -> str:
 
 
 def chart(fig, *, key: str, filename: str, on_select=None, selection_mode=None, height: int | None = None):
-    """A Plotly chart whose toolbar downloads PNG or SVG (sidebar choice), plus a standalone-HTML download.
+    """A Plotly chart with PNG and SVG download buttons under it (rendered on click by headless chromium).
 
     With `on_select`, returns Streamlit's selection state (a dict with ``selection.points``).
     """
@@ -67,20 +68,57 @@ def chart(fig, *, key: str, filename: str, on_select=None, selection_mode=None, 
         kwargs["on_select"] = on_select
         kwargs["selection_mode"] = selection_mode or ("points", "box")
     state = st.plotly_chart(fig, **kwargs)
-    st.download_button(
-        "Download chart as HTML", data=lambda: plots.figure_html(fig).encode(), file_name=f"{filename}.html",
-        mime="text/html", key=f"{key}_html", on_click="ignore", icon=":material/download:",
-    )
+    image_buttons(fig, key=key, filename=filename)
     return state if on_select is not None else None
 
 
+def image_buttons(fig, *, key: str, filename: str) -> None:
+    """PNG and SVG downloads of `fig`, side by side; the image is rendered only when a button is pressed."""
+    a, b, _ = st.columns([1, 1, 4])
+    for col, fmt in ((a, "png"), (b, "svg")):
+        col.download_button(fmt.upper(), data=_image_maker(fig, fmt), file_name=f"{filename}.{fmt}",
+                            mime="image/png" if fmt == "png" else "image/svg+xml", key=f"{key}_{fmt}",
+                            on_click="ignore", icon=":material/image:", help=f"Download this chart as {fmt.upper()}")
+
+
+def _image_maker(fig, fmt: str):
+    def make() -> bytes:
+        try:
+            return plots.figure_image(fig, fmt)
+        except plots.ImageExportError as e:   # the browser gets a short text file saying why
+            log.warning("static image export failed: %s", e)
+            return f"LayerScope could not render this chart as {fmt.upper()}: {e}\n".encode()
+    return make
+
+
+MISSING = "—"
+
+
+def display_frame(df):
+    """`df` for the screen: missing values read "—" instead of "None"/"nan"; numbers stay numbers where whole."""
+    import pandas as pd
+
+    out = df.copy()
+    for c in out.columns:
+        col = out[c]
+        missing = col.map(lambda v: v is None or (isinstance(v, float) and v != v))
+        if not missing.any():
+            continue
+        if pd.api.types.is_numeric_dtype(col) or all(isinstance(v, (int, float)) for v in col[~missing]):
+            out[c] = [MISSING if m else (f"{v:.4g}" if isinstance(v, float) else str(v)) for v, m in zip(col, missing)]
+        else:
+            out[c] = [MISSING if m else v for v, m in zip(col, missing)]
+    return out
+
+
 def table(df, *, key: str, filename: str, hide_index: bool = True, **kwargs) -> None:
-    """A dataframe with a CSV download under it."""
-    st.dataframe(df, hide_index=hide_index, key=f"{key}_df", width="stretch", **kwargs)
+    """A dataframe (missing values shown as "—") with a CSV download of the real values under it."""
+    st.dataframe(display_frame(df), hide_index=hide_index, key=f"{key}_df", width="stretch", **kwargs)
     buf = io.StringIO()
     df.to_csv(buf, index=not hide_index)
-    st.download_button("Download table as CSV", data=buf.getvalue().encode(), file_name=f"{filename}.csv",
-                       mime="text/csv", key=f"{key}_csv", on_click="ignore", icon=":material/download:")
+    st.download_button("CSV", data=buf.getvalue().encode(), file_name=f"{filename}.csv",
+                       mime="text/csv", key=f"{key}_csv", on_click="ignore", icon=":material/download:",
+                       help="Download this table as CSV")
 
 
 # ---------------------------------------------------------------------------- jobs
@@ -93,14 +131,60 @@ def fmt_seconds(s: float) -> str:
     return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
 
 
+CANCEL_OWNER_KEY = "ls_cancel_owner"     # job id -> the widget key that draws its cancel button this run
+_SAMPLES: dict[str, list[tuple[float, float]]] = {}   # job id -> recent (time, progress) seen by any tab
+RATE_WINDOW_S = 90.0
+
+
+def eta_seconds(view: JobView, now: float | None = None) -> float | None:
+    """Seconds left for a running job, from how fast its progress moved over the last ~90 s; None while unknown.
+
+    Progress fractions weight phases by guesswork (a model load, then work), so the rate is taken
+    from recent progress only, never from the job's start; a stalled job has no ETA.
+    """
+    if not view.running or view.progress is None or view.state != "running":
+        _SAMPLES.pop(view.id, None)
+        return None
+    now = time.time() if now is None else now
+    samples = _SAMPLES.setdefault(view.id, [])
+    if not samples or samples[-1][1] != view.progress:
+        samples.append((now, float(view.progress)))
+    while len(samples) > 2 and now - samples[0][0] > RATE_WINDOW_S:
+        samples.pop(0)
+    if len(samples) < 3:
+        return None
+    (t0, p0), (t1, p1) = samples[0], samples[-1]
+    if p1 <= p0 or t1 - t0 < 2.0:
+        return None
+    rate = (p1 - p0) / (t1 - t0)
+    return (1.0 - p1) / rate
+
+
+def rate_text(view: JobView) -> str:
+    """The job's own throughput, when it reports one: tokens/s, steps/s."""
+    m = view.metrics
+    if m.get("tokens_per_s"):
+        return f"{m['tokens_per_s']:,.0f} tokens/s"
+    return ""
+
+
 def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
-    """Progress bar, message, elapsed time and a cancel button for a queued/running job; the outcome after."""
+    """Progress bar with phase, done/total (in the message), rate, elapsed and ETA, and one cancel button
+    per job on the page; the outcome after."""
     if view.running:
         p = view.progress if view.progress is not None else 0.0
-        label = f"{view.title}: {view.message}" + (" (cancelling…)" if view.cancel_requested else "")
-        st.progress(p, text=f"{label} · {fmt_seconds(view.elapsed)}")
-        if show_cancel and not view.cancel_requested:
-            if st.button("Cancel", key=f"{key}_cancel_{view.id}", icon=":material/stop_circle:"):
+        parts = [f"{view.title}: {view.message}" + (" (cancelling…)" if view.cancel_requested else "")]
+        rate = rate_text(view)
+        if rate:
+            parts.append(rate)
+        parts.append(f"{fmt_seconds(view.elapsed)} elapsed")
+        eta = eta_seconds(view)
+        if view.state == "running":
+            parts.append(f"about {fmt_seconds(eta)} left" if eta is not None else "estimating time left…")
+        st.progress(p, text=" · ".join(parts))
+        owners = st.session_state.setdefault(CANCEL_OWNER_KEY, {})
+        if show_cancel and not view.cancel_requested and owners.setdefault(view.id, key) == key:
+            if st.button(f"Cancel {view.kind}", key=f"{key}_cancel_{view.id}", icon=":material/stop_circle:"):
                 get_manager().cancel(view.id)
                 st.rerun()
     elif view.state == FAILED:
@@ -112,7 +196,7 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
         st.success(f"{view.title}: done in {fmt_seconds(view.elapsed)}.", icon=":material/check_circle:")
 
 
-def poll_interval(view: JobView | None, seconds: float = 0.5) -> float | None:
+def poll_interval(view: JobView | None, seconds: float = 1.0) -> float | None:
     """How often a fragment should rerun to follow `view`: while it runs, else never."""
     return seconds if view is not None and view.running else None
 
@@ -124,7 +208,35 @@ def wait_briefly(job, seconds: float = 0.8) -> None:
         time.sleep(0.05)
 
 
+# ---------------------------------------------------------------------------- options
+
+OPTION_LABELS = {"alpha": "α", "min_entropy": "threshold", "response_only": "response tokens only",
+                 "outlier_factor": "outlier factor", "max_tokens": "max tokens", "kernel": "kernel"}
+
+
+def option_changes(old: dict, new: dict) -> list[str]:
+    """What differs between two analysis option dicts, as 'threshold 0.5 → 1' phrases (labelled keys only)."""
+    def fmt(v):
+        if v is None:
+            return "off"
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    return [f"{label} {fmt(old.get(k))} → {fmt(new.get(k))}" for k, label in OPTION_LABELS.items()
+            if k in new and fmt(old.get(k)) != fmt(new.get(k))]
+
+
 # ---------------------------------------------------------------------------- text
+
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:])")
+
+
+def md_text(text) -> str:
+    """User text (a session or set name) for a Markdown string: every Markdown character escaped, so
+    it shows exactly as typed and never as formatting, a link or LaTeX."""
+    return _MD_SPECIAL.sub(r"\\\1", str(text)).replace("\n", " ")
+
 
 def highlighted_tokens(pieces) -> str:
     """HTML for generated text with accepted draft tokens highlighted.

@@ -156,6 +156,40 @@ def click_cell(page, row: int, col: int) -> None:
     page.mouse.click(xy[0], xy[1])
 
 
+def cell_xy(page, row: int, col: int) -> list[float]:
+    return page.evaluate("""([row, col]) => {
+        const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
+        const fl = gd._fullLayout, box = gd.getBoundingClientRect();
+        return [box.left + fl.xaxis._offset + fl.xaxis.l2p(col), box.top + fl.yaxis._offset + fl.yaxis.l2p(row)];
+    }""", [row, col])
+
+
+def drag_box(page, start: tuple[int, int], end: tuple[int, int]) -> None:
+    """Drag from the outer corner of cell `start` to the outer corner of cell `end` (row, col)."""
+    a, b = cell_xy(page, *start), cell_xy(page, *end)
+    dx, dy = (b[0] - a[0]) / max(abs(end[1] - start[1]), 1) / 2, (b[1] - a[1]) / max(abs(end[0] - start[0]), 1) / 2
+    page.mouse.move(a[0] - 0.8 * dx, a[1] - 0.8 * dy)
+    page.mouse.down()
+    page.mouse.move((a[0] + b[0]) / 2, (a[1] + b[1]) / 2, steps=5)
+    page.mouse.move(b[0] + 0.8 * dx, b[1] + 0.8 * dy, steps=5)
+    page.mouse.up()
+
+
+def wait_picked(page, expected: list[str], timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            info = heatmap_info(page)
+        except PlaywrightError:      # the chart is being redrawn
+            info = None
+        if info is not None and info["picked"] == expected:
+            wait_idle(page)
+            return
+        if time.time() > deadline:
+            raise AssertionError(f"picked {info and info['picked']}, expected {expected}")
+        page.wait_for_timeout(250)
+
+
 def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page = open_app(browser, server, timeout_ms=120_000)
     session_id = re.search(r"session=([0-9a-f]{12})", page.url).group(1)
@@ -180,11 +214,20 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert info["rects"] >= 1
     heat = info["z"]
 
-    # --- pick layers by clicking a cell: row layer 1, column layer 3
+    # --- pick layers by clicking a cell (row layer 1, column layer 3); the same cell again unpicks them
+    assert page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                         "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "select"
     click_cell(page, 1, 3)
-    page.get_by_text(re.compile(r"Picked layers:\s*1, 3")).wait_for(timeout=30_000)
-    wait_idle(page)
-    assert heatmap_info(page)["picked"] == ["picked 1", "picked 3"]
+    wait_picked(page, ["picked 1", "picked 3"])
+    click_cell(page, 1, 3)
+    wait_picked(page, [])
+    # --- a box dragged over cells (1,1)..(3,3) picks layers 1..3; clicking cell (2,2) unpicks layer 2
+    drag_box(page, (1, 1), (3, 3))
+    wait_picked(page, ["picked 1", "picked 2", "picked 3"])
+    click_cell(page, 2, 2)
+    wait_picked(page, ["picked 1", "picked 3"])
+    assert page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                         "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "select"   # the box tool stays
     shot(page, "3-cka")
 
     # --- layer sets: the picks pre-fill the hand-picked set; add it to the session's sets
@@ -198,14 +241,15 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(page)
     page.get_by_role("button", name="Add", exact=True).click()
     wait_idle(page)
-    page.locator("[data-testid='stSidebar']").get_by_text("manual: [1, 3]").wait_for()
+    page.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
+    assert page.get_by_text(re.compile(r"^Recommended: ")).count() == 1
     shot(page, "4-layer-sets")
 
     # --- speculative decoding: train a draft for the set, then a benchmark with live numbers
     goto_page(page, "Speculative decoding")
     set_number(page, "Training steps", 3)
     page.get_by_role("button", name="Train draft").click()
-    page.get_by_text(re.compile(r"Draft for manual \[1, 3\]: done in")).wait_for(timeout=180_000)
+    page.get_by_text(re.compile(r"Draft for hand-picked \[1, 3\]: done in")).wait_for(timeout=180_000)
     wait_idle(page)
     page.get_by_text("Prompts", exact=True).first.wait_for()
     page.get_by_role("radio", name="builtin").check(force=True)
@@ -221,7 +265,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
         if values and (not seen or seen[-1] != values):
             seen.append(values)
         try:       # the live view is redrawn every second: an element can vanish between two calls
-            on_draft = "manual" in page.locator("[data-testid='stMarkdown']", has_text="Decoding with").first.inner_text(timeout=500)
+            on_draft = "hand-picked" in page.locator("[data-testid='stMarkdown']", has_text="Decoding with").first.inner_text(timeout=500)
         except PlaywrightError:
             on_draft = False
         if not live_shot and on_draft and "τ this step —" not in values and page.get_by_text("Generating").count():
@@ -258,8 +302,8 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(other)
     shared = heatmap_info(other)
     assert shared["z"] == heat
-    assert "manual [1, 3]" in shared["names"]
-    other.locator("[data-testid='stSidebar']").get_by_text("manual: [1, 3]").wait_for()
+    assert "hand-picked [1, 3]" in shared["names"]
+    other.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
     other.locator("[data-testid='stSidebar']").get_by_text("browser test").wait_for()
     shot(other, "8-shared-link")
     other.close()
