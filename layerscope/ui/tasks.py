@@ -166,7 +166,7 @@ def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
 
 def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
     """Drafts in the store (drafts/<key>/ with layerscope.json), optionally only those for one target."""
-    root = Path(store.path("drafts", "x")).parent
+    root = Path(store.root) / "drafts"
     out = []
     if not root.is_dir():
         return out
