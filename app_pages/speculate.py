@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import html
+from pathlib import Path
+
 import pandas as pd
 import streamlit as st
 
 from layerscope import plots, specdec
 from layerscope.select import default_layers
-from layerscope.ui import tasks
+from layerscope.ui import sanity, tasks
+from layerscope.ui.apply import set_label
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import commit
+from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, table
+from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, table
+
+SMALL_CAPTURE_TOKENS = 20_000     # below this a draft memorises its training prompts (README: 63k tokens took 21 min)
 
 s, store = page_header("Speculative decoding",
                        "The proof of a layer set: train an EAGLE-3 draft that reads those layers, then decode with it and count "
@@ -39,6 +45,12 @@ with train_col:
     if not have_capture:
         st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained here. "
                    "Run the same capture on the Capture page, or use drafts already in the store.")
+    cap_tokens = int((s.capture or {}).get("tokens") or 0)
+    if have_capture and cap_tokens < SMALL_CAPTURE_TOKENS:
+        st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn the "
+                   f"training prompts by heart: high training accuracy, low held-out acceptance). Capture at least "
+                   f"{SMALL_CAPTURE_TOKENS:,} tokens, e.g. 400 ShareGPT prompts × 96 new tokens (README).",
+                   icon=":material/warning:")
     labels = [f"{name} {layers}" for name, layers, _ in sets]
     pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
                         help="The session's sets to test (Layer sets page) and the default rule")
@@ -79,7 +91,8 @@ with list_col:
     if s.drafts:
         df = pd.DataFrame([{"name": d["name"], "layers": d["layers"], "steps": d.get("steps"),
                             "val acc per step": ", ".join(f"{a:.0%}" for a in (d.get("val_accuracy") or [])),
-                            "path": d["path"]} for d in s.drafts])
+                            "trained in": fmt_seconds(d["seconds"]) if d.get("seconds") else None,
+                            "stored as": Path(d["path"]).name} for d in s.drafts])
         table(df, key="ls_spec_drafts", filename="drafts", column_config={"layers": st.column_config.ListColumn("layers")})
     else:
         st.caption("None yet: train one, or add one the store already holds.")
@@ -87,7 +100,9 @@ with list_col:
     with guard("stored drafts"):
         stored = [d for d in tasks.stored_drafts(store, fingerprint=fp) if d["path"] not in {x["path"] for x in s.drafts}]
         if stored:
-            lab = {d["path"]: f"{d['name']} {d['layers']} · {d.get('steps')} steps · capture {d.get('capture_key')}" for d in stored}
+            lab = {d["path"]: f"{d['name']} {d['layers']} · {d.get('steps')} steps · "
+                              + ("this capture" if d.get("capture_key") == s.capture_key else f"capture {d.get('capture_key')}")
+                   for d in stored}
             p = st.selectbox("Trained drafts in the store for this model", list(lab), format_func=lab.get, key="ls_spec_stored")
             if st.button("Add to this session", key="ls_spec_add_stored", icon=":material/add:"):
                 s.drafts.append(next(d for d in stored if d["path"] == p))
@@ -131,7 +146,7 @@ else:
         if not cur:
             return
         c = st.columns(5)
-        c[0].markdown(f"**Decoding with**  \n{cur}  \nprompt {m.get('prompt')}/{m.get('prompts_total')}")
+        c[0].markdown(f"**Decoding with**  \n{md_text(cur)}  \nprompt {m.get('prompt')}/{m.get('prompts_total')}")
         c[1].metric("τ this step", "—" if m.get("step_tau") is None else f"{m['step_tau']}")
         c[2].metric("Running τ", f"{live.get(cur, {}).get('tau') or 0:.3f}")
         c[3].metric("Tokens / s", f"{live.get(cur, {}).get('tokens_per_s') or 0:.1f}")
@@ -149,7 +164,7 @@ else:
                 st.plotly_chart(plots.tau_over_time(taus[-400:], title=f"τ per step: {cur} (live)"),
                                 key="ls_spec_live_tau", config=plots.figure_config("tau-live"))
         if m.get("text"):
-            st.markdown(f"**Generating** ({m.get('text_of')}): " + legend_html(), unsafe_allow_html=True)
+            st.markdown(f"**Generating** ({html.escape(str(m.get('text_of')))}): " + legend_html(), unsafe_allow_html=True)
             st.markdown(highlighted_tokens(m["text"]), unsafe_allow_html=True)
 
     live_job(s.id, "bench", key="spec_bench", details=_bench_details, interval=1.0)
@@ -157,7 +172,10 @@ else:
     if s.bench_results:
         st.subheader("Results")
         runs = list(range(len(s.bench_results)))[::-1]
-        pick_run = st.selectbox("Benchmark run", runs, key="ls_spec_bench_run", format_func=lambda i: (
+        on_run = bind_view(s, "bench_run", "ls_spec_bench_run", runs[0])
+        if st.session_state.ls_spec_bench_run not in runs:
+            st.session_state.ls_spec_bench_run = runs[0]
+        pick_run = st.selectbox("Benchmark run", runs, key="ls_spec_bench_run", on_change=on_run, format_func=lambda i: (
             f"#{i + 1} · {s.bench_results[i].get('prompts')} {s.bench_results[i].get('prompt_set', '')} prompts · "
             f"{s.bench_results[i].get('max_new_tokens')} tokens · {s.bench_results[i].get('device')} · "
             f"{s.bench_results[i].get('created', '')}"))
@@ -174,6 +192,8 @@ else:
               column_config={"layers": st.column_config.ListColumn("layers")})
         for w in res.get("warnings") or []:
             st.caption(f"Note: {w}.")
+        for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0)):
+            st.warning(w, icon=":material/warning:")
         bad = [r["name"] for r in rows if r.get("lossless") is False]
         if bad:
             st.error(f"**Outputs differ from plain greedy decoding for {', '.join(bad)}.** This is a bug in the decoder; "
@@ -217,7 +237,10 @@ else:
                                       prompts=st_src, limit=int(st_n), max_new_tokens=int(st_new),
                                       depth=int(st.session_state.get("ls_w_spec_bench_k", specdec.DEFAULT_K)))
         plan = tasks.study_plan(stats, options)
-        st.markdown("Sets in the study: " + " · ".join(f"**{'/'.join(names)}** `{layers}`" for layers, names in plan))
+        st.markdown("Sets in the study: " + " · ".join(
+            f"**{md_text(set_label(names, layers, s.layer_sets))}** `{layers}`" for layers, names in plan))
+        st.caption(sanity.study_cost(plan, options, tasks.stored_drafts(store, fingerprint=(s.capture or {}).get("fingerprint")),
+                                     s.bench_results))
         study_running = any(j.kind == "study" for j in manager.active(s.id))
         if st.button("Run the study", type="primary", key="ls_spec_study", icon=":material/science:",
                      disabled=study_running or len(plan) < 2):
@@ -240,7 +263,7 @@ else:
         if res.get("verdict"):
             st.info(res["verdict"], icon=":material/gavel:")
         ci = lambda c, i: c[i] if c else None  # noqa: E731
-        df = pd.DataFrame([{"set": "/".join(r["strategies"]), "layers": r["layers"],
+        df = pd.DataFrame([{"set": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": r["layers"],
                             "mean entropy": r["mean_entropy"], "mean CKA": r["mean_cka"],
                             "aggregate entropy": r["aggregate_entropy"],
                             "val acc@1": (r.get("val_accuracy") or [None])[0], "τ": r.get("tau"),
@@ -258,11 +281,19 @@ else:
                                  "best version": best.get(c["proxy"]) == c["version"]}
                                 for c in res["correlations"]]).round(3)
             table(cdf, key="ls_spec_study_corr", filename="study-correlations")
+        if any(r.get("tau_ci") for r in rows):
+            chart(plots.study_intervals(rows), key="ls_spec_study_ci", filename="study-tau-intervals")
+        versions = list(rows[0].get("proxies") or {}) if rows else []
+        if versions:
+            version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version")
+            chart(plots.study_proxies(rows, version), key="ls_spec_study_proxies", filename="study-tau-vs-proxies")
         corr = res.get("spearman") or {}
         st.markdown("**Spearman correlation with τ** over the sets: " + " · ".join(
             f"{name.replace('_', ' ')} {'n/a' if v is None else format(v, '+.2f')}" for name, v in corr.items())
             + ("  \n(n/a: fewer than 3 sets, or a constant column)" if any(v is None for v in corr.values()) else ""))
-        chart(plots.bench_comparison([{"name": "/".join(r["strategies"]), "layers": r["layers"], "tau": r.get("tau"),
+        for w in sanity.study_warnings(rows, int(res.get("prompts") or 0)):
+            st.warning(w, icon=":material/warning:")
+        chart(plots.bench_comparison([{"name": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": r["layers"], "tau": r.get("tau"),
                                        "speedup": r.get("speedup")} for r in rows],
                                      title="Study: τ and speedup per layer set"),
               key="ls_spec_study_chart", filename="study-tau-speedup")

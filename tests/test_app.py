@@ -541,3 +541,28 @@ def test_job_eta_from_recent_progress():
     assert eta_seconds(view(0.2), now=110.0) is None
     assert eta_seconds(view(0.3), now=120.0) == pytest.approx(70.0)    # 0.1 per 10 s, 0.7 left
     assert eta_seconds(view(0.3), now=150.0) == pytest.approx(70.0)    # unchanged progress adds no sample
+
+
+def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
+    from types import SimpleNamespace
+
+    from layerscope.ui.apply import set_label
+    from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
+
+    rows = [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
+            {"name": "default", "layers": [2, 15, 27], "tau": 1.12, "speedup": 1.21}]
+    warnings = bench_warnings(rows, prompts=4)
+    assert any("default: speedup 1.21× with τ 1.12" in w for w in warnings)
+    assert any("Only 4 prompt(s)" in w for w in warnings)
+    assert bench_warnings([{**rows[1], "speedup": 0.9}], prompts=40) == []
+    study = [{"layers": [i], "tau": t} for i, t in enumerate([1.1, 1.1, 1.2, 1.2, 1.1, 1.2])]
+    assert any("2 distinct τ" in w for w in study_warnings(study, prompts=40))
+    assert any("over 3 sets" in w for w in study_warnings(study[:3], prompts=40))
+    opts = SimpleNamespace(train={"steps": 300}, limit=8, max_new_tokens=48)
+    plan = [([2, 15, 27], ["default"]), ([1, 9, 20], ["greedy", "manual"])]
+    assert "no time estimate" in study_cost(plan, opts, [], [])
+    cost = study_cost(plan, opts, [{"seconds": 600.0, "steps": 300}], [{"results": [{"name": "autoregressive",
+                                                                                          "tokens_per_s": 16.0}]}])
+    assert "2 drafts × 300 training steps" in cost and "training about 20 min" in cost and "benchmark about 72 s" in cost
+    assert set_label(["greedy", "manual"], [1, 9, 20], [{"name": "mine", "layers": [1, 9, 20]}]) == "greedy, also mine"
+    assert set_label(["default"], [2, 15, 27]) == "default"

@@ -13,7 +13,7 @@ from layerscope.draft.export import load_draft, save_draft
 from layerscope.models import tiny_model
 from layerscope.prompts import load_prompts
 from layerscope.specdec import StepEvent, TreeSpec
-from tests.test_specdec import untrained_draft
+from tests.helpers import untrained_draft
 
 ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "by_category"}
 

@@ -5,7 +5,7 @@ import torch
 
 from layerscope.metrics import cka as C
 from layerscope.metrics import entropy as E
-from tests.test_entropy import correlated_layers, gen
+from tests.helpers import correlated_layers, gen
 
 
 def rand(n, d, seed):

@@ -7,28 +7,13 @@ import torch
 
 from layerscope.metrics import cka as C
 from layerscope.metrics import entropy as E
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import correlated_layers, gen
 
 
 def decaying(n, d, seed=0):
     """Tokens with a decaying spectrum (not flat, not rank-1)."""
     g = gen(seed)
     return torch.randn(n, d, generator=g, dtype=torch.float64) * torch.logspace(0, -1.5, d, dtype=torch.float64)
-
-
-def correlated_layers(L, n, d, seed=0):
-    """L layers sharing a latent signal that drifts with depth, plus noise."""
-    g = gen(seed)
-    latent = torch.randn(n, 8, generator=g, dtype=torch.float64)
-    w = torch.randn(8, d, generator=g, dtype=torch.float64)
-    out = []
-    for _ in range(L):
-        w = w + 0.7 * torch.randn(8, d, generator=g, dtype=torch.float64)
-        out.append(latent @ w + 0.8 * torch.randn(n, d, generator=g, dtype=torch.float64))
-    return out
 
 
 @pytest.mark.parametrize("route", ["gram", "cov"])

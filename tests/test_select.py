@@ -12,7 +12,7 @@ from layerscope.analysis import LayerStats
 from layerscope.errors import SelectionError
 from layerscope.metrics import cka as C
 from layerscope.metrics import entropy as E
-from tests.test_entropy import correlated_layers
+from tests.helpers import correlated_layers
 
 
 def make_stats(entropy, cka, entropy2=None, d=64, n=1000) -> LayerStats:

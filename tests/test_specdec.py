@@ -10,8 +10,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from layerscope import specdec as sd
-from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.errors import DraftError, LayerScopeError
+from tests.helpers import untrained_draft
 
 PROMPTS = [[259, 72, 101, 108, 108, 111], [259, 50, 43, 50, 61], [259, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32]]
 
@@ -20,15 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- drafts for tests
-
-
-def untrained_draft(model, layers=(1, 2, 3), draft_vocab=128, seed=1) -> DraftHead:
-    """A real DraftHead with random weights: a genuinely different model, so acceptance is low."""
-    torch.manual_seed(seed)
-    V = model.config.vocab_size
-    d2t, t2d = build_draft_vocab(torch.randint(0, V, (4 * V,)), draft_vocab, V)
-    cfg = DraftConfig.from_target(model.config, list(layers), draft_vocab)
-    return DraftHead(cfg, embed_weight=model.get_input_embeddings().weight, d2t=d2t, t2d=t2d).eval()
 
 
 class LookupDraft(nn.Module):

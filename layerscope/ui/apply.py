@@ -170,6 +170,15 @@ def manual_layers(s: Session) -> list[int]:
     return sorted(set(s.manual_picks))
 
 
+def set_label(names, layers, session_sets=()) -> str:
+    """How a studied set reads: its first proposer, then the others ("default, also greedy"); "manual" (a
+    set of the session) becomes the name the user gave it."""
+    own = {tuple(x["layers"]): x["name"] for x in session_sets}
+    shown = [own.get(tuple(layers), "your set") if n == "manual" else n for n in names]
+    shown = list(dict.fromkeys(shown))
+    return shown[0] + (f", also {', '.join(shown[1:])}" if len(shown) > 1 else "")
+
+
 def toggle_picks(picks, chosen) -> list[int]:
     """Hand-picked layers after a click or box on the heatmap: if every chosen layer is picked already,
     they are unpicked; otherwise the chosen layers are added."""

@@ -22,12 +22,12 @@ from layerscope.errors import LayerScopeError, PromptSetError
 from layerscope.prompts import load_prompts
 from layerscope.store import atomic_write_bytes
 from layerscope.study import StudyOptions, propose_sets
-from layerscope.ui.models import get_model, is_loaded
+from layerscope.ui.models import get_model, load_message
 
 
 def load_in_job(job, spec: str, store):
     """workflow's `load` for a job: the model from the app's per-process cache, saying so on the job."""
-    job.update(None, f"loading model {spec}" + ("" if is_loaded(spec) else " (first load can take ~20 s)"))
+    job.update(None, load_message(spec, store))
     target = get_model(spec, store)
     job.check_cancel()
     return target
