@@ -408,6 +408,69 @@ def bench_comparison(
     return fig
 
 
+def study_intervals(
+    rows: Sequence[Mapping],
+    *,
+    title: str | None = "Study: τ per layer set with its 95% interval",
+) -> go.Figure:
+    """τ of each set of a study with its paired bootstrap interval (`tau_ci`), the default rule's τ as a
+    dotted line, and each training seed's τ as small marks. rows: `study --json` rows."""
+    if not rows:
+        raise ValueError("study_intervals needs at least one row")
+    names = ["/".join(r["strategies"]) + f" {list(r['layers'])}" for r in rows]
+    taus = [r.get("tau") for r in rows]
+    ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(
+        x=names, y=taus, mode="markers", name="τ (mean over seeds)",
+        marker=dict(size=11, color=[set_color(n, i) for i, n in enumerate(names)]),
+        error_y=dict(type="data", symmetric=False, array=[(c[1] - t) if t is not None else None for c, t in zip(ci, taus)],
+                     arrayminus=[(t - c[0]) if t is not None else None for c, t in zip(ci, taus)]),
+        hovertemplate="%{x}<br>τ %{y:.3f}<extra></extra>"))
+    seeds_x = [n for n, r in zip(names, rows) for _ in r.get("seeds") or []]
+    seeds_y = [s.get("tau") for r in rows for s in r.get("seeds") or []]
+    if seeds_x:
+        fig.add_trace(go.Scatter(x=seeds_x, y=seeds_y, mode="markers", name="τ of one training seed",
+                                 marker=dict(size=6, symbol="line-ew-open", color="#333333")))
+    ref = next((t for r, t in zip(rows, taus) if "default" in r["strategies"]), None)
+    if ref is not None:
+        fig.add_hline(y=ref, line=dict(color=DEFAULT_SET_COLOR, dash="dot"), annotation_text="default rule")
+    return _base_layout(fig, title, height=420, yaxis_title="τ (tokens / target forward)")
+
+
+def study_proxies(
+    rows: Sequence[Mapping],
+    version: str,
+    proxies: Sequence[str] = ("mean_entropy", "mean_cka", "aggregate_entropy"),
+    *,
+    title: str | None = None,
+) -> go.Figure:
+    """τ (with its interval) against each proxy of one statistics version ("linear, H≥0.5"), one panel
+    per proxy, one point per set of a study. rows: `study --json` rows, each with `proxies[version]`."""
+    from plotly.subplots import make_subplots
+
+    if not rows:
+        raise ValueError("study_proxies needs at least one row")
+    fig = make_subplots(rows=1, cols=len(proxies), subplot_titles=[p.replace("_", " ") for p in proxies],
+                        shared_yaxes=True, horizontal_spacing=0.06)
+    names = ["/".join(r["strategies"]) + f" {list(r['layers'])}" for r in rows]
+    taus = [r.get("tau") for r in rows]
+    ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
+    for j, proxy in enumerate(proxies):
+        x = [(r.get("proxies") or {}).get(version, {}).get(proxy) for r in rows]
+        fig.add_trace(go.Scatter(
+            x=x, y=taus, mode="markers", text=names, showlegend=False,
+            marker=dict(size=10, color=[set_color(n, i) for i, n in enumerate(names)]),
+            error_y=dict(type="data", symmetric=False,
+                         array=[(c[1] - t) if t is not None else None for c, t in zip(ci, taus)],
+                         arrayminus=[(t - c[0]) if t is not None else None for c, t in zip(ci, taus)]),
+            hovertemplate="%{text}<br>" + proxy + " %{x:.3f}<br>τ %{y:.3f}<extra></extra>"), row=1, col=j + 1)
+    fig.update_yaxes(title_text="τ", row=1, col=1)
+    _base_layout(fig, title or f"Study: τ against each proxy ({version})", height=380)
+    fig.update_annotations(font_size=12)
+    return fig
+
+
 def training_curves(
     history: Sequence[Mapping],
     *,

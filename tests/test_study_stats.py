@@ -163,3 +163,22 @@ def test_verdict_in_plain_words():
     assert flat.startswith("No difference at this budget") and "Too few distinct sets" in flat
     lost = verdict([ref, rnd], 0, [{**corr[0], "ci": [-0.5, 1.0]}], prompts=40, seeds=1)
     assert lost.startswith("No set beat the default rule [2, 15, 27]") and "No proxy predicted τ reliably" in lost
+
+
+def test_study_figures_show_intervals_seeds_and_proxies():
+    from layerscope import plots
+
+    rows = [{"strategies": ["default"], "layers": [2, 15, 27], "tau": 1.30, "tau_ci": [1.27, 1.33],
+             "seeds": [{"tau": 1.29}, {"tau": 1.31}], "proxies": {"linear, H≥0.5": {"mean_entropy": 3.0,
+                                                                                     "mean_cka": 0.4, "aggregate_entropy": 4.0}}},
+            {"strategies": ["random#1"], "layers": [5, 9, 20], "tau": 1.25, "tau_ci": [1.20, 1.28],
+             "seeds": [{"tau": 1.24}, {"tau": 1.26}], "proxies": {"linear, H≥0.5": {"mean_entropy": 2.5,
+                                                                                     "mean_cka": 0.5, "aggregate_entropy": 3.5}}}]
+    fig = plots.study_intervals(rows).to_dict()
+    main, seeds = fig["data"]
+    assert list(main["y"]) == [1.30, 1.25] and list(main["error_y"]["array"]) == pytest.approx([0.03, 0.03])
+    assert list(main["error_y"]["arrayminus"]) == pytest.approx([0.03, 0.05]) and len(seeds["y"]) == 4
+    assert any(s.get("y0") == 1.30 for s in fig["layout"]["shapes"])             # the default rule's line
+    fig = plots.study_proxies(rows, "linear, H≥0.5").to_dict()
+    assert [list(d["x"]) for d in fig["data"]] == [[3.0, 2.5], [0.4, 0.5], [4.0, 3.5]]
+    assert all(list(d["y"]) == [1.30, 1.25] for d in fig["data"])
