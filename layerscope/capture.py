@@ -31,7 +31,7 @@ from safetensors import safe_open
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
 from layerscope.prompts import PromptSet, chat_ids
-from layerscope.store import (LockWaitCancelled, Store, atomic_save_tensors, chunk_name, file_sha256, list_chunks,
+from layerscope.store import (CHUNK_RE, LockWaitCancelled, Store, atomic_save_tensors, chunk_name, file_sha256, list_chunks,
                               make_key, read_header)
 
 FORMAT_VERSION = 1
@@ -137,6 +137,9 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     """Write the missing chunks, then the manifest, and rename the capture into place (the lock is held)."""
     partial = store.partial_capture_dir(key)
     partial.mkdir(parents=True, exist_ok=True)
+    for p in partial.iterdir():           # temporary files of a killed writer (we hold the lock: none is live)
+        if not CHUNK_RE.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
     done = {}
     for s, e, p in list_chunks(partial):
         try:

@@ -1,0 +1,79 @@
+"""Concurrent writers: identical captures started together by real processes end with one complete
+capture; the others wait and are served it, and a writer killed mid-capture is resumed by the next."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from layerscope.capture import CaptureOptions, capture, capture_key
+from layerscope.prompts import load_prompts
+from layerscope.store import Store
+
+def options(batch_size):
+    return CaptureOptions(limit=8, batch_size=batch_size, max_new_tokens=4)
+
+
+def start(root, i, tmp_path, batch_size):
+    args = ["--model", "tiny-llama", "--prompts", "builtin", "--limit", "8", "--batch-size", str(batch_size),
+            "--max-new-tokens", "4"]
+    err = open(tmp_path / f"err-{i}", "w")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "layerscope.cli", "capture", *args, "--store", str(root), "--json"],
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+
+def wait_for(cond, timeout=180.0):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def check_one_complete_capture(store, key, batch_size):
+    assert [p.name for p in (store.root / "captures").iterdir()] == [key]
+    assert store.verify_capture(key) == []
+    cap = store.open_capture(key)
+    assert cap.manifest["conversations"] == 8
+    assert [c["start"] for c in cap.manifest["chunks"]] == list(range(0, 8, batch_size))
+    return cap
+
+
+def test_identical_captures_started_together_end_with_one_complete_capture(tmp_path, tiny):
+    store = Store(tmp_path / "store")
+    key = capture_key(tiny, load_prompts("builtin", limit=8), options(2))
+    with store.lock("captures", key):   # hold the writer's lock until both processes are ready to write
+        procs = [start(store.root, i, tmp_path, 2) for i in range(2)]
+        wait_for(lambda: all("waiting" in (tmp_path / f"err-{i}").read_text() for i in range(2)))
+    outs = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert {o["key"] for o in outs} == {key}
+    assert sorted(o["cached"] for o in outs) == [False, True]      # one wrote it, the other waited for it
+    assert [o["prompts"] for o in outs] == [8, 8] and outs[0]["tokens"] == outs[1]["tokens"]
+    check_one_complete_capture(store, key, 2)
+
+
+def test_killed_writer_is_resumed_by_the_next_and_matches_an_uninterrupted_run(tmp_path, tiny, one_thread):
+    store = Store(tmp_path / "store")
+    key = capture_key(tiny, load_prompts("builtin", limit=8), options(1))
+    first = start(store.root, 0, tmp_path, 1)
+    partial = store.partial_capture_dir(key)
+    wait_for(lambda: len(list(partial.glob("chunk-*.safetensors"))) >= 1 or first.poll() is not None)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL and store.list_captures() == []
+    procs = [start(store.root, i, tmp_path, 1) for i in (1, 2)]
+    outs = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert sorted(o["cached"] for o in outs) == [False, True]
+    cap = check_one_complete_capture(store, key, 1)
+    ref = Store(tmp_path / "reference")
+    expected = capture(tiny, load_prompts("builtin", limit=8), ref, **vars(options(1)))
+    ref_cap = ref.open_capture(expected.key)
+    assert expected.key == key and cap.num_tokens == ref_cap.num_tokens
+    for name in ("token_id", "is_response", "conversation"):
+        assert torch.equal(cap.tokens()[name], ref_cap.tokens()[name])
+    assert torch.allclose(cap.layer(4), ref_cap.layer(4), atol=1e-2)
