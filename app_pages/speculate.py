@@ -287,12 +287,6 @@ else:
         if versions:
             version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version")
             chart(plots.study_proxies(rows, version), key="ls_spec_study_proxies", filename="study-tau-vs-proxies")
-        if any(r.get("tau_ci") for r in rows):
-            chart(plots.study_intervals(rows), key="ls_spec_study_ci", filename="study-tau-intervals")
-        versions = list(rows[0].get("proxies") or {}) if rows else []
-        if versions:
-            version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version")
-            chart(plots.study_proxies(rows, version), key="ls_spec_study_proxies", filename="study-tau-vs-proxies")
         corr = res.get("spearman") or {}
         st.markdown("**Spearman correlation with τ** over the sets: " + " · ".join(
             f"{name.replace('_', ' ')} {'n/a' if v is None else format(v, '+.2f')}" for name, v in corr.items())
