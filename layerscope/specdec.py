@@ -40,6 +40,8 @@ from layerscope.errors import DraftError, LayerScopeError
 # A stronger draft moves the best K up: `layerscope bench --draft D --k 2,3,4,5,6` measures it.
 DEFAULT_K = 2
 
+clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
+
 
 @dataclass(frozen=True)
 class TreeSpec:
@@ -171,14 +173,14 @@ def autoregressive(model, input_ids, max_new_tokens: int, *, eos_token_id=None, 
     cache = new_cache(model)
     feed, produced, step = ids, 0, 0
     while produced < max_new_tokens:
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.inference_mode():
             start = cache.get_seq_length()
             logits, _ = _target_forward(model, feed, torch.arange(start, start + len(feed), device=device), cache,
                                         last_only=True)
             tok = _pick(logits[-1], temperature, gen)
         produced += 1
-        yield StepEvent(step, 0, 0, (), tok, (tok,), time.perf_counter() - t0)
+        yield StepEvent(step, 0, 0, (), tok, (tok,), clock() - t0)
         if tok in eos:
             return
         feed, step = [tok], step + 1
@@ -217,10 +219,11 @@ class _Draft:
         self.pending_ids, self.pending_g = [], []
         return logits[0, -1].float(), hidden[0, -1]
 
-    def step(self, ids: list[int], hidden: torch.Tensor, positions: torch.Tensor, mask=None):
-        """Deeper draft steps (appended to the cache): ids [T], hidden [T, d] -> logits [T, V_draft], hidden [T, d]."""
-        logits, out = self.head(torch.tensor([ids], device=self.device), hidden[None], positions[None], self.cache,
-                                attention_mask=mask)
+    def step(self, ids, hidden: torch.Tensor, positions: torch.Tensor, mask=None):
+        """Deeper draft steps (appended to the cache): ids [T] (list or tensor), hidden [T, d]
+        -> logits [T, V_draft], hidden [T, d]."""
+        ids = torch.as_tensor(ids, device=self.device).reshape(1, -1)
+        logits, out = self.head(ids, hidden[None], positions[None], self.cache, attention_mask=mask)
         return logits[0].float(), out[0]
 
     def rewind(self) -> None:
@@ -263,16 +266,16 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
     aux_layers = list(draft.aux_layers)
 
     # step 0: prefill the target; the draft's rows 0..n-1 are queued
-    t0 = time.perf_counter()
+    t0 = clock()
     with torch.inference_mode():
         logits, aux = _target_forward(model, ids, torch.arange(len(ids), device=device), cache, aux_layers,
                                       last_only=True)
         last = _pick(logits[-1], temperature, gen)
         d.add_rows(ids[1:] + [last], aux)
-    yield StepEvent(0, 0, 0, (), last, (last,), time.perf_counter() - t0)
+    yield StepEvent(0, 0, 0, (), last, (last,), clock() - t0)
     produced, step = 1, 1
     while produced < max_new_tokens and last not in eos:
-        t0 = time.perf_counter()
+        t0 = clock()
         depth = min(tree.depth if tree else k, max_new_tokens - produced - 1)
         with torch.inference_mode():
             if tree is not None and depth > 0:
@@ -281,7 +284,7 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
                 drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
         tokens = _cut(new, eos)
         produced, last = produced + len(tokens), tokens[-1]
-        yield StepEvent(step, drafted, accepted, mask, new[-1], tokens, time.perf_counter() - t0)
+        yield StepEvent(step, drafted, accepted, mask, new[-1], tokens, clock() - t0)
         step += 1
 
 
@@ -341,85 +344,96 @@ def _accept_sampled(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tens
 
 
 def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers):
-    """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries."""
+    """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries.
+
+    Rows of the verified input: 0 is `last` (the root), 1..M the tree's nodes, parents before children.
+    """
     L = cache.get_seq_length()
     tokens, parents, depths = _grow_tree(d, depth, spec)
-    M = len(tokens)
-    # ancestors-or-self over [root] + nodes; row 0 is `last` (the root)
-    anc = torch.zeros(M + 1, M + 1, dtype=torch.bool, device=d.device)
-    anc[:, 0] = True
-    for i in range(M):
-        anc[i + 1, i + 1] = True
-        if parents[i] >= 0:
-            anc[i + 1] |= anc[parents[i] + 1]
-    positions = torch.tensor([L] + [L + x for x in depths], device=d.device)
-    mask = tree_mask(L, anc, model.dtype)
-    logits, aux = _target_forward(model, [last] + tokens, positions, cache, aux_layers, mask)
-    target = logits.argmax(-1).tolist()
-    children: dict[int, dict[int, int]] = {}
-    for i, (tok, par) in enumerate(zip(tokens, parents)):
-        children.setdefault(par, {})[tok] = i
-    path, node = [], -1
-    while target[node + 1] in children.get(node, {}):
-        node = children[node][target[node + 1]]
-        path.append(node)
-    bonus = target[node + 1]
-    rows = [0] + [p + 1 for p in path]               # rows of the verified input on the accepted path
+    M, dev = len(tokens), d.device
+    node_ids = torch.tensor([last] + tokens, device=dev)                        # [M+1]
+    parent_row = torch.tensor([0] + [p + 1 for p in parents], device=dev)       # [M+1], the root is its own
+    anc = ancestors(parent_row, max(depths))                                     # [M+1, M+1]
+    positions = L + torch.tensor([0] + depths, device=dev)
+    logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, aux_layers,
+                                  tree_mask(L, anc, model.dtype))
+    target = logits.argmax(-1)                                                   # [M+1] the target's next token
+    rows = accepted_rows(node_ids, parent_row, anc, target)                      # root, then the accepted path
+    bonus = int(target[rows[-1]])
     compact_cache(cache, L, [L + r for r in rows])
     d.rewind()
-    new = [tokens[p] for p in path] + [bonus]
+    new = node_ids[rows[1:]].tolist() + [bonus]
     d.add_rows(new, aux[rows])
-    a = len(path)
+    a = len(rows) - 1
     return M, a, tuple(i < a for i in range(max(depths))), new
+
+
+def ancestors(parent_row: torch.Tensor, depth: int) -> torch.Tensor:
+    """bool [T, T]: anc[i, j] = row j is row i or one of its ancestors. parent_row [T]: each row's parent
+    (row 0, the root, is its own); `depth` bounds the longest path below the root."""
+    eye = torch.eye(parent_row.shape[0], dtype=torch.bool, device=parent_row.device)
+    anc = eye
+    for _ in range(depth):
+        anc = eye | anc[parent_row]
+    return anc
+
+
+def accepted_rows(node_ids: torch.Tensor, parent_row: torch.Tensor, anc: torch.Tensor,
+                  target: torch.Tensor) -> list[int]:
+    """Rows of the longest root path whose every node is the target's own next token after its parent.
+
+    node_ids, parent_row, target [T]; anc [T, T] from `ancestors`. Siblings carry distinct tokens, so the
+    matching nodes whose ancestors all match form one path; it is returned root first.
+    """
+    match = node_ids == target[parent_row]
+    match[0] = True                                                              # the root is given
+    on_path = ~(anc & ~match[None]).any(1)                                       # [T] self and ancestors match
+    depth = anc.sum(1)
+    deepest = int(torch.where(on_path, depth, 0).argmax())
+    return anc[deepest].nonzero().flatten().tolist()                             # ancestors precede children
 
 
 def _grow_tree(d: _Draft, depth: int, spec: TreeSpec) -> tuple[list[int], list[int], list[int]]:
     """EAGLE-2 expansion from the draft's root distribution; returns the `budget` best nodes, parents
-    before children: target token ids, parent index (-1 = root), depth (1-based)."""
+    before children: target token ids, parent index (-1 = root), depth (1-based).
+
+    Every level is a handful of tensor operations whatever the number of nodes: the `top_k` best nodes of
+    the level (the frontier) are fed in one draft step, each seeing the prefix, its expanded ancestors and
+    itself; each gets `top_k` children scored by cumulative log-probability (float64, so rankings do not
+    hinge on rounding); the next frontier is the `top_k` best children. Nodes are numbered in creation
+    order, which is also by depth.
+    """
     logits, hidden = d.feed()
-    L = d.rows                                       # step-1 rows = target positions before `last`
-    logp = torch.log_softmax(logits, -1)
-    top = logp.topk(min(spec.top_k, logp.shape[0]))
-    # every candidate node: draft token id, parent, depth, cumulative log-prob
-    tok: list[int] = top.indices.tolist()
-    par: list[int] = [-1] * len(tok)
-    dep: list[int] = [1] * len(tok)
-    score: list[float] = top.values.tolist()
-    cache_row: dict[int, int] = {}                   # node -> its row in the draft cache, once expanded
-    parent_hidden = {-1: hidden}                     # node -> draft hidden_out that predicts its children
-    frontier = list(range(len(tok)))
+    L, dev = d.rows, d.device                        # step-1 rows = target positions before `last`
+    K = min(spec.top_k, logits.shape[-1])
+    top = torch.log_softmax(logits, -1).topk(K)
+    score = top.values.double()                      # every node so far: cumulative log-prob [n]
+    tok = top.indices                                # draft token id [n]
+    par = torch.full((K,), -1, dtype=torch.long, device=dev)    # parent node [n], -1 = root
+    dep = torch.ones(K, dtype=torch.long, device=dev)           # depth [n]
+    front = torch.arange(K, device=dev)              # frontier nodes [F]
+    front_hidden = hidden[None].expand(K, -1)        # the draft state that predicts each of them [F, d]
+    anc = torch.zeros(K, 0, dtype=torch.bool, device=dev)       # [F, rows past L]: expanded ancestors' rows
     for level in range(1, depth):
-        # feed the frontier (depth `level`) with a tree mask: prefix rows, expanded ancestors, self
-        C = d.cache.length
-        F = len(frontier)
-        mask = torch.zeros(1, 1, F, C + F, dtype=torch.bool, device=d.device)
-        mask[..., :L] = True
-        for i, n in enumerate(frontier):
-            mask[0, 0, i, C + i] = True
-            a = par[n]
-            while a >= 0:
-                mask[0, 0, i, cache_row[a]] = True
-                a = par[a]
-        ids = d.head.to_target_ids(torch.tensor([tok[n] for n in frontier], device=d.device)).tolist()
-        h = torch.stack([parent_hidden[par[n]] for n in frontier])
-        lg, out = d.step(ids, h, torch.full((F,), L - 1 + level, device=d.device), mask)
-        lp = torch.log_softmax(lg, -1)
-        kk = min(spec.top_k, lp.shape[-1])
-        best = lp.topk(kk, -1)
-        cand = []
-        for i, n in enumerate(frontier):
-            cache_row[n] = C + i
-            parent_hidden[n] = out[i]
-            for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()):
-                cand.append(len(tok))
-                tok.append(t)
-                par.append(n)
-                dep.append(level + 1)
-                score.append(score[n] + v)
-        frontier = sorted(cand, key=lambda c: -score[c])[:spec.top_k]
-    # rank all nodes; on equal scores a parent (shallower) ranks first, so any top-N is closed under parents
-    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], dep[n], n))[:spec.budget]
-    chosen = sorted(ranked, key=lambda n: (dep[n], n))
-    index = {n: i for i, n in enumerate(chosen)}
-    target_ids = d.head.to_target_ids(torch.tensor([tok[n] for n in chosen], device=d.device)).tolist()
-    return target_ids, [index[par[n]] if par[n] >= 0 else -1 for n in chosen], [dep[n] for n in chosen]
+        F = front.shape[0]
+        eye = torch.eye(F, dtype=torch.bool, device=dev)
+        mask = torch.cat([torch.ones(F, L, dtype=torch.bool, device=dev), anc, eye], 1)[None, None]
+        lg, out = d.step(d.head.to_target_ids(tok[front]), front_hidden,
+                         torch.full((F,), L - 1 + level, device=dev), mask)
+        best = torch.log_softmax(lg, -1).topk(K, -1)                            # [F, K]
+        cand = (score[front][:, None] + best.values.double()).flatten()         # [F*K]
+        first = score.shape[0]
+        score, tok = torch.cat([score, cand]), torch.cat([tok, best.indices.flatten()])
+        par = torch.cat([par, front.repeat_interleave(K)])
+        dep = torch.cat([dep, torch.full((F * K,), level + 1, device=dev)])
+        pick = torch.sort(-cand, stable=True).indices[:K]                       # the next frontier
+        front, front_hidden = first + pick, out[pick // K]
+        anc = torch.cat([anc[pick // K], eye[pick // K]], 1)
+    # rank all nodes by score, then creation order: a parent scores >= its children and is older, so any
+    # top-N is closed under parents
+    chosen = torch.sort(-score, stable=True).indices[:spec.budget].sort().values
+    index = torch.full_like(par, -1)
+    index[chosen] = torch.arange(chosen.shape[0], device=dev)
+    cpar = par[chosen]
+    parents = torch.where(cpar >= 0, index[cpar.clamp_min(0)], -1)
+    return d.head.to_target_ids(tok[chosen]).tolist(), parents.tolist(), dep[chosen].tolist()

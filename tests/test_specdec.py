@@ -217,6 +217,89 @@ def test_draft_tree_nodes_see_only_their_ancestors(target):
             assert tokens[i] in top, (i, depths[i])
 
 
+def _grow_tree_per_node(d, depth, spec):
+    """The tree expansion written node by node (the engine's first version): the reference the vectorised
+    _grow_tree must reproduce exactly."""
+    logits, hidden = d.feed()
+    L = d.rows
+    logp = torch.log_softmax(logits, -1)
+    top = logp.topk(min(spec.top_k, logp.shape[0]))
+    tok, score = top.indices.tolist(), top.values.tolist()
+    par, dep = [-1] * len(tok), [1] * len(tok)
+    cache_row, parent_hidden = {}, {-1: hidden}
+    frontier = list(range(len(tok)))
+    for level in range(1, depth):
+        C, F = d.cache.length, len(frontier)
+        mask = torch.zeros(1, 1, F, C + F, dtype=torch.bool)
+        mask[..., :L] = True
+        for i, n in enumerate(frontier):
+            mask[0, 0, i, C + i] = True
+            a = par[n]
+            while a >= 0:
+                mask[0, 0, i, cache_row[a]] = True
+                a = par[a]
+        ids = d.head.to_target_ids(torch.tensor([tok[n] for n in frontier])).tolist()
+        lg, out = d.step(ids, torch.stack([parent_hidden[par[n]] for n in frontier]),
+                         torch.full((F,), L - 1 + level), mask)
+        best = torch.log_softmax(lg, -1).topk(min(spec.top_k, lg.shape[-1]), -1)
+        cand = []
+        for i, n in enumerate(frontier):
+            cache_row[n], parent_hidden[n] = C + i, out[i]
+            for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()):
+                cand.append(len(tok))
+                tok.append(t), par.append(n), dep.append(level + 1), score.append(score[n] + v)
+        frontier = sorted(cand, key=lambda c: -score[c])[:spec.top_k]
+    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], dep[n], n))[:spec.budget]
+    chosen = sorted(ranked, key=lambda n: (dep[n], n))
+    index = {n: i for i, n in enumerate(chosen)}
+    return (d.head.to_target_ids(torch.tensor([tok[n] for n in chosen])).tolist(),
+            [index[par[n]] if par[n] >= 0 else -1 for n in chosen], [dep[n] for n in chosen])
+
+
+@pytest.mark.parametrize("spec", [sd.TreeSpec(16, 4, 5), sd.TreeSpec(5, 3, 3), sd.TreeSpec(40, 3, 4),
+                                  sd.TreeSpec(7, 1, 7), sd.TreeSpec(3, 8, 2)])
+def test_vectorised_tree_equals_the_per_node_expansion(target, refs, spec):
+    """Same nodes, parents and depths, and the draft cache ends the same, at several decoding states."""
+    for seed, ids in ((2, PROMPTS[0]), (3, PROMPTS[2] + refs[2][:9])):
+        draft = untrained_draft(target, seed=seed)
+        with torch.no_grad():
+            draft.lm_head.weight.mul_(10)
+        with torch.inference_mode():
+            (_, d1, _), (_, d2, _) = _prefill(target, draft, ids), _prefill(target, draft, ids)
+            got = sd._grow_tree(d1, spec.depth, spec)
+            want = _grow_tree_per_node(d2, spec.depth, spec)
+        assert got == want
+        assert len(got[0]) == min(spec.budget, spec.top_k + (spec.depth - 1) * spec.top_k ** 2)
+        torch.testing.assert_close(d1.cache.k, d2.cache.k)
+
+
+def test_accepted_rows_is_the_longest_matching_path():
+    """Against a walk down the tree by the target's tokens, on random trees and random target tokens."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        M = int(torch.randint(1, 12, (1,), generator=g))
+        parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(M)]
+        tokens = [int(torch.randint(0, 3, (1,), generator=g)) for _ in range(M)]
+        keep = [i for i in range(M) if all(tokens[j] != tokens[i] or parents[j] != parents[i] for j in range(i))]
+        if len(keep) < M:                              # siblings carry distinct tokens
+            continue
+        depths = []
+        for p in parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        parent_row = torch.tensor([0] + [p + 1 for p in parents])
+        node_ids = torch.tensor([7] + tokens)
+        target = torch.randint(0, 3, (M + 1,), generator=g)
+        children = {}
+        for i, (t, p) in enumerate(zip(tokens, parents)):
+            children.setdefault(p, {})[t] = i
+        path, node = [0], -1
+        while int(target[node + 1]) in children.get(node, {}):
+            node = children[node][int(target[node + 1])]
+            path.append(node + 1)
+        anc = sd.ancestors(parent_row, max(depths))
+        assert sd.accepted_rows(node_ids, parent_row, anc, target) == path
+
+
 # ----------------------------------------------------------------------------- caches are cut back
 
 

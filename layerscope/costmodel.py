@@ -1,0 +1,372 @@
+"""Hardware-aware decoding: what a step costs on this machine, what a draft gets accepted, which decoding pays.
+
+    cost curve    seconds of one target forward over T = 1..T_max new tokens (mean over a few cache
+                  lengths) and of one draft forward over T rows, measured on the loaded model's device,
+                  dtype and thread count; cached in the store under (fingerprint, device, dtype, threads)
+    profile       acceptance of a draft: chain[i-1] = P(draft tokens 1..i all accepted) and
+                  rank[j-1][r] = P(the target's token at depth j is the draft's (r+1)-th choice | the
+                  path above it matched), measured by a calibration run (Sequoia's acceptance vector)
+    predict       tau, seconds per step, tokens/s and speedup over plain decoding of a chain of depth K
+                  or an EAGLE-2 tree (budget, top_k, depth)
+    choose        the chain depth or tree shape with the best predicted speedup
+
+Step costs (specdec's decoders):
+    plain           c(1)
+    chain K         d(1) + (K-1) d(1) + c(K+1)               one feed, K-1 draft steps, one verification
+    tree (B, k, D)  d(1) + (D-1) d(k) + c(B+1)               one feed, D-1 levels of k nodes, one verification
+with c the target curve and d the draft curve. tau (tokens per step): chain 1 + sum_{i<=K} chain[i-1];
+tree 1 + the sum over the tree's nodes of the product of rank[j-1][r] along the node's path, the tree
+being the one EAGLE-2 grows when each node's value is that product (the draft's own ranking decides which
+children exist; the calibration says how often each rank is the target's token). Speedup over plain
+decoding = tau * c(1) / step seconds; the break-even tau of a decoding is its step seconds / c(1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from layerscope import specdec
+from layerscope.draft.model import DraftConfig, DraftHead
+from layerscope.draft.train import TrainOptions
+from layerscope.errors import LayerScopeError
+from layerscope.specdec import TreeSpec
+from layerscope.store import make_key
+
+MAX_TOKENS = 32                      # verification forwards measured over T = 1..MAX_TOKENS new tokens
+DRAFT_ROWS = 8                       # draft forwards measured over 1..DRAFT_ROWS rows (tree levels: top_k rows)
+CACHE_LENGTHS = (128, 512)           # prefix lengths the target curve is averaged over
+REPEATS = 2                          # timings per (T, cache length); the median is kept
+CALIBRATION_DEPTH = 8                # draft depths a calibration measures
+CALIBRATION_RANKS = 8                # draft ranks a calibration tells apart (deeper ranks count as misses)
+AUTO_KS = tuple(range(1, 9))         # chain depths `auto` considers
+AUTO_TREES = tuple(TreeSpec(b, k, d) for b in (2, 3, 4, 6, 8, 12, 16, 24, 31) for k in (1, 2, 3, 4, 6, 8)
+                   for d in range(2, 9) if k <= b <= k + (d - 1) * k * k)   # shapes `auto` considers
+FORMAT = 1                           # of the cached curves
+
+
+# ----------------------------------------------------------------------------- the cost curve
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Measured seconds: target[T-1] of a verification forward over T new tokens, draft[T-1] of a draft
+    forward over T rows. Beyond the measured range both are extended linearly from their last two points."""
+
+    device: str
+    dtype: str
+    threads: int
+    target: tuple[float, ...]
+    draft: tuple[float, ...]
+    cache_lengths: tuple[int, ...] = CACHE_LENGTHS
+
+    def target_s(self, T: int) -> float:
+        return _at(self.target, T)
+
+    def draft_s(self, T: int) -> float:
+        return _at(self.draft, T)
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype, "threads": self.threads,
+                "cost_curve": [{"tokens": i + 1, "seconds": s} for i, s in enumerate(self.target)],
+                "draft_curve": [{"rows": i + 1, "seconds": s} for i, s in enumerate(self.draft)],
+                "draft_step_seconds": self.draft[0], "cache_lengths": list(self.cache_lengths)}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "CostCurve":
+        target = [p["seconds"] for p in obj["cost_curve"]]
+        draft = [p["seconds"] for p in obj["draft_curve"]]
+        assert [p["tokens"] for p in obj["cost_curve"]] == list(range(1, len(target) + 1)), obj["cost_curve"]
+        assert target and draft, "a cost curve needs at least one point of each kind"
+        return cls(obj["device"], obj["dtype"], int(obj["threads"]), tuple(target), tuple(draft),
+                   tuple(obj.get("cache_lengths", CACHE_LENGTHS)))
+
+
+def _at(points: Sequence[float], T: int) -> float:
+    if T < 1:
+        raise ValueError(f"a forward over {T} tokens")
+    if T <= len(points):
+        return float(points[T - 1])
+    slope = points[-1] - points[-2] if len(points) > 1 else 0.0
+    return float(points[-1] + max(slope, 0.0) * (T - len(points)))
+
+
+def time_calls(run: Callable[[int], None], sizes: Sequence[int], repeats: int = REPEATS,
+               clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Median seconds of run(size) for each size; the sizes are interleaved so a load change hits all alike."""
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for i, n in enumerate(sizes):
+            sync()
+            t0 = clock()
+            run(n)
+            sync()
+            times[i].append(clock() - t0)
+    return [sorted(t)[len(t) // 2] if len(t) % 2 else sum(sorted(t)[len(t) // 2 - 1:len(t) // 2 + 1]) / 2
+            for t in times]
+
+
+def measure_target(model, *, max_tokens: int = MAX_TOKENS, cache_lengths: Sequence[int] = CACHE_LENGTHS,
+                   repeats: int = REPEATS, aux_layers: Sequence[int] | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Seconds of a verification forward over T = 1..max_tokens new tokens after a prefix of each cache
+    length, averaged over the cache lengths: [max_tokens]. The forward is specdec's, hidden states included."""
+    device, V = model.device, model.config.vocab_size
+    aux = list(aux_layers) if aux_layers is not None else [model.config.num_hidden_layers - 1]
+    gen = torch.Generator().manual_seed(0)
+    per_length = []
+    with torch.inference_mode():
+        for L in cache_lengths:
+            L = min(L, _context(model) - max_tokens)
+            cache = specdec.new_cache(model)
+            prefix = torch.randint(0, V, (L,), generator=gen).tolist()
+            specdec._target_forward(model, prefix, torch.arange(L, device=device), cache, last_only=True)
+            new = torch.randint(0, V, (max_tokens,), generator=gen).tolist()
+
+            def run(T):
+                specdec._target_forward(model, new[:T], torch.arange(L, L + T, device=device), cache, aux)
+                specdec.crop_cache(cache, L)
+
+            run(max_tokens)                                  # warm-up: first calls pay one-time costs
+            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: _sync(device)))
+    return [sum(col) / len(col) for col in zip(*per_length)]
+
+
+def measure_draft(model, draft, *, max_rows: int = DRAFT_ROWS, cache_length: int = 256,
+                  repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Seconds of one draft forward over T = 1..max_rows rows after `cache_length` step-1 rows: [max_rows]."""
+    device, V = model.device, model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    L = min(cache_length, _context(model) - 2)
+    width = len(draft.aux_layers) * model.config.hidden_size
+    with torch.inference_mode():
+        dr = specdec._Draft(draft, device)
+        dr.add_rows(torch.randint(0, V, (L,), generator=gen).tolist(), torch.randn(L, width, generator=gen).to(device))
+        dr.feed()
+        ids = torch.randint(0, V, (max_rows,), generator=gen).to(device)
+        h = draft.fuse(torch.randn(1, max_rows, width, generator=gen).to(device))[0]
+
+        def run(T):
+            dr.step(ids[:T], h[:T], torch.full((T,), L, device=device))
+            dr.rewind()
+
+        run(max_rows)
+        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: _sync(device))
+
+
+def default_draft(loaded) -> DraftHead:
+    """An untrained draft of the shape `train-draft` builds by default: it costs what a trained one costs."""
+    cfg = loaded.model.config
+    n = cfg.num_hidden_layers
+    layers = sorted({max(n // 15, 0), n // 2, max(n - 3, 0)})
+    V = min(TrainOptions.draft_vocab, cfg.vocab_size)
+    head = DraftHead(DraftConfig.from_target(cfg, layers, V), embed_weight=loaded.model.get_input_embeddings().weight)
+    return head.to(loaded.device).eval()
+
+
+def curve_key(loaded, draft=None) -> str:
+    """Store key of a cost curve: the target's weights, device, dtype and threads, and the draft's shape."""
+    shape = None
+    if draft is not None:
+        c = draft.config
+        shape = [c.hidden_size, c.draft_vocab_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads]
+    return make_key({"fingerprint": loaded.fingerprint, "device": str(loaded.device), "dtype": str(loaded.dtype),
+                     "threads": torch.get_num_threads(), "draft": shape, "format": FORMAT})
+
+
+def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,
+               cache_lengths: Sequence[int] = CACHE_LENGTHS, repeats: int = REPEATS) -> CostCurve:
+    """The cost curve of `loaded` (a LoadedModel) with `draft` (default: an untrained draft of the default
+    shape), measured once per (weights, device, dtype, threads, draft shape) and then read from the store."""
+    draft = draft if draft is not None else default_draft(loaded)
+    key = curve_key(loaded, draft)
+    if store is not None and not fresh:
+        cached = store.get_json("costcurve", key)
+        if cached is not None and len(cached["cost_curve"]) >= max_tokens:
+            return CostCurve.from_json(cached)
+    target = measure_target(loaded.model, max_tokens=max_tokens, cache_lengths=cache_lengths, repeats=repeats,
+                            aux_layers=draft.aux_layers)
+    drafts = measure_draft(loaded.model, draft, repeats=repeats)
+    curve = CostCurve(str(loaded.device), str(loaded.dtype).replace("torch.", ""), torch.get_num_threads(),
+                      tuple(target), tuple(drafts), tuple(cache_lengths))
+    if store is not None:
+        store.put_json("costcurve", key, curve.to_json())
+    return curve
+
+
+def _context(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    """chain[i-1]: P(draft tokens 1..i of a chain all accepted); rank[j-1][r]: P(the target's token at
+    depth j is the draft's (r+1)-th choice | the path above matched). rows: positions measured."""
+
+    chain: tuple[float, ...]
+    rank: tuple[tuple[float, ...], ...]
+    rows: int = 0
+
+    def __post_init__(self):
+        if len(self.rank) != len(self.chain) or any(not r for r in self.rank):
+            raise ValueError("an acceptance profile needs one rank row per chain depth")
+
+    def p(self, depth: int, r: int) -> float:
+        """rank acceptance, 0 beyond what was measured."""
+        if depth > len(self.rank) or r >= len(self.rank[depth - 1]):
+            return 0.0
+        return self.rank[depth - 1][r]
+
+    def to_json(self) -> dict:
+        return {"chain": list(self.chain), "rank": [list(r) for r in self.rank], "rows": self.rows}
+
+    @classmethod
+    def from_chain(cls, acceptance: Sequence[float]) -> "AcceptanceProfile":
+        """From a chain's acceptance by position alone (e.g. a bench result): only first choices are known."""
+        chain = tuple(float(a) for a in acceptance)
+        cond = [chain[0]] + [chain[i] / chain[i - 1] if chain[i - 1] > 0 else 0.0 for i in range(1, len(chain))]
+        return cls(chain, tuple((c,) for c in cond))
+
+
+def draft_ranks(model, draft, ids: Sequence[int], start: int, depth: int = CALIBRATION_DEPTH) -> torch.Tensor:
+    """Rank of the true token in the draft's prediction at each depth, teacher-forced along `ids`.
+
+    ids: prompt + the target's own greedy continuation; start = the prompt's length. Row t (start-1 <= t)
+    is the decoding state whose root is x_{t+1}; depth j predicts x_{t+j+1} from the true tokens above it,
+    exactly as the decoder's draft does when the path matched (DraftHead.unroll, the training-time test).
+    Returns int64 [rows, depth]: 0 = first choice; -1 where x_{t+j+1} is past the end; a token outside the
+    draft vocabulary gets the draft vocabulary's size (never a choice).
+    """
+    n = len(ids)
+    x = torch.tensor(ids, device=model.device)
+    with torch.inference_mode():
+        cache = specdec.new_cache(model)
+        _, aux = specdec._target_forward(model, ids, torch.arange(n, device=model.device), cache, draft.aux_layers)
+        g = draft.fuse(aux[None])                                            # [1, n, d]
+        T = n - 1                                                            # rows 0..n-2 read x_{t+1}
+        pad = torch.cat([x, x.new_zeros(depth)])
+        inputs = [pad[j:j + T][None] for j in range(1, depth + 1)]          # step j reads x_{t+j}
+        outs = draft.unroll(inputs, g[:, :T], torch.arange(T, device=model.device)[None])
+        dmap = torch.cumsum(draft.t2d.long(), 0) - 1                         # target id -> draft id
+        Vd = draft.config.draft_vocab_size
+        ranks = []
+        for j, (logits, _) in enumerate(outs, start=1):
+            true = pad[j + 1:j + 1 + T]                                      # x_{t+j+1}
+            lg = logits[0].float()
+            did = dmap[true].clamp_min(0)
+            r = (lg > lg.gather(1, did[:, None])).sum(1)
+            r = torch.where(draft.t2d[true], r, torch.full_like(r, Vd))
+            valid = torch.arange(T, device=model.device) + j + 1 < n
+            ranks.append(torch.where(valid, r, torch.full_like(r, -1)))
+    return torch.stack(ranks, 1)[start - 1:].cpu()
+
+
+def profile_from_ranks(ranks: torch.Tensor, max_rank: int = CALIBRATION_RANKS) -> AcceptanceProfile:
+    """ranks [rows, depth] from draft_ranks (several prompts stacked) -> AcceptanceProfile."""
+    depth = ranks.shape[1]
+    chain, rank = [], []
+    for j in range(depth):
+        seen = ranks[:, j] >= 0
+        first = (ranks[:, :j + 1] == 0).all(1)
+        chain.append(float(first[seen].float().mean()) if seen.any() else 0.0)
+        above = seen & ((ranks[:, :j] >= 0) & (ranks[:, :j] < max_rank)).all(1)   # the path above is in a tree
+        n = int(above.sum())
+        rank.append(tuple(float(((ranks[above, j] == r).sum()) / n) if n else 0.0 for r in range(max_rank)))
+    return AcceptanceProfile(tuple(chain), tuple(rank), int((ranks[:, 0] >= 0).sum()))
+
+
+def calibrate(model, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 48, eos_token_id=None,
+              depth: int = CALIBRATION_DEPTH) -> AcceptanceProfile:
+    """Acceptance of `draft` on the target's own greedy continuations of `prompts` (token id lists)."""
+    if not prompts:
+        raise LayerScopeError("a calibration needs at least one prompt", "Give one or more prompts")
+    ranks = []
+    for ids in prompts:
+        out, _ = specdec.collect(specdec.autoregressive(model, ids, max_new_tokens, eos_token_id=eos_token_id))
+        ranks.append(draft_ranks(model, draft, list(ids) + out, len(ids), depth))
+    return profile_from_ranks(torch.cat(ranks))
+
+
+# ----------------------------------------------------------------------------- prediction
+
+
+@dataclass(frozen=True)
+class Prediction:
+    decoding: str                    # "autoregressive", "chain k=K" or "tree budget=B top_k=k depth=D"
+    k: int | None
+    tree: TreeSpec | None
+    tau: float                       # expected tokens per target forward
+    step_seconds: float
+    tokens_per_s: float
+    speedup: float                   # over plain decoding on the same curve
+    break_even_tau: float            # the tau at which this decoding matches plain decoding
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["tree"] = asdict(self.tree) if self.tree else None
+        return out
+
+
+def tree_label(t: TreeSpec) -> str:
+    return f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}"
+
+
+def expected_tree_accepted(profile: AcceptanceProfile, spec: TreeSpec) -> float:
+    """Expected accepted nodes of the tree EAGLE-2 grows (specdec._grow_tree) when a node's value is the
+    product of rank acceptances along its path: level by level the top_k best nodes each get top_k children,
+    the `budget` best nodes of the whole tree are verified; a node is accepted with probability its value."""
+    K = spec.top_k
+    nodes = [profile.p(1, r) for r in range(K)]                 # values of all nodes so far
+    front = list(nodes)
+    for level in range(2, spec.depth + 1):
+        cand = [v * profile.p(level, r) for v in front for r in range(K)]
+        nodes += cand
+        front = sorted(cand, reverse=True)[:K]
+    return sum(sorted(nodes, reverse=True)[:spec.budget])
+
+
+def predict(curve: CostCurve, profile: AcceptanceProfile | None, *, k: int | None = None,
+            tree: TreeSpec | None = None) -> Prediction:
+    """Predicted tau, step time, tokens/s and speedup of plain decoding (no k, no tree), a chain or a tree."""
+    base = curve.target_s(1)
+    if tree is not None:
+        tau = 1.0 + expected_tree_accepted(profile, tree)
+        seconds = curve.draft_s(1) + (tree.depth - 1) * curve.draft_s(tree.top_k) + curve.target_s(tree.budget + 1)
+        label = tree_label(tree)
+    elif k is not None:
+        tau = 1.0 + sum(profile.chain[:k])                 # depths past the profile: never accepted
+        seconds = k * curve.draft_s(1) + curve.target_s(k + 1)
+        label = f"chain k={k}"
+    else:
+        tau, seconds, label = 1.0, base, "autoregressive"
+    return Prediction(label, k if tree is None else None, tree, tau, seconds, tau / seconds, tau * base / seconds,
+                      seconds / base)
+
+
+def choose(curve: CostCurve, profile: AcceptanceProfile, *, ks: Sequence[int] = (),
+           trees: Sequence[TreeSpec] = ()) -> Prediction:
+    """The contender with the best predicted speedup among chains of depth `ks` and `trees`
+    (ties: the cheaper step)."""
+    options = [predict(curve, profile, k=k) for k in ks] + [predict(curve, profile, tree=t) for t in trees]
+    if not options:
+        raise ValueError("nothing to choose from")
+    return max(options, key=lambda p: (p.speedup, -p.step_seconds))
+
+
+def best_chain(curve: CostCurve, profile: AcceptanceProfile, ks: Sequence[int] = AUTO_KS) -> Prediction:
+    return choose(curve, profile, ks=[k for k in ks if k <= len(profile.chain)] or [1])
+
+
+def best_tree(curve: CostCurve, profile: AcceptanceProfile, trees: Sequence[TreeSpec] = AUTO_TREES) -> Prediction:
+    return choose(curve, profile, trees=[t for t in trees if t.depth <= len(profile.rank)] or [TreeSpec(2, 1, 2)])

@@ -1,0 +1,236 @@
+"""The cost model: measured curves, predicted step times and tau against real decoding, the automatic choice."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from layerscope import costmodel as cm
+from layerscope import specdec as sd
+from layerscope.specdec import TreeSpec
+from tests.test_specdec import PROMPTS, LookupDraft, greedy_reference, untrained_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread", "cpu_clock")
+
+# The synthetic machine: a target forward over T tokens costs A + B*T more seconds, a draft forward over T rows
+# DA + DB*T, spent computing. Times are this thread's CPU time (the machine running the tests is shared and
+# busy: wall time would measure the other jobs), for the decoder's steps as for the cost curve.
+A, B, DA, DB = 0.040, 0.004, 0.004, 0.001
+CLOCK = time.thread_time
+
+
+def burn(seconds: float) -> None:
+    t0 = CLOCK()
+    while CLOCK() - t0 < seconds:
+        pass
+
+
+@pytest.fixture(scope="module")
+def cpu_clock():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sd, "clock", CLOCK)
+        yield
+
+
+class SleepyLookupDraft(LookupDraft):
+    def forward(self, input_ids, *args, **kwargs):
+        burn(DA + DB * input_ids.shape[1])
+        return super().forward(input_ids, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sleepy(tiny):
+    """A copy of the tiny target whose every forward costs A + B*T seconds on top of its own (small) cost."""
+    model = LlamaForCausalLM(tiny.model.config).eval()
+    model.load_state_dict(tiny.model.state_dict())
+    model.register_forward_pre_hook(lambda mod, args, kwargs: burn(A + B * kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    return greedy_reference(tiny.model, PROMPTS[0], 40)
+
+
+def _every_third_wrong(ref, vocab):
+    """A draft whose first choice is wrong at every third position (the right token ranks second)."""
+    ids = PROMPTS[0]
+    return SleepyLookupDraft(ids + ref, vocab, wrong=range(len(ids) + 3, len(ids) + 60, 3))
+
+
+def _curve(model, draft, max_tokens=7):
+    target = cm.measure_target(model, max_tokens=max_tokens, cache_lengths=(16,), repeats=3,
+                               aux_layers=draft.aux_layers, clock=CLOCK)
+    return cm.CostCurve("cpu", "float32", 1, tuple(target),
+                        tuple(cm.measure_draft(model, draft, max_rows=4, cache_length=16, repeats=3, clock=CLOCK)))
+
+
+@pytest.fixture(scope="module")
+def curve(sleepy, ref):
+    """The measured curve of the synthetic machine (T = 1..7, draft rows 1..4)."""
+    return _curve(sleepy, _every_third_wrong(ref, sleepy.config.vocab_size))
+
+
+def _steps(decoder):
+    """(tokens, median seconds) of the decoding steps, the prefill and the last (shortened) step left out."""
+    _, events = sd.collect(decoder)
+    events = events[1:-1]
+    return sum(len(e.tokens) for e in events) / len(events), statistics.median(e.elapsed_s for e in events)
+
+
+# ----------------------------------------------------------------------------- curves
+
+
+def test_time_calls_measures_the_cost_function():
+    """With a clock the workload itself advances, the measured curve is the cost function exactly."""
+    now = [0.0]
+    cost = lambda T: 0.01 + 0.002 * T ** 1.5
+    times = cm.time_calls(lambda T: now.__setitem__(0, now[0] + cost(T)), range(1, 33), repeats=3,
+                          clock=lambda: now[0])
+    assert times == pytest.approx([cost(T) for T in range(1, 33)], rel=1e-9)
+
+
+def test_measured_curve_of_a_synthetic_target(tiny, curve, ref):
+    """The curve of the slowed-down copy is the tiny model's own curve plus the added cost function."""
+    own = _curve(tiny.model, LookupDraft(ref, tiny.model.config.vocab_size))
+    for T in range(1, 8):
+        assert curve.target_s(T) - own.target_s(T) == pytest.approx(A + B * T, abs=0.15 * A), T
+    for T in range(1, 5):
+        assert curve.draft_s(T) - own.draft_s(T) == pytest.approx(DA + DB * T, abs=0.5 * DA), T
+    assert curve.target_s(9) == pytest.approx(curve.target_s(7) + 2 * (curve.target_s(7) - curve.target_s(6)))
+    again = cm.CostCurve.from_json(curve.to_json())
+    assert again == curve
+
+
+def test_prediction_equals_measured_decoding_on_a_synthetic_cost(sleepy, curve, ref):
+    """Step seconds and tokens/s predicted from the measured curve match real decoding of plain, chain and tree
+    on a target and draft with a known cost function (the draft's acceptance given as measured)."""
+    ids = PROMPTS[0]
+    draft = _every_third_wrong(ref, sleepy.config.vocab_size)
+    _, plain = _steps(sd.autoregressive(sleepy, ids, 10))
+    assert plain == pytest.approx(cm.predict(curve, None).step_seconds, rel=0.1)
+    for k in (1, 3):
+        _, events = sd.collect(sd.speculative(sleepy, draft, ids, 18, k=k))
+        steps = [e for e in events[1:] if e.drafted == k]
+        acc = [sum(e.accepted_mask[i] for e in steps) / len(steps) for i in range(k)]
+        pred = cm.predict(curve, cm.AcceptanceProfile.from_chain(acc), k=k)
+        tau = sum(len(e.tokens) for e in steps) / len(steps)
+        assert pred.tau == pytest.approx(tau, rel=1e-9)
+        assert pred.step_seconds == pytest.approx(statistics.median(e.elapsed_s for e in steps), rel=0.1), k
+        measured_speedup = tau / statistics.mean(e.elapsed_s for e in steps) * plain
+        assert pred.speedup == pytest.approx(measured_speedup, rel=0.12), k
+    tree = TreeSpec(6, 2, 4)
+    _, seconds = _steps(sd.speculative(sleepy, draft, ids, 18, tree=tree))
+    assert cm.predict(curve, cm.AcceptanceProfile((1.0,) * 4, ((1.0,),) * 4), tree=tree).step_seconds == \
+        pytest.approx(seconds, rel=0.1)
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def test_profile_from_ranks_closed_form():
+    ranks = torch.tensor([[0, 0, 1], [0, 1, -1], [2, 0, 0], [0, 0, 0]])
+    p = cm.profile_from_ranks(ranks, max_rank=3)
+    assert p.chain == pytest.approx((3 / 4, 2 / 4, 1 / 3))
+    assert p.rank[0] == pytest.approx((3 / 4, 0, 1 / 4))
+    assert p.rank[1] == pytest.approx((3 / 4, 1 / 4, 0))
+    assert p.rank[2] == pytest.approx((2 / 3, 1 / 3, 0))
+    assert p.rows == 4
+
+
+def test_expected_tree_acceptance_closed_form():
+    p = cm.AcceptanceProfile((0.5, 0.25), ((0.5, 0.2), (0.5, 0.2)))
+    # nodes: depth 1: .5, .2; depth 2: .25, .1, .1, .04 -> the best three: .5 + .25 + .2
+    assert cm.expected_tree_accepted(p, TreeSpec(3, 2, 2)) == pytest.approx(0.95)
+    assert cm.predict(_flat(), p, tree=TreeSpec(3, 2, 2)).tau == pytest.approx(1.95)
+    # a one-child-per-node tree is a chain: the same tau as the chain from the same first choices
+    chain = cm.AcceptanceProfile.from_chain([0.8, 0.5, 0.3, 0.1])
+    for d in (1, 2, 4):
+        assert cm.predict(_flat(), chain, tree=TreeSpec(d, 1, d)).tau == pytest.approx(cm.predict(_flat(), chain, k=d).tau)
+
+
+def _flat():
+    return cm.CostCurve("cpu", "float32", 1, tuple(0.1 for _ in range(32)), (0.01,) * 8)
+
+
+def test_break_even_and_speedup_closed_form():
+    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.05 + 0.01 * T for T in range(1, 33)), (0.005,) * 8)
+    prof = cm.AcceptanceProfile.from_chain([0.6, 0.3])
+    pred = cm.predict(curve, prof, k=2)
+    seconds = 2 * 0.005 + 0.05 + 0.03
+    assert pred.step_seconds == pytest.approx(seconds)
+    assert pred.tau == pytest.approx(1.9)
+    assert pred.speedup == pytest.approx(1.9 * 0.06 / seconds)
+    assert pred.break_even_tau == pytest.approx(seconds / 0.06)
+
+
+def test_calibration_ranks_match_the_decoders_draft(target_and_ref):
+    """draft_ranks (teacher-forced, all rows at once) gives, at each decoding state, the rank of the true next
+    tokens in the distribution the decoder's draft computes there (depth 1 by feed, depth 2 by a step)."""
+    model, ids, ref = target_and_ref
+    draft = untrained_draft(model, seed=7)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(20)                          # clear rankings, no near-ties
+    seq = ids + ref
+    ranks = cm.draft_ranks(model, draft, seq, len(ids), depth=3)
+    assert ranks.shape == (len(ref), 3) and (ranks[-1] == -1).all() and (ranks[-3, :2] >= 0).all()
+    tids = draft.to_target_ids(torch.arange(draft.config.draft_vocab_size))
+
+    def rank(lg, tok):
+        where = (tids == tok).nonzero()
+        return int((lg > lg[where[0, 0]]).sum()) if len(where) else draft.config.draft_vocab_size
+
+    for s in (len(ids), len(ids) + 3, len(ids) + 7):
+        cache, d = sd.new_cache(model), sd._Draft(draft, model.device)
+        with torch.inference_mode():
+            _, aux = sd._target_forward(model, seq[:s], torch.arange(s), cache, draft.aux_layers)
+            d.add_rows(seq[1:s + 1], aux)
+            lg, hidden = d.feed()
+            assert rank(lg, seq[s + 1]) == ranks[s - len(ids), 0], s
+            lg2, _ = d.step([seq[s + 1]], hidden[None], torch.tensor([s]))
+            assert rank(lg2[0], seq[s + 2]) == ranks[s - len(ids), 1], s
+
+
+@pytest.fixture(scope="module")
+def target_and_ref(tiny, ref):
+    return tiny.model, PROMPTS[0], ref
+
+
+def test_calibrate_runs_on_a_real_draft(tiny):
+    draft = untrained_draft(tiny.model)
+    prof = cm.calibrate(tiny.model, draft, PROMPTS[:2], max_new_tokens=12, depth=4)
+    assert len(prof.chain) == 4 and len(prof.rank) == 4 and prof.rows == 2 * 11     # 12 new tokens: 11 states with a next token to predict
+    assert all(0 <= a <= 1 for a in prof.chain) and list(prof.chain) == sorted(prof.chain, reverse=True)
+    assert all(sum(r) <= 1 + 1e-9 for r in prof.rank)
+
+
+# ----------------------------------------------------------------------------- the automatic choice
+
+
+def test_auto_picks_the_best_contender(sleepy, curve, ref):
+    """A draft whose first choice misses every third token (the right one is its second choice): a chain
+    accepts at most 2 a step, a top-2 tree gets past the misses. With the constructed profile of that draft
+    and the machine's measured curve, `auto` picks a contender whose measured speedup is the best within 5%."""
+    ids = PROMPTS[0]
+    draft = _every_third_wrong(ref, sleepy.config.vocab_size)
+    profile = cm.AcceptanceProfile((1.0, 1.0, 0.0, 0.0, 0.0, 0.0),
+                                   tuple((1.0, 0.0) if j % 3 else (0.0, 1.0) for j in range(1, 7)))
+    ks, trees = [1, 2, 3], [TreeSpec(4, 2, 3), TreeSpec(6, 2, 4)]
+    chosen = cm.choose(curve, profile, ks=ks, trees=trees)
+    assert cm.best_chain(curve, profile, ks).k == 2                    # a chain never gets past a miss
+    _, plain = _steps(sd.autoregressive(sleepy, ids, 8))
+    measured = {}
+    for kw in [{"k": k} for k in ks] + [{"tree": t} for t in trees]:
+        out, events = sd.collect(sd.speculative(sleepy, draft, ids, 20, **kw))
+        assert out == ref[:20]
+        steps = events[1:]
+        measured[cm.predict(curve, profile, **kw).decoding] = \
+            sum(len(e.tokens) for e in steps) / sum(e.elapsed_s for e in steps) * plain
+    best = max(measured.values())
+    assert chosen.tree is not None
+    assert measured[chosen.decoding] >= 0.95 * best, (chosen.decoding, measured)
