@@ -9,7 +9,7 @@ from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import commit
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import fmt_seconds, guard, job_status, poll_interval, show_error, table
+from layerscope.ui.widgets import fmt_seconds, guard, job_status, md_text, poll_interval, show_error, table
 
 s, store = page_header("Capture hidden states",
                        "The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
@@ -55,9 +55,9 @@ with right:
             ps = apply.preview_prompts(prompt_spec, int(st.session_state.ls_w_cap_limit), int(st.session_state.ls_w_cap_seed))
             readable = bool(ps.prompts)
             rows = [{"id": p.id, "category": p.category, "prompt": p.turns[0][:160]} for p in ps.prompts[:200]]
-            st.caption(f"{ps.name}: {len(ps.prompts)} prompts (after the limit)")
+            st.caption(f"{md_text(ps.name)}: {len(ps.prompts)} prompts (after the limit)")
             if ps.warnings:
-                st.warning(f"{len(ps.warnings)} line(s) skipped: " + "; ".join(ps.warnings[:3]))
+                st.warning(f"{len(ps.warnings)} line(s) skipped: " + md_text("; ".join(ps.warnings[:3])))
             st.dataframe(pd.DataFrame(rows), hide_index=True, height=260, width="stretch")
         if not readable:
             prompt_spec = None

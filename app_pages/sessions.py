@@ -8,9 +8,10 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import session as sessions
+from layerscope.ui import report
 from layerscope.ui.state import switch_to
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import guard, table
+from layerscope.ui.widgets import guard, md_text, table
 
 s, store = page_header("Sessions",
                        "A session is everything on these pages: the capture, analysis options, statistics, layer sets, "
@@ -37,14 +38,19 @@ with left:
                 st.error("**A session needs a name to be saved.** Type one above.")
             else:
                 sessions.save(s, store, name=name)
-                st.success(f"Saved as “{s.name}”.")
-    summary.markdown(f"**{s.title()}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
+                st.success(f"Saved as “{md_text(s.name)}”.")
+    summary.markdown(f"**{md_text(s.title())}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
     st.code(share_link(s.id), language=None)
     st.download_button("Download session file (.zip)", data=lambda: sessions.export_bytes(s),
                        file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}.zip",
                        mime="application/zip", key="ls_sess_download", on_click="ignore", icon=":material/download:")
+    st.download_button("Download report (HTML)", data=lambda: report.session_report(s).encode(),
+                       file_name=f"layerscope-report-{s.id}.html", mime="text/html", key="ls_sess_report",
+                       on_click="ignore", icon=":material/description:",
+                       help="One self-contained page: the statistics, ranked layer sets and recommendation, benchmark "
+                            "and study results, with interactive figures that open without a network")
 
 with right:
     st.subheader("Import a session file")

@@ -566,3 +566,25 @@ def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
     assert "2 drafts × 300 training steps" in cost and "training about 20 min" in cost and "benchmark about 72 s" in cost
     assert set_label(["greedy", "manual"], [1, 9, 20], [{"name": "mine", "layers": [1, 9, 20]}]) == "greedy, also mine"
     assert set_label(["default"], [2, 15, 27]) == "default"
+
+
+def test_session_report_is_one_self_contained_page(app_store, copy_of):
+    from html.parser import HTMLParser
+
+    from layerscope.ui.report import session_report
+
+    s = sessions.load(app_store, copy_of)
+    s.name = "<script>alert(1)</script> **bold**"
+    s.add_layer_set("mine & yours", [1, 2])
+    page = session_report(s)
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt; **bold**" in page
+    assert "<script src=" not in page and "<script type=\"text/javascript\" src=" not in page   # plotly.js inlined
+    assert page.count("Plotly.newPlot") == 2                                # entropy curve and CKA heatmap
+    assert "Verdict." in page and "Recommended: " in page and "ranked by aggregate entropy" in page
+    HTMLParser().feed(page)                                                 # parses
+
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/sessions.py").run()
+    no_exception(at)
+    assert "ls_sess_report" in [b.key for b in at.get("download_button")]

@@ -173,7 +173,7 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
     per job on the page; the outcome after."""
     if view.running:
         p = view.progress if view.progress is not None else 0.0
-        parts = [f"{view.title}: {view.message}" + (" (cancelling…)" if view.cancel_requested else "")]
+        parts = [f"{md_text(view.title)}: {md_text(view.message)}" + (" (cancelling…)" if view.cancel_requested else "")]
         rate = rate_text(view)
         if rate:
             parts.append(rate)
@@ -190,10 +190,10 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
     elif view.state == FAILED:
         show_error(view.error or "The job failed", view.fix)
     elif view.state == CANCELLED:
-        st.warning(f"{view.title} was cancelled after {fmt_seconds(view.elapsed)}. "
+        st.warning(f"{md_text(view.title)} was cancelled after {fmt_seconds(view.elapsed)}. "
                    + (view.fix or ""), icon=":material/stop_circle:")
     elif view.state == DONE:
-        st.success(f"{view.title}: done in {fmt_seconds(view.elapsed)}.", icon=":material/check_circle:")
+        st.success(f"{md_text(view.title)}: done in {fmt_seconds(view.elapsed)}.", icon=":material/check_circle:")
 
 
 def poll_interval(view: JobView | None, seconds: float = 1.0) -> float | None:
