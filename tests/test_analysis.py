@@ -211,5 +211,7 @@ def test_cli_text_and_errors(tiny_capture, session_store, capsys):
     assert code == 2 and "outside" in err
     code, _, err = run_cli(capsys, "select", *base, "--k", "9")
     assert code == 2 and "exceeds" in err
-    code, _, err = run_cli(capsys, "analyze", "nosuchkey", "--store", str(session_store.root))
+    code, _, err = run_cli(capsys, "analyze", "abcdef012345", "--store", str(session_store.root))   # hex, absent
     assert code == 2 and "No capture" in err
+    code, _, err = run_cli(capsys, "analyze", "nosuchkey", "--store", str(session_store.root))      # not a key
+    assert code == 2 and "not a capture key" in err
