@@ -11,17 +11,24 @@ On disk a session is one archive, ``<store>/sessions/<id>/session.zip``, holding
     session.json          {"layerscope_session": FORMAT, "session": {...}}   (JSON, UTF-8)
     arrays.safetensors    named float tensors (optional)
 
-The same archive is the downloadable/shareable file. Loading validates every field and tensor and
-refuses anything else with a `SessionError`; JSON and safetensors cannot execute code.
+The same archive is the downloadable/shareable file. Loading validates every field and tensor
+against one schema (SCHEMA below: types, ranges, sizes, ids matched in full; every field a page
+reads) and refuses anything else with a `SessionError`; JSON and safetensors cannot execute code.
+Saving checks the archive it is about to write with the same validation, so a session that saves
+always loads again, and an imported one always opens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import re
+import os
 import secrets
+import stat
+import time
 import zipfile
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
@@ -32,8 +39,9 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
-from layerscope.errors import SessionError
-from layerscope.store import atomic_write_bytes
+from layerscope.analysis import AnalysisOptions
+from layerscope.errors import LayerScopeError, SessionError
+from layerscope.store import KEY_RE, atomic_write_bytes
 
 FORMAT = 1
 ARCHIVE_NAME = "session.zip"
@@ -41,8 +49,15 @@ JSON_MEMBER = "session.json"
 ARRAYS_MEMBER = "arrays.safetensors"
 MAX_JSON_BYTES = 16 * 2**20
 MAX_ARRAYS_BYTES = 256 * 2**20
-ID_RE = re.compile(r"^[0-9a-f]{12}$")
+MAX_ARCHIVE_BYTES = MAX_JSON_BYTES + MAX_ARRAYS_BYTES   # the archive itself (compressed), on import and on save
+ID_RE = re.compile(r"[0-9a-f]{12}")           # matched in full (re.fullmatch): no trailing newline
 NAME_MAX = 120
+TEXT_MAX = 4096                               # any other string field
+NOTES_MAX = 100_000
+LIST_MAX = 1000                               # layer sets, drafts, benchmark runs, rows of one result
+STUDY_MAX = 100
+MAX_LAYERS = 10_000
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Layer statistics that are stored as tensors rather than JSON lists: LayerStats decides which.
 ARRAY_KEYS = ARRAY_FIELDS
 
@@ -56,7 +71,7 @@ def now_iso() -> str:
 
 
 def valid_id(sid) -> bool:
-    return isinstance(sid, str) and bool(ID_RE.match(sid))
+    return isinstance(sid, str) and bool(ID_RE.fullmatch(sid))
 
 
 @dataclass
@@ -107,7 +122,10 @@ class Session:
         """The statistics snapshot as one plain dict (tensors as lists), or None when there is none."""
         if not self.has_stats:
             return None
-        return join_arrays({k: v for k, v in self.arrays.items() if k in ARRAY_KEYS}, self.stats)
+        out = join_arrays({k: v for k, v in self.arrays.items() if k in ARRAY_KEYS}, self.stats)
+        if out.get("num_layers") is None:      # pages read it; the tensors say it exactly (checked on load)
+            out["num_layers"] = int(self.arrays["entropy"].shape[0]) - 1
+        return out
 
     def add_layer_set(self, name: str, layers, strategy: str = "manual") -> dict:
         """Add a set to test (or rename the existing entry with the same layers). Returns the entry."""
@@ -186,6 +204,8 @@ def _refuse(source: str, problem: str, fix: str = "Export the session again from
 def _read_archive(data: bytes, source: str, with_arrays: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     if not isinstance(data, (bytes, bytearray)) or not data:
         _refuse(source, "it is empty")
+    if len(data) > MAX_ARCHIVE_BYTES:
+        _refuse(source, f"it is larger than {MAX_ARCHIVE_BYTES >> 20} MiB")
     try:
         z = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile:
@@ -247,6 +267,179 @@ def _layers_ok(layers, n: int | None) -> bool:
     return all(0 <= x <= (n if n is not None else 10_000) for x in layers)
 
 
+# The schema. A spec is a type name ("int", "num", "bool", "str", "name", "key", "json"), ("opt", spec) for a
+# value that may be null, ("list", spec, max) , ("map", spec) (string keys), ("either", spec, spec), or
+# ("obj", {field: spec}, strict): known fields typed, fields marked ("req", spec) must be present, and other
+# fields refused (strict) or only bounded as JSON (records written by newer code).
+def _opt(spec):
+    return ("opt", spec)
+
+
+def _req(spec):
+    return ("req", spec)
+
+
+NUMS = ("list", "num", 100_000)
+PAIRS = ("list", ("list", "int", 2), 64)
+CAPTURE_SCHEMA = ("obj", {
+    "key": _opt("key"), "model": _opt("str"), "num_layers": _opt(("range", 1, MAX_LAYERS)),
+    "hidden_size": _opt(("range", 1, 10**6)), "tokens": _opt(("range", 0, 10**13)),
+    "conversations": _opt(("range", 0, 10**9)), "prompt_set": _opt("str"), "created": _opt("str"),
+    "seconds": _opt("num"), "fingerprint": _opt("str"), "size_bytes": _opt("int"), "problem": _opt("str"),
+}, False)
+ANALYSIS_SCHEMA = ("obj", {
+    "alpha": "num", "min_entropy": _opt("num"), "quantile": _opt("num"), "response_only": "bool",
+    "outlier_factor": _opt("num"), "max_tokens": _opt("int"), "seed": "int", "rank": _opt("int"), "debiased": "bool",
+    "kernel": "str",
+}, True)
+STATS_SCHEMA = ("obj", {
+    "capture_key": _opt("str"), "num_layers": _opt(("range", 1, MAX_LAYERS)), "hidden_size": _opt("int"),
+    "alpha": _opt("num"), "tokens_total": _opt("int"), "tokens_kept": _opt("int"), "outliers_dropped": _opt("int"),
+    "prompts_used": _opt("int"), "threshold": _opt("num"), "compartments": _opt(PAIRS),
+    "compartments_by_k": _opt(("map", PAIRS)), "tokens": _opt(("map", "json")), "options": _opt(("map", "json")),
+    "requested": _opt(("map", "json")), "final_state": _opt("str"), "model": _opt("str"), "cka_route": _opt("str"),
+    "key": _opt("str"), "seconds": _opt("num"), "version": _opt("int"),
+}, False)
+LAYER_SET_SCHEMA = ("obj", {"name": _req("name"), "layers": _req("json"), "strategy": _opt("str")}, True)
+DRAFT_SCHEMA = ("obj", {
+    "name": _opt("str"), "path": _req("str"), "layers": _req("json"), "strategy": _opt("str"),
+    "val_accuracy": _opt(("either", "num", NUMS)), "steps": _opt("int"), "target_fingerprint": _opt("str"),
+    "capture_key": _opt("str"), "seconds": _opt("num"),
+}, False)
+BENCH_ROW_SCHEMA = ("obj", {
+    "name": _req("str"), "layers": _opt(("list", "int", MAX_LAYERS)), "decoding": _opt("str"), "tau": _opt("num"),
+    "acceptance_by_position": _opt(NUMS), "tokens_per_s": _opt("num"), "speedup": _opt("num"),
+    "lossless": _opt("bool"),
+    "by_category": _opt(("map", ("obj", {"tau": _opt("num"), "tokens_per_s": _opt("num"), "speedup": _opt("num")},
+                                 False))),
+}, False)
+BENCH_SCHEMA = ("obj", {
+    "prompts": _opt("int"), "prompt_set": _opt("str"), "max_new_tokens": _opt("int"), "device": _opt("str"),
+    "created": _opt("str"), "results": _opt(("list", BENCH_ROW_SCHEMA, LIST_MAX)), "warnings": _opt(("list", "str", 100)),
+    # the older flat form: one contender per entry
+    "name": _opt("str"), "tau": _opt("num"), "acceptance_by_position": _opt(NUMS),
+}, False)
+STUDY_ROW_SCHEMA = ("obj", {
+    "strategies": _req(("list", "str", 64)), "layers": _req(("list", "int", MAX_LAYERS)), "draft": _req("str"),
+    "mean_entropy": _req(_opt("num")), "mean_cka": _req(_opt("num")), "aggregate_entropy": _req(_opt("num")),
+    "val_accuracy": _opt(("either", "num", NUMS)), "tau": _opt("num"), "tau_ci": _opt(("list", "num", 2)),
+    "delta_vs_default": _opt("num"), "delta_ci": _opt(("list", "num", 2)), "tau_seed_range": _opt("num"),
+    "speedup": _opt("num"), "lossless": _opt("bool"), "proxies": _opt(("map", "json")),
+}, False)
+STUDY_SCHEMA = ("obj", {
+    "rows": _req(("list", STUDY_ROW_SCHEMA, LIST_MAX)), "prompts": _req("int"), "device": _opt("str"),
+    "verdict": _opt("str"),
+    "options": _opt(("obj", {"train": _opt(("map", "json")), "prompts": _opt("str"), "max_new_tokens": _opt("int"),
+                             "depth": _opt("int")}, False)),
+    "correlations": _opt(("list", ("obj", {"proxy": _req("str"), "version": _req("str"), "rho": _req(_opt("num")),
+                                           "ci": _opt(("list", _opt("num"), 2))}, False), LIST_MAX)),
+    "best_proxies": _opt(("map", "json")), "spearman": _opt(("map", _opt("num"))),
+}, False)
+VIEW_SCHEMA = ("obj", {      # the app's widget choices: exactly the values its widgets accept
+    "entropy_scale": ("enum", "raw (nats)", "normalized"), "entropy_levels": ("list", ("enum", "dataset", "prompt"), 2),
+    "entropy_compare": "bool", "cka_estimator": ("enum", "biased", "debiased"),
+    "cka_compartments": ("range", 1, 64), "bench_run": ("range", 0, LIST_MAX),
+}, False)
+SCHEMA = ("obj", {
+    "id": _req("id"), "name": _opt("name"), "model": _opt("str"), "prompt_set": _opt("str"), "capture_key": _opt("key"),
+    "capture": CAPTURE_SCHEMA, "analysis_options": ANALYSIS_SCHEMA, "stats": STATS_SCHEMA,
+    "layer_sets": ("list", LAYER_SET_SCHEMA, LIST_MAX), "manual_picks": ("list", "int", MAX_LAYERS),
+    "drafts": ("list", DRAFT_SCHEMA, LIST_MAX), "bench_results": ("list", BENCH_SCHEMA, LIST_MAX),
+    "study": ("list", STUDY_SCHEMA, STUDY_MAX), "device": _opt("str"), "notes": ("text", NOTES_MAX),
+    "created": _opt("str"), "updated": _opt("str"), "view": VIEW_SCHEMA,
+}, True)
+
+
+def _json_ok(v, depth: int = 0) -> bool:
+    """Plain bounded JSON: finite numbers, strings up to TEXT_MAX, at most 12 levels deep."""
+    if depth > 12:
+        return False
+    if v is None or isinstance(v, bool):
+        return True
+    if isinstance(v, (int, float)):
+        return math.isfinite(v)
+    if isinstance(v, str):
+        return len(v) <= NOTES_MAX
+    if isinstance(v, list):
+        return all(_json_ok(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and len(k) <= TEXT_MAX and _json_ok(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def _schema_problem(v, spec, where: str) -> str | None:
+    """None when `v` fits `spec`, else what is wrong (naming the field)."""
+    if isinstance(spec, str):
+        ok = {
+            "int": lambda: _is_int(v) and abs(v) <= 2**53,
+            "num": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+            "bool": lambda: isinstance(v, bool),
+            "str": lambda: isinstance(v, str) and len(v) <= TEXT_MAX,
+            "name": lambda: isinstance(v, str) and 0 < len(v.strip()) <= NAME_MAX and not CONTROL.search(v),
+            "key": lambda: isinstance(v, str) and KEY_RE.fullmatch(v) is not None,
+            "id": lambda: valid_id(v),
+            "json": lambda: _json_ok(v),
+        }[spec]()
+        if ok:
+            return None
+        return {"int": "must be an integer", "num": "must be a finite number", "bool": "must be true or false",
+                "str": f"must be a string of at most {TEXT_MAX} characters",
+                "name": f"must be 1..{NAME_MAX} characters on one line",
+                "key": "must be a capture key (24 lowercase hex characters)",
+                "id": "must be 12 lowercase hex characters", "json": "holds a value that is not plain JSON"}[spec] \
+            .join([f"{where} ", ""])
+    kind = spec[0]
+    if kind == "opt":
+        return None if v is None else _schema_problem(v, spec[1], where)
+    if kind == "req":
+        return _schema_problem(v, spec[1], where)
+    if kind == "text":
+        return None if isinstance(v, str) and len(v) <= spec[1] else f"{where} must be a string of at most {spec[1]} characters"
+    if kind == "range":
+        return None if _is_int(v) and spec[1] <= v <= spec[2] else f"{where} must be an integer in {spec[1]}..{spec[2]}"
+    if kind == "enum":
+        return None if isinstance(v, str) and v in spec[1:] else f"{where} must be one of {list(spec[1:])}"
+    if kind == "either":
+        first = _schema_problem(v, spec[1], where)
+        return first if first is None else _schema_problem(v, spec[2], where)
+    if kind == "list":
+        if not isinstance(v, list) or len(v) > spec[2]:
+            return f"{where} must be a list of at most {spec[2]} items"
+        for i, x in enumerate(v):
+            problem = _schema_problem(x, spec[1], f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if kind == "map":
+        if not isinstance(v, dict) or len(v) > LIST_MAX:
+            return f"{where} must be an object of at most {LIST_MAX} fields"
+        for k, x in v.items():
+            problem = _schema_problem(x, spec[1], f"{where}.{k}"[:200])
+            if problem:
+                return problem
+        return None
+    if kind == "obj":
+        fields_, strict = spec[1], spec[2]
+        if not isinstance(v, dict):
+            return f"{where} must be an object"
+        for k, s in fields_.items():
+            if k not in v:
+                if isinstance(s, tuple) and s[0] == "req":
+                    return f"{where}.{k} is missing"
+                continue
+            problem = _schema_problem(v[k], s, f"{where}.{k}")
+            if problem:
+                return problem
+        extra = sorted(set(v) - set(fields_))
+        if extra and strict:
+            return f"{where} has unknown fields {[e[:40] for e in extra[:5]]}"
+        for k in extra:
+            if not (len(k) <= TEXT_MAX and _json_ok(v[k])):
+                return f"{where}.{k[:40]} holds a value that is not plain JSON"
+        return None
+    raise AssertionError(f"unknown schema spec {spec!r}")
+
+
 def _validate(doc, arrays: dict[str, torch.Tensor], source: str) -> Session:
     _check(isinstance(doc, dict) and "layerscope_session" in doc, source,
            "session.json has no 'layerscope_session' marker (it comes from another program)")
@@ -260,6 +453,21 @@ def _validate(doc, arrays: dict[str, torch.Tensor], source: str) -> Session:
     known = {f.name for f in fields(Session)} - {"arrays"}
     extra = sorted(set(body) - known)
     _check(not extra, source, f"unknown fields {extra[:5]}")
+    for key in ("capture", "analysis_options", "stats"):
+        _check(isinstance(body.get(key, {}), dict), source, f"field {key!r} must be an object")
+    for key in ("layer_sets", "drafts", "bench_results", "study"):
+        v = body.get(key, [])
+        _check(isinstance(v, list) and all(isinstance(x, dict) for x in v), source, f"field {key!r} must be a list of objects")
+    _check(valid_id(body.get("id")), source, "the session id must be 12 lowercase hex characters")
+    name = body.get("name")
+    _check(name is None or (isinstance(name, str) and 0 < len(name.strip()) <= NAME_MAX), source,
+           f"the name must be 1..{NAME_MAX} characters")
+    problem = _schema_problem(body, SCHEMA, "session")
+    _check(problem is None, source, (problem or "").removeprefix("session."))
+    try:
+        AnalysisOptions(**body.get("analysis_options", {})).validate()
+    except LayerScopeError as e:
+        _refuse(source, f"analysis_options: {e.problem}")
 
     _check(valid_id(body.get("id")), source, "the session id must be 12 lowercase hex characters")
     for key in ("model", "prompt_set", "device", "created", "updated"):
@@ -306,6 +514,21 @@ def _validate(doc, arrays: dict[str, torch.Tensor], source: str) -> Session:
                 _check(tuple(arrays[k].shape) == (n + 1, n + 1), source, f"tensor {k!r} must be {n + 1}×{n + 1}")
     if "token_entropy" in arrays:
         _check(arrays["token_entropy"].dim() == 1, source, "tensor 'token_entropy' must be 1-D")
+    # without a capture summary the tensors must still agree with each other (and with stats.num_layers)
+    lengths = {tuple(t.shape) for k, t in arrays.items() if k != "token_entropy"}
+    sizes = {dim for shape in lengths for dim in shape}
+    _check(len(sizes) <= 1 and all(len(shape) in (1, 2) for shape in lengths), source,
+           "the statistics tensors disagree on the number of layers")
+    stats = body.get("stats", {})
+    if sizes:
+        L = sizes.pop()
+        _check(stats.get("num_layers") in (None, L - 1), source,
+               f"stats.num_layers is {stats.get('num_layers')}, the tensors hold layers 0..{L - 1}")
+        _check(n is None or n == L - 1, source, f"the tensors hold layers 0..{L - 1}, the capture 0..{n}")
+    top = n if n is not None else stats.get("num_layers")
+    blocks = [stats.get("compartments") or []] + list((stats.get("compartments_by_k") or {}).values())
+    _check(all(0 <= a <= b <= (top if top is not None else MAX_LAYERS) for block in blocks for a, b in block), source,
+           "stats compartments must be [first, last] layer ranges inside the capture")
 
     kwargs = {k: body[k] for k in known if k in body}
     kwargs["manual_picks"] = sorted(set(picks))
@@ -335,15 +558,43 @@ def save(session: Session, store, *, name: str | None = None, touch: bool = True
     _check_id(session.id)
     if name is not None:
         name = name.strip()
-        if not name or len(name) > NAME_MAX:
-            raise SessionError(f"A session name must be 1..{NAME_MAX} characters", "Type a shorter, non-empty name")
+        if not name or len(name) > NAME_MAX or CONTROL.search(name):
+            raise SessionError(f"A session name must be 1..{NAME_MAX} characters on one line",
+                               "Type a shorter, non-empty name")
         session.name = name
     if touch:
         session.updated = now_iso()
     data = session.to_bytes()
+    if len(data) > MAX_ARCHIVE_BYTES:
+        raise SessionError(f"This session's archive would be {len(data) >> 20} MiB, over the limit of "
+                           f"{MAX_ARCHIVE_BYTES >> 20} MiB that import accepts", "Remove old benchmark runs or studies")
+    Session.from_bytes(data, source="This session")     # the checks import makes: what saves, loads again
     path = _archive_path(store, session.id)
     atomic_write_bytes(path, data)
+    _drop_stale_temps(path.parent)
     return path
+
+
+def _drop_stale_temps(directory: Path, age_s: float = 3600.0) -> None:
+    """Temporary archives of saves killed over an hour ago (a live save renames its own within seconds)."""
+    now = time.time()
+    for p in directory.glob(f".{ARCHIVE_NAME}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime > age_s:
+                p.unlink()
+
+
+def _read_file(path: Path, source: str) -> bytes:
+    """A stored archive's bytes: a regular file (not a link, pipe or device) under the size limit."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            _refuse(source, "its archive is not a regular file", "Delete it and save the session again")
+        if st.st_size > MAX_ARCHIVE_BYTES:
+            _refuse(source, f"its archive is larger than {MAX_ARCHIVE_BYTES >> 20} MiB", "Delete it")
+        return path.read_bytes()
+    except OSError as e:
+        raise SessionError(f"{source} cannot be read ({e.strerror})", "Check the store directory") from None
 
 
 def exists(store, sid: str) -> bool:
@@ -357,7 +608,7 @@ def load(store, sid: str) -> Session:
     if not path.is_file():
         raise SessionError(f"No saved session {sid} in {store.root}",
                            "Check the link, or open the Sessions page to list the saved sessions")
-    session = Session.from_bytes(path.read_bytes(), source=f"Session {sid}")
+    session = Session.from_bytes(_read_file(path, f"Session {sid}"), source=f"Session {sid}")
     if session.id != sid:
         raise SessionError(f"Session {sid} holds another session's data ({session.id})", "Delete it and save again")
     if hasattr(store, "touch"):
@@ -384,7 +635,7 @@ def list_sessions(store, *, include_unnamed: bool = True) -> list[dict]:
         if not (d.is_dir() and valid_id(d.name) and path.is_file()):
             continue
         try:
-            s = Session.from_bytes(path.read_bytes(), source=f"Session {d.name}", arrays=False)
+            s = Session.from_bytes(_read_file(path, f"Session {d.name}"), source=f"Session {d.name}", arrays=False)
         except SessionError as e:
             out.append({"id": d.name, "name": None, "error": str(e), "updated": ""})
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import zipfile
 
 import pytest
@@ -179,3 +180,115 @@ def test_nan_statistics_do_not_break_saving():
     s.set_stats({"entropy": [1.0, 2.0], "cka": [[1.0, 0.5], [0.5, 1.0]], "threshold": float("nan")})
     back = Session.from_bytes(s.to_bytes())
     assert back.stats["threshold"] is None
+
+
+# ---------------------------------------------------------------------------- the whole-session schema
+
+def _with(**changes) -> bytes:
+    """The full session's archive (with its tensors) with some JSON fields replaced."""
+    z = zipfile.ZipFile(io.BytesIO(_full_session().to_bytes()))
+    doc = _doc(**changes).replace(b"12345678.5", b"1e400")      # JSON that parses to infinity
+    return _zip({"session.json": doc, "arrays.safetensors": z.read("arrays.safetensors")})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"id": "0123456789ab\n"}, "session id"),                              # ids match in full
+    ({"capture_key": "ab" * 12 + "\n"}, "capture key"),
+    ({"capture_key": "abcdef12"}, "capture key"),                           # a prefix is not a key
+    ({"capture": {"num_layers": 5, "tokens": "many"}}, "capture.tokens must be an integer"),
+    ({"capture": {"num_layers": 5, "tokens": 12345678.5}}, "capture.tokens must be an integer"),
+    ({"capture": {"num_layers": 5, "conversations": -1}}, "capture.conversations must be an integer in 0"),
+    ({"name": "two\nlines"}, "name must be 1..120 characters"),
+    ({"notes": "x" * 100_001}, "notes must be a string of at most 100000"),
+    ({"model": "m" * 5000}, "model must be a string of at most 4096"),
+    ({"analysis_options": {"alpha": -1.0}}, "alpha must be >= 0"),
+    ({"analysis_options": {"alpha": 12345678.5}}, "alpha must be a finite number"),
+    ({"analysis_options": {"min_entropy": "0.5"}}, "min_entropy must be a finite number"),
+    ({"analysis_options": {"evil": 1}}, "analysis_options has unknown fields"),
+    ({"analysis_options": {"kernel": "rbf"}}, "kernel must be one of"),
+    ({"stats": {"threshold": "high"}}, "stats.threshold must be a finite number"),
+    ({"stats": {"tokens_kept": 2.5}}, "stats.tokens_kept must be an integer"),
+    ({"stats": {"compartments": [[0, 99]]}}, "compartments must be"),
+    ({"stats": {"num_layers": 7}}, "stats.num_layers is 7"),
+    ({"view": {"entropy_scale": "<img src=x>"}}, "view.entropy_scale must be one of"),
+    ({"view": {"cka_compartments": "3"}}, "view.cka_compartments must be an integer"),
+    ({"view": {"surprise": 1}}, None),                                      # unknown view choices are plain JSON: kept
+    ({"bench_results": [{"results": [{"name": "d", "tau": "fast"}]}]}, "results[0].tau must be a finite number"),
+    ({"bench_results": [{"results": [{"tau": 1.0}]}]}, "results[0].name is missing"),
+    ({"bench_results": [{"prompts": "8"}]}, "bench_results[0].prompts must be an integer"),
+    ({"study": [{"prompts": 4}]}, "study[0].rows is missing"),
+    ({"study": [{"prompts": 4, "rows": [{"layers": [1], "strategies": ["a"], "draft": "d", "mean_entropy": 1,
+                                         "mean_cka": "x", "aggregate_entropy": 1}]}]}, "mean_cka must be a finite"),
+    ({"drafts": [{"path": "p", "layers": [1], "val_accuracy": "good"}]}, "val_accuracy must be"),
+    ({"layer_sets": [{"name": "x", "layers": [1]}] * 1001}, "at most 1000 items"),
+    ({"bench_results": [{"extra": {"deep": [[[[[[[[[[[[[[1]]]]]]]]]]]]]]}}]}, "not plain JSON"),
+])
+def test_every_field_a_page_reads_is_checked(changes, message):
+    if message is None:
+        assert Session.from_bytes(_with(**changes)).view == changes["view"]
+        return
+    with pytest.raises(SessionError, match=re.escape(message)):
+        Session.from_bytes(_with(**changes), source="upload.zip")
+
+
+def test_user_text_round_trips_exactly():
+    name = "[click](http://evil.example) ![x](http://evil.example/p.png) <b>**bold**</b> $x$"
+    s = _full_session()
+    s.name = name
+    s.add_layer_set(name, [1, 2])
+    back = Session.from_bytes(s.to_bytes())
+    assert back.name == name and back.layer_sets[-1]["name"] == name
+
+
+def test_same_limits_on_save_as_on_import(store):
+    s = _full_session()
+    sessions.save(s, store)
+    s.notes = "x" * 100_001
+    with pytest.raises(SessionError, match="notes must be a string"):
+        sessions.save(s, store)
+    s.notes = ""
+    s.bench_results = [{"results": [{"name": "d", "tau": float("inf")}]}]   # JSON would write null: loads again
+    sessions.save(s, store)
+    s.bench_results = [{"prompts": "eight"}]
+    with pytest.raises(SessionError, match="prompts must be an integer"):
+        sessions.save(s, store)
+    with pytest.raises(SessionError, match="one line"):
+        sessions.save(s, store, name="a\nb")
+    assert sessions.load(store, s.id).bench_results == [{"results": [{"name": "d", "tau": None}]}]
+
+
+def test_imported_sessions_always_open_again(store):
+    for changes in ({}, {"name": "x" * 120}, {"notes": "n" * 100_000}, {"view": {"cka_estimator": "debiased"}}):
+        s = sessions.import_bytes(_with(**changes), store)
+        assert sessions.load(store, s.id).to_json() == s.to_json()
+
+
+def test_stats_without_a_capture_must_agree_and_give_num_layers():
+    s = Session()
+    s.set_stats({"entropy": [1.0, 2.0, 3.0], "cka": torch.eye(3).tolist()})
+    back = Session.from_bytes(s.to_bytes())
+    assert back.stats_dict()["num_layers"] == 2                # the pages read it; the tensors say it
+    s.arrays["cka"] = torch.eye(4)
+    with pytest.raises(SessionError, match="disagree on the number of layers"):
+        Session.from_bytes(s.to_bytes())
+
+
+def test_oversized_archive_and_special_files_are_refused(store, tmp_path):
+    import os
+
+    with pytest.raises(SessionError, match="larger than"):
+        Session.from_bytes(b"PK" + b"\0" * (sessions.MAX_ARCHIVE_BYTES + 1))
+    s = _full_session()
+    path = sessions.save(s, store)
+    path.unlink()
+    os.mkfifo(path)                                            # reading it would block forever
+    with pytest.raises(SessionError, match="No saved session"):      # at once, not blocked on the pipe
+        sessions.load(store, s.id)
+    assert sessions.list_sessions(store) == []
+    path.unlink()
+    (tmp_path / "elsewhere.zip").write_bytes(_full_session().to_bytes())
+    path.symlink_to(tmp_path / "elsewhere.zip")                 # a file outside the store, behind a link
+    with pytest.raises(SessionError, match="not a regular file"):
+        sessions.load(store, s.id)
+    with pytest.raises(SessionError, match="is not a session id"):
+        sessions.load(store, s.id + "\n")
