@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from layerscope import bench, select, specdec, study_stats
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
+from layerscope.draft.online import train_online
 from layerscope.draft.train import draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.metrics.correlation import spearman
@@ -55,6 +56,8 @@ class StudyOptions:
     depth: int = specdec.DEFAULT_K                     # chain draft depth K
     seeds: tuple[int, ...] | None = None               # training seeds, each set trained once per seed; None: train["seed"]
     random_sets: int = 2                               # seeded random control sets the "random" strategy adds
+    online: dict | None = None                         # draft.online.OnlineOptions fields: train every set online,
+                                                       # all sets from one target pass per seed, instead of from the capture
     kernels: tuple[str, ...] = ("linear", "cosine")    # proxy versions: token preparation of entropy and CKA ...
     filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
 
@@ -175,8 +178,11 @@ def training_seeds(o: StudyOptions) -> tuple[int, ...]:
 
 
 def train_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list]:
-    """Draft paths per set, one per training seed (draft_for: trained once, then from the store)."""
+    """Draft paths per set, one per training seed (draft_for: trained once, then from the store; with
+    `online`, train_online: every set from the same target pass, once per seed)."""
     seeds = training_seeds(o)
+    if o.online is not None:
+        return train_drafts_online(target, store, sets, o, seeds, say)
     drafts, total = [], len(sets) * len(seeds)
     for i, (layers, strategies) in enumerate(sets):
         paths = []
@@ -190,6 +196,18 @@ def train_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list]:
                                    **{**o.train, "seed": seed}))
         drafts.append(paths)
     return drafts
+
+
+def train_drafts_online(target, store, sets, o: StudyOptions, seeds, say) -> list[list]:
+    per_seed = []
+    for j, seed in enumerate(seeds):
+        message = f"online training of {len(sets)} drafts" + (f", seed {seed}" if len(seeds) > 1 else "")
+        say(StudyProgress("train", message, j, len(seeds)))
+        result = train_online(target, [layers for layers, _ in sets], store, strategy=[st[0] for _, st in sets],
+                              progress=lambda u, m=message, j=j: say(StudyProgress("train", m, j, len(seeds), u)),
+                              **{**o.online, "seed": seed})
+        per_seed.append([d.path for d in result.drafts])
+    return [[paths[i] for paths in per_seed] for i in range(len(sets))]
 
 
 def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, dict, int, dict]:

@@ -209,3 +209,16 @@ def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, c
     assert main(["train-draft", "--model", "tiny-llama", "--layers", "1,9", "--steps", "3",
                  "--store", str(tmp_path / "s")]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_store, one_thread):
+    from layerscope.study import StudyOptions, run_study
+
+    online = {**SMALL, "steps": 3}
+    options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2, online=online,
+                           prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",), filters=(0.0,))
+    report = run_study(tiny_capture, tiny, session_store, options)
+    metas = [json.loads((Path(r.draft) / "layerscope.json").read_text()) for r in report.rows]
+    assert len(metas) >= 2 and len({m["run_key"] for m in metas}) == 1          # one pass trained every set
+    assert [m["layers"] for m in metas] == [r.layers for r in report.rows]
+    assert all(m["online"]["responses"] == "regenerate" and r.tau is not None for m, r in zip(metas, report.rows))
