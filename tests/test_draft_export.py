@@ -129,3 +129,48 @@ def test_serving_notes_flag_what_engines_cannot_load(tiny, tiny_capture, tmp_pat
     head, report = train_draft(tiny_capture, [0, 2], *target_weights(tiny), steps=1, batch_size=2, seq_len=32)
     meta = json.loads((save_draft(tmp_path / "d", head) / "layerscope.json").read_text())
     assert len(meta["serving_notes"]) == 2 and "exactly 3" in meta["serving_notes"][0]
+
+
+KILLED_SAVE = """
+import os, signal, sys, torch
+from layerscope.draft import export
+from layerscope.draft.model import DraftConfig, DraftHead
+path, when = sys.argv[1], sys.argv[2]
+cfg = DraftConfig(hidden_size=16, target_hidden_size=16, vocab_size=50, draft_vocab_size=50, aux_layers=[1, 2, 3],
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=32)
+head = DraftHead(cfg)
+export.save_draft(path, head, {"note": "old"})
+print("old saved", flush=True)
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if when == "before-swap":            # the new directory is complete, the rename has not happened
+    export.swap_into_place = die
+elif when == "after-swap":           # the new directory is in place, the old one not yet removed
+    real = export.swap_into_place
+    export.swap_into_place = lambda tmp, p: (real(tmp, p), die())
+elif when == "while-writing":        # killed in the middle of writing the weights
+    export.save_file = die
+export.save_draft(path, head, {"note": "new"})
+"""
+
+
+@pytest.mark.parametrize("when, expected", [("while-writing", "old"), ("before-swap", "old"), ("after-swap", "new")])
+def test_a_killed_save_leaves_the_old_or_the_new_draft_and_nothing_listed(tmp_path, when, expected):
+    """A real process killed with SIGKILL at each step of save_draft: the draft path holds one complete draft,
+    and the store's draft listing (the app's) shows exactly that one."""
+    import subprocess
+    import sys
+
+    from layerscope.store import Store
+    from layerscope.ui.tasks import stored_drafts
+
+    store = Store(tmp_path / "store")
+    path = store.path("drafts", "k")
+    run = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(path), when], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == -9 and "old saved" in run.stdout, run.stderr
+    assert json.loads((path / "layerscope.json").read_text())["note"] == expected
+    assert load_draft(path).aux_layers == [1, 2, 3]
+    assert [d["path"] for d in stored_drafts(store)] == [str(path)]
+    # the next save cleans up what the killed process left in the staging folder
+    save_draft(path, load_draft(path), {"note": "after"})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["k"]
