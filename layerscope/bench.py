@@ -54,9 +54,11 @@ class BenchOptions:
     trees: tuple[TreeSpec, ...] = ()             # EAGLE-2 trees, each a contender per draft
     peers: bool = True               # HF generate and HF prompt lookup
     lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
+    auto_k: bool = False             # also the chain depth with the best predicted speedup (costmodel.plan)
+    auto_tree: bool = False          # also the tree shape with the best predicted speedup
 
     def validate(self) -> None:
-        if not self.ks or min(self.ks) < 1:
+        if (not self.ks and not self.auto_k) or (self.ks and min(self.ks) < 1):
             raise LayerScopeError(f"chain depths {list(self.ks)} are not positive integers", "Write it like --k 4 or --k 2,3,4")
         if self.max_new_tokens < 1:
             raise LayerScopeError("--max-new-tokens must be at least 1", "Pass --max-new-tokens 1 or more")
@@ -80,6 +82,7 @@ class Contender:
     k: int = specdec.DEFAULT_K
     tree: TreeSpec | None = None
     lookup_tokens: int = 0
+    auto: dict | None = None         # an `auto` contender: costmodel.Prediction.to_json() of its choice
 
 
 @dataclass
@@ -124,11 +127,16 @@ class BenchReport:
     prompts: int
     max_new_tokens: int
     device: str
-    results: list[dict]              # one JSON entry per contender, see `_entry`
+    results: list[dict]              # one JSON entry per contender, see `_entry` (and costmodel.annotate)
+    cost_curve: list[dict] | None = None       # [{tokens, seconds}] the predictions used (costmodel.annotate)
+    draft_step_seconds: float | None = None
 
     def to_json(self) -> dict:
-        return {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
-                "results": self.results}
+        out = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
+               "results": self.results}
+        if self.cost_curve is not None:
+            out |= {"cost_curve": self.cost_curve, "draft_step_seconds": self.draft_step_seconds}
+        return out
 
 
 @dataclass(frozen=True)
@@ -326,12 +334,15 @@ def _sync(device) -> None:
 def format_table(report: BenchReport) -> str:
     """The report as plain-text tables: overall, then per category."""
     depth = max((len(r["acceptance_by_position"]) for r in report.results), default=0)
-    head = ["contender", "layers", "tau", *[f"acc@{i + 1}" for i in range(depth)], "tok/s", "speedup", "lossless"]
+    pred = report.cost_curve is not None
+    head = ["contender", "layers", "tau", *[f"acc@{i + 1}" for i in range(depth)], "tok/s", "speedup",
+            *(["predicted"] if pred else []), "lossless"]
     rows = [head]
     for r in report.results:
         acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
         rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", _f(r["tau"]), *acc,
                      _f(r["tokens_per_s"], 1), _f(r["speedup"]) + ("x" if r["speedup"] else ""),
+                     *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
     cats = sorted({c for r in report.results for c in r["by_category"]})

@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "study",
     "verify",
     "export", "check_draft",
+    "profile",
 ]
 
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from layerscope import specdec
+from layerscope import bench, specdec
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
@@ -336,22 +336,27 @@ def expected_tree_accepted(profile: AcceptanceProfile, spec: TreeSpec) -> float:
     return sum(sorted(nodes, reverse=True)[:spec.budget])
 
 
+def step_seconds(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None) -> float:
+    """Predicted seconds of one decoding step: plain (no k, no tree), a chain of depth k, or a tree."""
+    if tree is not None:
+        return curve.draft_s(1) + (tree.depth - 1) * curve.draft_s(tree.top_k) + curve.target_s(tree.budget + 1)
+    if k is not None:
+        return k * curve.draft_s(1) + curve.target_s(k + 1)
+    return curve.target_s(1)
+
+
 def predict(curve: CostCurve, profile: AcceptanceProfile | None, *, k: int | None = None,
             tree: TreeSpec | None = None) -> Prediction:
-    """Predicted tau, step time, tokens/s and speedup of plain decoding (no k, no tree), a chain or a tree."""
-    base = curve.target_s(1)
-    if tree is not None:
-        tau = 1.0 + expected_tree_accepted(profile, tree)
-        seconds = curve.draft_s(1) + (tree.depth - 1) * curve.draft_s(tree.top_k) + curve.target_s(tree.budget + 1)
-        label = tree_label(tree)
-    elif k is not None:
-        tau = 1.0 + sum(profile.chain[:k])                 # depths past the profile: never accepted
-        seconds = k * curve.draft_s(1) + curve.target_s(k + 1)
-        label = f"chain k={k}"
+    """Predicted tau, step time, tokens/s and speedup of plain decoding (no k, no tree), a chain or a tree
+    (`profile` None: nothing accepted, for the step time and break-even tau alone)."""
+    base, seconds = curve.target_s(1), step_seconds(curve, k=k, tree=tree)
+    if tree is not None:                             # no profile: nothing is accepted
+        tau, label, k = 1.0 + (expected_tree_accepted(profile, tree) if profile else 0.0), tree_label(tree), None
+    elif k is not None:                              # depths past the profile: never accepted
+        tau, label = 1.0 + (sum(profile.chain[:k]) if profile else 0.0), f"chain k={k}"
     else:
-        tau, seconds, label = 1.0, base, "autoregressive"
-    return Prediction(label, k if tree is None else None, tree, tau, seconds, tau / seconds, tau * base / seconds,
-                      seconds / base)
+        tau, label = 1.0, "autoregressive"
+    return Prediction(label, k, tree, tau, seconds, tau / seconds, tau * base / seconds, seconds / base)
 
 
 def choose(curve: CostCurve, profile: AcceptanceProfile, *, ks: Sequence[int] = (),
@@ -370,3 +375,76 @@ def best_chain(curve: CostCurve, profile: AcceptanceProfile, ks: Sequence[int] =
 
 def best_tree(curve: CostCurve, profile: AcceptanceProfile, trees: Sequence[TreeSpec] = AUTO_TREES) -> Prediction:
     return choose(curve, profile, trees=[t for t in trees if t.depth <= len(profile.rank)] or [TreeSpec(2, 1, 2)])
+
+
+def break_even_taus(curve: CostCurve, ks: Sequence[int] = AUTO_KS, trees: Sequence[TreeSpec] = (TreeSpec(),)) -> dict:
+    """{decoding: the tau it needs to match plain decoding} on this curve."""
+    return {p.decoding: p.break_even_tau for p in [predict(curve, None, k=k) for k in ks] +
+            [predict(curve, None, tree=t) for t in trees]}
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+CALIBRATION_PROMPTS = 4              # prompts of a calibration run, a seed apart from the benchmark's own sample
+
+
+def auto_contenders(target, drafts: Sequence[tuple[str, object]], options, curve: CostCurve,
+                    calibration: Sequence[Sequence[int]]) -> list[bench.Contender]:
+    """For `bench --k auto` / `--tree auto`: per draft, the chain depth and the tree with the best speedup
+    predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists)."""
+    if not (options.auto_k or options.auto_tree) or not drafts:
+        return []
+    eos, _ = bench.stop_tokens(target)
+    out = []
+    for name, head in drafts:
+        profile = calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
+                            eos_token_id=eos)
+        picks = ([best_chain(curve, profile)] if options.auto_k else []) + \
+                ([best_tree(curve, profile)] if options.auto_tree else [])
+        for p in picks:
+            out.append(bench.Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
+                                       p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
+    return out
+
+
+def lineup(contenders: Sequence[bench.Contender], auto: Sequence[bench.Contender]) -> list[bench.Contender]:
+    """The automatic contenders placed after the last draft contender (before the HF peers)."""
+    cut = max((i + 1 for i, c in enumerate(contenders) if c.kind in ("draft", "autoregressive")), default=0)
+    return list(contenders[:cut]) + list(auto) + list(contenders[cut:])
+
+
+def annotate(report: bench.BenchReport, contenders: Sequence[bench.Contender], curve: CostCurve | None) -> None:
+    """Add the cost model's view to a benchmark report: `cost_curve`, and per contender `predicted_speedup`
+    (from the curve and the tau the contender measured: the model of cost checked on every run), plus for
+    `auto` contenders the `chosen` decoding and what the calibration predicted for it."""
+    if curve is None:
+        return
+    report.cost_curve = curve.to_json()["cost_curve"]
+    report.draft_step_seconds = curve.draft_s(1)
+    for c, entry in zip(contenders, report.results):
+        if c.kind == "autoregressive":
+            entry["predicted_speedup"] = 1.0
+        elif c.kind == "draft":
+            k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
+            tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
+            entry["predicted_speedup"] = tau * curve.target_s(1) / step_seconds(curve, k=k, tree=tree)
+            if c.auto is not None:
+                entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
+                entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
+        else:
+            entry["predicted_speedup"] = None
+
+
+def plan(target, drafts: Sequence[tuple[str, object]], options, store) -> tuple[list[bench.Contender], CostCurve | None]:
+    """The benchmark's line-up with its `auto` contenders resolved, and the cost curve its predictions use
+    (measured once per machine and draft shape, then read from the store; None without drafts)."""
+    contenders = bench.contenders_for(drafts, options)
+    if not drafts:
+        return contenders, None
+    curve = cost_curve(target, store, drafts[0][1])
+    if options.auto_k or options.auto_tree:
+        cal = replace(options, seed=options.seed + 1, limit=CALIBRATION_PROMPTS)
+        _, prompts = bench.fitting_prompts(target.tokenizer, cal, cache=store.root / "prompts")
+        contenders = lineup(contenders, auto_contenders(target, drafts, options, curve, [p.input_ids for p in prompts]))
+    return contenders, curve

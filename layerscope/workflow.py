@@ -21,6 +21,7 @@ import torch
 
 from layerscope import bench as bench_mod
 from layerscope import capture as capture_mod
+from layerscope import costmodel
 from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.analysis import analyze as analyze_capture
@@ -176,8 +177,9 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     target = load(spec, store)
     heads = bench_mod.load_drafts(target, drafts)
     prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
-    report = bench_mod.measure(target, prompts, bench_mod.contenders_for(heads, options), options.max_new_tokens,
-                               progress)
+    contenders, curve = costmodel.plan(target, heads, options, store)     # `auto` resolved; the cost curve
+    report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress)
+    costmodel.annotate(report, contenders, curve)
     return Benchmarked(report, prompt_set, target)
 
 

@@ -96,7 +96,7 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
             "--prompts", "builtin", "--limit", "3", "--max-new-tokens", "6", "--k", "3"]
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"prompts", "max_new_tokens", "device", "results"}
+    assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "cost_curve", "draft_step_seconds"}
     assert [r["name"] for r in doc["results"]] == ["autoregressive", "low", "hf-generate", "hf-prompt-lookup"]
     assert doc["results"][1]["layers"] == [1, 2] and all(r["lossless"] for r in doc["results"])
     without_model = [a for a in args if a not in ("--model", "tiny-llama")]    # taken from the draft's meta

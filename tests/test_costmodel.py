@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -10,6 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from layerscope import costmodel as cm
+from layerscope.cli import main
 from layerscope import specdec as sd
 from layerscope.specdec import TreeSpec
 from tests.test_specdec import PROMPTS, LookupDraft, greedy_reference, untrained_draft
@@ -234,3 +236,55 @@ def test_auto_picks_the_best_contender(sleepy, curve, ref):
     best = max(measured.values())
     assert chosen.tree is not None
     assert measured[chosen.decoding] >= 0.95 * best, (chosen.decoding, measured)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny, tmp_path_factory):
+    from layerscope.draft.export import save_draft
+
+    meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
+    return save_draft(tmp_path_factory.mktemp("cm-drafts") / "low", untrained_draft(tiny.model, layers=(1, 2)), meta)
+
+
+def test_profile_command_json_and_cache(tmp_path, draft_dir, capsys):
+    store = str(tmp_path / "store")
+    args = ["profile", "--store", store, "--model", "tiny-llama", "--draft", str(draft_dir), "--max-tokens", "6",
+            "--repeats", "1", "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"device", "dtype", "threads", "cost_curve", "draft_step_seconds", "break_even_tau"} <= set(doc)
+    assert (doc["device"], doc["dtype"], doc["threads"]) == ("cpu", "float32", torch.get_num_threads())
+    assert [p["tokens"] for p in doc["cost_curve"]] == [1, 2, 3, 4, 5, 6]
+    assert all(p["seconds"] > 0 for p in doc["cost_curve"]) and doc["draft_step_seconds"] > 0
+    c = doc["cost_curve"]
+    k = sd.DEFAULT_K
+    assert doc["break_even_tau"] == pytest.approx((k * doc["draft_step_seconds"] + c[k]["seconds"]) / c[0]["seconds"])
+    assert main(args) == 0                                   # the second time from the store: the same curve
+    assert json.loads(capsys.readouterr().out)["cost_curve"] == c
+    assert main(args[:-1]) == 0
+    assert "break-even tau" in capsys.readouterr().out
+
+
+def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
+    """`bench --k 1,2 --tree auto --k auto`: the fixed chains, then the automatic chain and tree; every contender
+    with a predicted speedup, the curve used, and the choice of the auto contenders; still lossless."""
+    args = ["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(draft_dir),
+            "--prompts", "builtin", "--limit", "2", "--max-new-tokens", "6", "--no-peers",
+            "--k", "1,2", "--tree", "auto", "--k", "auto"]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in doc["results"]]
+    assert names[:3] == ["autoregressive", "low chain k=1", "low chain k=2"] and len(names) == 5
+    assert names[3].startswith("low auto chain k=") and names[4].startswith("low auto tree budget=")
+    assert [p["tokens"] for p in doc["cost_curve"]] == list(range(1, cm.MAX_TOKENS + 1))
+    for r in doc["results"]:
+        assert r["lossless"] and r["predicted_speedup"] > 0
+    auto_chain, auto_tree = doc["results"][3], doc["results"][4]
+    assert auto_chain["chosen"]["k"] in cm.AUTO_KS and f"chain k={auto_chain['chosen']['k']}" in auto_chain["name"]
+    assert TreeSpec(**auto_tree["chosen"]["tree"]) in cm.AUTO_TREES
+    assert {"tau", "speedup"} <= set(auto_tree["calibrated"])
+    assert main(args) == 0
+    assert "predicted" in capsys.readouterr().out

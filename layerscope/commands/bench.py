@@ -30,9 +30,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="default %(default)s")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
                    help="leave out longer prompts, taking the next of the sample instead (default %(default)s)")
-    p.add_argument("--k", default=",".join(map(str, d.ks)),
-                   help="chain draft depth; a list like 2,3,4,6 benchmarks each (default %(default)s)")
-    p.add_argument("--tree", action="store_true", help="also decode each draft with an EAGLE-2 tree")
+    p.add_argument("--k", action="append", default=None,
+                   help=f"chain draft depth; a list like 2,3,4,6 benchmarks each; `auto`: the depth with the best "
+                        f"speedup predicted for this machine (repeatable; default {','.join(map(str, d.ks))})")
+    p.add_argument("--tree", nargs="?", const="fixed", default=None, choices=["fixed", "auto"],
+                   help="also decode each draft with an EAGLE-2 tree (the --tree-* shape); `--tree auto`: the "
+                        "shape with the best speedup predicted for this machine")
     p.add_argument("--tree-budget", type=int, default=t.budget, help="draft tokens verified per tree (default %(default)s)")
     p.add_argument("--tree-top-k", type=int, default=t.top_k, help="children per expanded node (default %(default)s)")
     p.add_argument("--tree-depth", type=int, default=t.depth, help="tree depth (default %(default)s)")
@@ -53,11 +56,26 @@ def parse_ks(text: str) -> tuple[int, ...]:
     return ks
 
 
+def parse_k_args(values: list[str] | None) -> tuple[tuple[int, ...], bool]:
+    """The --k values ('1,2,3,4', 'auto', '2,auto', ...) -> (chain depths, auto)."""
+    if not values:
+        return BenchOptions().ks, False
+    parts = [x.strip() for v in values for x in str(v).split(",") if x.strip()]
+    auto = "auto" in parts
+    rest = [x for x in parts if x != "auto"]
+    ks = parse_ks(",".join(rest)) if rest else ()
+    if not ks and not auto:
+        raise LayerScopeError(f"--k {values!r} names no chain depth", "Write it like --k 4, --k 2,3,4 or --k auto")
+    return ks, auto
+
+
 def options_from_args(args) -> BenchOptions:
-    trees = (TreeSpec(args.tree_budget, args.tree_top_k, args.tree_depth),) if args.tree else ()
+    trees = (TreeSpec(args.tree_budget, args.tree_top_k, args.tree_depth),) if args.tree == "fixed" else ()
+    ks, auto_k = parse_k_args(args.k)
     return BenchOptions(model=args.model, prompts=args.prompts, split=args.split, limit=args.limit, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                        ks=parse_ks(args.k), trees=trees, peers=not args.no_peers, lookup_tokens=args.prompt_lookup)
+                        ks=tuple(dict.fromkeys(ks)), trees=trees, peers=not args.no_peers,
+                        lookup_tokens=args.prompt_lookup, auto_k=auto_k, auto_tree=args.tree == "auto")
 
 
 def run(args) -> int:

@@ -1,0 +1,49 @@
+"""`layerscope profile`: what a verification forward over T tokens and a draft step cost on this machine."""
+
+from __future__ import annotations
+
+from layerscope import costmodel, workflow
+from layerscope.commands.common import open_store, print_json
+from layerscope.draft.export import load_draft
+from layerscope.models import DEFAULT_MODEL
+from layerscope.specdec import DEFAULT_K
+
+NAME = "profile"
+HELP = ("measure the target's cost curve (seconds of a forward over T = 1..32 new tokens) and a draft step on "
+        "this device and thread count; print it with the break-even tau of each decoding (cached in the store)")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model spec (default %(default)s)")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="draft directory (default: an untrained draft of the default shape: it costs the same)")
+    p.add_argument("--max-tokens", type=int, default=costmodel.MAX_TOKENS,
+                   help="longest verification forward measured (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=costmodel.REPEATS, help="timings per point (default %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="measure again instead of reading the stored curve")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args) -> int:
+    store = open_store(args)
+    target = workflow.load_target(args.model, store)
+    draft = load_draft(args.draft, target) if args.draft else None
+    curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=max(args.max_tokens, 2),
+                                 repeats=max(args.repeats, 1))
+    taus = costmodel.break_even_taus(curve)
+    doc = curve.to_json() | {"model": target.spec, "break_even_tau": taus[f"chain k={DEFAULT_K}"],
+                             "break_even_tau_by_decoding": taus}
+    if args.json:
+        print_json(doc)
+        return 0
+    print(f"{target.spec} on {curve.device} ({curve.dtype}, {curve.threads} thread{'s' if curve.threads > 1 else ''}); "
+          f"prefix lengths {', '.join(map(str, curve.cache_lengths))}")
+    base = curve.target_s(1)
+    print(f"{'tokens':>6}  {'seconds':>9}  {'x T=1':>6}")
+    for T in range(1, len(curve.target) + 1):
+        print(f"{T:>6}  {curve.target_s(T):>9.4f}  {curve.target_s(T) / base:>6.2f}")
+    print(f"draft step: {curve.draft_s(1):.4f} s ({curve.draft_s(1) / base:.2f}x a one-token forward)")
+    print("break-even tau (tokens per step a decoding needs to match plain decoding):")
+    for name, tau in taus.items():
+        print(f"  {name:<36} {tau:.2f}")
+    return 0
