@@ -17,6 +17,10 @@ split="train" (the default, used for capture and draft training) never does.
 
 Turns. A prompt keeps up to `turns` user turns (default 1). Only user turns are known, so
 chat_ids renders the first turn alone unless asked for more.
+
+Limits. A user file must be a regular file (not a pipe, device or socket) of at most MAX_FILE_BYTES;
+it is read line by line (a .json array record by record), never whole. A line or record over
+MAX_LINE_BYTES, and a prompt over MAX_PROMPT_CHARS characters, is left out with a warning.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ import codecs
 import csv
 import hashlib
 import importlib.util
-import io
 import json
 import operator
 import os
 import random
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,9 @@ FILE_TYPES = (".jsonl", ".txt", ".csv", ".json")
 INDEX_FORMAT = 1             # bump when the cached ShareGPT index changes shape or meaning
 BLOCK = 1 << 22              # bytes read per step when scanning a JSON array (4 MiB)
 PREVIEW_CHARS = 200
+MAX_FILE_BYTES = 2**30        # a user prompt file
+MAX_LINE_BYTES = 2**20        # one line of a .jsonl/.txt/.csv file, one record of a .json array
+MAX_PROMPT_CHARS = 2**20      # one prompt (a .txt paragraph may span lines)
 
 FORMAT_HELP = {
     ".jsonl": 'each line must be a JSON object with a "prompt" string, a "turns" list of strings, '
@@ -167,7 +174,7 @@ def _sample(items: list, limit: int | None, seed: int) -> list:
 
 def _builtin(limit: int | None, seed: int) -> list[Prompt]:
     """The project's own prompts, ids "builtin/<category>/<nn>" (nn counts from 01 per category)."""
-    loaded, warnings = _read_jsonl(_read_text(BUILTIN_PATH), turns=1)
+    loaded, warnings = _read_jsonl(_lines(BUILTIN_PATH), turns=1)
     if warnings or not loaded:
         raise PromptSetError(f"the builtin prompt file {BUILTIN_PATH} is damaged ({(warnings or ['empty'])[0]})",
                              "Reinstall LayerScope")
@@ -288,8 +295,9 @@ class JsonArrayScan:
     file holds nothing but whitespace.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, max_record: int | None = None):
         self.path = Path(path)
+        self.max_record = max_record      # bytes; a longer record is refused (user files), None: no limit
         self.count = self.tail_bytes = self.tail_line = 0
         self.tail_error = ""
         self.started = False
@@ -345,11 +353,17 @@ class JsonArrayScan:
                     if eof:
                         self.tail_bytes, self.tail_line, self.tail_error = size - offset, line, e.msg
                         break
+                    if self.max_record is not None and len(buf) - pos > self.max_record:
+                        raise PromptSetError(f"{self.path.name}: the record at line {line} is longer than "
+                                             f"{self.max_record >> 20} MiB", "Split it into shorter prompts")
                     refill(max(BLOCK, len(buf) - pos))   # the record runs past the buffer: read more
                     continue
                 if end == len(buf) and not eof:   # a bare number could continue in the next block
                     refill(BLOCK)
                     continue
+                if self.max_record is not None and end - pos > self.max_record:
+                    raise PromptSetError(f"{self.path.name}: the record at line {line} is longer than "
+                                         f"{self.max_record >> 20} MiB", "Split it into shorter prompts")
                 start, start_line = offset, line
                 consume(end)
                 self.count += 1
@@ -403,7 +417,62 @@ def _user_path(spec: str) -> Path:
         raise PromptSetError(f"{path.name} has an unknown extension {path.suffix or '(none)'!r}",
                              "Save the prompts as .jsonl (JSON object per line), .txt (a prompt per line or "
                              "blank-line separated paragraphs), .csv (a prompt column) or .json (ShareGPT-style array)")
+    _open_regular(path).close()
     return path
+
+
+def _open_regular(path: Path):
+    """`path` opened for reading (binary) after checking it is a regular file under MAX_FILE_BYTES.
+
+    Opened non-blocking first, so a FIFO without a writer is refused instead of hanging."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise PromptSetError(f"cannot read {path}: {e.strerror}", "Check the path and its permissions") from None
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = (f"{path} is not a regular file (a pipe, device or socket)",
+                   "Save the prompts in a .jsonl, .txt, .csv or .json file and pass its path")
+    elif info.st_size > MAX_FILE_BYTES:
+        problem = (f"{path.name} is {info.st_size / 2**20:.0f} MiB, over the {MAX_FILE_BYTES >> 20} MiB limit of a "
+                   "prompt file", "Split it into smaller files, or take a sample of it")
+    if problem:
+        os.close(fd)
+        raise PromptSetError(*problem)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _lines(path: Path):
+    """(line number, text) of a file, read line by line; '\r\n' and '\n' ends removed, a leading BOM dropped.
+
+    A line over MAX_LINE_BYTES is not read into memory: it comes as (n, None). PromptSetError when a line
+    is not UTF-8."""
+    with _open_regular(path) as f:
+        n = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            n += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):      # skip the rest of the line, 256 KiB at a time
+                    raw = f.readline(2**18)
+                yield n, None
+                continue
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            try:
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptSetError(f"{path.name} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {n})",
+                                     "Re-save the file with UTF-8 encoding") from None
+            yield n, text
+
+
+def _too_long(n: int) -> str:
+    return f"line {n}: longer than {MAX_LINE_BYTES >> 20} MiB, left out"
 
 
 def _user_file(path: Path, turns: int) -> tuple[list[Prompt], list[str]]:
@@ -412,11 +481,15 @@ def _user_file(path: Path, turns: int) -> tuple[list[Prompt], list[str]]:
     if kind == ".json":
         prompts, warnings, empty = _read_json_array(path, turns)
     else:
-        text = _read_text(path)
-        empty = not text.strip()
+        empty = all(line is not None and not line.strip() for _, line in _lines(path))   # stops at the first text
+        prompts, warnings = [], []
         if not empty:
             reader = {".jsonl": lambda t: _read_jsonl(t, turns), ".txt": _read_txt, ".csv": _read_csv}[kind]
-            prompts, warnings = reader(text)
+            prompts, warnings = reader(_lines(path))
+    long = [p for p in prompts if max(len(t) for t in p.turns) > MAX_PROMPT_CHARS]
+    if long:
+        prompts = [p for p in prompts if max(len(t) for t in p.turns) <= MAX_PROMPT_CHARS]
+        warnings = warnings + [f"{p.id}: longer than {MAX_PROMPT_CHARS:,} characters, left out" for p in long]
     if empty:
         raise PromptSetError(f"{path.name} is empty", f"Add prompts to it: {FORMAT_HELP[kind]}")
     if not prompts:
@@ -426,24 +499,13 @@ def _user_file(path: Path, turns: int) -> tuple[list[Prompt], list[str]]:
     return prompts, warnings
 
 
-def _read_text(path: Path) -> str:
-    """A whole file as text with '\\n' line ends; PromptSetError when unreadable or not UTF-8."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise PromptSetError(f"cannot read {path}: {e.strerror}", "Check the path and its permissions") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise PromptSetError(f"{path.name} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line})",
-                             "Re-save the file with UTF-8 encoding") from None
-    return text.replace("\r\n", "\n")
-
-
-def _read_jsonl(text: str, turns: int) -> tuple[list[Prompt], list[str]]:
+def _read_jsonl(lines, turns: int) -> tuple[list[Prompt], list[str]]:
+    """Prompts of (line number, text) pairs, one JSON object per line."""
     prompts, warnings = [], []
-    for n, line in enumerate(text.split("\n"), 1):   # not splitlines(): U+2028 may sit inside a string
+    for n, line in lines:     # split on '\n' only: U+2028 may sit inside a string
+        if line is None:
+            warnings.append(_too_long(n))
+            continue
         if not line.strip():
             continue
         try:
@@ -459,13 +521,19 @@ def _read_jsonl(text: str, turns: int) -> tuple[list[Prompt], list[str]]:
     return prompts, warnings
 
 
-def _read_txt(text: str) -> tuple[list[Prompt], list[str]]:
+def _read_txt(numbered) -> tuple[list[Prompt], list[str]]:
     """One prompt per line; or, when blank lines separate the text, one prompt per paragraph."""
-    lines = text.split("\n")
+    lines, warnings = [], []
+    for n, line in numbered:
+        if line is None:
+            warnings.append(_too_long(n))
+        lines.append(line or "")
     filled = [i for i, line in enumerate(lines) if line.strip()]
+    if not filled:
+        return [], warnings
     paragraphs = len(filled) < filled[-1] - filled[0] + 1   # a blank line between the first and last text
     if not paragraphs:
-        return [Prompt(f"file/{i + 1}", "file", (lines[i].strip(),)) for i in filled], []
+        return [Prompt(f"file/{i + 1}", "file", (lines[i].strip(),)) for i in filled], warnings
     prompts, start = [], None
     for i, line in enumerate(lines + [""]):
         if line.strip() and start is None:
@@ -474,11 +542,18 @@ def _read_txt(text: str) -> tuple[list[Prompt], list[str]]:
             body = "\n".join(x.rstrip() for x in lines[start:i]).strip()
             prompts.append(Prompt(f"file/{start + 1}", "file", (body,)))
             start = None
-    return prompts, []
+    return prompts, warnings
 
 
-def _read_csv(text: str) -> tuple[list[Prompt], list[str]]:
-    rows = csv.reader(io.StringIO(text, newline=""))
+def _read_csv(numbered) -> tuple[list[Prompt], list[str]]:
+    long = []
+
+    def lines():   # csv reads the line ends back (a quoted cell may span lines)
+        for n, line in numbered:
+            if line is None:
+                long.append(_too_long(n))
+            yield (line or "") + "\n"
+    rows = csv.reader(lines())
     header = next(rows, [])
     names = [h.strip().lower() for h in header]
     if "prompt" not in names:
@@ -499,12 +574,12 @@ def _read_csv(text: str) -> tuple[list[Prompt], list[str]]:
                 prompts.append(Prompt(f"file/{n}", category, (row[at].strip(),)))
     except csv.Error as e:
         warnings.append(f"line {start}: not valid CSV ({e}); the rest of the file was skipped")
-    return prompts, warnings
+    return prompts, long + warnings
 
 
 def _read_json_array(path: Path, turns: int) -> tuple[list[Prompt], list[str], bool]:
     """A ShareGPT-style .json array, cut-off tail tolerated -> (prompts, warnings, file is empty)."""
-    scan, prompts, warnings = JsonArrayScan(path), [], []
+    scan, prompts, warnings = JsonArrayScan(path, max_record=MAX_LINE_BYTES), [], []
     for record, _, _, line in scan:
         user, problem = _user_turns(record, turns)
         if user is None:

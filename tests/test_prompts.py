@@ -345,3 +345,67 @@ def test_prompt_preview():
     long = P.PromptSet("x", [Prompt("x/1", "x", ("y" * 500,))], "h")
     text = prompt_preview(long)[0]["text"]
     assert len(text) == 200 and text.endswith("…")
+
+
+# -----------------------------------------------------------------------------
+# hostile files: special files, size caps, streaming
+
+def test_special_files_are_refused_without_reading(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)                 # no writer: a blocking read would hang for ever
+    done = []
+    t = threading.Thread(target=lambda: done.append(pytest.raises(PromptSetError, load_prompts, str(fifo))))
+    t.start()
+    t.join(10)
+    assert done and "not a regular file" in str(done[0].value)
+    link = tmp_path / "zero.txt"
+    link.symlink_to("/dev/zero")    # endless bytes behind a .txt name
+    with pytest.raises(PromptSetError, match="not a regular file"):
+        load_prompts(str(link))
+
+
+def test_file_over_the_size_cap_is_refused_at_once(tmp_path, monkeypatch):
+    import layerscope.prompts as P
+
+    path = tmp_path / "huge.txt"
+    with open(path, "wb") as f:      # sparse: no disk used
+        f.truncate(P.MAX_FILE_BYTES + 1)
+    with pytest.raises(PromptSetError, match="over the 1024 MiB limit"):
+        load_prompts(str(path))
+
+
+@pytest.mark.parametrize("name", ["p.jsonl", "p.txt", "p.csv"])
+def test_a_huge_line_is_left_out_and_never_held_in_memory(tmp_path, name):
+    import tracemalloc
+
+    huge = "x" * (20 * 2**20)
+    body = {"p.jsonl": '{"prompt": "one"}\n{"prompt": "%s"}\n{"prompt": "three"}\n' % huge,
+            "p.txt": f"one\n{huge}\nthree\n", "p.csv": f"prompt\none\n{huge}\nthree\n"}[name]
+    path = write(tmp_path, name, body)
+    del huge, body
+    tracemalloc.start()
+    s = load_prompts(str(path))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [p.text for p in s] == ["one", "three"]
+    assert any("longer than 1 MiB, left out" in w for w in s.warnings)
+    assert peak < 8 * 2**20, f"peak {peak / 2**20:.1f} MiB while reading a 20 MiB line"
+
+
+def test_json_record_over_the_cap_is_refused(tmp_path):
+    path = write(tmp_path, "p.json", '[{"prompt": "ok"}, {"prompt": "%s"}]' % ("y" * (3 * 2**20)))
+    with pytest.raises(PromptSetError, match="record at line 1 is longer than 1 MiB"):
+        load_prompts(str(path))
+
+
+def test_a_paragraph_over_the_prompt_cap_is_left_out(tmp_path):
+    import layerscope.prompts as P
+
+    line = "z" * (2**19)
+    path = write(tmp_path, "p.txt", "short one\n\n" + "\n".join([line] * 3) + "\n\nshort two\n")
+    s = load_prompts(str(path))
+    assert [p.text for p in s] == ["short one", "short two"]
+    assert s.warnings == [f"file/3: longer than {P.MAX_PROMPT_CHARS:,} characters, left out"]
