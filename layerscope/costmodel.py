@@ -94,6 +94,19 @@ def _at(points: Sequence[float], T: int) -> float:
     return float(points[-1] + max(slope, 0.0) * (T - len(points)))
 
 
+def monotone(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): more tokens never cost less, so a dip
+    in a measured curve is noise, and so is a lone spike; both are averaged with their neighbours."""
+    blocks: list[list[float]] = []                   # [sum, count] of pooled runs
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 def time_calls(run: Callable[[int], None], sizes: Sequence[int], repeats: int = REPEATS,
                clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] = lambda: None) -> list[float]:
     """Median seconds of run(size) for each size; the sizes are interleaved so a load change hits all alike."""
@@ -180,7 +193,8 @@ def curve_key(loaded, draft=None) -> str:
 def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,
                cache_lengths: Sequence[int] = CACHE_LENGTHS, repeats: int = REPEATS) -> CostCurve:
     """The cost curve of `loaded` (a LoadedModel) with `draft` (default: an untrained draft of the default
-    shape), measured once per (weights, device, dtype, threads, draft shape) and then read from the store."""
+    shape), measured once per (weights, device, dtype, threads, draft shape) and then read from the store;
+    both curves are stored as their monotone fits."""
     draft = draft if draft is not None else default_draft(loaded)
     key = curve_key(loaded, draft)
     if store is not None and not fresh:
@@ -191,7 +205,7 @@ def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_token
                             aux_layers=draft.aux_layers)
     drafts = measure_draft(loaded.model, draft, repeats=repeats)
     curve = CostCurve(str(loaded.device), str(loaded.dtype).replace("torch.", ""), torch.get_num_threads(),
-                      tuple(target), tuple(drafts), tuple(cache_lengths))
+                      tuple(monotone(target)), tuple(monotone(drafts)), tuple(cache_lengths))
     if store is not None:
         store.put_json("costcurve", key, curve.to_json())
     return curve

@@ -106,12 +106,13 @@ def compact_cache(cache: DynamicCache, start: int, keep: list[int]) -> None:
 
 
 def _target_forward(model, ids: Sequence[int], positions: torch.Tensor, cache, aux_layers=None, mask=None,
-                    last_only: bool = False):
-    """Append `ids` at `positions` [T] to the cache: logits [T, V] ([1, V] with last_only), aux [T, k*d] or None."""
+                    last_only: bool = False, keep: torch.Tensor | None = None):
+    """Append `ids` at `positions` [T] to the cache: logits [T, V] ([1, V] with last_only, [len(keep), V] for
+    the rows `keep`), aux [T, k*d] or None."""
     dev = positions.device
     out = model(input_ids=torch.tensor([list(ids)], device=dev), position_ids=positions[None], cache=cache,
                 attention_mask=mask, use_cache=True, output_hidden_states=aux_layers is not None,
-                logits_to_keep=1 if last_only else 0)
+                logits_to_keep=keep if keep is not None else 1 if last_only else 0)
     aux = torch.cat([out.hidden_states[l][0] for l in aux_layers], -1) if aux_layers is not None else None
     return out.logits[0].float(), aux
 
@@ -347,6 +348,9 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries.
 
     Rows of the verified input: 0 is `last` (the root), 1..M the tree's nodes, parents before children.
+    The target's logits are computed only at the root and the nodes with children (its vocabulary
+    projection is a fifth of a small model's forward); when the accepted path ends at a leaf, that one
+    row is projected afterwards from the final hidden state.
     """
     L = cache.get_seq_length()
     tokens, parents, depths = _grow_tree(d, depth, spec)
@@ -355,10 +359,16 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     parent_row = torch.tensor([0] + [p + 1 for p in parents], device=dev)       # [M+1], the root is its own
     anc = ancestors(parent_row, max(depths))                                     # [M+1, M+1]
     positions = L + torch.tensor([0] + depths, device=dev)
-    logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, aux_layers,
-                                  tree_mask(L, anc, model.dtype))
-    target = logits.argmax(-1)                                                   # [M+1] the target's next token
+    inner = torch.unique(parent_row)                                             # sorted; the root is in
+    N, hd = model.config.num_hidden_layers, model.config.hidden_size
+    logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N],
+                                  tree_mask(L, anc, model.dtype), keep=inner)
+    aux, final = aux[:, :-hd], aux[:, -hd:]                                      # final: post-norm states [M+1, d]
+    target = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
+    target[inner] = logits.argmax(-1)                                            # the target's next token
     rows = accepted_rows(node_ids, parent_row, anc, target)                      # root, then the accepted path
+    if target[rows[-1]] < 0:                                                     # a leaf: project its row
+        target[rows[-1]] = model.get_output_embeddings()(final[rows[-1]]).float().argmax()
     bonus = int(target[rows[-1]])
     compact_cache(cache, L, [L + r for r in rows])
     d.rewind()

@@ -97,6 +97,12 @@ def test_time_calls_measures_the_cost_function():
     assert times == pytest.approx([cost(T) for T in range(1, 33)], rel=1e-9)
 
 
+def test_monotone_fit_closed_form():
+    assert cm.monotone([1, 3, 2, 4]) == pytest.approx([1, 2.5, 2.5, 4])
+    assert cm.monotone([5, 1, 1, 1, 6]) == pytest.approx([2, 2, 2, 2, 6])
+    assert cm.monotone([1, 2, 3]) == [1, 2, 3]
+
+
 def test_measured_curve_of_a_synthetic_target(tiny, curve, ref):
     """The curve of the slowed-down copy is the tiny model's own curve plus the added cost function."""
     own = _curve(tiny.model, LookupDraft(ref, tiny.model.config.vocab_size))
