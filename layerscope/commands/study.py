@@ -7,6 +7,7 @@ import time
 from layerscope import workflow
 from layerscope.analysis import AnalysisOptions
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
+from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.study import StudyOptions, format_study
@@ -46,6 +47,16 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=t.batch_size, help="default %(default)s")
     p.add_argument("--seq-len", type=int, default=t.seq_len, help="default %(default)s")
     p.add_argument("--lr", type=float, default=t.lr, help="default %(default)s")
+    on = OnlineOptions()
+    p.add_argument("--online", action="store_true",
+                   help="train the drafts online (the target in the loop, every set from one target pass per seed, "
+                        "resumable; see `train-draft --model`) instead of from the capture")
+    p.add_argument("--train-prompts", default=on.prompts, help="online: training conversations (default %(default)s)")
+    p.add_argument("--train-limit", type=int, default=on.limit, help="online: conversations drawn (default: all)")
+    p.add_argument("--responses", choices=("regenerate", "own"), default=on.responses,
+                   help="online: the target's own answers or the conversations' own (default %(default)s)")
+    p.add_argument("--tokens", default=None, help="online budget in tokens, e.g. 2M")
+    p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m")
     p.add_argument("--prompts", default=d.prompts, help="benchmark prompts (default %(default)s)")
     p.add_argument("--limit", type=int, default=d.limit, help="benchmark prompts to run (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="default %(default)s")
@@ -59,12 +70,22 @@ def options_from_args(args) -> StudyOptions:
              "seed": args.seed}
     if args.steps is not None:
         train["steps"] = args.steps
+    online = None
+    if args.online:
+        budget = {"steps": args.steps, "tokens": parse_count(args.tokens) if args.tokens else None,
+                  "time_s": parse_duration(args.time) if args.time else None}
+        online = {"prompts": args.train_prompts, "limit": args.train_limit, "responses": args.responses,
+                  "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed, **budget}
+        OnlineOptions(**online).validate()
+    elif args.tokens or args.time:
+        raise LayerScopeError("--tokens and --time are budgets of online training", "Add --online, or pass --steps")
     return StudyOptions(strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                         extra_sets=tuple(tuple(parse_layers(x)) for x in args.layers), k=args.k, lam=args.lam,
                         train=train, prompts=args.prompts, limit=args.limit, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, depth=args.depth,
                         seeds=tuple(parse_list(args.seeds, "--seeds", int)) if args.seeds else None,
-                        random_sets=args.random_sets, filters=tuple(parse_list(args.filters, "--filters", float)))
+                        random_sets=args.random_sets, filters=tuple(parse_list(args.filters, "--filters", float)),
+                        online=online)
 
 
 def parse_list(text: str, flag: str, kind) -> list:
@@ -80,7 +101,14 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with Progress("study", unit="step") as bar:
         def show(p):
-            if p.phase == "train" and isinstance(p.detail, dict):
+            if p.phase == "train" and isinstance(p.detail, dict) and "fraction" in p.detail:      # online
+                loss = p.detail["loss"]
+                bar.update(round(100 * p.detail["fraction"]), 100, phase=p.message, tokens=p.detail["tokens"],
+                           loss=sum(loss) / len(loss) if loss else 0.0, tok_s=p.detail["tokens_per_s"],
+                           eta=f"{(p.detail['eta_s'] or 0) / 60:.0f}m")
+            elif p.phase == "train" and isinstance(p.detail, dict) and p.detail.get("phase") in ("responses", "features"):
+                bar.update(p.detail["done"], p.detail["total"], phase=f"{p.message}: {p.detail['phase']}")
+            elif p.phase == "train" and isinstance(p.detail, dict):
                 bar.update(p.detail.get("step", 0), p.detail.get("steps"), phase=p.message,
                            loss=p.detail.get("loss", 0.0))
             elif p.phase == "bench" and p.detail is not None:
@@ -94,7 +122,10 @@ def run(args) -> int:
     if args.json:
         print_json(report.to_json())
     else:
+        o = report.options
+        budget = (f"online training ({', '.join(f'{k}={v}' for k, v in o['online'].items() if v is not None)})"
+                  if o.get("online") else f"{o['train']['steps']} training steps per draft")
         print(f"study of capture {report.capture} on {done.target.spec}: {report.prompts} held-out prompts, "
-              f"{report.options['train']['steps']} training steps per draft, {time.perf_counter() - t0:.0f} s")
+              f"{budget}, {time.perf_counter() - t0:.0f} s")
         print(format_study(report))
     return 0
