@@ -304,3 +304,18 @@ def test_speculators_converts_an_export_with_the_ids(deep, tmp_path):
     fallback = read(tmp_path / "without")
     assert not fallback.get("eagle_aux_hidden_state_layer_ids")
     assert vllm_reads(speculators_vllm_config(fallback), 6) == [2, 3, 3]      # [2, N//2, N-3], not the trained set
+
+
+def test_export_needs_the_target_when_the_draft_does_not_record_it(tiny, tmp_path, capsys):
+    cfg = DraftConfig.from_target(tiny.model.config, [1, 2, 3], 100, vocab_size=tiny.model.get_input_embeddings().weight.shape[0])
+    draft = save_draft(tmp_path / "bare", DraftHead(cfg), {"target_fingerprint": tiny.fingerprint})
+    assert read(draft, "layers.json")["target_assumed"] and read(draft)["torch_dtype"] == "float32"
+    assert cli(["export", str(draft), "--for", "sglang", "--out", str(tmp_path / "s")]) == 2
+    assert "--target" in capsys.readouterr().err
+    assert cli(["export", str(draft), "--for", "sglang", "--out", str(tmp_path / "s"), "--target", "tiny-llama"]) == 0
+    assert read(tmp_path / "s", "layers.json")["target"]["model_type"] == "llama"
+    assert cli(["export", str(draft), "--for", "sglang", "--out", str(tmp_path / "x"), "--target", "tiny-llama:seed=1"]) == 2
+    assert "fingerprint" in capsys.readouterr().err            # another target's weights: refused, naming both
+    (draft / "layerscope.json").unlink()
+    with pytest.raises(DraftError, match="no record of the layers"):
+        check_draft(draft, LLAMA)
