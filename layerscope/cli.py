@@ -14,6 +14,7 @@ import sys
 
 from layerscope.commands.common import STORE_HELP
 from layerscope.errors import LayerScopeError
+from layerscope.validate import OneLineParser
 
 COMMAND_MODULES = [
     "capture",
@@ -30,7 +31,7 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerscope", description=__doc__.splitlines()[0],
+    parser = OneLineParser(prog="layerscope", description=__doc__.splitlines()[0],   # finite floats, one-line errors
                                      epilog=f"Every command takes --store DIR: the {STORE_HELP}.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:

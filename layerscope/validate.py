@@ -1,0 +1,75 @@
+"""One rule for every numeric option: a number of the right kind, finite, inside its range.
+
+    check_number("temperature", t, minimum=0, maximum=100, fix="Use 0 for greedy responses")
+    OneLineParser(...)       # argparse: every `type=float` is finite_float; an error is one line, exit 2
+
+Options dataclasses call `check_number` in their `validate()` (the one source of their limits); the CLI's
+parser turns NaN and infinities away before any option reaches them, and prints its errors as one
+"error: ..." line like every other user-facing failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import operator
+import sys
+
+from layerscope.errors import LayerScopeError
+
+
+def check_number(name: str, value, *, minimum=None, maximum=None, integer: bool = False, optional: bool = False,
+                 above: bool = False, fix: str = "", error: type[LayerScopeError] = LayerScopeError):
+    """`value` when it is a finite number (an integer if `integer`) in [minimum, maximum] (minimum excluded
+    with `above`); None passes when `optional`. Raises `error(problem, fix)` otherwise."""
+    if value is None and optional:
+        return value
+    bad = isinstance(value, bool) or not isinstance(value, (int, float))
+    if integer and not bad:
+        try:
+            operator.index(value)
+        except TypeError:
+            bad = True
+    if bad or not math.isfinite(value):
+        kind = "a whole number" if integer else "a finite number"
+        raise error(f"{name} must be {kind} (got {value!r})", fix or _range_fix(name, minimum, maximum, above))
+    low_bad = minimum is not None and (value <= minimum if above else value < minimum)
+    if low_bad or (maximum is not None and value > maximum):
+        raise error(f"{name} must be {_range(minimum, maximum, above)} (got {value!r})",
+                    fix or _range_fix(name, minimum, maximum, above))
+    return value
+
+
+def _range(minimum, maximum, above) -> str:
+    if minimum is not None and maximum is not None:
+        return f"in {'(' if above else '['}{minimum}, {maximum}]"
+    if minimum is not None:
+        return f"{'greater than' if above else 'at least'} {minimum}"
+    return f"at most {maximum}"
+
+
+def _range_fix(name, minimum, maximum, above) -> str:
+    return f"Pass a {name} {_range(minimum, maximum, above)}"
+
+
+def finite_float(text: str) -> float:
+    """argparse type for every float option: a number, not NaN or an infinity."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose `type=float` options are finite and whose errors are one line (exit 2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", float, finite_float)
+
+    def error(self, message: str):
+        sys.stderr.write(f"error: {message}. Run `{self.prog} --help` for the options\n")
+        sys.exit(2)

@@ -1,0 +1,56 @@
+"""One rule for every numeric option: finite, of the right kind, in range; one error line in the CLI."""
+
+import math
+
+import pytest
+
+from layerscope import cli
+from layerscope.capture import CaptureOptions
+from layerscope.errors import CaptureError, LayerScopeError
+from layerscope.validate import check_number
+
+
+@pytest.mark.parametrize("value, kw, ok", [
+    (1, {"minimum": 1}, True), (0, {"minimum": 1}, False), (0, {"minimum": 0, "above": True}, False),
+    (math.nan, {}, False), (math.inf, {}, False), (-math.inf, {"maximum": 0}, False), (True, {}, False),
+    ("3", {}, False), (2.5, {"integer": True}, False), (2.0, {}, True), (None, {"optional": True}, True),
+    (None, {}, False), (7, {"minimum": 1, "maximum": 5}, False), (5, {"minimum": 1, "maximum": 5}, True),
+])
+def test_check_number(value, kw, ok):
+    if ok:
+        assert check_number("x", value, **kw) is value
+    else:
+        with pytest.raises(LayerScopeError, match="x must be"):
+            check_number("x", value, **kw)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("limit", 0), ("limit", 2.5),
+    ("limit", math.nan), ("max_new_tokens", 0), ("batch_size", -4), ("max_tokens", math.inf), ("seed", 1.5),
+    ("max_prompt_tokens", 0), ("skip_long", "yes"),
+])
+def test_capture_options_refuse_non_finite_and_out_of_range(field, value):
+    with pytest.raises(CaptureError, match=field):
+        CaptureOptions(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["capture", "--limit", "nan"], "argument --limit: invalid int value: 'nan'"),
+    (["capture", "--limit", "-3"], "limit must be at least 1"),
+    (["capture", "--temperature", "nan"], "argument --temperature: 'nan' is not a finite number"),
+    (["capture", "--temperature=-inf"], "argument --temperature: '-inf' is not a finite number"),
+    (["capture", "--temperature", "-1"], "temperature must be in [0, 100]"),
+    (["capture", "--batch-size", "0"], "batch_size must be in [1, 65536]"),
+    (["analyze", "abc", "--min-entropy", "nan"], "argument --min-entropy: 'nan' is not a finite number"),
+    (["select", "abc", "--lam", "inf"], "argument --lam: 'inf' is not a finite number"),
+    (["capture", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_cli_numeric_options_fail_with_one_line(argv, match, tmp_path, capsys):
+    try:
+        code = cli.main(argv + ["--store", str(tmp_path / "s")])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and match in lines[0], err
+    assert "Traceback" not in err
