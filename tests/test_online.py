@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.online import (Conversations, OnlineOptions, complete_checkpoints, epoch_batches,
-                                     load_conversations, parse_count, parse_duration, split_for,
+                                     first_reply, load_conversations, parse_count, parse_duration, split_for,
                                      target_features, train_online)
 from layerscope.draft.train import (TrainingCancelled, load_splits, make_batch, target_argmax, evaluate,
                                     ttt_loss, windows_of)
@@ -186,9 +186,20 @@ def test_kill_9_during_checkpointing_leaves_a_usable_checkpoint(tiny, tmp_path, 
     assert next(p for p in calls if p.get("phase") == "train")["step"] == state["step"] + 1
 
 
-def test_own_responses_need_assistant_turns(tiny, tmp_path):
+def test_own_responses_are_the_conversations_first_assistant_turns(tiny, tmp_path):
     with pytest.raises(DraftError, match="assistant turns"):
         load_conversations(tiny, OnlineOptions(prompts="builtin", limit=3, responses="own", steps=1), Store(tmp_path))
+    assert first_reply({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"},
+                                          {"from": "gpt", "value": " "}, {"from": "gpt", "value": "answer"}]}) == "answer"
+    assert first_reply({"conversations": [{"from": "human", "value": "q"}]}) is None
+    store = Store(tmp_path / "s")
+    convs = load_conversations(tiny, OnlineOptions(prompts="sharegpt", limit=4, responses="own", max_new_tokens=20,
+                                                   steps=1), store)
+    assert 1 <= len(convs) <= 4 and all(c.startswith("sharegpt/") for c in convs.ids)
+    eos = tiny.tokenizer.eos_token_id
+    for p, r in zip(convs.prompt, convs.response):
+        assert p and 2 <= len(r) <= 21 and r[-1] == eos
+    assert not (store.root / "responses").exists()                  # own answers: nothing is generated or stored
 
 
 def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, capsys, one_thread):

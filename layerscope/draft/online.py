@@ -174,7 +174,7 @@ def parse_duration(text: str) -> float:
 def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, progress=None,
                        should_stop=None) -> Conversations:
     """The conversations of o.prompts (train split for ShareGPT) that fit, with o.responses answers."""
-    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.seed)
+    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.seed, cache=store.root / "prompts")
     prompts = [(p, chat_ids(target.tokenizer, p)) for p in prompt_set.prompts]
     room = target.context_length - o.max_new_tokens
     prompts = [(p, ids) for p, ids in prompts if len(ids) <= min(o.max_prompt_tokens, room)]
@@ -182,18 +182,18 @@ def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, p
         raise DraftError(f"No prompt of {prompt_set.name} fits in {o.max_prompt_tokens} tokens",
                          "Raise --max-prompt-tokens or choose other prompts")
     if o.responses == "own":
-        return own_responses(target, prompts, prompt_set.content_hash, o)
+        return own_responses(target, prompts, prompt_set.content_hash, o, store)
     return regenerated_responses(target, prompts, prompt_set.content_hash, o, store, progress=progress,
                                  should_stop=should_stop)
 
 
-def own_responses(target, prompts, content_hash: str, o: OnlineOptions) -> Conversations:
+def own_responses(target, prompts, content_hash: str, o: OnlineOptions, store: Store) -> Conversations:
     """Each ShareGPT record's first assistant turn after its first user turn, tokenized, + end of turn."""
     if not o.prompts.startswith("sharegpt"):
         raise DraftError(f"--responses own needs conversations with assistant turns; {o.prompts} has none",
                          "Use --prompts sharegpt, or --responses regenerate to have the target answer")
     path = sharegpt_path()
-    where = {f"sharegpt/{rid}": (off, n) for rid, off, n in sharegpt_index(path)["records"]}
+    where = {f"sharegpt/{rid}": (off, n) for rid, off, n in sharegpt_index(path, cache=store.root / "prompts")["records"]}
     eos = target.tokenizer.eos_token_id
     out = Conversations([], [], [], make_key({"target": target.fingerprint, "prompts": content_hash, "mode": "own",
                                                "max_prompt_tokens": o.max_prompt_tokens, "format": RESPONSES_FORMAT}))
