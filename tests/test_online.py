@@ -233,3 +233,23 @@ def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_st
     assert len(metas) >= 2 and len({m["run_key"] for m in metas}) == 1          # one pass trained every set
     assert [m["layers"] for m in metas] == [r.layers for r in report.rows]
     assert all(m["online"]["responses"] == "regenerate" and r.tau is not None for m, r in zip(metas, report.rows))
+
+
+def test_ctrl_c_saves_a_checkpoint_and_stops_cleanly(tmp_path):
+    store_dir = tmp_path / "c"
+    cmd = [sys.executable, "-c", "import sys; from layerscope.cli import main; sys.exit(main(sys.argv[1:]))",
+           "train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10",
+           "--layers", "1,3", "--steps", "100000", "--batch-size", "3", "--seq-len", "64", "--draft-vocab", "64",
+           "--val-conversations", "2", "--checkpoint-every", "10h", "--threads", "1", "--store", str(store_dir)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (store_dir / "runs").is_dir():
+        time.sleep(0.1)
+    time.sleep(3)                                   # some training steps
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-2000:]
+    assert "run the same command again to continue" in err
+    run_dir = next((store_dir / "runs").iterdir())
+    ckpts = complete_checkpoints(run_dir)
+    assert len(ckpts) == 1 and json.loads((ckpts[0] / "state.json").read_text())["step"] >= 0

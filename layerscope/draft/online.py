@@ -25,12 +25,15 @@ uninterrupted run. When the run is finished, runs/<key>/result.json names one st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -460,8 +463,31 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Cal
             if cached is not None:
                 return cached
         run_dir.mkdir(parents=True, exist_ok=True)
-        return _train(target, convs, sets, o, store, key, run_dir, train_idx, val_idx, data_tokens, say,
-                      should_stop, strategy)
+        with interrupt_flag() as interrupted:
+            stop = (lambda: interrupted() or bool(should_stop and should_stop()))
+            return _train(target, convs, sets, o, store, key, run_dir, train_idx, val_idx, data_tokens, say,
+                          stop, strategy)
+
+
+@contextlib.contextmanager
+def interrupt_flag():
+    """In the main thread, Ctrl-C (SIGINT) only raises a flag, read between steps: the run then saves a
+    checkpoint and stops cleanly instead of dying mid-step. A second Ctrl-C interrupts at once."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set
+        return
+
+    def handler(signum, frame):
+        if hit.is_set():
+            raise KeyboardInterrupt
+        hit.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cached_result(result_file: Path, key: str, conversations: int, data_tokens: int) -> OnlineResult | None:
