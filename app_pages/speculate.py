@@ -186,7 +186,8 @@ else:
             "contender": r["name"], "layers": r.get("layers") or [], "decoding": r.get("decoding", ""),
             "τ": r.get("tau"), **{f"acc@{i + 1}": ((r.get("acceptance_by_position") or []) + [None] * depth_max)[i]
                                   for i in range(depth_max)},
-            "tokens/s": r.get("tokens_per_s"), "speedup": r.get("speedup"), "lossless": r.get("lossless"),
+            "tokens/s": r.get("tokens_per_s"), "speedup": r.get("speedup"),
+            **({"predicted": r.get("predicted_speedup")} if res.get("cost_curve") else {}), "lossless": r.get("lossless"),
         } for r in rows]).round(3)
         table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}",
               column_config={"layers": st.column_config.ListColumn("layers")})
@@ -205,6 +206,9 @@ else:
             acc = {r["name"]: r["acceptance_by_position"] for r in rows if r.get("acceptance_by_position")}
             if acc:
                 chart(plots.acceptance_bars(acc), key="ls_spec_bench_acc", filename=f"benchmark-{pick_run + 1}-acceptance")
+        if res.get("cost_curve"):
+            chart(plots.cost_curve(res["cost_curve"], draft_step_seconds=res.get("draft_step_seconds")),
+                  key="ls_spec_bench_cost", filename=f"benchmark-{pick_run + 1}-cost-curve")
         cats = sorted({c for r in rows for c in (r.get("by_category") or {})})
         if len(cats) > 1:
             with st.expander("Per prompt category"):

@@ -263,7 +263,7 @@ def cka_heatmap(
     n_sets = len(_named_sets(sets))
     # Dragging draws a selection box (the page's caption says "drag a box"), a click selects one cell;
     # uirevision keeps the chosen tool, zoom and pan when the page redraws the figure.
-    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), dragmode="select", clickmode="event+select",
+    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), dragmode="select",
                  uirevision="cka-heatmap")
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
     ticks = list(range(0, n, 1 if n <= 32 else 5))
@@ -405,6 +405,28 @@ def bench_comparison(
     fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"), row=1, col=2)
     _base_layout(fig, title, showlegend=False, height=420)
     fig.update_annotations(font_size=12)
+    return fig
+
+
+def cost_curve(
+    points: Sequence[Mapping],
+    *,
+    draft_step_seconds: float | None = None,
+    title: str | None = "What verifying T tokens costs on this machine",
+) -> go.Figure:
+    """A cost curve ([{tokens, seconds}], layerscope profile / bench JSON) as multiples of a one-token forward."""
+    if not points:
+        raise ValueError("cost_curve needs at least one point")
+    base = float(points[0]["seconds"])
+    fig = go.Figure(go.Scatter(x=[int(p["tokens"]) for p in points], y=[float(p["seconds"]) / base for p in points],
+                               mode="lines+markers", name="target forward",
+                               hovertemplate="T=%{x}: %{y:.2f}× a one-token forward<extra></extra>"))
+    if draft_step_seconds:
+        fig.add_hline(y=float(draft_step_seconds) / base, line=dict(color="#7f7f7f", dash="dot"),
+                      annotation_text="one draft step", annotation_position="top left")
+    fig.update_xaxes(title_text="tokens verified in one forward (T)")
+    fig.update_yaxes(title_text="cost (× one-token forward)", rangemode="tozero")
+    _base_layout(fig, title, showlegend=False, height=380)
     return fig
 
 

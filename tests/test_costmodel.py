@@ -294,3 +294,12 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     assert {"tau", "speedup"} <= set(auto_tree["calibrated"])
     assert main(args) == 0
     assert "predicted" in capsys.readouterr().out
+
+
+def test_cost_curve_figure():
+    from layerscope import plots
+
+    fig = plots.cost_curve([{"tokens": 1, "seconds": 0.05}, {"tokens": 2, "seconds": 0.06}, {"tokens": 3, "seconds": 0.08}],
+                           draft_step_seconds=0.005)
+    assert list(fig.data[0].x) == [1, 2, 3] and list(fig.data[0].y) == pytest.approx([1.0, 1.2, 1.6])
+    assert fig.layout.shapes[0].y0 == pytest.approx(0.1)
