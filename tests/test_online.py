@@ -253,3 +253,21 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_cleanly(tmp_path):
     run_dir = next((store_dir / "runs").iterdir())
     ckpts = complete_checkpoints(run_dir)
     assert len(ckpts) == 1 and json.loads((ckpts[0] / "state.json").read_text())["step"] >= 0
+
+
+def test_app_job_trains_every_set_online_with_live_progress(tmp_path, one_thread):
+    from layerscope.ui import tasks
+    from layerscope.ui.jobs import JobManager
+
+    store = Store(tmp_path / "s")
+    manager = JobManager(max_running=1)
+    job = manager.submit("session", "train", tasks.online_train_job(
+        store=store, model="tiny-llama", sets=[("default", [1, 2], "default"), ("mine", [0, 3], None)],
+        options={**SMALL, "steps": 4}))
+    assert job.wait(timeout=300)
+    assert job.view().finished_ok, (job.error, job.fix)
+    drafts = job.result["drafts"]
+    assert [d["name"] for d in drafts] == ["default", "mine"] and [d["layers"] for d in drafts] == [[1, 2], [0, 3]]
+    assert all(len(d["curve"]) == 2 and d["tokens_seen"] > 0 for d in drafts)
+    assert job.metrics["tokens"] == drafts[0]["tokens_seen"] and set(job.metrics["val"]) == {"default", "mine"}
+    assert {p["set"] for p in job.series["curve"]} == {"default", "mine"}

@@ -17,6 +17,7 @@ from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.bench import BenchOptions, Tally
 from layerscope.capture import CaptureOptions
 from layerscope.draft.export import read_meta
+from layerscope.draft.online import OnlineOptions
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError, PromptSetError
 from layerscope.prompts import load_prompts
@@ -154,6 +155,50 @@ def train_job(*, store, capture_key: str, model: str, layers: list[int], strateg
     return run
 
 
+def online_train_job(*, store, model: str, sets: list[tuple[str, list[int], str | None]], options: dict):
+    """workflow.train_online: one draft per (name, layers, strategy), all from one target pass per step.
+    Live: phase, tokens seen, tokens/s, loss per set, held-out agreement per set, ETA; the learning-curve
+    points as they come (series "curve": {"set", "tokens", "accuracy"})."""
+
+    def run(job):
+        names = [name for name, _, _ in sets]
+        last = {}
+
+        def progress(p):
+            phase = p["phase"]
+            if phase == "responses":
+                job.update(0.02 + 0.18 * p["done"] / max(p["total"], 1),
+                           f"the target answers the training prompts: batch {p['done']}/{p['total']} · "
+                           f"{p['tokens_per_s']:.0f} tok/s", phase=phase, eta_s=p["eta_s"])
+            elif phase == "features":
+                job.update(0.2, f"held-out conversations through the target: {p['done']}/{p['total']}", phase=phase)
+            elif phase == "eval":
+                job.update(None, f"held-out evaluation at {p['tokens']:,} tokens", phase=phase)
+            elif phase == "train":
+                val = p["val"]
+                job.update(0.2 + 0.8 * p["fraction"],
+                           f"{p['tokens']:,} tokens · {p['tokens_per_s']:.0f} tok/s" +
+                           (f" · ETA {p['eta_s'] / 60:.0f} min" if p.get("eta_s") else ""),
+                           phase=phase, tokens=p["tokens"], tokens_per_s=p["tokens_per_s"], eta_s=p.get("eta_s"),
+                           loss=dict(zip(names, p["loss"])), val=dict(zip(names, [v[0] if v else None for v in val])))
+                for name, v in zip(names, val):
+                    if v and last.get(name) != v:
+                        last[name] = v
+                        job.push("curve", {"set": name, "tokens": p["tokens"], "accuracy": list(v)})
+
+        def load(spec, st):
+            return load_in_job(job, spec, st)
+
+        result = workflow.train_online(store, model, [layers for _, layers, _ in sets], OnlineOptions(**options),
+                                       strategy=[strategy or name for name, _, strategy in sets], load=load,
+                                       progress=progress, should_stop=job.should_stop)
+        return {"drafts": [draft_entry(d.path, read_meta(d.path), name=name)
+                           for d, name in zip(result.drafts, names)],
+                "seconds": result.seconds, "tokens_per_s": result.tokens_per_s, "cached": result.cached}
+
+    return run
+
+
 def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
     """What the session keeps about a trained draft."""
     layers = [int(l) for l in meta.get("layers") or meta.get("aux_layers") or []]
@@ -161,7 +206,8 @@ def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
             "strategy": meta.get("strategy"), "val_accuracy": meta.get("val_accuracy"),
             "target_fingerprint": meta.get("target_fingerprint"), "capture_key": meta.get("capture_key"),
             "steps": (meta.get("budget") or {}).get("resolved_steps"), "seconds": meta.get("seconds"),
-            "train_tokens": meta.get("train_tokens")}
+            "train_tokens": meta.get("train_tokens"), "tokens_seen": meta.get("tokens_seen"),
+            "curve": meta.get("curve")}
 
 
 def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
