@@ -15,7 +15,8 @@ s, store = page_header("CKA between layers",
                        "Linear CKA of every pair of layers over the kept tokens (response tokens, attention sinks and "
                        "massive activations excluded, entropy filter as set on the Entropy page). 1 = the two layers carry the "
                        "same information up to rotation and scale. White boxes: compartments, contiguous blocks of similar layers. "
-                       "Click a cell or drag a box to pick layers for a hand-made set; click a picked cell again to unpick it.")
+                       "Drag a box or click a cell (choose the mouse tool above the heatmap) to pick layers for a hand-made set; "
+                       "picking picked layers again unpicks them.")
 
 stats = stats_or_progress(s, store, key="cka")
 if stats is not None:
@@ -41,8 +42,13 @@ if stats is not None:
                 f"layer {n} is the final state ({stats.get('final_state', 'post-norm')})")
 
     picks = apply.manual_layers(s)
+    tool = st.radio("Mouse on the heatmap", ["drag a box", "click cells"], horizontal=True, key="ls_w_cka_tool",
+                    on_change=bind_view(s, "cka_tool", "ls_w_cka_tool", "drag a box"),
+                    help="drag a box: every cell in the box picks its row and column layer; click cells: a click "
+                         "picks one cell's two layers and a drag pans. Either way, picking picked layers again unpicks them.")
     fig = plots.cka_heatmap(matrix, compartments=comps, sets=apply.sets_for_display(s), picks=picks,
-                            title=f"Linear CKA ({kind}), {s.model or ''}", final_state=stats.get("final_state", "post-norm"))
+                            title=f"Linear CKA ({kind}), {s.model or ''}", final_state=stats.get("final_state", "post-norm"),
+                            box_select=tool == "drag a box")
     round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key starts with no selection
     event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kind}-{s.capture_key or 'session'}",
                   on_select="rerun", selection_mode=("points", "box"))

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/app_server.py                      # the app's own config (.streamlit/config.toml)
     .venv/bin/python benchmarks/app_server.py --streamlit-defaults # Streamlit's defaults: file watcher, GC per run
     .venv/bin/python benchmarks/app_server.py --tabs 3 --seconds 60 --page cka --session ID --store cache
+    .venv/bin/python benchmarks/app_server.py --job --model tiny-llama --limit 16 --new-tokens 48
 
 Starts `streamlit run app.py` on a free port, opens `--tabs` headless Chromium tabs on a page (Debian's
 chromium through Playwright), waits until they have drawn, then reads the server's CPU time from
@@ -11,6 +12,10 @@ counted: they are other processes). Prints one JSON line; `--json` only that lin
 
 The server gets a temporary empty store unless `--store` is given (then a `--session` id shows that
 session's pages). On a shared machine, run both configurations back to back and compare the two.
+
+`--job`: the same capture twice, each into a fresh store: once with the CLI (`layerscope capture`),
+once started from the app's Capture page with `--tabs` tabs open on it (they poll the live view).
+Compares the capture's own time (manifest `seconds`, measured inside capture()) of the two runs.
 """
 
 from __future__ import annotations
@@ -103,6 +108,65 @@ def measure(args) -> dict:
             "load_average_1min": os.getloadavg()[0]}
 
 
+def capture_seconds(store: Path) -> float:
+    manifests = sorted(store.glob("captures/*/manifest.json"))
+    if len(manifests) != 1:
+        raise SystemExit(f"expected one capture in {store}, found {len(manifests)}")
+    return float(json.loads(manifests[0].read_text())["seconds"])
+
+
+def job_vs_cli(args) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    tmp = tempfile.TemporaryDirectory(prefix="layerscope-bench-")
+    cli_store, app_store = Path(tmp.name) / "cli", Path(tmp.name) / "app"
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "layerscope.cli", "capture", "--store", str(cli_store), "--model", args.model,
+                    "--prompts", "builtin", "--limit", str(args.limit), "--max-new-tokens", str(args.new_tokens),
+                    "--batch-size", str(args.batch), "--json"], cwd=ROOT, env=env, check=True, capture_output=True)
+    cli_wall = time.monotonic() - t0
+    extra = STREAMLIT_DEFAULTS if args.streamlit_defaults else []
+    proc, url = start_server(app_store, extra, Path(tmp.name) / "streamlit.log")
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            first = browser.new_page(viewport={"width": 1440, "height": 1000})
+            first.set_default_timeout(1_800_000)
+            first.goto(url + "/")
+            first.get_by_text("Capture hidden states").wait_for()
+            sid = first.url.split("session=")[1][:12]
+            model = first.get_by_role("textbox", name="Target model")
+            model.fill(args.model)
+            model.press("Enter")
+            for label, value in (("Prompts (limit)", args.limit), ("New tokens per response", args.new_tokens),
+                                 ("Batch size", args.batch)):
+                box = first.get_by_role("spinbutton", name=label, exact=True)
+                box.fill(str(value))
+                box.press("Enter")
+                first.wait_for_timeout(1500)
+            first.get_by_role("button", name="Start capture").click()
+            others = []
+            for _ in range(max(0, args.tabs - 1)):
+                tab = browser.new_page(viewport={"width": 1440, "height": 1000})
+                tab.goto(f"{url}/capture?session={sid}")
+                others.append(tab)
+            first.get_by_text(f"Capture of {args.model}: done in").wait_for()
+            browser.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    cli_s, app_s = capture_seconds(cli_store), capture_seconds(app_store)
+    tmp.cleanup()
+    return {"config": "streamlit defaults" if args.streamlit_defaults else "app (.streamlit/config.toml)",
+            "model": args.model, "prompts": args.limit, "new_tokens": args.new_tokens, "tabs": args.tabs,
+            "cli_capture_s": round(cli_s, 2), "cli_wall_s": round(cli_wall, 2), "app_capture_s": round(app_s, 2),
+            "app_over_cli": round(app_s / cli_s, 3), "load_average_1min": os.getloadavg()[0]}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tabs", type=int, default=3, help="browser tabs open on the page (default 3)")
@@ -114,7 +178,20 @@ def main(argv=None) -> None:
     ap.add_argument("--streamlit-defaults", action="store_true",
                     help="override the app's config with Streamlit's defaults (file watcher, GC after every run)")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--job", action="store_true", help="compare a capture's speed in the app (tabs open) with the CLI")
+    ap.add_argument("--model", default="tiny-llama", help="--job: model spec (default tiny-llama)")
+    ap.add_argument("--limit", type=int, default=16, help="--job: builtin prompts (default 16)")
+    ap.add_argument("--new-tokens", type=int, default=48, help="--job: new tokens per response (default 48)")
+    ap.add_argument("--batch", type=int, default=8, help="--job: batch size (default 8)")
     args = ap.parse_args(argv)
+    if args.job:
+        result = job_vs_cli(args)
+        if not args.json:
+            print(f"{result['config']}: capture took {result['app_capture_s']} s in the app with {result['tabs']} tab(s) "
+                  f"open, {result['cli_capture_s']} s with the CLI: {result['app_over_cli']:.2f}× "
+                  f"(1-min load average {result['load_average_1min']:.2f})")
+        print(json.dumps(result))
+        return
     result = measure(args)
     if not args.json:
         print(f"{result['config']}: server used {result['server_cpu_percent_of_one_core']:.2f} % of one core "

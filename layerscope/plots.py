@@ -211,8 +211,9 @@ def cka_heatmap(
     final_state: str = "post-norm",
     zmin: float | None = 0.0,
     zmax: float | None = 1.0,
+    box_select: bool = False,
 ) -> go.Figure:
-    """(N+1)×(N+1) CKA heatmap.
+    """(N+1)×(N+1) CKA heatmap; `box_select`: a drag draws a selection box (else a click selects a cell).
 
     Trace 0 is the heatmap; trace 1 is a transparent marker on every cell so that clicks and box
     selections report cells (heatmaps themselves are not selectable in plotly.js): a selected point
@@ -261,10 +262,11 @@ def cka_heatmap(
         fig.add_shape(type="rect", x0=p - 0.5, x1=p + 0.5, y0=p - 0.5, y1=p + 0.5, name=f"picked {p}",
                       line=dict(color="#ff2d2d", width=3), fillcolor="rgba(255,45,45,0.15)", layer="above")
     n_sets = len(_named_sets(sets))
-    # Dragging draws a selection box (the page's caption says "drag a box"), a click selects one cell;
-    # uirevision keeps the chosen tool, zoom and pan when the page redraws the figure.
-    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), dragmode="select",
-                 uirevision="cka-heatmap")
+    # box_select: dragging draws a selection box. Otherwise the dragmode is left to Streamlit, which then
+    # pans on drag and selects the clicked cell (with an explicit dragmode, Streamlit's charts do not select
+    # on click). uirevision keeps the tool, zoom and pan when the page redraws the figure.
+    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), uirevision="cka-heatmap",
+                 **({"dragmode": "select"} if box_select else {}))
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
     ticks = list(range(0, n, 1 if n <= 32 else 5))
     fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",

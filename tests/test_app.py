@@ -463,6 +463,8 @@ def test_heatmap_picks_can_be_unpicked(app_store, copy_of):
     settle(at)
     fig = charts(at)[0]
     assert fig["layout"]["dragmode"] == "select" and fig["layout"]["uirevision"]   # dragging draws a box, and keeps doing so
+    at.radio(key="ls_w_cka_tool").set_value("click cells").run()
+    assert "dragmode" not in charts(at)[0]["layout"]                # Streamlit's pan + click-to-select
     at.multiselect(key="ls_cka_picks").set_value([1, 2]).run()
     assert at.session_state["ls_session"].manual_picks == [1, 2]
     at.multiselect(key="ls_cka_picks").set_value([2]).run()

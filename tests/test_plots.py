@@ -155,9 +155,10 @@ def test_plots_does_not_import_streamlit():
 
 
 def test_heatmap_drags_a_selection_box_and_keeps_the_tool():
-    fig = plots.cka_heatmap(_cka(5))
-    assert fig.layout.dragmode == "select"                 # the caption's "drag a box" is what a drag does
-    assert "select" in fig.layout.clickmode and fig.layout.uirevision   # a redraw keeps the tool, zoom and pan
+    fig = plots.cka_heatmap(_cka(5), box_select=True)
+    assert fig.layout.dragmode == "select" and fig.layout.uirevision    # a drag draws a box; a redraw keeps it
+    click = plots.cka_heatmap(_cka(5))
+    assert click.layout.dragmode is None and click.layout.uirevision    # Streamlit's click-to-select
 
 
 def test_set_comparison_labels_stand_upright():

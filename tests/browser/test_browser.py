@@ -175,6 +175,13 @@ def drag_box(page, start: tuple[int, int], end: tuple[int, int]) -> None:
     page.mouse.up()
 
 
+def download(page, button) -> bytes:
+    """Click a download button and return the downloaded file's bytes."""
+    with page.expect_download(timeout=120_000) as d:
+        button.click()
+    return Path(d.value.path()).read_bytes()
+
+
 def wait_picked(page, expected: list[str], timeout: float = 30) -> None:
     deadline = time.time() + timeout
     while True:
@@ -204,6 +211,10 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     goto_page(page, "Entropy")
     page.locator(".js-plotly-plot").first.wait_for()
     assert page.get_by_text("Tokens kept").count() >= 1
+    png = download(page, page.get_by_role("button", name="PNG").first)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
+    svg = download(page, page.get_by_role("button", name="SVG").first).decode()
+    assert svg.startswith("<svg") and "Matrix entropy per layer" in svg
     shot(page, "2-entropy")
 
     # --- the CKA heatmap: one cell per pair of layers 0..N, compartments outlined
@@ -214,20 +225,20 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert info["rects"] >= 1
     heat = info["z"]
 
-    # --- pick layers by clicking a cell (row layer 1, column layer 3); the same cell again unpicks them
+    # --- a box dragged over cells (1,1)..(3,3) picks layers 1..3 (the default tool), and the tool stays
+    drag_box(page, (1, 1), (3, 3))
+    wait_picked(page, ["picked 1", "picked 2", "picked 3"])
     assert page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
                          "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "select"
-    click_cell(page, 1, 3)
+    # --- the click tool: cell (2, 2) unpicks layer 2; cell (1, 3) twice unpicks, then picks 1 and 3 again
+    page.get_by_text("click cells", exact=True).click()
+    wait_idle(page)
+    click_cell(page, 2, 2)
     wait_picked(page, ["picked 1", "picked 3"])
     click_cell(page, 1, 3)
     wait_picked(page, [])
-    # --- a box dragged over cells (1,1)..(3,3) picks layers 1..3; clicking cell (2,2) unpicks layer 2
-    drag_box(page, (1, 1), (3, 3))
-    wait_picked(page, ["picked 1", "picked 2", "picked 3"])
-    click_cell(page, 2, 2)
+    click_cell(page, 1, 3)
     wait_picked(page, ["picked 1", "picked 3"])
-    assert page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
-                         "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "select"   # the box tool stays
     shot(page, "3-cka")
 
     # --- layer sets: the picks pre-fill the hand-picked set; add it to the session's sets
@@ -292,6 +303,8 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page.get_by_text("Saved as “browser test”").wait_for()
     link = page.locator("[data-testid='stCode']").first.inner_text().strip()
     assert link.endswith(f"/cka?session={session_id}"), link
+    report = download(page, page.get_by_role("button", name="Download report (HTML)")).decode()
+    assert report.startswith("<!DOCTYPE html>") and "browser test" in report and "Recommended: " in report
     shot(page, "7-sessions")
 
     # --- the share link in a new page opens the same session: same heatmap, same sets
@@ -308,6 +321,19 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     shot(other, "8-shared-link")
     other.close()
     page.close()
+
+    # --- every page of the session at a desktop and a small laptop width, for a reviewer to look at
+    for width in (1440, 1024):
+        tab = browser.new_page(viewport={"width": width, "height": 900})
+        tab.set_default_timeout(120_000)
+        for path in ("capture", "entropy", "cka", "layer_sets", "speculate", "sessions"):
+            tab.goto(f"{server}/{path}?session={session_id}")
+            tab.locator("h1").first.wait_for()
+            wait_idle(tab)
+            if path != "capture" and path != "sessions":
+                tab.locator(".js-plotly-plot").first.wait_for()
+            shot(tab, f"page-{path}-{width}")
+        tab.close()
 
 
 def test_a_running_capture_survives_a_refresh_and_cancels(server, browser):
