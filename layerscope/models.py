@@ -293,6 +293,9 @@ def _parse_tiny_options(spec: str) -> dict:
         if key.strip() not in names or not value.strip().isdigit():
             raise ModelSpecError(f"Bad tiny-llama option {part!r}", "Use e.g. tiny-llama:layers=6,hidden=32,seed=1")
         out[names[key.strip()]] = int(value)
+    fix = "Use e.g. tiny-llama:layers=6,hidden=32,seed=1 (layers 1..64, hidden a multiple of 8 in 8..4096)"
+    if not 1 <= out.get("num_layers", 4) <= 64 or out.get("hidden_size", 64) % 8 or not 8 <= out.get("hidden_size", 64) <= 4096:
+        raise ModelSpecError(f"Bad tiny-llama size in {spec!r}", fix)
     return out
 
 

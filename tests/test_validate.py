@@ -54,3 +54,13 @@ def test_cli_numeric_options_fail_with_one_line(argv, match, tmp_path, capsys):
     lines = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("error:")]
     assert code == 2 and len(lines) == 1 and match in lines[0], err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama:layers=100000,hidden=100000", "tiny-llama:hidden=33", "tiny-llama:layers=0",
+                                  "tiny-llama:layers=nan", "tiny-llama:seed=-1", "tiny-llama:depth=3"])
+def test_tiny_model_options_are_checked_before_building(spec):
+    from layerscope.errors import ModelSpecError
+    from layerscope.models import load_model
+
+    with pytest.raises(ModelSpecError, match="tiny-llama"):
+        load_model(spec)
