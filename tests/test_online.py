@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,3 +272,25 @@ def test_app_job_trains_every_set_online_with_live_progress(tmp_path, one_thread
     assert all(len(d["curve"]) == 2 and d["tokens_seen"] > 0 for d in drafts)
     assert job.metrics["tokens"] == drafts[0]["tokens_seen"] and set(job.metrics["val"]) == {"default", "mine"}
     assert {p["set"] for p in job.series["curve"]} == {"default", "mine"}
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="torchrun missing")
+def test_two_process_ddp_training_equals_one_process(tiny, tmp_path, one_thread):
+    """torchrun with 2 gloo ranks: each rank runs the target on half of every batch, the gradients are summed
+    with losses normalised by the global position counts, so the drafts match one process (float tolerance)."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "layerscope", "train-draft", "--model", "tiny-llama",
+           "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10", "--layers", "1,3", "--layers", "0,2",
+           "--steps", "4", "--batch-size", "4", "--seq-len", "64", "--draft-vocab", "64", "--val-conversations", "2",
+           "--eval-points", "2", "--store", str(tmp_path / "two"), "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    two = json.loads(run.stdout)                                   # one JSON document: only rank 0 prints
+    one = train_online(tiny, [[1, 3], [0, 2]], Store(tmp_path / "one"), steps=4,
+                       **{**SMALL, "batch_size": 4, "eval_points": 2})
+    for a, b in zip(one.drafts, two["drafts"]):
+        assert a.layers == b["layers"] and a.tokens_seen == b["tokens_seen"]
+        wa, wb = weights(a.path), weights(b["path"])
+        for k in wa:
+            assert torch.allclose(wa[k].float(), wb[k].float(), atol=1e-4, rtol=1e-3), k

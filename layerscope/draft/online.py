@@ -43,6 +43,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import torch.distributed as dist
+
+from layerscope import distributed
 from layerscope.capture import CaptureOptions, generate_responses
 from layerscope.draft.export import read_meta, save_draft
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
@@ -457,8 +460,8 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Cal
     if len(train_idx) < 1:
         raise DraftError(f"Only {len(convs)} conversation(s): nothing is left to train on after the held-out ones",
                          "Use more prompts (--limit)")
-    with store.lock("runs", key, should_stop=should_stop):
-        if result_file.is_file():
+    with (store.lock("runs", key, should_stop=should_stop) if distributed.rank() == 0 else contextlib.nullcontext()):
+        if result_file.is_file() and distributed.rank() == 0:
             cached = cached_result(result_file, key, len(train_idx), data_tokens)
             if cached is not None:
                 return cached
@@ -498,6 +501,22 @@ def cached_result(result_file: Path, key: str, conversations: int, data_tokens: 
     return OnlineResult(drafts, r["seconds"], r["tokens_per_s"], False, True, key, conversations, data_tokens)
 
 
+def held_out_splits(target, convs, val_idx, sets, union, o: OnlineOptions, say) -> list:
+    N = target.num_layers
+    say({"phase": "features", "done": 0, "total": len(val_idx)})
+    parts = []
+    for i in range(0, len(val_idx), o.batch_size):
+        parts.append(target_features(target, convs, val_idx[i: i + o.batch_size], union))
+        say({"phase": "features", "done": min(i + o.batch_size, len(val_idx)), "total": len(val_idx)})
+    rows = {k: torch.cat([r[k] for r, _ in parts]) for k in parts[0][0]}
+    feats = {l: torch.cat([f[l] for _, f in parts]) for l in parts[0][1]}
+    argmax = target_argmax(feats[N], target.model.get_output_embeddings().weight)
+    splits = [split_for(rows, feats, s, N) for s in sets]
+    for sp in splits:
+        sp.target_next = argmax
+    return splits
+
+
 def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx, val_idx, data_tokens, say,
            should_stop, strategy) -> OnlineResult:
     device = target.device
@@ -511,19 +530,8 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     teacher_w = lm_head.detach()[(d2t + torch.arange(V)).to(lm_head.device)].float().to(device)
     union = sorted({l for s in sets for l in s})
 
-    # held-out features, once: one split per set over all held-out conversations
-    say({"phase": "features", "done": 0, "total": len(val_idx)})
-    parts = []
-    for i in range(0, len(val_idx), o.batch_size):
-        parts.append(target_features(target, convs, val_idx[i: i + o.batch_size], union))
-        say({"phase": "features", "done": min(i + o.batch_size, len(val_idx)), "total": len(val_idx)})
-    val_rows = {k: torch.cat([r[k] for r, _ in parts]) for k in parts[0][0]}
-    val_feats = {l: torch.cat([f[l] for _, f in parts]) for l in parts[0][1]}
-    val_next = target_argmax(val_feats[N], lm_head)
-    val_splits = [split_for(val_rows, val_feats, s, N) for s in sets]
-    for sp in val_splits:
-        sp.target_next = val_next
-    del parts
+    # held-out features, once: one split per set over all held-out conversations (rank 0 evaluates)
+    val_splits = held_out_splits(target, convs, val_idx, sets, union, o, say) if distributed.rank() == 0 else None
 
     heads, opts = [], []
     for s in sets:
@@ -573,36 +581,54 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     last_ckpt = time.perf_counter()
     val_latest = [c[-1][1] if c else None for c in state["curves"]]
     batches = epoch_batches(lengths, o.batch_size, o.seed, state["epoch"])
-    while fraction() < 1.0:
-        if should_stop is not None and should_stop():
-            save_checkpoint(run_dir, state, heads, opts)
+    rank, world = distributed.rank(), distributed.world()
+    while distributed.agree(fraction() < 1.0) if world > 1 else fraction() < 1.0:
+        stop = should_stop is not None and should_stop()
+        if distributed.agree(stop) if world > 1 else stop:
+            if rank == 0:
+                save_checkpoint(run_dir, state, heads, opts)
             raise TrainingCancelled(f"Training stopped at step {state['step']} ({state['tokens']} tokens)",
                                     "The progress is saved; run the same command again to continue")
         if state["cursor"] >= len(batches):
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
             batches = epoch_batches(lengths, o.batch_size, o.seed, state["epoch"])
         t_step = time.perf_counter()
-        index = [train_idx[c] for c in batches[state["cursor"]]]
-        rows, feats = target_features(target, convs, index, union)
+        index = distributed.shard([train_idx[c] for c in batches[state["cursor"]]], rank, world)
+        rows, feats = target_features(target, convs, index, union) if index else (None, None)
         losses, seen = [], 0
         for head, opt, s in zip(heads, opts, sets):
-            sp = split_for(rows, feats, s, N)
-            nxt = torch.zeros_like(sp.token_id)
-            nxt[:-1] = sp.token_id[1:]
-            ok = sp.counted & head.t2d[nxt]
-            wins = windows_of(sp, o.seq_len, ok, J)
-            if not wins:
+            params = [p for p in head.parameters() if p.requires_grad]
+            batch = None
+            if index:
+                sp = split_for(rows, feats, s, N)
+                nxt = torch.zeros_like(sp.token_id)
+                nxt[:-1] = sp.token_id[1:]
+                ok = sp.counted & head.t2d[nxt]
+                wins = windows_of(sp, o.seq_len, ok, J)
+                batch = make_batch(sp, wins, J, ok, device) if wins else None
+            counts = torch.tensor([int(m.sum()) for m in batch["masks"]] + [batch["rows"]] if batch else [0] * (J + 1))
+            if world > 1:
+                dist.all_reduce(counts)                     # positions per TTT step and rows, over every rank
+            if int(counts[:J].sum()) == 0:
                 continue
-            batch = make_batch(sp, wins, J, ok, device)
             for g in opt.param_groups:
                 g["lr"] = lr_now()
-            loss, _ = ttt_loss(head, batch, teacher_w)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], o.grad_clip)
+            loss = torch.zeros(())
+            if batch is not None:
+                loss, _ = ttt_loss(head, batch, teacher_w, denom=counts[:J].tolist())
+                loss.backward()
+            if world > 1:                                   # the sum of the ranks' gradients = the one-process one
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad)
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
             opt.step()
-            losses.append(round(loss.item(), 5))
-            seen = batch["rows"]
+            losses.append(round(float(loss.detach()), 5))
+            seen = int(counts[J])
         state["step"] += 1
         state["cursor"] += 1
         state["tokens"] += seen
@@ -611,7 +637,7 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
             for c, l in zip(state["loss_curves"], losses):
                 c.append([state["tokens"], l])
         due = min(o.eval_points, math.floor(fraction() * o.eval_points + 1e-9))
-        if due > state["evals_done"]:
+        if due > state["evals_done"] and rank == 0:
             for s_i, (acc, cov) in enumerate(run_eval()):
                 state["curves"][s_i].append([state["tokens"], acc, cov])
                 val_latest[s_i] = acc
@@ -623,11 +649,14 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         say({"phase": "train", "step": state["step"], "tokens": state["tokens"], "fraction": f,
              "tokens_per_s": rate, "eta_s": eta, "loss": losses, "val": val_latest, "sets": sets,
              "elapsed_s": state["elapsed"]})
-        if time.perf_counter() - last_ckpt >= o.checkpoint_every_s:
+        if time.perf_counter() - last_ckpt >= o.checkpoint_every_s and rank == 0:
             save_checkpoint(run_dir, state, heads, opts)
             last_ckpt = time.perf_counter()
 
     # the drafts, then result.json (the run counts as finished only once every draft is in place)
+    if rank != 0:
+        dist.barrier()                                      # rank 0 writes them
+        return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens)
     drafts = []
     for s_i, (head, s) in enumerate(zip(heads, sets)):
         head.eval()
@@ -653,4 +682,6 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     for old in complete_checkpoints(run_dir):
         shutil.rmtree(old, ignore_errors=True)
     say({"phase": "done", "step": state["step"], "tokens": state["tokens"]})
+    if world > 1:
+        dist.barrier()
     return OnlineResult(drafts, state["elapsed"], rate, resumed, False, key, len(train_idx), data_tokens)

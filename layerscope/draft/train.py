@@ -220,8 +220,10 @@ def make_batch(split: Split, batch: list[tuple[int, int]], J: int, target_ok: to
 
 # ----------------------------------------------------------------------------- loss
 
-def ttt_loss(head: DraftHead, batch: dict, teacher_w: torch.Tensor):
-    """Weighted TTT loss, and per step (correct, counted) top-1 agreement with the target's argmax."""
+def ttt_loss(head: DraftHead, batch: dict, teacher_w: torch.Tensor, denom: list[int] | None = None):
+    """Weighted TTT loss, and per step (correct, counted) top-1 agreement with the target's argmax.
+    denom[j]: divide step j's summed loss by this count instead of the batch's own (the global count when
+    the batch is one rank's share of a larger one, so that summed gradients equal the one-process ones)."""
     outs = head.unroll(batch["input_ids"], head.fuse(batch["aux"]), batch["position_ids"], with_logits=False)
     loss = torch.zeros((), device=teacher_w.device)
     stats = []
@@ -234,7 +236,8 @@ def ttt_loss(head: DraftHead, batch: dict, teacher_w: torch.Tensor):
             teacher = final @ teacher_w.T                                  # [M, V] target logits on the draft vocab
             logp = F.log_softmax(teacher, dim=-1)
         # cross-entropy against p minus p's own entropy (a constant): the same gradient, and 0 means "matches"
-        loss = loss + LOSS_DECAY ** j * (logp.exp() * (logp - logq)).sum(-1).mean()
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        loss = loss + LOSS_DECAY ** j * (kl.mean() if denom is None else kl.sum() / max(denom[j], 1))
         stats.append((int((logq.argmax(-1) == teacher.argmax(-1)).sum()), int(mask.sum())))
     return loss, stats
 
