@@ -91,7 +91,7 @@ def refusal(engine: str, layers: list[int], facts: TargetFacts) -> str | None:
         try:
             ids = sglang_ids(layers, facts.model_type)
         except DraftError as e:
-            return e.problem
+            return e.problem if engine == "sglang" else f"specforge captures through SGLang, and {e.problem}"
         if engine == "specforge" and min(ids) < 0:
             return (f"specforge needs non-negative SGLang ids, and layer 0 (the embedding output) would be id -1 "
                     f"for a {facts.model_type} target")
