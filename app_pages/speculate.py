@@ -41,38 +41,82 @@ if n and not any(tuple(x[1]) == tuple(default_layers(n)[0]) for x in sets):
     sets.append(("default", default_layers(n)[0], "default"))
 train_col, list_col = st.columns([1, 1.2], gap="large")
 with train_col:
-    st.subheader("Train a draft")
-    if not have_capture:
-        st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained here. "
-                   "Run the same capture on the Capture page, or use drafts already in the store.")
-    cap_tokens = int((s.capture or {}).get("tokens") or 0)
-    if have_capture and cap_tokens < SMALL_CAPTURE_TOKENS:
-        st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn the "
-                   f"training prompts by heart: high training accuracy, low held-out acceptance). Capture at least "
-                   f"{SMALL_CAPTURE_TOKENS:,} tokens, e.g. 400 ShareGPT prompts × 96 new tokens (README).",
-                   icon=":material/warning:")
+    st.subheader("Train drafts")
     labels = [f"{name} {layers}" for name, layers, _ in sets]
-    pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
-                        help="The session's sets to test (Layer sets page) and the default rule")
+    train_running = any(j.kind == "train" for j in manager.active(s.id))
+    mode = st.radio("Training data", ["capture", "online"], horizontal=True, key="ls_w_spec_mode",
+                    format_func={"capture": "from this capture", "online": "online: the target in the loop"}.get,
+                    help="From the capture: quick, one set at a time, as much data as the capture holds. Online: the "
+                         "target runs inside the training loop on as many conversations as you like, every chosen set "
+                         "trains from the same target pass, and a stopped run resumes (docs/training.md).")
     c1, c2, c3 = st.columns(3)
-    steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, value=300, step=50, key="ls_w_spec_steps",
-                            help="The same budget for every set keeps the comparison fair")
     ttt = c2.number_input("TTT steps", min_value=1, max_value=7, value=3, step=1, key="ls_w_spec_ttt",
                           help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
     seed = c3.number_input("Seed", min_value=0, value=0, step=1, key="ls_w_spec_seed")
-    train_running = any(j.kind == "train" for j in manager.active(s.id))
-    if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
-                 disabled=not (have_capture and labels) or train_running):
-        name, layers, strategy = sets[labels.index(pick)]
-        with guard("start training"):
-            manager.submit(s.id, "train", tasks.train_job(
-                store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
-                name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed)}),
-                title=f"Draft for {name} {list(layers)}")
-            st.rerun()
+    if mode == "capture":
+        if not have_capture:
+            st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained from it here. "
+                       "Run the same capture on the Capture page, train online, or use drafts already in the store.")
+        cap_tokens = int((s.capture or {}).get("tokens") or 0)
+        if have_capture and cap_tokens < SMALL_CAPTURE_TOKENS:
+            st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn "
+                       f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
+                       f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.", icon=":material/warning:")
+        steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, value=300, step=50,
+                                key="ls_w_spec_steps", help="The same budget for every set keeps the comparison fair")
+        pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
+                            help="The session's sets to test (Layer sets page) and the default rule")
+        if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
+                     disabled=not (have_capture and labels) or train_running):
+            name, layers, strategy = sets[labels.index(pick)]
+            with guard("start training"):
+                manager.submit(s.id, "train", tasks.train_job(
+                    store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
+                    name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed)}),
+                    title=f"Draft for {name} {list(layers)}")
+                st.rerun()
+    else:
+        kilo = c1.number_input("Budget (k tokens)", min_value=1, max_value=1_000_000, value=200, step=50,
+                               key="ls_w_spec_online_tokens",
+                               help="Tokens through each draft; every set gets the same. On a 2-core CPU about 100-300 "
+                                    "tokens/s for three sets; on a GPU thousands")
+        picks = st.multiselect("Layer sets (one draft each, same batches)", labels, default=labels[:3],
+                               key="ls_w_spec_online_sets")
+        d1, d2, d3 = st.columns(3)
+        prompts = d1.selectbox("Conversations", ["sharegpt", "builtin"], key="ls_w_spec_online_prompts",
+                               help="sharegpt: its training split (benchmarks use the held-out split)")
+        limit = d2.number_input("Conversations drawn", min_value=8, max_value=20_000, value=1000, step=100,
+                                key="ls_w_spec_online_limit")
+        responses = d3.selectbox("Responses", ["regenerate", "own"], key="ls_w_spec_online_responses",
+                                 help="regenerate: the target's own answers, generated once and kept (EAGLE-3's "
+                                      "choice; costs a generation pass); own: the conversations' own answers "
+                                      "(ShareGPT only; no generation)")
+        if st.button("Train online", type="primary", key="ls_spec_train_online", icon=":material/model_training:",
+                     disabled=not picks or train_running):
+            chosen = [sets[labels.index(p)] for p in picks]
+            with guard("start online training"):
+                manager.submit(s.id, "train", tasks.online_train_job(
+                    store=store, model=s.model, sets=[(name, list(layers), strategy) for name, layers, strategy in chosen],
+                    options={"prompts": prompts, "limit": int(limit), "responses": responses,
+                             "tokens": int(kilo) * 1000, "ttt_steps": int(ttt), "seed": int(seed)}),
+                    title=f"Online drafts for {len(chosen)} set(s)")
+                st.rerun()
 
     def _train_details(v):
         m = v.metrics
+        if "val" in m or m.get("phase") in ("responses", "features", "eval"):     # an online run
+            if v.running and m.get("phase") == "train":
+                a, b, c = st.columns(3)
+                a.metric("Tokens seen", f"{m.get('tokens', 0):,}")
+                b.metric("Tokens / s", f"{m.get('tokens_per_s', 0):.0f}")
+                c.metric("ETA", fmt_seconds(m["eta_s"]) if m.get("eta_s") else "—")
+            curve = {}
+            for p in v.series.get("curve", []):
+                curve.setdefault(p["set"], []).append([p["tokens"], p["accuracy"]])
+            if curve:
+                chart(plots.learning_curves(curve), key=f"ls_spec_online_curve_{'live' if v.running else 'done'}",
+                      filename="learning-curves")
+            return
         hist = v.series.get("history", [])
         if v.running and m:
             a, b, c = st.columns(3)
@@ -90,10 +134,17 @@ with list_col:
     st.subheader("Drafts of this session")
     if s.drafts:
         df = pd.DataFrame([{"name": d["name"], "layers": d["layers"], "steps": d.get("steps"),
+                            "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
                             "val acc per step": ", ".join(f"{a:.0%}" for a in (d.get("val_accuracy") or [])),
                             "trained in": fmt_seconds(d["seconds"]) if d.get("seconds") else None,
                             "stored as": Path(d["path"]).name} for d in s.drafts])
         table(df, key="ls_spec_drafts", filename="drafts", column_config={"layers": st.column_config.ListColumn("layers")})
+        curves = {f"{d['name']} {d['layers']}": d["curve"] for d in s.drafts if d.get("curve")}
+        if curves:
+            chart(plots.learning_curves(curves), key="ls_spec_learning_curves", filename="learning-curves")
+            st.caption("Held-out agreement at the first draft position (every position counts: the estimate of "
+                       "decoding acceptance) as each draft saw more tokens. Sets trained in one online pass saw the "
+                       "same data in the same order, so their curves compare directly.")
     else:
         st.caption("None yet: train one, or add one the store already holds.")
     fp = (s.capture or {}).get("fingerprint")

@@ -522,6 +522,23 @@ def training_curves(
     return fig
 
 
+def learning_curves(curves: Mapping[str, Sequence], *, step: int = 0,
+                    title: str | None = "Held-out agreement as the drafts see more tokens") -> go.Figure:
+    """One line per layer set: agreement at TTT step `step`+1 (every held-out position; the estimate of
+    first-position acceptance for step 0) against tokens seen.
+
+    curves: {set name: [[tokens seen, [agreement per TTT step]], ...]} (layerscope.json's "curve")."""
+    fig = go.Figure()
+    for i, (name, points) in enumerate(curves.items()):
+        pts = [(int(t), float(a[step])) for t, a in points if len(_as_list(a)) > step]
+        fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[a for _, a in pts], mode="lines+markers", name=str(name),
+                                 line=dict(color=SET_COLORS[i % len(SET_COLORS)])))
+    fig.update_xaxes(title="tokens seen")
+    fig.update_yaxes(title=f"agreement, draft step {step + 1}", tickformat=".0%", rangemode="tozero")
+    _base_layout(fig, title, height=360)
+    return fig
+
+
 def figure_config(filename: str, image_format: str = "png") -> dict:
     """Plotly config for the chart toolbar: download as PNG or SVG under a useful file name."""
     fmt = image_format.lower()

@@ -137,7 +137,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
         config, embed, lm_head = target_weights(target)
         head, report = train_draft(cap, layers, config, embed, lm_head, progress=progress, should_stop=should_stop,
                                    **asdict(o))
-        path = save_draft(out, head, draft_meta(report, cap, target.fingerprint, target.spec, strategy))
+        path = save_draft(out, head, draft_meta(report, cap, target.fingerprint, target.spec, strategy), target=target)
     return Trained(Path(path), read_meta(path))
 
 

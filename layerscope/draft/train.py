@@ -410,6 +410,6 @@ def draft_for(cap, layers, target, store, *, strategy: str | None = None, progre
         return path
     config, embed, lm_head = target_weights(target)
     head, report = train_draft(cap, layers, config, embed, lm_head, progress=progress, should_stop=should_stop, **asdict(o))
-    save_draft(path, head, {**draft_meta(report, cap, target.fingerprint, target.spec, strategy), "key": key})
+    save_draft(path, head, {**draft_meta(report, cap, target.fingerprint, target.spec, strategy), "key": key}, target=target)
     store.touch("drafts", key)
     return path

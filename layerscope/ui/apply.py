@@ -113,7 +113,9 @@ def _apply_analysis(s: Session, result: dict) -> bool:
 
 
 def _apply_draft(s: Session, entry: dict) -> bool:
-    s.drafts = [d for d in s.drafts if d["path"] != entry["path"]] + [entry]
+    """One draft (capture training) or {"drafts": [...]} (online training: one per set of the pass)."""
+    for d in entry.get("drafts", [entry]):
+        s.drafts = [x for x in s.drafts if x["path"] != d["path"]] + [d]
     return True
 
 
