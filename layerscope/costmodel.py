@@ -45,7 +45,7 @@ CALIBRATION_RANKS = 8                # draft ranks a calibration tells apart (de
 AUTO_KS = tuple(range(1, 9))         # chain depths `auto` considers
 AUTO_TREES = tuple(TreeSpec(b, k, d) for b in (2, 3, 4, 6, 8, 12, 16, 24, 31) for k in (1, 2, 3, 4, 6, 8)
                    for d in range(2, 9) if k <= b <= k + (d - 1) * k * k)   # shapes `auto` considers
-FORMAT = 1                           # of the cached curves
+FORMAT = 2                           # of the cached curves (2: monotone fits)
 
 
 # ----------------------------------------------------------------------------- the cost curve
