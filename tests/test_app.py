@@ -590,3 +590,24 @@ def test_session_report_is_one_self_contained_page(app_store, copy_of):
     at.switch_page("app_pages/sessions.py").run()
     no_exception(at)
     assert "ls_sess_report" in [b.key for b in at.get("download_button")]
+
+
+def test_speculate_page_trains_several_sets_online_with_learning_curves(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/speculate.py").run()
+    at.radio(key="ls_w_spec_mode").set_value("online").run()
+    no_exception(at)
+    labels = at.multiselect(key="ls_w_spec_online_sets").options
+    at.multiselect(key="ls_w_spec_online_sets").set_value(labels[:2])
+    at.selectbox(key="ls_w_spec_online_prompts").set_value("builtin")
+    at.number_input(key="ls_w_spec_online_limit").set_value(10)
+    at.number_input(key="ls_w_spec_online_tokens").set_value(1)
+    at.run()
+    at.button(key="ls_spec_train_online").click().run()
+    settle(at)
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert len(s.drafts) == len(labels[:2]) >= 1
+    assert all(d.get("curve") and d["tokens_seen"] >= 1000 for d in s.drafts)
+    titles = [(c.get("layout", {}).get("title") or {}).get("text", "") for c in charts(at)]
+    assert any("Held-out agreement" in t for t in titles), titles
