@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from layerscope import bench, specdec
-from layerscope.draft.model import DraftConfig, DraftHead
+from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.specdec import TreeSpec
@@ -176,7 +176,9 @@ def default_draft(loaded) -> DraftHead:
     n = cfg.num_hidden_layers
     layers = sorted({max(n // 15, 0), n // 2, max(n - 3, 0)})
     V = min(TrainOptions.draft_vocab, cfg.vocab_size)
-    head = DraftHead(DraftConfig.from_target(cfg, layers, V), embed_weight=loaded.model.get_input_embeddings().weight)
+    d2t, t2d = build_draft_vocab(torch.arange(cfg.vocab_size), V, cfg.vocab_size)       # the first V ids
+    head = DraftHead(DraftConfig.from_target(cfg, layers, V), embed_weight=loaded.model.get_input_embeddings().weight,
+                     d2t=d2t, t2d=t2d)
     return head.to(loaded.device).eval()
 
 
@@ -278,9 +280,10 @@ def draft_ranks(model, draft, ids: Sequence[int], start: int, depth: int = CALIB
         for j, (logits, _) in enumerate(outs, start=1):
             true = pad[j + 1:j + 1 + T]                                      # x_{t+j+1}
             lg = logits[0].float()
-            did = dmap[true].clamp_min(0)
+            inside = draft.t2d[true] & (dmap[true] < Vd)
+            did = dmap[true].clamp(0, Vd - 1)
             r = (lg > lg.gather(1, did[:, None])).sum(1)
-            r = torch.where(draft.t2d[true], r, torch.full_like(r, Vd))
+            r = torch.where(inside, r, torch.full_like(r, Vd))
             valid = torch.arange(T, device=model.device) + j + 1 < n
             ranks.append(torch.where(valid, r, torch.full_like(r, -1)))
     return torch.stack(ranks, 1)[start - 1:].cpu()

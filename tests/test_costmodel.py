@@ -303,3 +303,14 @@ def test_cost_curve_figure():
                            draft_step_seconds=0.005)
     assert list(fig.data[0].x) == [1, 2, 3] and list(fig.data[0].y) == pytest.approx([1.0, 1.2, 1.6])
     assert fig.layout.shapes[0].y0 == pytest.approx(0.1)
+
+
+def test_default_draft_has_a_consistent_vocabulary(tiny):
+    from layerscope.models import tiny_model
+
+    for loaded in (tiny, tiny_model(num_layers=6, hidden_size=32, seed=1)):
+        head = cm.default_draft(loaded)
+        V = head.config.draft_vocab_size
+        assert int(head.t2d.sum()) == V and head.to_target_ids(torch.arange(V)).tolist() == head.t2d.nonzero().flatten().tolist()
+        prof = cm.calibrate(loaded.model, head, PROMPTS[:1], max_new_tokens=6, depth=2)
+        assert prof.rows == 5
