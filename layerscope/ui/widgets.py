@@ -74,11 +74,12 @@ def chart(fig, *, key: str, filename: str, on_select=None, selection_mode=None, 
 
 def image_buttons(fig, *, key: str, filename: str) -> None:
     """PNG and SVG downloads of `fig`, side by side; the image is rendered only when a button is pressed."""
-    a, b, _ = st.columns([1, 1, 4])
-    for col, fmt in ((a, "png"), (b, "svg")):
-        col.download_button(fmt.upper(), data=_image_maker(fig, fmt), file_name=f"{filename}.{fmt}",
-                            mime="image/png" if fmt == "png" else "image/svg+xml", key=f"{key}_{fmt}",
-                            on_click="ignore", icon=":material/image:", help=f"Download this chart as {fmt.upper()}")
+    with st.container(horizontal=True):       # side by side at their own width, even in a narrow column
+        for fmt in ("png", "svg"):
+            st.download_button(fmt.upper(), data=_image_maker(fig, fmt), file_name=f"{filename}.{fmt}",
+                               mime="image/png" if fmt == "png" else "image/svg+xml", key=f"{key}_{fmt}",
+                               on_click="ignore", icon=":material/image:", width="content",
+                               help=f"Download this chart as {fmt.upper()}")
 
 
 def _image_maker(fig, fmt: str):
@@ -131,6 +132,7 @@ def fmt_seconds(s: float) -> str:
     return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
 
 
+JOB_WORDS = {"bench": "benchmark", "train": "training", "analysis-compare": "comparison"}
 CANCEL_OWNER_KEY = "ls_cancel_owner"     # job id -> the widget key that draws its cancel button this run
 _SAMPLES: dict[str, list[tuple[float, float]]] = {}   # job id -> recent (time, progress) seen by any tab
 RATE_WINDOW_S = 90.0
@@ -184,7 +186,7 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
         st.progress(p, text=" · ".join(parts))
         owners = st.session_state.setdefault(CANCEL_OWNER_KEY, {})
         if show_cancel and not view.cancel_requested and owners.setdefault(view.id, key) == key:
-            if st.button(f"Cancel {view.kind}", key=f"{key}_cancel_{view.id}", icon=":material/stop_circle:"):
+            if st.button(f"Cancel {JOB_WORDS.get(view.kind, view.kind)}", key=f"{key}_cancel_{view.id}", icon=":material/stop_circle:"):
                 get_manager().cancel(view.id)
                 st.rerun()
     elif view.state == FAILED:
