@@ -146,6 +146,15 @@ def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path
     resumed = train_online(tiny, [[1, 3]], store, steps=8, **SMALL)
     assert resumed.resumed and same_weights(resumed.drafts[0].path, whole.drafts[0].path)
     assert resumed.drafts[0].curve == whole.drafts[0].curve
+    # a damaged checkpoint is one clear error naming it, never a traceback or a silent restart
+    other, seen = Store(tmp_path / "c"), []
+    with pytest.raises(TrainingCancelled):
+        train_online(tiny, [[1, 3]], other, steps=8, progress=seen.append,
+                     should_stop=lambda: any(p["phase"] == "train" for p in seen), **SMALL)
+    ckpt = complete_checkpoints(next((other.root / "runs").iterdir()))[-1]
+    (ckpt / "tensors.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DraftError, match="cannot be read"):
+        train_online(tiny, [[1, 3]], other, steps=8, **SMALL)
 
 
 CHILD = """

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import torch.distributed as dist
@@ -551,7 +551,11 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     ckpts = complete_checkpoints(run_dir)
     resumed = bool(ckpts)
     if ckpts:
-        state = load_checkpoint(ckpts[-1], heads, opts)
+        try:
+            state = load_checkpoint(ckpts[-1], heads, opts)
+        except (OSError, ValueError, KeyError, AssertionError, RuntimeError, SafetensorError) as e:
+            raise DraftError(f"Checkpoint {ckpts[-1]} cannot be read ({str(e)[:200]})",
+                             f"Remove that folder to resume from scratch (or the whole {run_dir} to start over)") from None
         state.pop("param_groups", None)
     lengths = [len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx]
 
@@ -606,7 +610,8 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
                 ok = sp.counted & head.t2d[nxt]
                 wins = windows_of(sp, o.seq_len, ok, J)
                 batch = make_batch(sp, wins, J, ok, device) if wins else None
-            counts = torch.tensor([int(m.sum()) for m in batch["masks"]] + [batch["rows"]] if batch else [0] * (J + 1))
+            counts = torch.tensor([int(m.sum()) for m in batch["masks"]] + [batch["rows"]] if batch else [0] * (J + 1),
+                                  device=device)
             if world > 1:
                 dist.all_reduce(counts)                     # positions per TTT step and rows, over every rank
             if int(counts[:J].sum()) == 0:
@@ -614,7 +619,7 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
             for g in opt.param_groups:
                 g["lr"] = lr_now()
             opt.zero_grad(set_to_none=True)
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=device)
             if batch is not None:
                 loss, _ = ttt_loss(head, batch, teacher_w, denom=counts[:J].tolist())
                 loss.backward()
