@@ -127,25 +127,27 @@ def test_k_sets_in_one_pass_equal_k_separate_runs_and_are_served_again(tiny, tmp
 
 
 def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path, one_thread):
-    whole = train_online(tiny, [[1, 3]], Store(tmp_path / "a"), steps=8, **SMALL)
+    sets = [[1, 3], [0, 2]]
+    whole = train_online(tiny, sets, Store(tmp_path / "a"), steps=8, **SMALL)
     store = Store(tmp_path / "b")
     calls = []
 
     def stop_after_4():
         return sum(1 for p in calls if p.get("phase") == "train") >= 4
 
-    with pytest.raises(TrainingCancelled):
-        train_online(tiny, [[1, 3]], store, steps=8, progress=calls.append, should_stop=stop_after_4,
-                     checkpoint_every_s=1e9, **SMALL)
+    with pytest.raises(TrainingCancelled):              # a checkpoint after every step, the last at step 4
+        train_online(tiny, sets, store, steps=8, progress=calls.append, should_stop=stop_after_4,
+                     checkpoint_every_s=1e-9, **SMALL)
     run_dir = next((store.root / "runs").iterdir())
     assert [p.name for p in complete_checkpoints(run_dir)] == ["ckpt-000000004"]
     assert not (store.root / "drafts").exists() or not any((store.root / "drafts").iterdir())
     # debris of a checkpoint that was being written when the process died is never used
     (run_dir / ".ckpt-tmp-dead").mkdir()
     (run_dir / "ckpt-000000007").mkdir()                             # no state.json: incomplete
-    resumed = train_online(tiny, [[1, 3]], store, steps=8, **SMALL)
-    assert resumed.resumed and same_weights(resumed.drafts[0].path, whole.drafts[0].path)
-    assert resumed.drafts[0].curve == whole.drafts[0].curve
+    resumed = train_online(tiny, sets, store, steps=8, **SMALL)
+    assert resumed.resumed
+    for a, b in zip(resumed.drafts, whole.drafts):
+        assert same_weights(a.path, b.path) and a.curve == b.curve
     # a damaged checkpoint is one clear error naming it, never a traceback or a silent restart
     other, seen = Store(tmp_path / "c"), []
     with pytest.raises(TrainingCancelled):

@@ -358,7 +358,7 @@ def save_checkpoint(run_dir: Path, state: dict, heads: list[DraftHead], opts: li
     groups = []
     for i, (head, opt) in enumerate(zip(heads, opts)):
         for name, t in head.state_dict().items():
-            tensors[f"head{i}.{name}"] = t.detach().cpu()
+            tensors[f"head{i}.{name}"] = t.detach().cpu().clone()     # the heads share d2t/t2d: one copy each
         sd = opt.state_dict()
         groups.append(sd["param_groups"])
         for p, st in sd["state"].items():
