@@ -77,3 +77,21 @@ def test_killed_writer_is_resumed_by_the_next_and_matches_an_uninterrupted_run(t
     for name in ("token_id", "is_response", "conversation"):
         assert torch.equal(cap.tokens()[name], ref_cap.tokens()[name])
     assert torch.allclose(cap.layer(4), ref_cap.layer(4), atol=1e-2)
+
+
+def test_a_waiting_capture_can_be_cancelled(tmp_path, tiny, one_thread):
+    from layerscope.capture import CaptureCancelled
+
+    store = Store(tmp_path / "store")
+    prompts = load_prompts("builtin", limit=2)
+    key = capture_key(tiny, prompts, CaptureOptions(limit=2, max_new_tokens=2))
+    phases = []
+    with store.lock("captures", key):        # another writer holds the capture
+        try:
+            capture(tiny, prompts, store, limit=2, max_new_tokens=2, progress=lambda p: phases.append(p.phase),
+                    should_stop=lambda: "waiting" in phases)
+            raise AssertionError("not cancelled")
+        except CaptureCancelled as e:
+            assert "another process" in str(e)
+    assert phases == ["waiting"] and store.list_captures() == []
+    assert capture(tiny, prompts, store, limit=2, max_new_tokens=2).key == key     # the lock is free again
