@@ -279,7 +279,7 @@ def _req(spec):
     return ("req", spec)
 
 
-NUMS = ("list", "num", 100_000)
+NUMS = ("list", ("opt", "num"), 100_000)     # null where a value is undefined (NaN is written as null)
 PAIRS = ("list", ("list", "int", 2), 64)
 CAPTURE_SCHEMA = ("obj", {
     "key": _opt("key"), "model": _opt("str"), "num_layers": _opt(("range", 1, MAX_LAYERS)),
@@ -322,8 +322,8 @@ BENCH_SCHEMA = ("obj", {
 STUDY_ROW_SCHEMA = ("obj", {
     "strategies": _req(("list", "str", 64)), "layers": _req(("list", "int", MAX_LAYERS)), "draft": _req("str"),
     "mean_entropy": _req(_opt("num")), "mean_cka": _req(_opt("num")), "aggregate_entropy": _req(_opt("num")),
-    "val_accuracy": _opt(("either", "num", NUMS)), "tau": _opt("num"), "tau_ci": _opt(("list", "num", 2)),
-    "delta_vs_default": _opt("num"), "delta_ci": _opt(("list", "num", 2)), "tau_seed_range": _opt("num"),
+    "val_accuracy": _opt(("either", "num", NUMS)), "tau": _opt("num"), "tau_ci": _opt(("list", _opt("num"), 2)),
+    "delta_vs_default": _opt("num"), "delta_ci": _opt(("list", _opt("num"), 2)), "tau_seed_range": _opt("num"),
     "speedup": _opt("num"), "lossless": _opt("bool"), "proxies": _opt(("map", "json")),
 }, False)
 STUDY_SCHEMA = ("obj", {
