@@ -34,6 +34,7 @@ from layerscope.models import LoadedModel
 from layerscope.prompts import PromptSet, chat_ids
 from layerscope.store import (CHUNK_RE, LockWaitCancelled, Store, atomic_save_tensors, chunk_name, file_sha256, list_chunks,
                               make_key, read_header)
+from layerscope.validate import check_number
 
 FORMAT_VERSION = 1
 
@@ -50,16 +51,21 @@ class CaptureOptions:
     max_prompt_tokens: int | None = None   # drop prompts longer than this (keeps batches of ShareGPT compact)
 
     def validate(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise CaptureError(f"limit must be at least 1 (got {self.limit})", "Pass --limit 1 or more, or leave it out for all prompts")
-        if self.max_new_tokens < 1:
-            raise CaptureError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})", "Pass --max-new-tokens 1 or more")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise CaptureError(f"max_tokens must be at least 1 (got {self.max_tokens})", "Pass --max-tokens 1 or more, or leave it out")
-        if self.batch_size < 1:
-            raise CaptureError(f"batch_size must be at least 1 (got {self.batch_size})", "Pass --batch-size 1 or more")
-        if self.temperature < 0:
-            raise CaptureError(f"temperature must be >= 0 (got {self.temperature})", "Use 0 for greedy responses")
+        """One rule for every option (layerscope.validate): finite numbers of the right kind, in range."""
+        check = lambda name, value, lo, hi, fix, **kw: check_number(  # noqa: E731
+            name, value, minimum=lo, maximum=hi, fix=fix, error=CaptureError, **kw)
+        check("limit", self.limit, 1, None, "Pass --limit 1 or more, or leave it out for all prompts", integer=True,
+              optional=True)
+        check("max_new_tokens", self.max_new_tokens, 1, 1_000_000, "Pass --max-new-tokens 1 or more", integer=True)
+        check("max_tokens", self.max_tokens, 1, None, "Pass --max-tokens 1 or more, or leave it out", integer=True,
+              optional=True)
+        check("batch_size", self.batch_size, 1, 65_536, "Pass --batch-size 1 or more", integer=True)
+        check("seed", self.seed, -2**63, 2**64 - 1, "Pass an integer --seed, e.g. 0", integer=True)
+        check("temperature", self.temperature, 0, 100, "Use 0 for greedy responses")
+        check("max_prompt_tokens", self.max_prompt_tokens, 1, None, "Pass --max-prompt-tokens 1 or more, or leave it "
+              "out", integer=True, optional=True)
+        if not isinstance(self.skip_long, bool):
+            raise CaptureError(f"skip_long must be true or false (got {self.skip_long!r})", "Pass --skip-long or not")
 
 
 @dataclass
