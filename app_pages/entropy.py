@@ -37,35 +37,34 @@ if st.session_state.get("ls_ent_synced") != opts:
         "ls_ent_kernel": opts.get("kernel", "linear"),
     })
 with st.container(border=True):
-    c1, c2, c3 = st.columns([1, 1.3, 1])
+    c1, c2 = st.columns(2)
     c1.select_slider("Rényi order α", options=ALPHAS, key="ls_ent_alpha",
                      help="α = 1: von Neumann (Shannon) entropy; α = 2: collision entropy")
-    c2.toggle("Token-entropy filter", key="ls_ent_filter", help="Drop tokens the target is sure about (low predictive entropy)")
-    c2.slider("Threshold (nats)", 0.0, 5.0, step=0.05, key="ls_ent_threshold", disabled=not st.session_state.ls_ent_filter,
-              help="The red line on the histogram below follows this slider; Recompute applies it")
-    c3.radio("Kernel", KERNELS, key="ls_ent_kernel", horizontal=True,
+    c2.radio("Kernel", KERNELS, key="ls_ent_kernel", horizontal=True,
              help="linear: standard linear CKA on centered token states; cosine: tokens scaled to unit length first")
-    c4, c5, c6 = st.columns([1, 1.3, 1])
-    c4.toggle("Response tokens only", key="ls_ent_response", help="Only the tokens the target generated, as in EAGLE training data")
-    c5.toggle("Drop massive activations", key="ls_ent_outliers",
+    c1.toggle("Token-entropy filter", key="ls_ent_filter", help="Drop tokens the target is sure about (low predictive entropy)")
+    c1.slider("Threshold (nats)", 0.0, 5.0, step=0.05, key="ls_ent_threshold", disabled=not st.session_state.ls_ent_filter,
+              help="The red line on the histogram below follows this slider; Recompute applies it")
+    c2.toggle("Response tokens only", key="ls_ent_response", help="Only the tokens the target generated, as in EAGLE training data")
+    c2.toggle("Drop massive activations", key="ls_ent_outliers",
               help="Tokens whose norm exceeds 10× the layer's median (attention sinks etc.) dominate the statistics")
-    c6.number_input("Max tokens", min_value=8, max_value=1_000_000, step=1024, key="ls_ent_max_tokens",
+    c2.number_input("Max tokens", min_value=8, max_value=1_000_000, step=1024, key="ls_ent_max_tokens",
                     help="A seeded random subsample keeps interactive use fast")
     pending = {**opts, "alpha": float(st.session_state.ls_ent_alpha),
                "min_entropy": float(st.session_state.ls_ent_threshold) if st.session_state.ls_ent_filter else 0.0,
                "response_only": bool(st.session_state.ls_ent_response),
-               "outlier_factor": (opts.get("outlier_factor") or 10.0) if st.session_state.ls_ent_outliers else None,
+               "outlier_factor": (opts.get("outlier_factor") or AnalysisOptions().outlier_factor) if st.session_state.ls_ent_outliers else None,
                "max_tokens": int(st.session_state.ls_ent_max_tokens), "kernel": st.session_state.ls_ent_kernel}
     changes = option_changes(opts, pending)
-    b1, b2 = st.columns([1, 4])
-    if b1.button("Recompute", type="primary", icon=":material/refresh:", key="ls_ent_recompute") and changes:
+    b1 = st.container(horizontal=True, vertical_alignment="center")
+    if b1.button("Recompute", type="primary", icon=":material/refresh:", key="ls_ent_recompute", width="content") and changes:
         st.session_state["ls_ent_undo"] = (s.id, dict(s.analysis_options), changes)
         s.analysis_options = {k: pending[k] for k in ("alpha", "min_entropy", "response_only", "outlier_factor",
                                                        "max_tokens", "kernel")}
         commit(s)
         st.rerun()
     if changes:
-        b2.caption("Not applied yet: " + "; ".join(changes) + ". Recompute changes this session's statistics on every "
+        b1.caption("Not applied yet: " + "; ".join(changes) + ". Recompute changes this session's statistics on every "
                    "page, for everyone who opens this session.")
     undo = st.session_state.get("ls_ent_undo")
     if undo and undo[0] == s.id:
@@ -90,7 +89,8 @@ if stats is not None:
     m[4].metric("Below threshold", f"{tok.get('low_entropy_dropped', 0):,}")
     m[5].metric("Threshold", f"{stats['threshold']:.2f} nats")
 
-    v1, v2, v3 = st.columns([1, 1.4, 1.4])
+    v1, v2 = st.columns(2)
+    v3 = v1
     scale = v1.radio("Scale", ["raw (nats)", "normalized"], horizontal=True, key="ls_w_ent_scale",
                      on_change=bind_view(s, "entropy_scale", "ls_w_ent_scale", "raw (nats)"))
     levels = v2.multiselect("Level", ["dataset", "prompt"], key="ls_w_ent_levels",

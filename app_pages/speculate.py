@@ -50,7 +50,7 @@ with train_col:
                          "target runs inside the training loop on as many conversations as you like, every chosen set "
                          "trains from the same target pass, and a stopped run resumes (docs/training.md).")
     c1, c2, c3 = st.columns(3)
-    ttt = c2.number_input("TTT steps", min_value=1, max_value=7, value=3, step=1, key="ls_w_spec_ttt",
+    ttt = c2.number_input("TTT steps", min_value=1, max_value=7, value=tasks.train_defaults().ttt_steps, step=1, key="ls_w_spec_ttt",
                           help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
     seed = c3.number_input("Seed", min_value=0, value=0, step=1, key="ls_w_spec_seed")
     if mode == "capture":
@@ -62,7 +62,7 @@ with train_col:
             st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn "
                        f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
                        f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.", icon=":material/warning:")
-        steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, value=300, step=50,
+        steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, value=tasks.train_defaults().steps, step=50,
                                 key="ls_w_spec_steps", help="The same budget for every set keeps the comparison fair")
         pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
                             help="The session's sets to test (Layer sets page) and the default rule")
@@ -282,7 +282,7 @@ else:
     q1, q2, q3, q4, q5 = st.columns(5)
     st_k = q1.number_input("Layers per set (k)", min_value=1, max_value=max(1, n), value=min(3, max(1, n)), step=1,
                            key="ls_w_study_k")
-    st_steps = q2.number_input("Training steps (each)", min_value=1, value=300, step=50, key="ls_w_study_steps")
+    st_steps = q2.number_input("Training steps (each)", min_value=1, value=tasks.train_defaults().steps, step=50, key="ls_w_study_steps")
     st_src = q3.selectbox("Study prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src")
     st_n = q4.number_input("Study prompts", min_value=1, max_value=500, value=8, step=1, key="ls_w_study_n")
     st_new = q5.number_input("Study new tokens", min_value=1, max_value=2048, value=48, step=8, key="ls_w_study_new")

@@ -20,6 +20,7 @@ from layerscope.draft.export import read_meta
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError, PromptSetError
+from layerscope.models import default_device
 from layerscope.prompts import load_prompts
 from layerscope.store import atomic_write_bytes
 from layerscope.study import StudyOptions, propose_sets
@@ -130,6 +131,12 @@ def analysis_options_obj(options: dict) -> AnalysisOptions:
 
 
 # ---------------------------------------------------------------------------- drafts
+
+def train_defaults() -> TrainOptions:
+    """What the training widgets start from: TrainOptions' defaults with this machine's budget
+    (workflow.default_train_steps: 300 steps on a CPU, 2000 on a GPU)."""
+    return workflow.with_budget(TrainOptions(), default_device()[0])
+
 
 def train_job(*, store, capture_key: str, model: str, layers: list[int], strategy: str | None, name: str,
               options: dict):
