@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -115,3 +117,22 @@ def test_bench_refuses_a_draft_for_another_target(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "tiny-llama" in err
+
+
+def test_contender_names_tell_drafts_apart(tiny):
+    a, b = untrained_draft(tiny.model, layers=(1, 2)), untrained_draft(tiny.model, layers=(0, 3))
+    assert bench.unique_names(["x", "y"], [a, b]) == ["x", "y"]
+    assert bench.unique_names(["d", "d"], [a, b]) == ["d [1, 2]", "d [0, 3]"]
+    assert bench.unique_names(["d", "d", "e"], [a, a, b]) == ["d [1, 2]#1", "d [1, 2]#2", "e"]
+
+
+def test_stop_tokens_eos_from_the_generation_config_and_pad_falls_back_to_eos(tiny):
+    assert bench.stop_tokens(tiny) == (257, 258)
+    no_pad = copy.deepcopy(tiny.tokenizer)
+    no_pad.pad_token = None
+    assert bench.stop_tokens(dataclasses.replace(tiny, tokenizer=no_pad)) == (257, 257)
+    config = copy.deepcopy(tiny.model.generation_config)
+    config.eos_token_id = [257, 10]
+    model = copy.copy(tiny.model)
+    model.generation_config = config
+    assert bench.stop_tokens(dataclasses.replace(tiny, model=model, tokenizer=no_pad)) == ([257, 10], None)

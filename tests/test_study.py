@@ -138,3 +138,12 @@ def test_cli_study_json_with_controls_and_seeds(tiny_capture, session_store, cap
     text = capsys.readouterr().out
     assert out["verdict"] in text and "tau 95% CI" in text
     assert cli.main(argv + ["--seeds", "0,x"]) == 2 and "--seeds" in capsys.readouterr().err
+
+
+def test_default_train_steps_is_the_cpu_and_gpu_budget():
+    import torch
+
+    from layerscope.workflow import default_train_steps
+
+    assert default_train_steps("cpu") == 300 and default_train_steps(torch.device("cpu")) == 300
+    assert default_train_steps("cuda") == 2000 and default_train_steps("cuda:1") == 2000
