@@ -103,7 +103,7 @@ def measure(args) -> dict:
             proc.kill()
         tmp.cleanup()
     return {"config": "streamlit defaults" if args.streamlit_defaults else "app (.streamlit/config.toml)",
-            "tabs": args.tabs, "page": args.page, "seconds": round(t1 - t0, 1),
+            "tabs": args.tabs, "page": args.page or "capture", "seconds": round(t1 - t0, 1),
             "server_cpu_percent_of_one_core": round(100 * (c1 - c0) / (t1 - t0), 2),
             "load_average_1min": os.getloadavg()[0]}
 
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tabs", type=int, default=3, help="browser tabs open on the page (default 3)")
     ap.add_argument("--seconds", type=float, default=30.0, help="measurement window (default 30)")
     ap.add_argument("--settle", type=float, default=10.0, help="wait after the tabs drew (default 10)")
-    ap.add_argument("--page", default="capture", help="url path of the page the tabs show (default capture)")
+    ap.add_argument("--page", default="", help="url path of the page the tabs show (default: Capture, the main page)")
     ap.add_argument("--store", help="store directory (default: a temporary empty store)")
     ap.add_argument("--session", help="session id the tabs open (?session=ID)")
     ap.add_argument("--streamlit-defaults", action="store_true",
@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     result = measure(args)
     if not args.json:
         print(f"{result['config']}: server used {result['server_cpu_percent_of_one_core']:.2f} % of one core "
-              f"over {result['seconds']} s with {result['tabs']} tab(s) on /{result['page']} "
+              f"over {result['seconds']} s with {result['tabs']} tab(s) on the {result['page']} page "
               f"(1-min load average {result['load_average_1min']:.2f})")
     print(json.dumps(result))
 

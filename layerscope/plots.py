@@ -386,15 +386,14 @@ def set_comparison(
 def bench_comparison(
     results: Sequence[Mapping],
     *,
-    title: str | None = "Speculative decoding: τ and speedup per contender",
+    title: str | None = "τ and speedup per contender",
 ) -> go.Figure:
     """τ and speedup of several drafts (and baselines) side by side, from benchmark result rows."""
     from plotly.subplots import make_subplots
 
     if not results:
         raise ValueError("bench_comparison needs at least one result")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ (tokens / target forward)", "speedup vs plain"],
-                        horizontal_spacing=0.14)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain decoding)"], horizontal_spacing=0.12)
     names = [str(r.get("name")) + (f" {list(r['layers'])}" if r.get("layers") else "") for r in results]
     colors = [set_color(str(r.get("name", "")), i) for i, r in enumerate(results)]
     taus = [None if r.get("tau") is None else float(r["tau"]) for r in results]
@@ -405,8 +404,15 @@ def bench_comparison(
                          text=[None if s is None else f"{s:.2f}×" for s in speed], textposition="outside"),
                   row=1, col=2)
     fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"), row=1, col=2)
-    _base_layout(fig, title, showlegend=False, height=420)
+    _base_layout(fig, title, showlegend=False, height=460)
     fig.update_annotations(font_size=12)
+    # upright contender names and axis titles that say the unit: slanted names ran into each other and
+    # long subplot titles into the next subplot in a half-width column
+    fig.update_xaxes(tickangle=-90, automargin=True, tickfont=dict(size=11))
+    fig.update_yaxes(title="tokens per target forward", rangemode="tozero", row=1, col=1)
+    for col, ys in ((1, taus), (2, speed)):
+        top = max((y for y in ys if y is not None), default=1.0)
+        fig.update_yaxes(range=[0, top * 1.2 or 1.0], row=1, col=col)
     return fig
 
 

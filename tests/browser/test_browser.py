@@ -326,13 +326,13 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     for width in (1440, 1024):
         tab = browser.new_page(viewport={"width": width, "height": 900})
         tab.set_default_timeout(120_000)
-        for path in ("capture", "entropy", "cka", "layer_sets", "speculate", "sessions"):
+        for path in ("", "entropy", "cka", "layer_sets", "speculate", "sessions"):   # "": Capture, the default page
             tab.goto(f"{server}/{path}?session={session_id}")
             tab.locator("h1").first.wait_for()
             wait_idle(tab)
-            if path != "capture" and path != "sessions":
+            if path not in ("", "sessions"):
                 tab.locator(".js-plotly-plot").first.wait_for()
-            shot(tab, f"page-{path}-{width}")
+            shot(tab, f"page-{path or 'capture'}-{width}")
         tab.close()
 
 
