@@ -1,7 +1,7 @@
 """Pure Plotly figure builders: plain data in, `plotly.graph_objects.Figure` out.
 
 Nothing here imports Streamlit or touches the store, so every figure can be built and checked in a
-test, exported as standalone HTML, or used from a notebook. Layer indices follow DESIGN.md:
+test, exported as standalone HTML, or used from a notebook. Layer indices follow README "Layer indices":
 layer ``l`` is ``hidden_states[l]``; 0 is the embedding output and ``N`` is the final state.
 """
 

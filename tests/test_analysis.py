@@ -59,7 +59,7 @@ def test_quantile_and_seeded_cap():
 
 
 def test_one_massive_token_makes_unrelated_layers_look_identical():
-    """DESIGN.md 'tokens that lie': a shared sink token drives CKA to ~1 until it is dropped."""
+    """A shared sink token ("tokens that lie") drives CKA to ~1 until it is dropped."""
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(200, 32, generator=g), torch.randn(200, 32, generator=g)
     x[10] = 300.0

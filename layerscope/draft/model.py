@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head: one Llama decoder layer that reads the target's hidden states.
 
-Tokens x_0..x_{T-1}; k auxiliary layers of the target (ascending ids, DESIGN.md convention).
+Tokens x_0..x_{T-1}; k auxiliary layers of the target (ascending hidden_states indices, README "Layer indices").
     g_t   = fc(concat_l hidden_states[l][t])                          [k*d] -> [d]
     step 1, row t:  (embed(x_{t+1}), g_t)      at position t      -> a1_t, predicts x_{t+2}
     step j, row t:  (embed(x_{t+j}), a^{j-1}_t) at position t+j-1 -> a^j_t, predicts x_{t+j+1}
