@@ -66,11 +66,10 @@ if stats is not None:
         commit(s)
 
     st.session_state["ls_cka_picks"] = apply.manual_layers(s)
-    a, c = st.columns([3, 1])
-    a.multiselect("Picked layers", list(range(n)), key="ls_cka_picks", on_change=_picks_changed,
-                  placeholder="none yet: click cells or drag a box on the heatmap",
-                  help="Click a cell to pick its row and column layer, click it again to unpick; remove a layer here")
-    c.page_link("app_pages/layer_sets.py", label="Use them on Layer sets", icon=":material/arrow_forward:")
+    st.multiselect("Picked layers", list(range(n)), key="ls_cka_picks", on_change=_picks_changed,
+                   placeholder="none yet: click cells or drag a box on the heatmap",
+                   help="Click a cell to pick its row and column layer, click it again to unpick; remove a layer here")
+    st.page_link("app_pages/layer_sets.py", label="Use them on Layer sets", icon=":material/arrow_forward:")
 
     with st.expander("CKA matrix as a table"):
         df = pd.DataFrame(matrix, index=[f"L{i}" for i in range(n + 1)], columns=[f"L{j}" for j in range(n + 1)]).round(4)

@@ -48,7 +48,7 @@ if stats is not None:
         rows = [{"rank": r.rank, "set": r.name, "layers": r.layers, "aggregate entropy (nats)": r.aggregate_entropy,
                  "mean entropy": r.mean_entropy, "mean CKA": r.mean_cka,
                  "": ("★ recommended" if r is rec.best else "") + ("  ◆ default rule" if "default" in r.name.split(" = ") else ""),
-                 "flags": "; ".join(f.split(":")[0] for f in r.flags)} for r in rec.ranked]
+                 "flags": "; ".join(f.split(",")[0] for f in r.flags)} for r in rec.ranked]
         df = pd.DataFrame(rows)
         table(df.round(4), key="ls_sets_table", filename=f"layer-sets-{s.capture_key or 'session'}",
               column_config={"layers": st.column_config.ListColumn("layers"),
