@@ -149,7 +149,8 @@ def job_vs_cli(args) -> dict:
             others = []
             for _ in range(max(0, args.tabs - 1)):
                 tab = browser.new_page(viewport={"width": 1440, "height": 1000})
-                tab.goto(f"{url}/capture?session={sid}")
+                tab.set_default_timeout(600_000)      # a busy server can take long to serve a page
+                tab.goto(f"{url}/?session={sid}")   # Capture is the main page
                 others.append(tab)
             first.get_by_text(f"Capture of {args.model}: done in").wait_for()
             browser.close()
