@@ -14,7 +14,7 @@ from layerscope.select import default_layers
 from layerscope.ui import apply
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, job_status, option_changes, table, wait_briefly
+from layerscope.ui.widgets import chart, job_status, md_text, option_changes, table, wait_briefly
 
 s, store = page_header("Matrix entropy per layer",
                        "For each layer, the Rényi entropy of the trace-normalized Gram matrix of its (centered, unit-length) "
@@ -124,7 +124,7 @@ if stats is not None:
                               y_title="normalized entropy" if norm else "entropy (nats)",
                               final_state=stats.get("final_state", "post-norm"))
     chart(fig, key="ls_entropy_curve", filename=f"entropy-{s.capture_key or 'session'}")
-    st.caption(f"Layer 0 is the embedding output, layer {n} the final state ({stats.get('final_state', 'post-norm')}); "
+    st.caption(f"Layer 0 is the embedding output, layer {n} the final state ({md_text(stats.get('final_state', 'post-norm'))}); "
                f"drafts read layers 0..{n - 1}. Markers: the layer sets of this session and the default rule.")
 
     # The line follows the threshold slider at once; the counts are over the tokens shown in the histogram.

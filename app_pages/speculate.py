@@ -243,7 +243,7 @@ else:
         table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}",
               column_config={"layers": st.column_config.ListColumn("layers")})
         for w in res.get("warnings") or []:
-            st.caption(f"Note: {w}.")
+            st.caption(f"Note: {md_text(w)}.")
         for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0)):
             st.warning(w, icon=":material/warning:")
         bad = [r["name"] for r in rows if r.get("lossless") is False]
@@ -312,11 +312,13 @@ else:
     if s.study:
         res = s.study[-1]
         rows, o = res["rows"], res.get("options") or {}
-        st.markdown(f"Latest study: {len(rows)} sets · {(o.get('train') or {}).get('steps')} training steps each · "
-                    f"{res['prompts']} {o.get('prompts', '')} prompts × {o.get('max_new_tokens')} tokens · "
-                    f"K = {o.get('depth')} · {res.get('device', '')}")
+        budget = (f"online training, {md_text(', '.join(f'{k} {v}' for k, v in o['online'].items() if v is not None))}"
+                  if o.get("online") else f"{(o.get('train') or {}).get('steps')} training steps each")
+        st.markdown(f"Latest study: {len(rows)} sets · {budget} · "
+                    f"{res['prompts']} {md_text(o.get('prompts', ''))} prompts × {o.get('max_new_tokens')} tokens · "
+                    f"K = {o.get('depth')} · {md_text(res.get('device', ''))}")
         if res.get("verdict"):
-            st.info(res["verdict"], icon=":material/gavel:")
+            st.info(md_text(res["verdict"]), icon=":material/gavel:")
         ci = lambda c, i: c[i] if c else None  # noqa: E731
         df = pd.DataFrame([{"set": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": r["layers"],
                             "mean entropy": r["mean_entropy"], "mean CKA": r["mean_cka"],

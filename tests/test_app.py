@@ -8,6 +8,7 @@ Jobs run in background threads; `settle` reruns the app until none is left runni
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 from pathlib import Path
@@ -153,7 +154,7 @@ def test_a_bad_model_spec_is_an_error_message_not_a_traceback(app_store):
     at.button(key="ls_cap_start").click().run()
     settle(at)
     no_exception(at)
-    errors = [e.value for e in at.error]
+    errors = [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]        # the text is Markdown-escaped: user text
     assert any("Unknown model spec 'no-such-model'" in e and "tiny-llama" in e for e in errors), errors
     assert "Traceback" not in "".join(errors)
     assert at.session_state["ls_session"].capture_key is None
@@ -289,7 +290,7 @@ def test_sessions_page_save_list_open_and_import(app_store, copy_of):
     no_exception(at)
     assert f"?session={copy_of}" in at.code[0].value
     at.button(key="ls_sess_save").click().run()
-    assert any("needs a name" in e.value for e in at.error)
+    assert any("needs a name" in re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
     at.text_input(key="ls_w_sess_name").set_value("tiny look").run()
     at.button(key="ls_sess_save").click().run()
     no_exception(at)
@@ -300,7 +301,7 @@ def test_sessions_page_save_list_open_and_import(app_store, copy_of):
     at.file_uploader(key="ls_sess_upload").set_value(("notes.zip", b"PK\x03\x04 definitely not a zip", "application/zip"))
     at.run()
     no_exception(at)
-    assert any("not a valid LayerScope session" in e.value for e in at.error)
+    assert any("not a valid LayerScope session" in re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
     exported = sessions.load(app_store, copy_of)
     exported.id, exported.name = sessions.new_id(), "from a colleague"
     at.file_uploader(key="ls_sess_upload").set_value(("shared.zip", sessions.export_bytes(exported), "application/zip"))
@@ -611,3 +612,16 @@ def test_speculate_page_trains_several_sets_online_with_learning_curves(app_stor
     assert all(d.get("curve") and d["tokens_seen"] >= 1000 for d in s.drafts)
     titles = [(c.get("layout", {}).get("title") or {}).get("text", "") for c in charts(at)]
     assert any("Held-out agreement" in t for t in titles), titles
+
+
+def test_user_text_in_an_error_is_not_markdown(app_store):
+    """A model spec that is a Markdown image must not make the viewer's browser fetch anything."""
+    at = new_app().run()
+    at.text_input(key="ls_w_cap_model").set_value("![x](http://example.invalid/p.png)")
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+    settle(at)
+    no_exception(at)
+    shown = [e.value for e in at.error]
+    assert shown and all("![x](" not in e for e in shown), shown
+    assert any(r"\!\[x\]\(http" in e for e in shown), shown

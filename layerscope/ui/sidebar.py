@@ -20,7 +20,7 @@ def render(s: Session) -> None:
     st.markdown(f"**Session** · {md_text(s.name) if s.name else '*unsaved*'}  \n`{s.id}`")
     cap = s.capture or {}
     rows = [
-        ("Model", f"`{s.model}`" if s.model else "—"),
+        ("Model", md_text(s.model) if s.model else "—"),
         ("Prompt set", md_text(s.prompt_set) if s.prompt_set else "—"),
         ("Capture", (f"{cap.get('tokens', 0):,} tokens · {cap.get('conversations', '?')} prompts · "
                      f"layers 0..{cap.get('num_layers', '?')}") if s.capture_key else "none yet"),

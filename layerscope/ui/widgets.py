@@ -31,7 +31,7 @@ def show_error(e: BaseException | str, fix: str | None = None) -> None:
         fix = fix or "This is a bug in LayerScope; the server log has the details"
     else:
         problem = str(e).rstrip(".")
-    st.error(f"**{problem}.** {fix or ''}".strip(), icon=":material/error:")
+    st.error(f"**{md_text(problem)}.** {md_text(fix or '')}".strip(), icon=":material/error:")   # user text inside: escaped
 
 
 @contextlib.contextmanager
