@@ -108,6 +108,8 @@ def run(args) -> int:
                            eta=f"{(p.detail['eta_s'] or 0) / 60:.0f}m")
             elif p.phase == "train" and isinstance(p.detail, dict) and p.detail.get("phase") in ("responses", "features"):
                 bar.update(p.detail["done"], p.detail["total"], phase=f"{p.message}: {p.detail['phase']}")
+            elif p.phase == "train" and isinstance(p.detail, dict) and p.detail.get("phase") in ("eval", "done"):
+                bar.update(bar.bar.n, None, phase=f"{p.message}: held-out evaluation at {p.detail['tokens']:,} tokens")
             elif p.phase == "train" and isinstance(p.detail, dict):
                 bar.update(p.detail.get("step", 0), p.detail.get("steps"), phase=p.message,
                            loss=p.detail.get("loss", 0.0))
