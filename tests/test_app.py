@@ -82,6 +82,17 @@ def sidebar_text(at: AppTest) -> str:
     return "\n".join(m.value for m in at.sidebar.markdown)
 
 
+def capture_with_model(spec: str) -> AppTest:
+    """A new tab that starts a capture with model `spec` and runs until its job is over (no exception)."""
+    at = new_app().run()
+    at.text_input(key="ls_w_cap_model").set_value(spec)
+    at.run()
+    at.button(key="ls_cap_start").click().run()
+    settle(at)
+    no_exception(at)
+    return at
+
+
 def start_tiny_capture(at, *, limit: int, new_tokens: int, batch: int) -> None:
     """Fill the Capture page for the tiny model and press Start."""
     at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
@@ -148,12 +159,7 @@ def test_capture_run_fills_the_session_and_the_store(app_store, captured):
 
 
 def test_a_bad_model_spec_is_an_error_message_not_a_traceback(app_store):
-    at = new_app().run()
-    at.text_input(key="ls_w_cap_model").set_value("no-such-model")
-    at.run()
-    at.button(key="ls_cap_start").click().run()
-    settle(at)
-    no_exception(at)
+    at = capture_with_model("no-such-model")
     errors = [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]        # the text is Markdown-escaped: user text
     assert any("Unknown model spec 'no-such-model'" in e and "tiny-llama" in e for e in errors), errors
     assert "Traceback" not in "".join(errors)
@@ -616,12 +622,7 @@ def test_speculate_page_trains_several_sets_online_with_learning_curves(app_stor
 
 def test_user_text_in_an_error_is_not_markdown(app_store):
     """A model spec that is a Markdown image must not make the viewer's browser fetch anything."""
-    at = new_app().run()
-    at.text_input(key="ls_w_cap_model").set_value("![x](http://example.invalid/p.png)")
-    at.run()
-    at.button(key="ls_cap_start").click().run()
-    settle(at)
-    no_exception(at)
+    at = capture_with_model("![x](http://example.invalid/p.png)")
     shown = [e.value for e in at.error]
     assert shown and all("![x](" not in e for e in shown), shown
     assert any(r"\!\[x\]\(http" in e for e in shown), shown
