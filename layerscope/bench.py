@@ -13,6 +13,12 @@ accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregres
 `lossless` = every output equals autoregressive's token for token; all also per prompt category.
 Prompts are the outer loop, so a change in machine load touches every contender alike.
 
+Honest numbers: each entry also carries its per-prompt totals (`per_prompt`: tokens, forwards, seconds,
+drafted, accepted) and 95% bootstrap intervals over the prompts (`intervals`, the study's statistics:
+study_stats.compare_sets): `tau_ci`, `speedup_ci` (paired with plain decoding: the same resampled
+prompts for both), `acceptance` and `acceptance_ci` (accepted / drafted tokens), and `paired`, the
+difference to the reference contender (the first draft, else plain decoding) under the same resamples.
+
 `run(...)` is a generator of `BenchProgress` (live stats for a progress bar or the app); the last
 item carries the `BenchReport`. The set-up around it lives here once, for the CLI, the study and the
 app alike: `fitting_prompts` (the seeded sample whose prompts fit, chat-encoded), `load_drafts`
@@ -30,11 +36,13 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from layerscope import specdec
+from layerscope import specdec, study_stats
 from layerscope.draft.export import load_draft
 from layerscope.errors import LayerScopeError
+from layerscope.metrics import bootstrap
 from layerscope.prompts import PromptSet, chat_ids, load_fitting_prompts
 from layerscope.specdec import StepEvent, TreeSpec
+from layerscope.study_stats import PromptRuns
 
 MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
 
@@ -95,11 +103,15 @@ class Tally:
     drafted_at: list[int] = field(default_factory=list)     # per draft position: verification steps that drafted it
     accepted_at: list[int] = field(default_factory=list)    # per draft position: ... that accepted it
     lossless: bool = True
+    drafted: int = 0                 # draft tokens verified (a tree: its nodes), over all steps
+    accepted: int = 0                # ... of those accepted
 
     def add_event(self, e: StepEvent) -> None:
         self.tokens += len(e.tokens)
         self.forwards += 1
         self.seconds += e.elapsed_s
+        self.drafted += e.drafted
+        self.accepted += e.accepted
         for i, ok in enumerate(e.accepted_mask):
             if i == len(self.drafted_at):
                 self.drafted_at.append(0), self.accepted_at.append(0)
@@ -130,10 +142,13 @@ class BenchReport:
     results: list[dict]              # one JSON entry per contender, see `_entry` (and costmodel.annotate)
     cost_curve: list[dict] | None = None       # [{tokens, seconds}] the predictions used (costmodel.annotate)
     draft_step_seconds: float | None = None
+    intervals: dict | None = None    # how the entries' intervals were made: level, draws, over, reference
 
     def to_json(self) -> dict:
         out = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
                "results": self.results}
+        if self.intervals is not None:
+            out["intervals"] = self.intervals
         if self.cost_curve is not None:
             out |= {"cost_curve": self.cost_curve, "draft_step_seconds": self.draft_step_seconds}
         return out
@@ -239,13 +254,14 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
             for _ in _decode(model, c, prompts[0].input_ids, min(4, max_new_tokens), eos_token_id, pad_token_id):
                 pass
     total = {c.name: Tally() for c in contenders}
+    per_prompt = {c.name: [Tally() for _ in prompts] for c in contenders}
     by_cat: dict[str, dict[str, Tally]] = {}
     done, runs_total = 0, len(prompts) * len(contenders)
     for i, prompt in enumerate(prompts):
         cat = by_cat.setdefault(prompt.category, {c.name: Tally() for c in contenders})
         reference = None
         for c in contenders:
-            tallies, out = (total[c.name], cat[c.name]), []
+            tallies, out = (total[c.name], cat[c.name], per_prompt[c.name][i]), []
             for item in _decode(model, c, prompt.input_ids, max_new_tokens, eos_token_id, pad_token_id):
                 if isinstance(item, StepEvent):
                     out += item.tokens
@@ -271,9 +287,54 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
         entry = _entry(c, total[c.name], total["autoregressive"])
         entry["by_category"] = {name: _entry(c, t[c.name], t["autoregressive"], short=True)
                                 for name, t in sorted(by_cat.items())}
+        entry["per_prompt"] = per_prompt_totals(per_prompt[c.name])
         results.append(entry)
-    report = BenchReport(len(prompts), max_new_tokens, str(model.device), results)
+    reference = next((c.name for c in contenders if c.kind == "draft"), "autoregressive")
+    report = BenchReport(len(prompts), max_new_tokens, str(model.device), results,
+                         intervals=add_intervals(results, reference))
     yield BenchProgress("", len(prompts) - 1, len(prompts), done, runs_total, None, None, None, report)
+
+
+def per_prompt_totals(tallies: Sequence[Tally]) -> dict[str, list]:
+    """One contender's totals per prompt (lists of length P): tokens, forwards, seconds, drafted, accepted."""
+    return {"tokens": [t.tokens for t in tallies], "forwards": [t.forwards for t in tallies],
+            "seconds": [t.seconds for t in tallies], "drafted": [t.drafted for t in tallies],
+            "accepted": [t.accepted for t in tallies]}
+
+
+def prompt_runs(entry: dict, baseline: dict) -> PromptRuns:
+    """study_stats.PromptRuns of a bench entry with per-prompt totals, against `baseline`'s (plain decoding)."""
+    p, b = entry["per_prompt"], baseline["per_prompt"]
+    return PromptRuns(tokens=list(p["tokens"]), forwards=list(p["forwards"]), seconds=list(p["seconds"]),
+                      drafted=list(p["drafted"]), accepted=list(p["accepted"]), base_tokens=list(b["tokens"]),
+                      base_seconds=list(b["seconds"]))
+
+
+def add_intervals(results: list[dict], reference: str = "autoregressive", *, draws: int = bootstrap.DRAWS,
+                  level: float = bootstrap.LEVEL, seed: int = 0) -> dict | None:
+    """Bootstrap intervals over the prompts for the entries of one run (each with `per_prompt`, the same
+    prompts): adds to every entry `tau_ci`, `speedup_ci`, `acceptance`, `acceptance_ci` ([lo, hi], None
+    where undefined) and, for every contender but `reference` and plain decoding, `paired`: {"vs":
+    reference, tau|speedup|acceptance: {"delta", "ci"}}. The statistics are study_stats.compare_sets':
+    ratios of sums, one set of resampled prompts for every contender, so speedups and differences are
+    paired. Returns what `BenchReport.intervals` records, or None (and adds nothing) with fewer than 2
+    prompts, where a resample can only repeat the one prompt."""
+    names = [r["name"] for r in results]
+    if "autoregressive" not in names or any("per_prompt" not in r for r in results):
+        return None
+    base = results[names.index("autoregressive")]
+    prompts = len(base["per_prompt"]["tokens"])
+    if prompts < 2:
+        return None
+    ref = names.index(reference) if reference in names else names.index("autoregressive")
+    rows, _ = study_stats.compare_sets([[prompt_runs(r, base)] for r in results], ref, draws=draws, level=level,
+                                       seed=seed)
+    for entry, row in zip(results, rows):
+        entry |= {"tau_ci": row["tau_ci"], "speedup_ci": row["speedup_ci"], "acceptance": row["acceptance"],
+                  "acceptance_ci": row["acceptance_ci"]}
+        if entry is not results[ref] and entry is not base:
+            entry["paired"] = {"vs": names[ref], **row["paired"]}
+    return {"level": level, "draws": draws, "over": "prompts", "prompts": prompts, "reference": names[ref]}
 
 
 def _entry(c: Contender, t: Tally, baseline: Tally, short: bool = False) -> dict:
@@ -340,11 +401,19 @@ def format_table(report: BenchReport) -> str:
     rows = [head]
     for r in report.results:
         acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
-        rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", _f(r["tau"]), *acc,
-                     _f(r["tokens_per_s"], 1), _f(r["speedup"]) + ("x" if r["speedup"] else ""),
+        rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", with_ci(r["tau"], r.get("tau_ci")),
+                     *acc, _f(r["tokens_per_s"], 1), with_ci(r["speedup"], r.get("speedup_ci"), unit="x"),
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
+    if report.intervals:
+        lines.append(interval_note(report.intervals))
+        paired = [r for r in report.results if r.get("paired")]
+        if paired:
+            rows = [["contender", f"tau - {report.intervals['reference']}", f"speedup - {report.intervals['reference']}"]]
+            rows += [[r["name"], with_ci(r["paired"]["tau"]["delta"], r["paired"]["tau"]["ci"], sign=True),
+                      with_ci(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], sign=True)] for r in paired]
+            lines += ["", _grid(rows)]
     cats = sorted({c for r in report.results for c in r["by_category"]})
     if len(cats) > 1:
         rows = [["category", "contender", "tau", "tok/s", "speedup", "lossless"]]
@@ -359,6 +428,22 @@ def format_table(report: BenchReport) -> str:
 
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def with_ci(x, ci, digits: int = 2, unit: str = "", sign: bool = False) -> str:
+    """A number with its interval, e.g. "1.13 [1.09, 1.16]" (or "1.42x [1.30, 1.55]"); "-" when there is no number."""
+    if x is None:
+        return "-"
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    text = f.format(x) + unit
+    return text + (f" [{f.format(ci[0])}, {f.format(ci[1])}]" if ci and None not in ci else "")
+
+
+def interval_note(intervals: dict) -> str:
+    """One line saying what the intervals in brackets are."""
+    return (f"[lo, hi]: {intervals['level']:.0%} bootstrap intervals over the {intervals['prompts']} prompts "
+            f"({intervals['draws']} resamples; speedup paired with autoregressive, differences paired with "
+            f"{intervals['reference']})")
 
 
 def _grid(rows: list[list[str]]) -> str:

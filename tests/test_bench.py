@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from layerscope.prompts import load_prompts
 from layerscope.specdec import StepEvent, TreeSpec
 from tests.helpers import untrained_draft
 
-ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "by_category"}
+ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "by_category",
+              "per_prompt", "tau_ci", "speedup_ci", "acceptance", "acceptance_ci"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,13 +53,17 @@ def test_bench_library_run(tiny, draft_dirs, prompts):
     assert report is not None and all(u.report is None for u in updates[:-1])
     assert updates[-2].runs_done == updates[-2].runs_total == len(prompts) * len(lineup)
     doc = report.to_json()
-    assert set(doc) == {"prompts", "max_new_tokens", "device", "results"}
+    assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "intervals"}
     assert (doc["prompts"], doc["max_new_tokens"], doc["device"]) == (len(prompts), 10, "cpu")
+    assert doc["intervals"] == {"level": 0.95, "draws": 2000, "over": "prompts", "prompts": 3,
+                                "reference": "low chain k=4"}
     results = {r["name"]: r for r in doc["results"]}
     assert list(results) == names
     for r in doc["results"]:
         peer = r["name"] in ("autoregressive", "hf-generate", "hf-prompt-lookup")
         extra = set() if peer else {"layers", "decoding"}
+        if r["name"] not in ("autoregressive", "low chain k=4"):
+            extra.add("paired")
         assert set(r) == ENTRY_KEYS | extra
         assert r["lossless"] is True, r["name"]               # every output equals plain greedy output
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
@@ -78,6 +84,42 @@ def test_bench_library_run(tiny, draft_dirs, prompts):
         assert [u.tau for u in updates if u.contender == name][-1] == pytest.approx(results[name]["tau"])
     text = bench.format_table(report)
     assert "hf-prompt-lookup" in text and "acc@4" in text and "NO" not in text
+    assert "95% bootstrap intervals over the 3 prompts" in text
+
+
+def test_bench_intervals_over_prompts(tiny, draft_dirs, prompts):
+    """Per-prompt totals add up to the entry; every interval holds its point estimate; contenders that
+    decode one token per forward have τ exactly [1, 1]; plain decoding's speedup is exactly [1, 1]; the
+    paired differences are against the first draft and agree with the point estimates."""
+    drafts = [(p.name, load_draft(p, tiny)) for p in draft_dirs]
+    lineup = bench.build_contenders(drafts, ks=(3,), lookup_tokens=5)
+    report = bench.measure(tiny, prompts, lineup, 12)
+    results = {r["name"]: r for r in report.results}
+    for name, r in results.items():
+        p = r["per_prompt"]
+        assert all(len(v) == len(prompts) for v in p.values())
+        assert sum(p["tokens"]) / sum(p["forwards"]) == pytest.approx(r["tau"])
+        assert sum(p["tokens"]) / sum(p["seconds"]) == pytest.approx(r["tokens_per_s"])
+        lo, hi = r["tau_ci"]
+        assert lo <= r["tau"] <= hi, name
+        lo, hi = r["speedup_ci"]
+        assert 0 < lo <= r["speedup"] <= hi, name
+    for name in ("autoregressive", "hf-generate"):
+        assert results[name]["tau_ci"] == [1.0, 1.0] and results[name]["acceptance_ci"] is None
+    assert results["autoregressive"]["speedup_ci"] == [1.0, 1.0]
+    low, mixed = results["low"], results["mixed"]
+    assert low["acceptance_ci"][0] <= low["acceptance"] <= low["acceptance_ci"][1]
+    assert sum(low["per_prompt"]["accepted"]) / sum(low["per_prompt"]["drafted"]) == pytest.approx(low["acceptance"])
+    assert "paired" not in low and "paired" not in results["autoregressive"]
+    assert mixed["paired"]["vs"] == "low"
+    assert mixed["paired"]["tau"]["delta"] == pytest.approx(mixed["tau"] - low["tau"])
+    lo, hi = mixed["paired"]["tau"]["ci"]
+    assert lo <= mixed["paired"]["tau"]["delta"] <= hi
+    assert results["hf-generate"]["paired"]["tau"]["delta"] == pytest.approx(1.0 - low["tau"])
+    # one prompt: no interval is claimed
+    single = bench.measure(tiny, prompts[:1], lineup[:2], 6)
+    assert single.intervals is None and "tau_ci" not in single.results[1]
+    assert "bootstrap" not in bench.format_table(single)
 
 
 def test_hf_peers_decode_plain_greedy_whatever_the_generation_config(prompts):
@@ -98,14 +140,19 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
             "--prompts", "builtin", "--limit", "3", "--max-new-tokens", "6", "--k", "3"]
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "cost_curve", "draft_step_seconds"}
+    assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "cost_curve", "draft_step_seconds",
+                        "intervals"}
     assert [r["name"] for r in doc["results"]] == ["autoregressive", "low", "hf-generate", "hf-prompt-lookup"]
+    assert doc["intervals"]["reference"] == "low" and doc["intervals"]["prompts"] == 3
+    for r in doc["results"]:          # the same intervals the library computes, printed as JSON
+        assert r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] and len(r["per_prompt"]["tokens"]) == 3
     assert doc["results"][1]["layers"] == [1, 2] and all(r["lossless"] for r in doc["results"])
     without_model = [a for a in args if a not in ("--model", "tiny-llama")]    # taken from the draft's meta
     assert main(without_model + ["--no-peers", "--tree"]) == 0
     out = capsys.readouterr().out
     assert "on tiny-llama" in out
     assert "low chain k=3" in out and "low tree" in out and "hf-generate" not in out
+    assert re.search(r"low chain k=3 .* \d\.\d\d \[\d\.\d\d, \d\.\d\d\]", out)     # τ with its interval
 
 
 def test_bench_refuses_a_draft_for_another_target(tmp_path, capsys):
