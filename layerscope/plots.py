@@ -630,3 +630,85 @@ def figure_image(fig: go.Figure, fmt: str = "png", *, width: int = 1100, height:
     if head.endswith(";base64"):
         return base64.b64decode(body)
     return urllib.parse.unquote(body).encode("utf-8")
+
+
+# ---------------------------------------------------------------------------- comparing two captures
+
+COMPARE_COLORS = ["#1f77b4", "#d62728"]     # capture A, capture B (the Compare page)
+
+
+def entropy_overlay(
+    curves: Mapping[str, Sequence[float]],
+    *,
+    title: str | None = "Matrix entropy per layer, two captures",
+    y_title: str = "entropy (nats)",
+    final_states: Sequence[str] = (),
+) -> go.Figure:
+    """Per-layer curves of several captures on one figure (the Compare page).
+
+    curves: name -> values for layers 0..N of that capture ([N+1] each; N may differ between curves).
+    When every curve has the same N the x axis is the layer index; otherwise each curve is drawn
+    against relative depth l / N (0 = embeddings, 1 = the final state) and the axis says so.
+    """
+    if not curves:
+        raise ValueError("entropy_overlay needs at least one curve")
+    named = [(str(name), [float(v) for v in _as_list(vals)]) for name, vals in curves.items()]
+    if any(len(v) < 2 for _, v in named):
+        raise ValueError("every curve needs values for layers 0..N with N >= 1")
+    relative = len({len(v) for _, v in named}) > 1
+    fig = go.Figure()
+    for i, (name, ys) in enumerate(named):
+        n = len(ys) - 1
+        final = final_states[i] if i < len(final_states) else "post-norm"
+        xs = [l / n for l in range(n + 1)] if relative else list(range(n + 1))
+        fig.add_trace(go.Scatter(
+            x=xs, y=ys, mode="lines+markers", name=name,
+            line=dict(color=COMPARE_COLORS[i] if i < len(COMPARE_COLORS) else CURVE_COLORS[i % len(CURVE_COLORS)],
+                      width=2, dash="solid" if i == 0 else "dash"),
+            marker=dict(size=5, symbol=SET_SYMBOLS[i % len(SET_SYMBOLS)]),
+            customdata=[f"{layer_label(l, n, final)} of {n}" for l in range(n + 1)],
+            hovertemplate=name + "<br>layer %{customdata}<br>%{y:.4f}<extra></extra>",
+        ))
+    _base_layout(fig, title)
+    if relative:
+        fig.update_xaxes(title="relative depth (layer / N; the captures have different N)", range=[-0.02, 1.02],
+                         tickformat=".0%")
+    else:
+        n_points = len(named[0][1])
+        fig.update_xaxes(title="layer (hidden_states index)", dtick=1 if n_points <= 40 else 5,
+                         range=[-0.5, n_points - 0.5])
+    fig.update_yaxes(title=y_title)
+    return fig
+
+
+def cka_difference_heatmap(
+    diff,
+    *,
+    kernel: str = "linear",
+    estimator: str = "biased",
+    names: tuple[str, str] = ("A", "B"),
+    title: str | None = None,
+    final_state: str = "post-norm",
+) -> go.Figure:
+    """(N+1)×(N+1) heatmap of CKA(A) − CKA(B): a diverging scale centred on 0, symmetric about it
+    (red: A's two layers are more alike than B's; blue: less). The title names the kernel and estimator."""
+    z = _matrix(diff)
+    n = len(z)
+    num_layers = n - 1
+    top = max((abs(v) for row in z for v in row), default=0.0) or 1e-6
+    labels = [layer_label(i, num_layers, final_state) for i in range(n)]
+    a, b = names
+    fig = go.Figure(go.Heatmap(
+        z=z, x=list(range(n)), y=list(range(n)), zmin=-top, zmax=top, colorscale="RdBu", reversescale=True,
+        customdata=[[[labels[i], labels[j]] for j in range(n)] for i in range(n)], name="ΔCKA",
+        colorbar=dict(title=dict(text=f"ΔCKA ({a} − {b})"), thickness=14),
+        hovertemplate="layer %{customdata[0]} × layer %{customdata[1]}<br>ΔCKA %{z:+.4f}<extra></extra>",
+    ))
+    _base_layout(fig, title or f"CKA difference {a} − {b} ({kernel} kernel, {estimator})",
+                 height=max(480, min(760, 18 * n + 200)))
+    ticks = list(range(0, n, 1 if n <= 32 else 5))
+    fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
+                     showgrid=False, zeroline=False)
+    fig.update_yaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5],
+                     scaleanchor="x", scaleratio=1, showgrid=False, zeroline=False)
+    return fig
