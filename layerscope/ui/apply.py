@@ -120,7 +120,7 @@ def _apply_draft(s: Session, entry: dict) -> bool:
 
 
 def _apply_bench(s: Session, result: dict) -> bool:
-    s.bench_results.append(result)
+    s.bench_results.append({"capture_key": s.capture_key, **result})   # the capture the session had (Compare's runs table)
     return True
 
 
@@ -136,7 +136,8 @@ def _apply_study(s: Session, result: dict) -> bool:
     for r in result["rows"]:     # the study's drafts become the session's drafts too
         if r["draft"] not in known:
             s.drafts.append({"name": "/".join(r["strategies"]), "path": r["draft"], "layers": r["layers"],
-                             "strategy": r["strategies"][0], "val_accuracy": r.get("val_accuracy"), "steps": steps})
+                             "strategy": r["strategies"][0], "val_accuracy": r.get("val_accuracy"), "steps": steps,
+                             "capture_key": result.get("capture")})
     return True
 
 
