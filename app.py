@@ -25,6 +25,7 @@ PAGES = [
     st.Page("app_pages/cka.py", title="CKA heatmap", icon=":material/grid_on:", url_path="cka"),
     st.Page("app_pages/layer_sets.py", title="Layer sets", icon=":material/checklist:", url_path="layer_sets"),
     st.Page("app_pages/speculate.py", title="Speculative decoding", icon=":material/bolt:", url_path="speculate"),
+    st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
     st.Page("app_pages/sessions.py", title="Sessions", icon=":material/folder_shared:", url_path="sessions"),
 ]
 
