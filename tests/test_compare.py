@@ -97,8 +97,8 @@ def session_with_runs() -> Session:
          "drafts": [{"name": "greedy", "path": "/d/greedy", "layers": [1, 2]}]},                 # before capture keys
         {"prompts": 4, "capture_key": A_KEY, "created": "2026-11-30T10:00:00+0000",
          "results": [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
-                     {"name": "nokey", "layers": [1, 3], "tau": 1.6, "speedup": 1.2,
-                      "acceptance_by_position": [0.5, 0.25]}],
+                     {"name": "nokey", "layers": [1, 3], "tau": 1.6, "speedup": 1.2, "tau_ci": [1.5, 1.7],
+                      "speedup_ci": [1.1, 1.3], "acceptance_by_position": [0.5, 0.25]}],
          "drafts": [{"name": "nokey", "path": "/d/nokey", "layers": [1, 3]}]},
     ]
     s.study = [{"capture": A_KEY, "prompts": 4, "rows": [
@@ -122,6 +122,8 @@ def test_runs_table_names_each_runs_capture_and_tolerates_old_entries():
     assert by[("bench #1", "autoregressive")]["capture"] is None
     # the new one: the draft has no capture key, so the capture the session had when the benchmark ran
     assert by[("bench #2", "nokey")]["capture"] == A_KEY and by[("bench #2", "nokey")]["accept1"] == 0.5
+    assert by[("bench #2", "nokey")]["tau_ci"] == "1.500–1.700" and by[("bench #2", "nokey")]["speedup_ci"] == "1.100–1.300"
+    assert by[("bench #1", "greedy")]["tau_ci"] is None         # a benchmark from before intervals
     assert by[("draft", "old")]["capture"] == GONE and by[("draft", "old")]["model"] is None
     assert by[("draft", "old")]["val_acc1"] == 0.3 and by[("draft", "greedy")]["val_acc1"] == 0.4
     # sorted: the session's capture first (study by τ, then the newest benchmark), other captures, then none

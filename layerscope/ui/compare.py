@@ -163,6 +163,7 @@ def _first(v):
 
 
 def _ci(v) -> str | None:
+    """A [lo, hi] interval (study rows; benchmarks since they bootstrap over prompts) as "lo–hi"."""
     return f"{v[0]:.3f}–{v[1]:.3f}" if isinstance(v, (list, tuple)) and len(v) == 2 and None not in v else None
 
 
@@ -187,8 +188,8 @@ def runs_table(s: Session, captures: Mapping[str, Mapping]) -> list[dict]:
         for r in res.get("rows") or []:
             row("study", f"study #{n}", res.get("capture") or res.get("capture_key"),
                 name="/".join(r.get("strategies") or []), layers=list(r.get("layers") or []), tau=r.get("tau"),
-                tau_ci=_ci(r.get("tau_ci")), speedup=r.get("speedup"), tokens_per_s=r.get("tokens_per_s"),
-                accept1=None, val_acc1=_first(r.get("val_accuracy")), lossless=r.get("lossless"),
+                tau_ci=_ci(r.get("tau_ci")), speedup=r.get("speedup"), speedup_ci=_ci(r.get("speedup_ci")),
+                tokens_per_s=r.get("tokens_per_s"), accept1=None, val_acc1=_first(r.get("val_accuracy")), lossless=r.get("lossless"),
                 prompts=res.get("prompts"), created=res.get("created"), device=res.get("device"), index=n)
     for n, res in enumerate(s.bench_results, 1):
         contenders = res.get("results") if isinstance(res.get("results"), list) else [res]   # old flat entries
@@ -196,13 +197,13 @@ def runs_table(s: Session, captures: Mapping[str, Mapping]) -> list[dict]:
         for r in contenders:
             draft = drafts_by_path.get(paths.get(r.get("name")))
             row("bench", f"bench #{n}", (draft or {}).get("capture_key") or res.get("capture_key"),
-                name=r.get("name"), layers=list(r.get("layers") or []), tau=r.get("tau"), tau_ci=None,
-                speedup=r.get("speedup"), tokens_per_s=r.get("tokens_per_s"),
+                name=r.get("name"), layers=list(r.get("layers") or []), tau=r.get("tau"), tau_ci=_ci(r.get("tau_ci")),
+                speedup=r.get("speedup"), speedup_ci=_ci(r.get("speedup_ci")), tokens_per_s=r.get("tokens_per_s"),
                 accept1=_first(r.get("acceptance_by_position")), val_acc1=None, lossless=r.get("lossless"),
                 prompts=res.get("prompts"), created=res.get("created"), device=res.get("device"), index=n)
     for n, d in enumerate(s.drafts, 1):
         row("draft", "draft", d.get("capture_key"), name=d.get("name"), layers=list(d.get("layers") or []),
-            tau=None, tau_ci=None, speedup=None, tokens_per_s=None, accept1=None,
+            tau=None, tau_ci=None, speedup=None, speedup_ci=None, tokens_per_s=None, accept1=None,
             val_acc1=_first(d.get("val_accuracy")), lossless=None, prompts=None, created=d.get("saved"), device=None, index=n)
     return sort_runs(rows, s.capture_key)
 
@@ -227,6 +228,7 @@ def filter_runs(rows: Sequence[dict], *, capture: str | None = "all", kinds: Seq
 
 COLUMNS = {"kind": "kind", "run": "run", "capture": "capture", "model": "model", "prompt set": "prompt set",
            "name": "set / contender", "layers": "layers", "tau": "τ", "tau_ci": "τ 95% CI", "speedup": "speedup",
+           "speedup_ci": "speedup 95% CI",
            "tokens_per_s": "tokens/s", "accept1": "acceptance@1", "val_acc1": "held-out acc@1",
            "lossless": "lossless", "prompts": "prompts", "created": "created", "device": "device"}
 
