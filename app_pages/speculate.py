@@ -8,14 +8,16 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from layerscope import plots, specdec
+from layerscope import engines, plots, specdec
+from layerscope.bench import interval_note, with_ci
+from layerscope.draft.export import engine_verdict, export_zip
 from layerscope.select import default_layers
 from layerscope.ui import sanity, tasks
 from layerscope.ui.apply import set_label
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, table
+from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, show_error, table
 
 SMALL_CAPTURE_TOKENS = 20_000     # below this a draft memorises its training prompts (README: 63k tokens took 21 min)
 
@@ -147,6 +149,29 @@ with list_col:
                        "same data in the same order, so their curves compare directly.")
     else:
         st.caption("None yet: train one, or add one the store already holds.")
+    if s.drafts:
+        with st.expander("Export a draft for a serving engine"):
+            by_path = {d["path"]: f"{d['name']} {d['layers']}" for d in s.drafts}
+            e1, e2 = st.columns(2)
+            ex_path = e1.selectbox("Draft", list(by_path), format_func=by_path.get, key="ls_w_spec_export_draft")
+            ex_engine = e2.selectbox("Engine", engines.ENGINES, key="ls_w_spec_export_engine",
+                                     help="The folder `layerscope export --for ENGINE` writes, with COMMANDS.md")
+            with guard("engine export"):
+                verdict = engine_verdict(ex_path, ex_engine)
+                if verdict["refusal"]:
+                    show_error(f"{ex_engine} cannot take this draft: {verdict['refusal']}",
+                               "Pick another engine, or train a draft on a layer set this engine takes")
+                else:
+                    for note in verdict["notes"]:
+                        st.text(f"Note: {note}")
+                    if st.button("Build the export", key="ls_spec_export_build", icon=":material/package_2:"):
+                        name, data = export_zip(ex_path, ex_engine)
+                        st.session_state["ls_spec_export"] = {"for": (ex_path, ex_engine), "name": name, "data": data}
+                    built = st.session_state.get("ls_spec_export")
+                    if built and built["for"] == (ex_path, ex_engine):
+                        st.download_button(f"Download {built['name']}", data=built["data"], file_name=built["name"],
+                                           mime="application/zip", key="ls_spec_export_download", on_click="ignore",
+                                           icon=":material/download:")
     fp = (s.capture or {}).get("fingerprint")
     with guard("stored drafts"):
         stored = [d for d in tasks.stored_drafts(store, fingerprint=fp) if d["path"] not in {x["path"] for x in s.drafts}]
@@ -233,15 +258,20 @@ else:
         res = s.bench_results[pick_run]
         rows = res.get("results", [])
         depth_max = max((len(r.get("acceptance_by_position") or []) for r in rows), default=0)
+        paired = any(r.get("paired") for r in rows)
         df = pd.DataFrame([{
             "contender": r["name"], "layers": r.get("layers") or [], "decoding": r.get("decoding", ""),
-            "τ": r.get("tau"), **{f"acc@{i + 1}": ((r.get("acceptance_by_position") or []) + [None] * depth_max)[i]
-                                  for i in range(depth_max)},
-            "tokens/s": r.get("tokens_per_s"), "speedup": r.get("speedup"),
+            "τ": with_ci(r.get("tau"), r.get("tau_ci")),
+            **{f"acc@{i + 1}": ((r.get("acceptance_by_position") or []) + [None] * depth_max)[i] for i in range(depth_max)},
+            "tokens/s": r.get("tokens_per_s"), "speedup": with_ci(r.get("speedup"), r.get("speedup_ci"), unit="×"),
+            **({"Δτ vs reference": with_ci((r.get("paired") or {}).get("tau", {}).get("delta"),
+                                           (r.get("paired") or {}).get("tau", {}).get("ci"), sign=True)} if paired else {}),
             **({"predicted": r.get("predicted_speedup")} if res.get("cost_curve") else {}), "lossless": r.get("lossless"),
         } for r in rows]).round(3)
         table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}",
               column_config={"layers": st.column_config.ListColumn("layers")})
+        st.caption(md_text(interval_note(res["intervals"])) if res.get("intervals")
+                   else "No intervals: this run had a single prompt, or was saved before benchmarks kept per-prompt totals.")
         for w in res.get("warnings") or []:
             st.caption(f"Note: {md_text(w)}.")
         for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0)):

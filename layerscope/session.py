@@ -281,6 +281,7 @@ def _req(spec):
 
 NUMS = ("list", ("opt", "num"), 100_000)     # null where a value is undefined (NaN is written as null)
 PAIRS = ("list", ("list", "int", 2), 64)
+CI = ("list", _opt("num"), 2)                # an interval [lo, hi]
 CAPTURE_SCHEMA = ("obj", {
     "key": _opt("key"), "model": _opt("str"), "num_layers": _opt(("range", 1, MAX_LAYERS)),
     "hidden_size": _opt(("range", 1, 10**6)), "tokens": _opt(("range", 0, 10**13)),
@@ -312,10 +313,17 @@ BENCH_ROW_SCHEMA = ("obj", {
     "lossless": _opt("bool"),
     "by_category": _opt(("map", ("obj", {"tau": _opt("num"), "tokens_per_s": _opt("num"), "speedup": _opt("num")},
                                  False))),
+    # bench.add_intervals: per-prompt totals and bootstrap intervals over the prompts (absent in older results)
+    "per_prompt": _opt(("map", ("list", "num", 100_000))), "tau_ci": _opt(CI), "speedup_ci": _opt(CI),
+    "acceptance": _opt("num"), "acceptance_ci": _opt(CI),
+    "paired": _opt(("obj", {"vs": _req("str"), **{m: _opt(("obj", {"delta": _opt("num"), "ci": _opt(CI)}, False))
+                                                  for m in ("tau", "speedup", "acceptance")}}, False)),
 }, False)
 BENCH_SCHEMA = ("obj", {
     "prompts": _opt("int"), "prompt_set": _opt("str"), "max_new_tokens": _opt("int"), "device": _opt("str"),
     "created": _opt("str"), "results": _opt(("list", BENCH_ROW_SCHEMA, LIST_MAX)), "warnings": _opt(("list", "str", 100)),
+    "intervals": _opt(("obj", {"level": _opt("num"), "draws": _opt("int"), "over": _opt("str"), "prompts": _opt("int"),
+                               "reference": _opt("str")}, False)),
     # the older flat form: one contender per entry
     "name": _opt("str"), "tau": _opt("num"), "acceptance_by_position": _opt(NUMS),
 }, False)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import json
 import os
 import shutil
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -308,9 +310,10 @@ def _read_json(f: Path) -> dict:
 # ----------------------------------------------------------------------------------------- exports for engines
 
 def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str | None = None,
-                 target_path: str = "TARGET") -> Path:
+                 target_path: str = "TARGET", named=None) -> Path:
     """Write what `engine` needs to train at scale, serve and benchmark the draft in `draft_dir` into `out`
-    (replaced whole or not at all). Refuses, naming the engine and the reason, a set the engine cannot take."""
+    (replaced whole or not at all). Refuses, naming the engine and the reason, a set the engine cannot take.
+    named: how COMMANDS.md and specforge.yaml name the folder (default `out`; a zip's `./<folder>`)."""
     engine = engine.lower()
     if engine not in engines.ENGINES:
         raise DraftError(f"Unknown engine {engine!r}", f"Use --for {' | '.join(engines.ENGINES)}")
@@ -326,16 +329,60 @@ def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str 
     dtype = engines.dtype_name(dtype or facts.dtype)
     meta = {**read_meta(draft_dir), "exported_for": engine, "exported_from": str(draft_dir), "dtype": dtype}
     out = Path(out)
+    named = named if named is not None else out      # a str keeps "./" (a bare name could read as a hub id)
     with staged(out) as tmp:
         if engine == "speculators":
             write_speculators(tmp, head, meta, facts, dtype, target_path)
         else:
             write_draft(tmp, head, meta, facts, dtype)
         if engine == "specforge":
-            write_specforge(tmp, head, facts, dtype, target_path, out)
-        (tmp / "COMMANDS.md").write_text(commands_md(engine, layers, facts, dtype, target_path, out,
+            write_specforge(tmp, head, facts, dtype, target_path, named)
+        (tmp / "COMMANDS.md").write_text(commands_md(engine, layers, facts, dtype, target_path, named,
                                                      head.config.draft_vocab_size))
     return out
+
+
+def engine_verdict(draft_dir, engine: str) -> dict:
+    """What `engine` makes of the draft in `draft_dir` for the target layers.json records: {"engine", "layers",
+    "target" (TargetFacts), "refusal" (why it cannot take the set, or None), "notes" (what to know when it can)}.
+    A draft whose layers.json records no target is a DraftError (the CLI's `export --target` handles those)."""
+    engine = str(engine).lower()
+    if engine not in engines.ENGINES:
+        raise DraftError(f"Unknown engine {engine!r}", f"Use one of {', '.join(engines.ENGINES)}")
+    if not (Path(draft_dir) / "model.safetensors").is_file():
+        raise DraftError(f"Draft {draft_dir} is not in this store",
+                         "Train it again here, or import the session archive with its drafts")
+    meta = read_meta(draft_dir)
+    facts = recorded_facts(draft_dir)
+    if facts is None:
+        raise DraftError(f"{draft_dir}/layers.json does not record the target's family, depth and dtype",
+                         f"Export it with `layerscope export {draft_dir} --for {engine} --out DIR --target MODEL`")
+    layers = meta.get("aux_layers") or meta.get("layers") or read_layers_record(draft_dir).get("hf_hidden_states")
+    layers = [int(l) for l in layers or []]
+    if not layers:
+        raise DraftError(f"{draft_dir} has no record of the layers it was trained on (layerscope.json)",
+                         "Export a draft LayerScope trained")
+    return {"engine": engine, "layers": layers, "target": facts, "refusal": engines.refusal(engine, layers, facts),
+            "notes": engines.notes(engine, layers, facts)}
+
+
+def export_zip(draft_dir, engine: str, *, dtype: str | None = None, target_path: str | None = None) -> tuple[str, bytes]:
+    """`export_draft` for the target layers.json records, into a temporary folder, zipped: (file name, bytes).
+    The zip holds one folder `<draft>-<engine>/`; its COMMANDS.md names it `./<draft>-<engine>` (where it is
+    unpacked) and the target as the draft's target_model (or `target_path`). Refusals as export_draft's."""
+    verdict = engine_verdict(draft_dir, engine)
+    engine = verdict["engine"]
+    name = f"{Path(draft_dir).resolve().name or 'draft'}-{engine}"
+    target_path = target_path or read_meta(draft_dir).get("target_model") or "TARGET"
+    buf = io.BytesIO()
+    with tempfile.TemporaryDirectory(prefix="layerscope-export-") as tmp:
+        out = export_draft(draft_dir, engine, Path(tmp) / name, verdict["target"], dtype=dtype,
+                           target_path=str(target_path), named=f"./{name}")
+        with zipfile.ZipFile(buf, "w") as z:
+            for f in sorted(out.iterdir()):
+                z.write(f, f"{name}/{f.name}",
+                        compress_type=zipfile.ZIP_STORED if f.suffix in (".safetensors", ".pt") else zipfile.ZIP_DEFLATED)
+    return f"{name}.zip", buf.getvalue()
 
 
 def write_specforge(directory: Path, head: DraftHead, facts: TargetFacts, dtype: str, target_path: str, out: Path) -> None:

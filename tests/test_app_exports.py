@@ -1,0 +1,161 @@
+"""The Speculative decoding page's honest numbers and exports, through streamlit.testing.v1.AppTest.
+
+A session is built directly (the tiny model's facts, a capture key this store does not hold, real
+drafts saved for the tiny target), so no capture has to run; the benchmark runs as the page runs it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from layerscope import session as sessions
+from layerscope.draft.export import read_meta, save_draft
+from layerscope.ui.tasks import draft_entry
+from tests.helpers import untrained_draft
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+PAGE = "app_pages/speculate.py"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def app_store(tmp_path_factory):
+    from layerscope.store import Store
+
+    root = tmp_path_factory.mktemp("app-exports-store")
+    old = os.environ.get("LAYERSCOPE_STORE")
+    os.environ["LAYERSCOPE_STORE"] = str(root)
+    store = Store(root)
+    yield store
+    store.close()
+    if old is None:
+        os.environ.pop("LAYERSCOPE_STORE", None)
+    else:
+        os.environ["LAYERSCOPE_STORE"] = old
+
+
+def saved_draft(store, tiny, key: str, layers) -> dict:
+    """A real draft for the tiny target in the store (layers.json records the target), as the session keeps it."""
+    meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec, "layers": list(layers),
+            "strategy": "manual"}
+    path = save_draft(store.path("drafts", key), untrained_draft(tiny.model, layers=layers), meta, target=tiny)
+    return draft_entry(path, read_meta(path), name=key)
+
+
+def session_with(store, tiny, drafts: list[dict]) -> str:
+    s = sessions.Session(model=tiny.spec, prompt_set="builtin", capture_key="f" * 24,
+                         capture={"num_layers": tiny.num_layers, "fingerprint": tiny.fingerprint, "model": tiny.spec,
+                                  "tokens": 100},
+                         drafts=drafts)
+    sessions.save(s, store)
+    return s.id
+
+
+def open_page(sid: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["session"] = sid
+    at.run()
+    at.switch_page(PAGE).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def settle(at: AppTest, timeout: float = 300) -> None:
+    from layerscope.ui.jobs import get_manager
+
+    deadline = time.time() + timeout
+    sid = at.session_state["ls_session"].id
+    while get_manager().active(sid):
+        assert time.time() < deadline, "the benchmark is still running"
+        get_manager().active(sid)[0].wait(0.5)
+    at.run()
+
+
+def error_lines(at: AppTest) -> list[str]:
+    return [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]
+
+
+def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, tiny):
+    sid = session_with(app_store, tiny, [saved_draft(app_store, tiny, "three", (1, 2, 3))])
+    at = open_page(sid)
+    at.radio(key="ls_w_spec_bench_src").set_value("builtin")
+    at.number_input(key="ls_w_spec_bench_n").set_value(3)
+    at.number_input(key="ls_w_spec_bench_new").set_value(8)
+    at.number_input(key="ls_w_spec_bench_k").set_value(3)
+    at.run()
+    at.button(key="ls_spec_bench").click().run()
+    settle(at)
+    assert not at.exception, [e.value for e in at.exception]
+    res = at.session_state["ls_session"].bench_results[-1]
+    assert res["intervals"]["prompts"] == 3 and res["intervals"]["reference"] == "three"
+    draft = res["results"][1]
+    assert draft["tau_ci"][0] <= draft["tau"] <= draft["tau_ci"][1]
+    assert sessions.load(app_store, sid).bench_results[-1]["results"][1]["tau_ci"] == draft["tau_ci"]   # saved
+    shown = next(d.value for d in at.dataframe if "contender" in d.value.columns)
+    assert shown["τ"].tolist()[1] == f"{draft['tau']:.2f} [{draft['tau_ci'][0]:.2f}, {draft['tau_ci'][1]:.2f}]"
+    assert shown["τ"].tolist()[0] == "1.00 [1.00, 1.00]"           # plain decoding: one token per forward
+    assert re.fullmatch(r"\d+\.\d\d× \[\d+\.\d\d, \d+\.\d\d\]", shown["speedup"].tolist()[1])
+    assert any("95% bootstrap intervals over the 3 prompts" in c.value for c in at.caption)
+
+    # a run saved before benchmarks kept per-prompt totals: the numbers alone, and a note saying why
+    s = sessions.load(app_store, sid)
+    old = json.loads(json.dumps(res))
+    old.pop("intervals")
+    for r in old["results"]:
+        for k in ("per_prompt", "tau_ci", "speedup_ci", "acceptance", "acceptance_ci", "paired"):
+            r.pop(k, None)
+    s.bench_results.append(old)
+    sessions.save(s, app_store)
+    at = open_page(sid)
+    at.selectbox(key="ls_spec_bench_run").set_value(1).run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = next(d.value for d in at.dataframe if "contender" in d.value.columns)
+    assert shown["τ"].tolist()[1] == f"{draft['tau']:.2f}"
+    assert any(c.value.startswith("No intervals") for c in at.caption)
+
+
+def test_engine_export_downloads_the_folder_the_engine_reads(app_store, tiny):
+    sid = session_with(app_store, tiny, [saved_draft(app_store, tiny, "three", (1, 2, 3))])
+    at = open_page(sid)
+    for engine, config, check in [
+            ("vllm", "config.json", lambda c: c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]),
+            ("specforge", "draft_config.json", lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2])]:
+        at.selectbox(key="ls_w_spec_export_engine").set_value(engine).run()
+        assert not at.get("download_button") or "ls_spec_export_download" not in [b.key for b in at.get("download_button")]
+        at.button(key="ls_spec_export_build").click().run()
+        assert not at.exception and not at.error, [e.value for e in at.exception] + error_lines(at)
+        assert "ls_spec_export_download" in [b.key for b in at.get("download_button")]
+        built = at.session_state["ls_spec_export"]
+        assert built["name"] == f"three-{engine}.zip"
+        z = zipfile.ZipFile(io.BytesIO(built["data"]))
+        assert z.testzip() is None
+        names = set(z.namelist())
+        assert {f"three-{engine}/{f}" for f in (config, "model.safetensors", "COMMANDS.md")} <= names
+        assert check(json.loads(z.read(f"three-{engine}/{config}")))
+        assert f"./three-{engine}" in z.read(f"three-{engine}/COMMANDS.md").decode()
+    assert "three-specforge/specforge.yaml" in names                   # the last one exported: SpecForge's run config
+    at.selectbox(key="ls_w_spec_export_engine").set_value("speculators").run()
+    assert any("speculators convert ignores the ids" in t.value for t in at.text)      # the engine's note
+
+
+def test_engine_export_refusal_is_one_clear_line(app_store, tiny):
+    sid = session_with(app_store, tiny, [saved_draft(app_store, tiny, "pair", (1, 2))])
+    at = open_page(sid)
+    at.selectbox(key="ls_w_spec_export_engine").set_value("vllm").run()
+    assert not at.exception
+    lines = error_lines(at)
+    assert len(lines) == 1 and "vllm cannot take this draft: vllm reads exactly 3 layers" in lines[0]
+    assert "\n" not in lines[0]
+    assert not [b for b in at.button if b.key == "ls_spec_export_build"]
+    at.selectbox(key="ls_w_spec_export_engine").set_value("sglang").run()       # SGLang takes two layers
+    assert not at.error and [b for b in at.button if b.key == "ls_spec_export_build"]
