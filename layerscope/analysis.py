@@ -19,6 +19,7 @@ sessions. A new statistic is a new field here (listed in ARRAY_FIELDS when it is
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
@@ -57,15 +58,18 @@ class AnalysisOptions:
         if self.kernel not in E.KERNELS:
             bad = (f"kernel must be one of {', '.join(E.KERNELS)} (got {self.kernel!r})",
                    "Use --kernel linear (standard linear CKA) or --kernel cosine (row-normalised tokens)")
-        elif not self.alpha >= 0:
-            bad = f"alpha must be >= 0 (got {self.alpha})", "Use 1 for von Neumann entropy, 2 for collision entropy"
+        elif not 0 <= self.alpha < math.inf:
+            bad = f"alpha must be >= 0 and finite (got {self.alpha})", "Use 1 for von Neumann entropy, 2 for collision entropy"
+        elif self.min_entropy is not None and not math.isfinite(self.min_entropy):
+            bad = (f"min_entropy must be a number of nats (got {self.min_entropy})",
+                   "Pass e.g. --min-entropy 0.5, or 0 for no token-entropy filter")
         elif self.quantile is not None and not 0 <= self.quantile < 1:
             bad = f"quantile must be in [0, 1) (got {self.quantile})", "Pass e.g. --quantile 0.5"
         elif self.max_tokens is not None and self.max_tokens < MIN_TOKENS:
             bad = f"max_tokens must be at least {MIN_TOKENS} (got {self.max_tokens})", "Raise --max-tokens"
         elif self.rank is not None and self.rank < 1:
             bad = f"rank must be at least 1 (got {self.rank})", "Leave it out for exact CKA"
-        elif self.outlier_factor is not None and self.outlier_factor <= 1:
+        elif self.outlier_factor is not None and not 1 < self.outlier_factor < math.inf:
             bad = f"outlier_factor must be > 1 (got {self.outlier_factor})", "Use e.g. 10 (× the median norm)"
         if bad:
             raise LayerScopeError(*bad)

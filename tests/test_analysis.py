@@ -167,6 +167,16 @@ def test_filters_that_leave_nothing_are_a_clear_error(tiny_capture):
         analyze(tiny_capture, None, AnalysisOptions(quantile=1.5))
 
 
+@pytest.mark.parametrize("field,value,name", [("outlier_factor", float("nan"), "outlier_factor"),
+                                              ("outlier_factor", float("inf"), "outlier_factor"),
+                                              ("min_entropy", float("nan"), "min_entropy"),
+                                              ("alpha", float("inf"), "alpha")])
+def test_options_that_are_not_numbers_are_refused(tiny_capture, field, value, name):
+    # NaN compares False with everything, so a check written as `x <= 1` would let it through
+    with pytest.raises(LayerScopeError, match=name):
+        analyze(tiny_capture, None, AnalysisOptions(**{field: value}))
+
+
 # ---- CLI -----------------------------------------------------------------------------------------
 
 def run_cli(capsys, *argv):
