@@ -93,12 +93,8 @@ def stats_for(s: Session, store, options: dict | None = None):
         if v.state != "done" and job.tag == StatsTag(s.capture_key, wanted):
             return snapshot, job      # it failed for these options: show the error, do not retry in a loop
     key = s.capture_key
-    fn = tasks.analysis_job(store=store, capture_key=key, options=wanted)
-
-    def run(j):
-        return {"capture_key": key, "requested": wanted, "stats": fn(j)}
-
-    job = manager.submit(s.id, "analysis", run, title="Layer statistics", tag=StatsTag(key, wanted))
+    job = manager.submit(s.id, "analysis", tasks.stats_job(store=store, capture_key=key, options=wanted),
+                         title="Layer statistics", tag=StatsTag(key, wanted))
     return snapshot, job
 
 

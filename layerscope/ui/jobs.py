@@ -1,10 +1,22 @@
-"""Background jobs for the app: long work runs in a thread, pages poll a thread-safe progress record.
+"""Background jobs for the app: long work runs outside the script run, pages poll a thread-safe progress record.
 
 A `JobManager` lives in `st.cache_resource` (one per server process), so a job outlives the script
 run that started it, page switches and browser refreshes: a page finds the job again by its owner
 (the analysis session id) and kind ("capture", "analysis", "train", "bench", ...). At most
 `max_running` jobs compute at once (default 1: on a 2-core CPU two jobs only slow each other down);
 the others wait in line and say so.
+
+Where a job computes is one setting, LAYERSCOPE_WORKER:
+
+- `process` (the default): a job described as a `worker.Task` (every builder in ui.tasks makes one:
+  capture, analysis, training, online training, benchmark, study) runs in a worker process
+  (`ui.worker`) that keeps its own model cache between jobs; the job's thread here only pumps the
+  worker's progress into the `Job` and passes a cancel on. If the worker dies (killed, out of memory)
+  the job fails with a message saying so and the next job starts a fresh worker.
+- `thread`: every job runs in a thread of the server process (the old way; the server's own work
+  for open tabs then competes with the job for the interpreter).
+
+A plain function `fn(job)` (not a Task) always runs in a thread.
 
 A job function receives its `Job` and reports through it: `job.update(progress, message, **metrics)`,
 `job.push(series, value)` for live curves, `job.should_stop()` / `job.check_cancel()` for cancel.
@@ -22,21 +34,31 @@ import logging
 import os
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import streamlit as st
 
 from layerscope.errors import LayerScopeError
+from layerscope.ui.worker import CANCELLED, DONE, FAILED, JobCancelled, Outcome, Task, Worker, WorkerDied, run_job
 
 log = logging.getLogger("layerscope.jobs")
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+QUEUED, RUNNING = "queued", "running"
 FINISHED = (DONE, FAILED, CANCELLED)
+MODES = ("process", "thread")
+__all__ = ["CANCELLED", "DONE", "FAILED", "FINISHED", "QUEUED", "RUNNING", "Job", "JobCancelled", "JobManager",
+           "JobView", "StatsTag", "Task", "get_manager", "worker_mode"]
 
 
-class JobCancelled(Exception):
-    """Raised inside a job function (by `check_cancel`) when the user pressed cancel."""
+def worker_mode(value: str | None = None) -> str:
+    """Where Task jobs run: LAYERSCOPE_WORKER=process (default: a worker process) or thread (the server)."""
+    mode = (value if value is not None else os.environ.get("LAYERSCOPE_WORKER", "process")).strip().lower() or "process"
+    if mode not in MODES:
+        raise LayerScopeError(f"LAYERSCOPE_WORKER={mode!r} is not a worker mode",
+                              "Set it to process (jobs run in a worker process) or thread (in the server)")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,16 @@ class Job:
         with self._lock:
             self.series[name] = list(values)
 
+    def _apply(self, delta: dict) -> None:
+        """Progress sent by the worker (`worker.RemoteJob.drain`), applied in the order it was made."""
+        with self._lock:
+            self.update(delta["progress"], delta["message"], **delta["metrics"])
+            for op in delta["ops"]:
+                if op[0] == "push":
+                    self.push(op[1], op[2], op[3])
+                else:
+                    self.set_series(op[1], op[2])
+
     def should_stop(self) -> bool:
         return self._cancel.is_set()
 
@@ -176,21 +208,26 @@ class Job:
 
 
 class JobManager:
-    """Runs jobs in threads, at most `max_running` at a time, and keeps the recent ones for polling."""
+    """Runs jobs (in the worker process or in threads, `mode`), at most `max_running` at a time, and keeps the
+    recent ones for polling."""
 
-    def __init__(self, max_running: int | None = None, keep: int = 200):
+    def __init__(self, max_running: int | None = None, keep: int = 200, mode: str | None = None):
         if max_running is None:
             max_running = int(os.environ.get("LAYERSCOPE_JOBS", "1"))
         self.max_running = max(1, max_running)
+        self.mode = worker_mode(mode)
         self._slots = threading.BoundedSemaphore(self.max_running)
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.keep = keep
+        self._idle: list[Worker] = []        # started workers not running a job (at most max_running in all)
+        self._busy: list[Worker] = []
 
     def submit(self, owner: str, kind: str, fn: Callable[[Job], Any], *, title: str | None = None,
                tag: StatsTag | None = None) -> Job:
-        """Start `fn(job)` in the background. A running job of the same owner and kind is refused."""
+        """Start `fn(job)` in the background (a `Task` in the worker, in process mode). A running job of the
+        same owner and kind is refused."""
         with self._lock:
             current = self._latest_locked(owner, kind)
             if current is not None and current.state in (QUEUED, RUNNING):
@@ -218,26 +255,114 @@ class JobManager:
                 return
             with job._lock:
                 job.state, job.started, job.message = RUNNING, time.time(), "starting"
-            try:
-                result = job.fn(job)
-            except JobCancelled:
-                job._finish(CANCELLED)
-            except LayerScopeError as e:
-                if job.should_stop():
-                    job._finish(CANCELLED, error=e.problem, fix=e.fix)
-                else:
-                    job._finish(FAILED, error=e.problem, fix=e.fix)
-            except Exception as e:  # a bug, not a user error: log it, show a short message
-                log.exception("job %s (%s) failed", job.id, job.title)
-                job._finish(FAILED, error=f"Unexpected error in {job.title}: {type(e).__name__}: {e}",
-                            fix="This is a bug in LayerScope; the server log has the details")
+            if self.mode == "process" and isinstance(job.fn, Task):
+                self._run_in_worker(job)
             else:
-                if job.should_stop() and result is None:
-                    job._finish(CANCELLED)
-                else:
-                    job._finish(DONE, result=result)
+                self._settle(job, run_job(job.fn, job, job.title))
         finally:
             self._slots.release()
+
+    def _settle(self, job: Job, outcome: Outcome, where: str = "") -> None:
+        if outcome.traceback:        # a bug, not a user error: the traceback goes to the server log
+            log.error("job %s (%s) failed%s:\n%s", job.id, job.title, where, outcome.traceback.rstrip())
+        job._finish(outcome.state, result=outcome.result, error=outcome.error, fix=outcome.fix)
+
+    # ------------------------------------------------------------------ the worker process
+    def start_worker(self) -> None:
+        """Start a worker now (process mode), so the first job does not wait for its imports."""
+        if self.mode != "process":
+            return
+        with self._lock:
+            if self._idle or self._busy:
+                return
+        worker = Worker()
+        with self._lock:
+            self._idle.append(worker)
+
+    def _take_worker(self, job: Job) -> Worker:
+        with self._lock:
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.alive():
+                    break
+                worker.kill()
+            else:
+                worker = None
+        if worker is None:
+            worker = Worker()
+        if not worker.info:
+            job.update(message="starting the worker process")
+        with self._lock:
+            self._busy.append(worker)
+        return worker
+
+    def _release_worker(self, worker: Worker, alive: bool) -> None:
+        with self._lock:
+            if worker in self._busy:
+                self._busy.remove(worker)
+            if alive:
+                self._idle.append(worker)
+        if not alive:
+            worker.kill()
+
+    def _run_in_worker(self, job: Job) -> None:
+        """Send the job's Task to a worker, pump its messages into `job` until it finishes, pass a cancel on."""
+        try:
+            worker = self._take_worker(job)
+        except OSError as e:
+            job._finish(FAILED, error=f"Could not start the worker process for {job.title} ({e})",
+                        fix="Check the server's memory and process limits, or set LAYERSCOPE_WORKER=thread")
+            return
+        cancel_sent = False
+        try:
+            try:
+                worker.send(("run", job.id, job.title, job.fn))
+            except WorkerDied:
+                raise
+            except Exception as e:  # the task is not picklable: a bug in the page that built it
+                self._release_worker(worker, alive=True)
+                self._settle(job, Outcome(FAILED, error=f"Unexpected error in {job.title}: the job cannot be sent to "
+                                                        f"the worker process ({type(e).__name__}: {e})",
+                                          fix="This is a bug in LayerScope; the server log has the details",
+                                          traceback=traceback.format_exc()))
+                return
+            while True:
+                if not cancel_sent and job.should_stop():
+                    worker.send(("cancel", job.id))
+                    cancel_sent = True
+                msg = worker.recv(0.2)
+                if msg is None or len(msg) < 3 or msg[1] != job.id:
+                    continue
+                if msg[0] == "progress":
+                    job._apply(msg[2])
+                elif msg[0] == "finish":
+                    self._release_worker(worker, alive=True)
+                    self._settle(job, msg[2], where=f" in worker process {worker.pid}")
+                    return
+        except WorkerDied as e:
+            self._release_worker(worker, alive=False)
+            log.error("the worker process %d died while running job %s (%s): %s", worker.pid, job.id, job.title, e)
+            job._finish(FAILED, error=f"The worker process running {job.title} {e}; the job is lost",
+                        fix="Start it again: the next job starts a fresh worker. If it happens again, use a smaller "
+                            "model, fewer prompts or a smaller batch, or watch the server's memory")
+
+    def worker_models(self) -> dict[str, dict]:
+        """The models the live workers hold: spec -> {"device", "loads", "seconds", "pid"} (what a job will find)."""
+        with self._lock:
+            workers = [w for w in self._idle + self._busy if w.alive()]
+        return {spec: {**info, "pid": w.pid} for w in workers for spec, info in w.models.items()}
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (idle or busy)."""
+        with self._lock:
+            return [w.pid for w in self._idle + self._busy if w.alive()]
+
+    def close(self) -> None:
+        """Stop the workers (a running job's worker too: its job fails as a stopped worker)."""
+        with self._lock:
+            workers, self._idle = self._idle + self._busy, []
+        for w in workers:
+            w.close()
 
     def _latest_locked(self, owner: str, kind: str) -> Job | None:
         found = [j for j in self._jobs.values() if j.owner == owner and j.kind == kind]
@@ -272,5 +397,8 @@ class JobManager:
 
 @st.cache_resource(show_spinner=False)
 def get_manager() -> JobManager:
-    """The process-wide JobManager, kept in st.cache_resource so it survives reruns and refreshes."""
-    return JobManager()
+    """The process-wide JobManager, kept in st.cache_resource so it survives reruns and refreshes; in process
+    mode its worker starts now, so it has finished its imports before the first job."""
+    manager = JobManager()
+    manager.start_worker()
+    return manager

@@ -1,6 +1,8 @@
 """Job functions the pages start in the background: thin adapters from layerscope.workflow to `Job` progress.
 
-Each `*_job(...)` returns a function `fn(job) -> result` for `JobManager.submit`; it calls the step's
+Each `*_job(...)` builds a function `fn(job) -> result` for `JobManager.submit`. Decorated with
+`worker.job_task`, calling it returns a picklable `Task` (its name and arguments, the store as its root)
+that the JobManager runs in the worker process, where the function is built; the function calls the step's
 workflow function with the app's model cache as loader (`load_in_job`) and turns the step's progress
 into `job.update`. Results are plain dicts (JSON-able), so a page can apply them to the session and
 the session can be saved as is. Nothing here draws anything.
@@ -25,6 +27,7 @@ from layerscope.prompts import load_prompts
 from layerscope.store import atomic_write_bytes
 from layerscope.study import StudyOptions, propose_sets
 from layerscope.ui.models import get_model, load_message
+from layerscope.ui.worker import job_task
 
 
 def load_in_job(job, spec: str, store):
@@ -67,6 +70,7 @@ def capture_summary(manifest: dict) -> dict:
     return out
 
 
+@job_task
 def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
                 store, analysis_options: dict | None = None):
     """workflow.capture (the model from the app's cache), then the default statistics (workflow.analyze)."""
@@ -113,10 +117,21 @@ def analyze_now(store, capture_key: str, options: dict, job=None, base: float = 
     return workflow.analyze(store, capture_key, analysis_options_obj(options), progress).to_json()
 
 
+@job_task
 def analysis_job(*, store, capture_key: str, options: dict):
     def run(job):
         job.update(0.0, "computing layer statistics")
         return analyze_now(store, capture_key, options, job)
+
+    return run
+
+
+@job_task
+def stats_job(*, store, capture_key: str, options: dict):
+    """The session's layer statistics: {"capture_key", "requested" (the options), "stats"} (ui.apply keeps it)."""
+    def run(job):
+        job.update(0.0, "computing layer statistics")
+        return {"capture_key": capture_key, "requested": dict(options), "stats": analyze_now(store, capture_key, options, job)}
 
     return run
 
@@ -138,6 +153,7 @@ def train_defaults() -> TrainOptions:
     return workflow.with_budget(TrainOptions(), default_device()[0])
 
 
+@job_task
 def train_job(*, store, capture_key: str, model: str, layers: list[int], strategy: str | None, name: str,
               options: dict):
     """workflow.train (or the draft from the store) for `layers`; live loss and per-step accuracy on the job."""
@@ -162,6 +178,7 @@ def train_job(*, store, capture_key: str, model: str, layers: list[int], strateg
     return run
 
 
+@job_task
 def online_train_job(*, store, model: str, sets: list[tuple[str, list[int], str | None]], options: dict):
     """workflow.train_online: one draft per (name, layers, strategy), all from one target pass per step.
     Live: phase, tokens seen, tokens/s, loss per set, held-out agreement per set, ETA; the learning-curve
@@ -294,6 +311,7 @@ class _BenchLive:
                    text=list(self.text.pieces) if self.text is not None else [], text_of=p.contender)
 
 
+@job_task
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int, k: int,
               peers: bool, seed: int = 0):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
@@ -342,6 +360,7 @@ def study_plan(stats: dict, options: StudyOptions) -> list[tuple[list[int], list
     return propose_sets(LayerStats.from_json(stats), options)
 
 
+@job_task
 def study_job(*, store, capture_key: str, model: str, options: StudyOptions, analysis_options: dict):
     """workflow.study in the background: one draft per set, the same budget for all, one benchmark;
     live progress through the training steps and the benchmark."""

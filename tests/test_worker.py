@@ -1,0 +1,149 @@
+"""Jobs in the worker process (ui.worker, JobManager in process mode): real captures on the tiny model in a real
+worker process, read back through the same Job API the pages use.
+
+The tests share one JobManager (starting a worker imports torch and transformers: seconds on a busy machine);
+the last one kills its worker and checks that the next job gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+
+import pytest
+
+from layerscope.errors import LayerScopeError
+from layerscope.models import load_model
+from layerscope.store import Store
+from layerscope.ui import tasks
+from layerscope.ui.jobs import CANCELLED, DONE, FAILED, JobManager, Task, worker_mode
+
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    s = Store(tmp_path_factory.mktemp("worker-store"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def manager():
+    m = JobManager(max_running=1, mode="process")
+    yield m
+    m.close()
+
+
+def capture(store, *, limit=3, new_tokens=6, batch=2, seed=0, model="tiny-llama") -> Task:
+    return tasks.capture_job(model=model, prompts="builtin", limit=limit, max_new_tokens=new_tokens, batch_size=batch,
+                             seed=seed, store=store)
+
+
+def wait_until(cond, timeout=TIMEOUT):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_capture_runs_in_the_worker_with_live_progress_and_the_model_loads_once(manager, store):
+    job = manager.submit("s1", "capture", capture(store), title="Capture of tiny-llama")
+    seen = []
+    while not job.wait(0.05):
+        v = job.view()
+        if v.progress is not None and (not seen or seen[-1] != v.progress):
+            seen.append(v.progress)
+    v = job.view()
+    assert v.state == DONE, (v.error, v.fix)
+    assert len(seen) >= 3 and seen == sorted(seen), seen          # progress came through while it ran, in order
+    assert v.metrics["tokens"] == v.result["tokens"] > 0 and v.metrics["conversations_total"] == 3
+    assert store.has_capture(v.result["key"]) and v.result["stats"]["num_layers"] == 4
+    [pid] = manager.worker_pids()
+    assert pid != os.getpid()
+    assert manager.worker_models()["tiny-llama"]["pid"] == pid
+
+    second = manager.submit("s1", "capture", capture(store, seed=1), title="Capture of tiny-llama, seed 1")
+    assert second.wait(TIMEOUT) and second.view().state == DONE, (second.error, second.fix)
+    assert second.result["key"] != v.result["key"]
+    assert manager.worker_pids() == [pid]
+    assert manager.worker_models()["tiny-llama"]["loads"] == 1     # the second job found the model loaded
+
+
+def test_a_task_runs_the_same_in_a_thread(manager, store):
+    key = next(c["key"] for c in store.list_captures() if c.get("conversations") == 3)
+    task = tasks.stats_job(store=store, capture_key=key, options={})
+    assert pickle.loads(pickle.dumps(task)).fn is None and task.store_root == str(store.root)   # the store as its root
+    threaded = JobManager(mode="thread").submit("s2", "analysis", task)
+    remote = manager.submit("s2", "analysis", tasks.stats_job(store=store, capture_key=key, options={}))
+    assert threaded.wait(TIMEOUT) and remote.wait(TIMEOUT)
+    assert threaded.view().state == remote.view().state == DONE
+    assert threaded.result == remote.result and remote.result["capture_key"] == key
+
+
+def test_the_worker_setting(monkeypatch):
+    monkeypatch.setenv("LAYERSCOPE_WORKER", "thread")
+    assert worker_mode() == "thread" and JobManager().mode == "thread"
+    monkeypatch.delenv("LAYERSCOPE_WORKER")
+    assert worker_mode() == "process"
+    with pytest.raises(LayerScopeError, match="LAYERSCOPE_WORKER='fork' is not a worker mode"):
+        worker_mode("fork")
+
+
+def test_cancel_reaches_the_worker(manager, store):
+    job = manager.submit("s3", "capture", capture(store, limit=60, new_tokens=64, batch=1, seed=2), title="Long capture")
+    wait_until(lambda: job.view().metrics.get("conversations_total"))     # the model is loaded, decoding runs
+    pid = manager.worker_pids()[0]
+    manager.cancel(job.id)
+    assert job.wait(120)
+    v = job.view()
+    assert v.state == CANCELLED and v.message == "cancelled" and v.result is None
+    assert manager.worker_pids() == [pid]                              # the worker lives on for the next job
+
+
+def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store, tmp_path):
+    missing = str(tmp_path / "no-such-model.gguf")
+    with pytest.raises(LayerScopeError) as here:
+        load_model(missing)
+    job = manager.submit("s4", "capture", capture(store, model=missing), title="Capture of a missing file")
+    assert job.wait(TIMEOUT)
+    v = job.view()
+    assert v.state == FAILED and (v.error, v.fix) == (here.value.problem, here.value.fix)
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_is_logged(manager, store, caplog):
+    key = next(c["key"] for c in store.list_captures())
+    task = tasks.train_job(store=store, capture_key=key, model="tiny-llama", layers=[1, 2], strategy=None,
+                           name="mine", options={"no_such_option": 1})
+    with caplog.at_level(logging.ERROR, logger="layerscope.jobs"):
+        job = manager.submit("s5", "train", task, title="Draft for mine")
+        assert job.wait(TIMEOUT)
+    v = job.view()
+    assert v.state == FAILED and "\n" not in v.error
+    assert v.error.startswith("Unexpected error in Draft for mine: TypeError:") and "no_such_option" in v.error
+    assert "bug in LayerScope" in v.fix
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Traceback (most recent call last)" in logged and "TrainOptions(**options)" in logged
+
+
+def test_a_killed_worker_fails_its_job_and_the_next_job_gets_a_fresh_worker(manager, store):
+    job = manager.submit("s6", "capture", capture(store, limit=60, new_tokens=64, batch=1, seed=3), title="Long capture")
+    wait_until(lambda: job.view().metrics.get("conversations_total"))
+    [pid] = manager.worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(60)
+    v = job.view()
+    assert v.state == FAILED
+    assert v.error == ("The worker process running Long capture was killed by SIGKILL (perhaps the system ran out of "
+                       "memory); the job is lost")
+    assert v.fix.startswith("Start it again")
+    assert manager.worker_pids() == [] and manager.worker_models() == {}
+
+    again = manager.submit("s6", "capture", capture(store, seed=4), title="Capture after the kill")
+    assert again.wait(TIMEOUT) and again.view().state == DONE, (again.error, again.fix)
+    [fresh] = manager.worker_pids()
+    assert fresh != pid and manager.worker_models()["tiny-llama"] == {**manager.worker_models()["tiny-llama"],
+                                                                      "pid": fresh, "loads": 1}
