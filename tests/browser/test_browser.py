@@ -346,3 +346,40 @@ def test_a_running_capture_survives_a_refresh_and_cancels(server, browser):
     page.get_by_role("button", name="Cancel").click()
     page.get_by_text(re.compile(r"Capture of tiny-llama was cancelled")).wait_for(timeout=120_000)
     page.close()
+
+
+def test_a_reload_shows_a_running_training_live_on_its_page_again(server, browser):
+    """The job runs in the worker process; a reloaded tab finds it by its session and follows it on its page
+    (the main area, not only the sidebar): the progress bar, the live numbers, the step count moving on."""
+    page = open_app(browser, server, timeout_ms=120_000)
+    start_tiny_capture(page, prompts=3, new_tokens=8, batch=3)
+    page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
+    wait_idle(page)
+    goto_page(page, "Speculative decoding")
+    set_number(page, "Training steps", 20000)
+    page.get_by_role("button", name="Train draft").click()
+    main = page.locator("[data-testid='stMain']")
+    progress = main.locator("[data-testid='stProgress']").filter(has_text="Draft for default")
+    progress.get_by_text(re.compile(r"step \d+/20000")).wait_for(timeout=180_000)
+    url = page.url
+    assert "/speculate?session=" in url
+
+    page.reload()
+    assert page.url == url
+    progress.get_by_text(re.compile(r"step \d+/20000")).wait_for(timeout=120_000)
+    main.get_by_text("Accuracy step 1").wait_for()           # the live metrics under the bar
+    steps = []
+    for _ in range(40):
+        try:       # the panel is redrawn twice a second: the bar can vanish between two calls
+            found = re.search(r"step (\d+)/20000", progress.first.inner_text(timeout=1000))
+        except PlaywrightError:
+            found = None
+        if found:
+            steps.append(int(found.group(1)))
+        if len(set(steps)) >= 2:
+            break
+        page.wait_for_timeout(500)
+    assert len(set(steps)) >= 2 and steps == sorted(steps), f"the step count did not move after the reload: {steps}"
+    page.get_by_role("button", name="Cancel training").click()
+    main.get_by_text(re.compile(r"Draft for default .* was cancelled")).wait_for(timeout=120_000)
+    page.close()
