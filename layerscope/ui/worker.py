@@ -52,6 +52,7 @@ from layerscope.ui import models
 
 DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 FLUSH_S = 0.1          # the worker sends coalesced progress at most this often
+IDLE_POLL_S = 1.0      # between jobs it wakes this often (to notice a server gone without closing the socket)
 ENTRY = "import sys; from layerscope.ui.worker import main; main(sys.argv[1:])"
 
 
@@ -294,7 +295,7 @@ class _Channel:
     def _loop(self) -> None:
         while True:
             try:
-                if self.conn.poll(FLUSH_S):
+                if self.conn.poll(FLUSH_S if self.job is not None else IDLE_POLL_S):
                     msg = self.conn.recv()
                     if msg[0] == "cancel":
                         job = self.job
