@@ -43,9 +43,18 @@ with left:
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
     st.code(share_link(s.id), language=None)
-    st.download_button("Download session file (.zip)", data=lambda: sessions.export_bytes(s),
-                       file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}.zip",
+    d1, d2 = st.columns([3, 2], vertical_alignment="center")
+    with_drafts = d2.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
+                              help="Put each draft's files (weights and JSON) into the archive, so the session's "
+                                   "benchmarks and exports work on another server; without it drafts stay paths")
+    d1.download_button("Download session file (.zip)", data=lambda: sessions.export_bytes(s, drafts=with_drafts),
+                       file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}"
+                                 f"{'-with-drafts' if with_drafts else ''}.zip",
                        mime="application/zip", key="ls_sess_download", on_click="ignore", icon=":material/download:")
+    if with_drafts:
+        missing = sessions.missing_drafts(s)
+        st.caption(f"{len(s.drafts) - len(missing)} of {len(s.drafts)} draft(s) go into the archive"
+                   + (f"; not on this server, so left out: {md_text(', '.join(missing))}" if missing else "") + ".")
     st.download_button("Download report (HTML)", data=lambda: report.session_report(s).encode(),
                        file_name=f"layerscope-report-{s.id}.html", mime="text/html", key="ls_sess_report",
                        on_click="ignore", icon=":material/description:",
@@ -59,13 +68,16 @@ with right:
         marker = (up.name, up.size)
         if st.session_state.get("ls_sess_imported") != marker:
             with guard("import session"):
-                imported = sessions.import_bytes(up.getvalue(), store, source=up.name)
+                imported = sessions.import_archive(up.getvalue(), store, source=up.name)
                 st.session_state["ls_sess_imported"] = marker
-                st.session_state["ls_sess_imported_id"] = imported.id
+                st.session_state["ls_sess_imported_id"] = imported.session.id
+                st.session_state["ls_sess_imported_drafts"] = len(imported.drafts)
         iid = st.session_state.get("ls_sess_imported_id")
         if st.session_state.get("ls_sess_imported") == marker and iid:
-            st.success(f"Imported session `{iid}`. Its statistics and sets come with it; its capture and drafts are "
-                       "used when this store holds them.")
+            brought = st.session_state.get("ls_sess_imported_drafts", 0)
+            st.success(f"Imported session `{iid}`. Its statistics and sets come with it"
+                       + (f", and {brought} draft(s), now in this store" if brought else "")
+                       + "; its capture and other drafts are used when this store holds them.")
             if st.button("Open the imported session", key="ls_sess_open_imported", icon=":material/folder_open:"):
                 with guard("open session"):
                     switch_to(sessions.load(store, iid))

@@ -11,6 +11,16 @@ On disk a session is one archive, ``<store>/sessions/<id>/session.zip``, holding
     session.json          {"layerscope_session": FORMAT, "session": {...}}   (JSON, UTF-8)
     arrays.safetensors    named float tensors (optional)
 
+An exported archive may also carry the session's drafts (`export_bytes(s, drafts=True)`, format 2):
+
+    drafts/<entry>/config.json, model.safetensors, layers.json, layerscope.json
+                          each draft folder's files; session.json lists them under "drafts" with
+                          the path the session knew, each file's size and sha256
+
+`import_archive` checks them (names from a fixed set, sizes, checksums, JSON, load_draft), writes each
+into the importing store's drafts/ atomically (all or none) and points the session's drafts there.
+Stored sessions never hold drafts; a format 1 archive (no drafts) reads as before.
+
 The same archive is the downloadable/shareable file. Loading validates every field and tensor
 against one schema (SCHEMA below: types, ranges, sizes, ids matched in full; every field a page
 reads) and refuses anything else with a `SessionError`; JSON and safetensors cannot execute code.
@@ -21,6 +31,7 @@ always loads again, and an imported one always opens.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -40,16 +51,24 @@ from safetensors.torch import save as save_tensors
 
 from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 from layerscope.analysis import AnalysisOptions
+from layerscope.draft.export import FILES as DRAFT_FILES
+from layerscope.draft.export import load_draft, staged
 from layerscope.errors import LayerScopeError, SessionError
-from layerscope.store import KEY_RE, atomic_write_bytes
+from layerscope.store import ENTRY_NAME_RE, KEY_RE, SHA256_RE, atomic_write_bytes, write_error
 
-FORMAT = 1
+FORMAT = 2                                    # what this version reads; an archive is written as the lowest it needs
+PLAIN_FORMAT = 1                              # no drafts inside (stored sessions, plain exports)
 ARCHIVE_NAME = "session.zip"
 JSON_MEMBER = "session.json"
 ARRAYS_MEMBER = "arrays.safetensors"
 MAX_JSON_BYTES = 16 * 2**20
 MAX_ARRAYS_BYTES = 256 * 2**20
 MAX_ARCHIVE_BYTES = MAX_JSON_BYTES + MAX_ARRAYS_BYTES   # the archive itself (compressed), on import and on save
+MAX_DRAFTS_BYTES = 4 * 2**30                  # all draft files of one archive together (uncompressed)
+MAX_DRAFT_JSON_BYTES = 4 * 2**20              # each JSON file of a draft
+DRAFT_REQUIRED = ("config.json", "model.safetensors")
+DRAFT_MEMBER_RE = re.compile(r"drafts/([A-Za-z0-9][A-Za-z0-9_-]{0,127})/(" +
+                             "|".join(re.escape(f) for f in DRAFT_FILES) + ")")
 ID_RE = re.compile(r"[0-9a-f]{12}")           # matched in full (re.fullmatch): no trailing newline
 NAME_MAX = 120
 TEXT_MAX = 4096                               # any other string field
@@ -149,15 +168,24 @@ class Session:
         body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "arrays"}
         return _finite(json.loads(json.dumps(body, default=_json_default)))
 
-    def to_bytes(self) -> bytes:
-        """The session as a zip archive: session.json + arrays.safetensors."""
-        doc = {"layerscope_session": FORMAT, "session": self.to_json()}
+    def to_bytes(self, drafts: list[dict] | None = None) -> bytes:
+        """The session as a zip archive: session.json + arrays.safetensors (format 1); with `drafts`
+        (from `draft_files`) also their files under drafts/<entry>/ and their list in session.json (format 2)."""
+        doc = {"layerscope_session": FORMAT if drafts else PLAIN_FORMAT, "session": self.to_json()}
+        if drafts:
+            doc["drafts"] = [{"entry": d["entry"], "path": d["path"],
+                              "files": {f: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+                                        for f, b in d["files"].items()}} for d in drafts]
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr(JSON_MEMBER, json.dumps(doc, indent=1, allow_nan=False))
             if self.arrays:
                 tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in self.arrays.items()}
-                z.writestr(ARRAYS_MEMBER, save_tensors(tensors, metadata={"layerscope_session": str(FORMAT)}))
+                z.writestr(ARRAYS_MEMBER, save_tensors(tensors, metadata={"layerscope_session": str(PLAIN_FORMAT)}))
+            for d in drafts or []:
+                for f, b in d["files"].items():
+                    z.writestr(f"drafts/{d['entry']}/{f}", b,
+                               compress_type=zipfile.ZIP_STORED if f.endswith(".safetensors") else zipfile.ZIP_DEFLATED)
         return buf.getvalue()
 
     @classmethod
@@ -166,7 +194,7 @@ class Session:
 
         With arrays=False the tensors are not read (a quick look for listings); the rest is validated.
         """
-        doc, tensors = _read_archive(data, source, with_arrays=arrays)
+        doc, tensors, _ = _read_archive(data, source, with_arrays=arrays)
         return _validate(doc, tensors, source)
 
 
@@ -201,11 +229,21 @@ def _refuse(source: str, problem: str, fix: str = "Export the session again from
     raise SessionError(f"{source} is not a valid LayerScope session: {problem}", fix)
 
 
-def _read_archive(data: bytes, source: str, with_arrays: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+def _outside(name: str) -> bool:
+    """A member name that would point outside a folder it were unpacked into."""
+    parts = name.replace("\\", "/").split("/")
+    return name.startswith(("/", "\\")) or ".." in parts or (len(name) > 1 and name[1] == ":")
+
+
+def _read_archive(data: bytes, source: str, with_arrays: bool = True,
+                  with_drafts: bool = False) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict[str, bytes]]]:
+    """(session.json, tensors, draft files {entry: {file: bytes}}). Draft members are checked by name always
+    and read only `with_drafts` (an import); the archive may then be up to MAX_DRAFTS_BYTES larger."""
     if not isinstance(data, (bytes, bytearray)) or not data:
         _refuse(source, "it is empty")
-    if len(data) > MAX_ARCHIVE_BYTES:
-        _refuse(source, f"it is larger than {MAX_ARCHIVE_BYTES >> 20} MiB")
+    if len(data) > MAX_ARCHIVE_BYTES + (MAX_DRAFTS_BYTES if with_drafts else 0):
+        _refuse(source, f"it is larger than {MAX_ARCHIVE_BYTES >> 20} MiB"
+                + (f" plus {MAX_DRAFTS_BYTES >> 20} MiB of drafts" if with_drafts else ""))
     try:
         z = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile:
@@ -215,19 +253,39 @@ def _read_archive(data: bytes, source: str, with_arrays: bool = True) -> tuple[d
         _refuse(source, "it is not a zip archive (corrupted or another kind of file)",
                 "Import the .zip archive that LayerScope's Sessions page downloads")
     with z:
+        names = [i.filename for i in z.infolist()]
         infos = {i.filename: i for i in z.infolist()}
-        unknown = sorted(set(infos) - {JSON_MEMBER, ARRAYS_MEMBER})
+        escaping = [n for n in names if _outside(n)]
+        if escaping:
+            _refuse(source, f"the member {escaping[0][:200]!r} points outside the archive's folder; nothing was written",
+                    "Import only archives LayerScope exported; this one may have been made to overwrite files")
+        if len(infos) != len(names):
+            _refuse(source, f"the archive holds {next(n for n in names if names.count(n) > 1)[:200]!r} twice")
+        drafts = {n: DRAFT_MEMBER_RE.fullmatch(n) for n in names}
+        unknown = sorted(n for n in set(infos) - {JSON_MEMBER, ARRAYS_MEMBER} if drafts[n] is None)
         if JSON_MEMBER not in infos:
             _refuse(source, f"the archive has no {JSON_MEMBER}" + (f" (it holds {', '.join(unknown[:5])})" if unknown else ""))
         if unknown:
-            _refuse(source, f"the archive holds unexpected files: {', '.join(unknown[:5])}")
+            _refuse(source, f"the archive holds unexpected files: {', '.join(u[:200] for u in unknown[:5])}")
         if infos[JSON_MEMBER].file_size > MAX_JSON_BYTES:
             _refuse(source, f"{JSON_MEMBER} is larger than {MAX_JSON_BYTES >> 20} MiB")
         if ARRAYS_MEMBER in infos and infos[ARRAYS_MEMBER].file_size > MAX_ARRAYS_BYTES:
             _refuse(source, f"{ARRAYS_MEMBER} is larger than {MAX_ARRAYS_BYTES >> 20} MiB")
+        members = {n: m for n, m in drafts.items() if m is not None}
+        if not members and len(data) > MAX_ARCHIVE_BYTES:
+            _refuse(source, f"it is larger than {MAX_ARCHIVE_BYTES >> 20} MiB")
+        if with_drafts:
+            if sum(infos[n].file_size for n in members) > MAX_DRAFTS_BYTES:
+                _refuse(source, f"its drafts hold more than {MAX_DRAFTS_BYTES >> 20} MiB")
+            big = [n for n, m in members.items() if m[2].endswith(".json") and infos[n].file_size > MAX_DRAFT_JSON_BYTES]
+            if big:
+                _refuse(source, f"{big[0]} is larger than {MAX_DRAFT_JSON_BYTES >> 20} MiB")
+        files: dict[str, dict[str, bytes]] = {}
         try:
             raw = z.read(JSON_MEMBER)
             blob = z.read(ARRAYS_MEMBER) if with_arrays and ARRAYS_MEMBER in infos else None
+            for n, m in (members.items() if with_drafts else ()):
+                files.setdefault(m[1], {})[m[2]] = z.read(n)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
             _refuse(source, f"the archive is corrupted ({e})")
     try:
@@ -242,7 +300,10 @@ def _read_archive(data: bytes, source: str, with_arrays: bool = True) -> tuple[d
             arrays = load_tensors(blob)
         except Exception as e:  # safetensors raises its own error types for malformed headers
             _refuse(source, f"{ARRAYS_MEMBER} is not a valid safetensors file ({e})")
-    return doc, arrays
+    if members and not (isinstance(doc, dict) and _is_int(doc.get("layerscope_session"))
+                        and doc["layerscope_session"] >= 2):
+        _refuse(source, "it holds draft files but session.json is not format 2")
+    return doc, arrays, files
 
 
 def _check(cond: bool, source: str, problem: str) -> None:
@@ -658,14 +719,67 @@ def list_sessions(store, *, include_unnamed: bool = True) -> list[dict]:
     return sorted(out, key=lambda r: r.get("updated") or "", reverse=True)
 
 
-def export_bytes(session: Session) -> bytes:
-    """The shareable archive (the same bytes the store keeps)."""
-    return session.to_bytes()
+def export_bytes(session: Session, *, drafts: bool = False) -> bytes:
+    """The shareable archive: the same bytes the store keeps, or with `drafts` also the files of every
+    session draft this server holds (`draft_files`; those it does not hold stay references by path)."""
+    return session.to_bytes(draft_files(session)[0] if drafts else None)
+
+
+def draft_files(session: Session) -> tuple[list[dict], list[str]]:
+    """The session's drafts as archive entries [{"entry", "path", "files": {name: bytes}}] (each folder once,
+    each loading with load_draft), and the paths of those not on this server. A draft folder that is here
+    but does not load is a SessionError naming it."""
+    included, missing, seen = [], [], set()
+    for d in session.drafts:
+        path = Path(d["path"])
+        if d["path"] in seen:
+            continue
+        seen.add(d["path"])
+        if not all((path / f).is_file() for f in DRAFT_REQUIRED):
+            missing.append(d["path"])
+            continue
+        try:
+            load_draft(path)
+        except LayerScopeError as e:
+            raise SessionError(f"Draft {d['name'] if d.get('name') else path} does not load ({e.problem})",
+                               "Export without drafts, or train the draft again") from None
+        entry = path.name if ENTRY_NAME_RE.fullmatch(path.name) else f"draft-{len(included) + 1}"
+        if entry in {x["entry"] for x in included}:
+            entry = f"{entry[:100]}-{len(included) + 1}"
+        included.append({"entry": entry, "path": d["path"],
+                         "files": {f: (path / f).read_bytes() for f in DRAFT_FILES if (path / f).is_file()}})
+    total = sum(len(b) for d in included for b in d["files"].values())
+    if total > MAX_DRAFTS_BYTES:
+        raise SessionError(f"This session's drafts hold {total >> 20} MiB, over the {MAX_DRAFTS_BYTES >> 20} MiB "
+                           "an archive may carry", "Export without drafts, or remove drafts from the session")
+    return included, missing
+
+
+def missing_drafts(session: Session) -> list[str]:
+    """Paths of the session's drafts that this server does not hold (an export cannot include them)."""
+    return [d["path"] for d in session.drafts if not all((Path(d["path"]) / f).is_file() for f in DRAFT_REQUIRED)]
+
+
+@dataclass
+class Imported:
+    session: Session
+    drafts: list[str] = field(default_factory=list)     # the draft folders the archive brought, in this store
 
 
 def import_bytes(data: bytes, store, *, source: str = "the uploaded file") -> Session:
-    """Validate an archive and save it into the store. Keeps its id unless a different session owns it."""
-    session = Session.from_bytes(data, source=source)
+    """Validate an archive and save it into the store (with its drafts, if it carries any); the session."""
+    return import_archive(data, store, source=source).session
+
+
+def import_archive(data: bytes, store, *, source: str = "the uploaded file") -> Imported:
+    """Validate an archive and save it into the store. Keeps its id unless a different session owns it.
+    Drafts inside are checked and written to the store's drafts/ (all or none) before the session, whose
+    draft paths then point at them."""
+    doc, tensors, files = _read_archive(data, source, with_drafts=True)
+    session = _validate(doc, tensors, source)
+    placed = _install_drafts(_archived_drafts(doc, files, source), store, source)
+    for d in session.drafts:
+        d["path"] = placed.get(d["path"], d["path"])
     if exists(store, session.id):
         try:
             same = load(store, session.id).to_json() == session.to_json()
@@ -674,4 +788,74 @@ def import_bytes(data: bytes, store, *, source: str = "the uploaded file") -> Se
         if not same:
             session.id = new_id()
     save(session, store, touch=False)
-    return session
+    return Imported(session, sorted(set(placed.values())))
+
+
+FILE_SCHEMA = ("obj", {"bytes": _req(("range", 0, MAX_DRAFTS_BYTES)), "sha256": _req("str")}, True)
+DRAFT_ENTRY_SCHEMA = ("obj", {"entry": _req("str"), "path": _req("str"), "files": _req(("map", FILE_SCHEMA))}, True)
+
+
+def _archived_drafts(doc: dict, files: dict[str, dict[str, bytes]], source: str) -> list[dict]:
+    """The drafts session.json lists, each checked against the archive's files: names, sizes, sha256, JSON."""
+    listed = doc.get("drafts", [])
+    problem = _schema_problem(listed, ("list", DRAFT_ENTRY_SCHEMA, LIST_MAX), "drafts")
+    _check(problem is None, source, problem or "")
+    entries = [d["entry"] for d in listed]
+    _check(len(set(entries)) == len(entries), source, "session.json lists a draft folder twice")
+    _check(set(entries) == set(files), source, "the draft folders in the archive and in session.json differ")
+    out = []
+    for d in listed:
+        entry, got = d["entry"], files[d["entry"]]
+        where = f"draft {entry[:40]!r}"
+        _check(set(d["files"]) == set(got), source, f"{where}: its files and those listed in session.json differ")
+        _check(all(f in got for f in DRAFT_REQUIRED), source, f"{where} lacks {' or '.join(DRAFT_REQUIRED)}")
+        for name, blob in got.items():
+            want = d["files"][name]
+            _check(len(blob) == want["bytes"] and SHA256_RE.fullmatch(want["sha256"]) is not None
+                   and hashlib.sha256(blob).hexdigest() == want["sha256"], source,
+                   f"{where}: {name} does not match its size and checksum (damaged in transfer?)")
+            if name.endswith(".json"):
+                try:
+                    ok = isinstance(json.loads(blob.decode("utf-8")), dict)
+                except (UnicodeDecodeError, ValueError):
+                    ok = False
+                _check(ok, source, f"{where}: {name} is not a JSON object")
+        out.append({"entry": entry, "path": d["path"], "files": got})
+    return out
+
+
+def _install_drafts(drafts: list[dict], store, source: str) -> dict[str, str]:
+    """Write each draft into <store>/drafts/<entry> (or <entry>-<digest> when another draft has that name;
+    an identical one already there is used as it is), each checked with load_draft before it is placed,
+    all placed or none. Returns {path in the archive: path in this store}."""
+    placed = {}
+    with contextlib.ExitStack() as stack:
+        for d in drafts:
+            digest = hashlib.sha256("".join(sorted(hashlib.sha256(b).hexdigest() for b in d["files"].values()))
+                                    .encode()).hexdigest()
+            for name in (d["entry"], f"{d['entry'][:100]}-{digest[:12]}"):
+                dest = Path(store.path("drafts", name))
+                if not dest.exists() or _same_draft(dest, d["files"]):
+                    break
+            else:
+                _refuse(source, f"drafts/{d['entry']} and drafts/{name} of this store hold other drafts",
+                        "Remove one of them from the store, or import without drafts")
+            placed[d["path"]] = str(dest)
+            if dest.exists():
+                continue
+            try:
+                tmp = stack.enter_context(staged(dest))
+                for f, blob in d["files"].items():
+                    (tmp / f).write_bytes(blob)
+            except OSError as e:
+                raise write_error(e, dest) from None
+            try:
+                load_draft(tmp)
+            except LayerScopeError as e:
+                _refuse(source, f"draft {d['entry']!r} does not load ({e.problem})")
+    return placed
+
+
+def _same_draft(directory: Path, files: dict[str, bytes]) -> bool:
+    present = {f for f in DRAFT_FILES if (directory / f).is_file()}
+    return present == set(files) and all((directory / f).read_bytes() == b for f, b in files.items())

@@ -159,3 +159,36 @@ def test_engine_export_refusal_is_one_clear_line(app_store, tiny):
     assert not [b for b in at.button if b.key == "ls_spec_export_build"]
     at.selectbox(key="ls_w_spec_export_engine").set_value("sglang").run()       # SGLang takes two layers
     assert not at.error and [b for b in at.button if b.key == "ls_spec_export_build"]
+
+
+def test_sessions_page_exports_with_drafts_and_imports_them_into_this_store(app_store, tiny, tmp_path):
+    from layerscope.store import Store
+
+    here = saved_draft(app_store, tiny, "three", (1, 2, 3))
+    gone = dict(here, name="gone", path=str(tmp_path / "not-here"))
+    sid = session_with(app_store, tiny, [here, gone])
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["session"] = sid
+    at.run()
+    at.switch_page("app_pages/sessions.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.checkbox(key="ls_w_sess_with_drafts").check().run()
+    captions = [re.sub(r"\\(.)", r"\1", c.value) for c in at.caption]
+    assert any(c.startswith("1 of 2 draft(s) go into the archive") and str(tmp_path / "not-here") in c for c in captions)
+
+    # an archive made on another server, whose draft this store does not hold, brings it along
+    elsewhere = Store(tmp_path / "elsewhere")
+    try:
+        theirs = saved_draft(elsewhere, tiny, "remote", (1, 2))
+        s = sessions.Session(model=tiny.spec, capture_key="e" * 24, capture={"num_layers": tiny.num_layers},
+                             drafts=[theirs])
+        data = sessions.export_bytes(s, drafts=True)
+    finally:
+        elsewhere.close()
+    at.file_uploader(key="ls_sess_upload").set_value(("remote.zip", data, "application/zip")).run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + error_lines(at)
+    assert any("and 1 draft(s), now in this store" in x.value for x in at.success)
+    imported = sessions.load(app_store, at.session_state["ls_sess_imported_id"])
+    assert imported.drafts[0]["path"] == str(app_store.path("drafts", "remote"))
+    assert (app_store.path("drafts", "remote") / "model.safetensors").read_bytes() == \
+        (tmp_path / "elsewhere" / "drafts" / "remote" / "model.safetensors").read_bytes()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -54,7 +55,7 @@ def test_archive_holds_only_json_and_safetensors():
     z = zipfile.ZipFile(io.BytesIO(_full_session().to_bytes()))
     assert sorted(z.namelist()) == ["arrays.safetensors", "session.json"]
     doc = json.loads(z.read("session.json"))
-    assert doc["layerscope_session"] == sessions.FORMAT
+    assert doc["layerscope_session"] == sessions.PLAIN_FORMAT == 1      # no drafts inside: readable by older versions
 
 
 def test_store_save_load_list_delete(store):
@@ -292,3 +293,150 @@ def test_oversized_archive_and_special_files_are_refused(store, tmp_path):
         sessions.load(store, s.id)
     with pytest.raises(SessionError, match="is not a session id"):
         sessions.load(store, s.id + "\n")
+
+
+# ---------------------------------------------------------------------------- archives with drafts (issue 16)
+
+def _draft_logits(head, tiny, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, tiny.model.config.vocab_size, (2, 7), generator=g)
+    aux = torch.randn(2, 7, len(head.aux_layers) * tiny.hidden_size, generator=g)
+    with torch.no_grad():
+        return head(ids, head.fuse(aux), torch.arange(7).expand(2, 7))
+
+
+@pytest.fixture
+def session_with_drafts(tiny, store):
+    """A session naming two drafts in `store` (one of them twice) and one this server does not hold."""
+    from layerscope.draft.export import save_draft
+    from tests.helpers import untrained_draft
+
+    meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
+    a = save_draft(store.path("drafts", "a" * 24), untrained_draft(tiny.model, layers=(1, 2, 3)), meta, target=tiny)
+    b = save_draft(store.path("drafts", "b" * 24), untrained_draft(tiny.model, layers=(1, 3), seed=2), meta, target=tiny)
+    s = _full_session()
+    s.drafts = [{"name": "three", "path": str(a), "layers": [1, 2, 3]}, {"name": "two", "path": str(b), "layers": [1, 3]},
+                {"name": "again", "path": str(a), "layers": [1, 2, 3]},
+                {"name": "gone", "path": "/nowhere/drafts/x", "layers": [1, 2]}]
+    return s
+
+
+def test_archive_with_drafts_round_trips_into_another_store(tiny, store, tmp_path, session_with_drafts):
+    from layerscope.draft.export import load_draft
+    from layerscope.store import Store
+
+    s = session_with_drafts
+    assert sessions.missing_drafts(s) == ["/nowhere/drafts/x"]
+    data = sessions.export_bytes(s, drafts=True)
+    z = zipfile.ZipFile(io.BytesIO(data))
+    doc = json.loads(z.read("session.json"))
+    assert doc["layerscope_session"] == 2 and [d["entry"] for d in doc["drafts"]] == ["a" * 24, "b" * 24]
+    assert f"drafts/{'a' * 24}/model.safetensors" in z.namelist()
+    other = Store(tmp_path / "other-store")
+    try:
+        imported = sessions.import_archive(data, other, source="shared.zip")
+        new = imported.session
+        assert imported.drafts == [str(other.path("drafts", "a" * 24)), str(other.path("drafts", "b" * 24))]
+        assert [d["path"] for d in new.drafts] == [imported.drafts[0], imported.drafts[1], imported.drafts[0],
+                                                  "/nowhere/drafts/x"]      # the one not exported stays a reference
+        assert sessions.load(other, new.id).drafts == new.drafts
+        for before, after in zip(s.drafts[:2], new.drafts[:2]):
+            h0, h1 = load_draft(before["path"], tiny), load_draft(after["path"], tiny)
+            (a, ha), (b, hb) = _draft_logits(h0, tiny), _draft_logits(h1, tiny)
+            assert torch.equal(a, b) and torch.equal(ha, hb)
+        assert not list((tmp_path / "other-store" / "drafts").glob(".*"))      # no staging left behind
+        again = sessions.import_archive(data, other)              # the same drafts: reused, the same session
+        assert again.session.id == new.id and again.drafts == imported.drafts
+        (other.path("drafts", "b" * 24) / "layerscope.json").write_text("{}")  # another draft under that name
+        third = sessions.import_archive(data, other)
+        assert third.drafts[1].startswith(str(other.path("drafts", "b" * 24)) + "-")
+        assert load_draft(third.drafts[1], tiny) is not None
+    finally:
+        other.close()
+
+
+def _with_member(data: bytes, name: str, payload: bytes) -> bytes:
+    src = zipfile.ZipFile(io.BytesIO(data))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info.filename))
+        z.writestr(name, payload)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("member", ["../../evil.py", "drafts/../../evil/config.json", "/etc/cron.d/x",
+                                    "drafts/..\\..\\evil.json"])
+def test_a_member_outside_the_archive_is_refused_and_nothing_is_written(tiny, store, tmp_path, member,
+                                                                         session_with_drafts):
+    from layerscope.store import Store
+
+    data = _with_member(sessions.export_bytes(session_with_drafts, drafts=True), member, b"x")
+    other = Store(tmp_path / "other-store")
+    try:
+        with pytest.raises(SessionError) as e:
+            sessions.import_archive(data, other, source="shared.zip")
+        line = str(e.value)
+        assert "points outside the archive's folder" in line and "shared.zip" in line and "\n" not in line
+        assert not (tmp_path / "other-store" / "drafts").exists() and sessions.list_sessions(other) == []
+        assert not list(tmp_path.rglob("evil*"))
+    finally:
+        other.close()
+
+
+def test_damaged_or_inconsistent_drafts_are_refused_whole(tiny, store, tmp_path, session_with_drafts):
+    from layerscope.store import Store
+
+    data = sessions.export_bytes(session_with_drafts, drafts=True)
+    z = zipfile.ZipFile(io.BytesIO(data))
+    members = {n: z.read(n) for n in z.namelist()}
+    doc = json.loads(members["session.json"])
+    model_b = f"drafts/{'b' * 24}/model.safetensors"
+
+    def variant(**changes):
+        m = dict(members)
+        m.update(changes)
+        return _zip(m)
+
+    broken_doc = json.loads(json.dumps(doc))
+    broken_doc["drafts"][1]["files"]["model.safetensors"]["sha256"] = "0" * 64
+    garbage = b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}"
+    regarbled = json.loads(json.dumps(doc))
+    regarbled["drafts"][1]["files"]["model.safetensors"] = {"bytes": len(garbage),
+                                                            "sha256": hashlib.sha256(garbage).hexdigest()}
+    plain = json.loads(json.dumps(doc))
+    plain["layerscope_session"] = 1
+    cases = [
+        (variant(**{"session.json": json.dumps(broken_doc).encode()}), "does not match its size and checksum"),
+        (variant(**{"session.json": json.dumps(regarbled).encode(), model_b: garbage}), "does not load"),
+        (variant(**{f"drafts/{'b' * 24}/notes.txt": b"hi"}), "unexpected files"),
+        (variant(**{"session.json": json.dumps(plain).encode()}), "not format 2"),
+        (variant(**{f"drafts/{'c' * 24}/config.json": b"{}"}), "differ"),
+    ]
+    other = Store(tmp_path / "other-store")
+    try:
+        for archive, message in cases:
+            with pytest.raises(SessionError, match=message):
+                sessions.import_archive(archive, other, source="shared.zip")
+            drafts = tmp_path / "other-store" / "drafts"
+            assert not drafts.exists() or not [p for p in drafts.iterdir() if not p.name.startswith(".")], message
+        assert sessions.list_sessions(other) == []
+    finally:
+        other.close()
+
+
+def test_archives_without_drafts_import_as_before(store, tmp_path):
+    from layerscope.store import Store
+
+    s = _full_session()
+    old = _zip({"session.json": json.dumps({"layerscope_session": 1, "session": s.to_json()}).encode(),
+                "arrays.safetensors": zipfile.ZipFile(io.BytesIO(s.to_bytes())).read("arrays.safetensors")})
+    other = Store(tmp_path / "other-store")
+    try:
+        imported = sessions.import_archive(old, other)
+        assert imported.drafts == [] and imported.session.drafts == s.drafts       # paths kept as references
+        assert sessions.load(other, s.id).to_json() == s.to_json()
+        plain = sessions.export_bytes(s)                   # drafts not asked for: format 1, the store's bytes
+        assert json.loads(zipfile.ZipFile(io.BytesIO(plain)).read("session.json"))["layerscope_session"] == 1
+    finally:
+        other.close()
