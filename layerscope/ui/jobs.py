@@ -399,6 +399,11 @@ class JobManager:
 def get_manager() -> JobManager:
     """The process-wide JobManager, kept in st.cache_resource so it survives reruns and refreshes; in process
     mode its worker starts now, so it has finished its imports before the first job."""
-    manager = JobManager()
+    try:
+        mode = worker_mode()
+    except LayerScopeError as e:      # a deployment setting: said in the server log, the app keeps working
+        log.error("%s. %s; jobs run in a worker process", e.problem, e.fix)
+        mode = "process"
+    manager = JobManager(mode=mode)
     manager.start_worker()
     return manager
