@@ -47,7 +47,13 @@ with left:
     with_drafts = d2.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
                               help="Put each draft's files (weights and JSON) into the archive, so the session's "
                                    "benchmarks and exports work on another server; without it drafts stay paths")
-    d1.download_button("Download session file (.zip)", data=lambda: sessions.export_bytes(s, drafts=with_drafts),
+    archive = lambda: sessions.export_bytes(s)    # noqa: E731  (built on click: a plain archive cannot fail)
+    if with_drafts:
+        archive = None    # built now, so a draft that does not load is one error line, not a failed download
+        with guard("session archive"):
+            archive = sessions.export_bytes(s, drafts=True)
+    d1.download_button("Download session file (.zip)", data=archive if archive is not None else b"",
+                       disabled=archive is None,
                        file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}"
                                  f"{'-with-drafts' if with_drafts else ''}.zip",
                        mime="application/zip", key="ls_sess_download", on_click="ignore", icon=":material/download:")

@@ -192,3 +192,21 @@ def test_sessions_page_exports_with_drafts_and_imports_them_into_this_store(app_
     assert imported.drafts[0]["path"] == str(app_store.path("drafts", "remote"))
     assert (app_store.path("drafts", "remote") / "model.safetensors").read_bytes() == \
         (tmp_path / "elsewhere" / "drafts" / "remote" / "model.safetensors").read_bytes()
+
+
+def test_sessions_page_names_a_draft_that_does_not_load_and_offers_no_archive(app_store, tiny):
+    broken = saved_draft(app_store, tiny, "broken", (1, 3))
+    weights = Path(broken["path"]) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])          # a damaged weights file
+    sid = session_with(app_store, tiny, [broken])
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["session"] = sid
+    at.run()
+    at.switch_page("app_pages/sessions.py").run()
+    assert not at.error, error_lines(at)
+    at.checkbox(key="ls_w_sess_with_drafts").check().run()
+    assert not at.exception, [e.value for e in at.exception]
+    lines = error_lines(at)
+    assert len(lines) == 1 and "broken" in lines[0] and "does not load" in lines[0], lines
+    button = next(b for b in at.get("download_button") if b.proto.label == "Download session file (.zip)")
+    assert button.proto.disabled
