@@ -210,3 +210,25 @@ def test_sessions_page_names_a_draft_that_does_not_load_and_offers_no_archive(ap
     assert len(lines) == 1 and "broken" in lines[0] and "does not load" in lines[0], lines
     button = next(b for b in at.get("download_button") if b.proto.label == "Download session file (.zip)")
     assert button.proto.disabled
+
+
+def test_session_report_shows_intervals_and_the_study_verdict():
+    from layerscope.ui.report import session_report
+
+    bench_entry = {"prompts": 40, "prompt_set": "sharegpt-heldout", "max_new_tokens": 16, "device": "cpu",
+                   "intervals": {"level": 0.95, "prompts": 40, "draws": 2000, "reference": "d"},
+                   "results": [{"name": "autoregressive", "tau": 1.0, "tau_ci": [1.0, 1.0], "speedup": 1.0,
+                                "speedup_ci": [1.0, 1.0], "tokens_per_s": 7.5, "lossless": True},
+                               {"name": "d", "layers": [2, 15, 27], "tau": 1.1334, "tau_ci": [1.0912, 1.1601],
+                                "speedup": 0.553, "speedup_ci": [0.52, 0.58], "tokens_per_s": 4.1, "lossless": True}]}
+    row = {"strategies": ["entropy-topk"], "layers": [18, 26, 27], "mean_entropy": 3.1, "mean_cka": 0.4,
+           "aggregate_entropy": 5.0, "tau": 1.1301, "tau_ci": [1.097, 1.162], "delta_vs_default": 0.0071,
+           "delta_ci": [-0.016, 0.030], "speedup": 0.57, "speedup_ci": [0.55, 0.6],
+           "seeds": [{"seed": 0}, {"seed": 1}], "tau_seed_range": 0.012}
+    s = sessions.Session(model="m", bench_results=[bench_entry],
+                         study=[{"rows": [row], "verdict": "No difference at this budget: <b>x</b>"}])
+    page = session_report(s)
+    assert "1.13 [1.09, 1.16]" in page and "0.55× [0.52, 0.58]" in page
+    assert "95% bootstrap intervals over the 40 prompts" in page
+    assert "1.130 [1.097, 1.162]" in page and "+0.007 [-0.016, +0.030]" in page and "0.012" in page
+    assert "No difference at this budget: &lt;b&gt;x&lt;/b&gt;" in page      # the verdict as plain text

@@ -13,6 +13,7 @@ from plotly.offline import get_plotlyjs
 
 from layerscope import plots
 from layerscope import select as sel
+from layerscope.bench import interval_note, with_ci
 from layerscope.analysis import LayerStats
 from layerscope.session import Session, now_iso
 from layerscope.ui import recommend
@@ -34,6 +35,11 @@ def _table(rows: list[dict]) -> str:
         return ""
     df = pd.DataFrame(rows)
     return df.to_html(index=False, escape=True, na_rep="—", float_format=lambda v: f"{v:.4g}", border=0)
+
+
+def _ci(x, ci, **kw) -> str | None:
+    """bench.with_ci's "1.13 [1.09, 1.16]", or None (the table's dash) when there is no number."""
+    return None if x is None else with_ci(x, ci, **kw)
 
 
 def _figure(fig) -> str:
@@ -79,9 +85,12 @@ def session_report(s: Session) -> str:
         rows = b.get("results") or []
         parts.append(f"<h2>Benchmark</h2><p class='note'>{_e(b.get('prompts'))} {_e(b.get('prompt_set', ''))} prompts × "
                      f"{_e(b.get('max_new_tokens'))} new tokens · {_e(b.get('device'))} · {_e(b.get('created', ''))}</p>")
-        parts.append(_table([{"contender": r.get("name"), "layers": str(r.get("layers") or ""), "τ": r.get("tau"),
-                              "tokens/s": r.get("tokens_per_s"), "speedup": r.get("speedup"),
+        parts.append(_table([{"contender": r.get("name"), "layers": str(r.get("layers") or ""),
+                              "τ": _ci(r.get("tau"), r.get("tau_ci")), "tokens/s": r.get("tokens_per_s"),
+                              "speedup": _ci(r.get("speedup"), r.get("speedup_ci"), unit="×"),
                               "lossless": r.get("lossless")} for r in rows]))
+        if b.get("intervals"):
+            parts.append(f"<p class='note'>{_e(interval_note(b['intervals']))}</p>")
         if rows:
             parts.append(_figure(plots.bench_comparison(rows)))
     if s.study:
@@ -90,8 +99,13 @@ def session_report(s: Session) -> str:
         parts.append("<h2>Study: does a proxy predict τ?</h2>" + _table([{
             "set": set_label(r.get("strategies") or [], r.get("layers") or [], s.layer_sets),
             "layers": str(r.get("layers")), "aggregate entropy": r.get("aggregate_entropy"),
-            "mean entropy": r.get("mean_entropy"), "mean CKA": r.get("mean_cka"), "τ": r.get("tau"),
-            "speedup": r.get("speedup")} for r in rows]))
+            "mean entropy": r.get("mean_entropy"), "mean CKA": r.get("mean_cka"),
+            "τ": _ci(r.get("tau"), r.get("tau_ci"), digits=3),
+            "τ − default": _ci(r.get("delta_vs_default"), r.get("delta_ci"), digits=3, sign=True),
+            "τ range over seeds": r.get("tau_seed_range") if len(r.get("seeds") or []) > 1 else None,
+            "speedup": _ci(r.get("speedup"), r.get("speedup_ci"), unit="×")} for r in rows]))
+        if st_.get("verdict"):
+            parts.append(f"<p><b>The study's verdict.</b> {_e(st_['verdict'])}</p>")
         corr = st_.get("spearman") or {}
         if corr:
             parts.append("<p>Spearman correlation with τ: " + " · ".join(
