@@ -2,7 +2,8 @@
 
 A capture runs once per module (3 builtin prompts, 6 new tokens); each test opens its own copy of
 that session through the share link ``?session=ID``, so tests do not see each other's changes.
-Jobs run in background threads; `settle` reruns the app until none is left running.
+Jobs run in the app's worker process (LAYERSCOPE_WORKER=process, the default), as they do for users; `settle` reruns
+the app until none is left running.
 """
 
 from __future__ import annotations
