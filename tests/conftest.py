@@ -44,6 +44,22 @@ def tiny_capture(tiny, session_store):
     result = capture(tiny, prompts, session_store, max_new_tokens=12, batch_size=4)
     return session_store.open_capture(result.key)
 
+@pytest.fixture(scope="module")
+def app_store(tmp_path_factory):
+    """A store the app's pages use (LAYERSCOPE_STORE points at it for the module's tests), one per test module."""
+    from layerscope.store import Store
+
+    root = tmp_path_factory.mktemp("app-store")
+    old = os.environ.get("LAYERSCOPE_STORE")
+    os.environ["LAYERSCOPE_STORE"] = str(root)
+    store = Store(root)
+    yield store
+    store.close()
+    if old is None:
+        os.environ.pop("LAYERSCOPE_STORE", None)
+    else:
+        os.environ["LAYERSCOPE_STORE"] = old
+
 
 @pytest.fixture(scope="session")
 def smollm2(session_store):

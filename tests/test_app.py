@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import os
 import time
 from pathlib import Path
 
@@ -21,22 +20,6 @@ from layerscope import session as sessions
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def app_store(tmp_path_factory):
-    from layerscope.store import Store
-
-    root = tmp_path_factory.mktemp("app-store")
-    old = os.environ.get("LAYERSCOPE_STORE")
-    os.environ["LAYERSCOPE_STORE"] = str(root)
-    store = Store(root)
-    yield store
-    store.close()
-    if old is None:
-        os.environ.pop("LAYERSCOPE_STORE", None)
-    else:
-        os.environ["LAYERSCOPE_STORE"] = old
 
 
 def manager():

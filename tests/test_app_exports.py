@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import time
 import zipfile
@@ -26,22 +25,6 @@ APP = str(Path(__file__).resolve().parents[1] / "app.py")
 PAGE = "app_pages/speculate.py"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def app_store(tmp_path_factory):
-    from layerscope.store import Store
-
-    root = tmp_path_factory.mktemp("app-exports-store")
-    old = os.environ.get("LAYERSCOPE_STORE")
-    os.environ["LAYERSCOPE_STORE"] = str(root)
-    store = Store(root)
-    yield store
-    store.close()
-    if old is None:
-        os.environ.pop("LAYERSCOPE_STORE", None)
-    else:
-        os.environ["LAYERSCOPE_STORE"] = old
 
 
 def saved_draft(store, tiny, key: str, layers) -> dict:

@@ -10,7 +10,7 @@ from layerscope import plots
 from layerscope import session as sessions
 from layerscope.session import Session
 from layerscope.ui import apply, compare
-from tests.test_app import app_store, charts, new_app, no_exception, settle  # noqa: F401  (app_store: a fixture)
+from tests.test_app import charts, new_app, no_exception, settle
 
 
 # ---------------------------------------------------------------------------- logic and figures
@@ -150,7 +150,7 @@ def test_new_benchmarks_and_study_drafts_record_their_capture():
 # ---------------------------------------------------------------------------- the page (AppTest)
 
 @pytest.fixture(scope="module")
-def three_captures(app_store, tiny):  # noqa: F811  (app_store: the fixture imported above)
+def three_captures(app_store, tiny):
     """Keys of three tiny captures in the app's store: A and B of the 4-layer model on different prompts,
     C of a 6-layer model."""
     from layerscope.capture import capture
@@ -185,7 +185,7 @@ def test_compare_page_says_clearly_when_there_are_fewer_than_two_captures(tmp_pa
     assert any("No benchmark, study or draft" in c.value for c in at.caption)
 
 
-def test_compare_page_overlays_entropy_and_differences_cka(app_store, three_captures):  # noqa: F811
+def test_compare_page_overlays_entropy_and_differences_cka(app_store, three_captures):
     a, b, c = three_captures
     at = new_app(session_on(app_store, a)).run()
     at.switch_page("app_pages/compare.py").run()
@@ -224,7 +224,7 @@ def test_compare_page_overlays_entropy_and_differences_cka(app_store, three_capt
     assert {m.label: m.value for m in at.metric}["Mean |ΔCKA|"] == "0.0000"
 
 
-def test_compare_page_runs_table_filters_by_capture(app_store, three_captures):  # noqa: F811
+def test_compare_page_runs_table_filters_by_capture(app_store, three_captures):
     a, b, _ = three_captures
     s = session_with_runs()
     apply.open_capture(s, app_store, a)
