@@ -91,7 +91,7 @@ def wait_for_quiet_worker(pid: int, limit: float = 180.0) -> None:
             return
 
 
-def start_server(store: Path, extra: list[str], log_path: Path, worker: str) -> tuple[subprocess.Popen, str]:
+def start_server(store: Path, extra: list[str], log_path: Path, worker: str = "process") -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, LAYERSCOPE_STORE=str(store), TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), LAYERSCOPE_WORKER=worker)
@@ -112,6 +112,31 @@ def start_server(store: Path, extra: list[str], log_path: Path, worker: str) -> 
             proc.kill()
             raise SystemExit(f"streamlit did not start; see {log_path}")
         time.sleep(0.3)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop the server (its worker process exits when the server's end of their socket closes)."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def fill_capture_form(tab, url: str, model: str, numbers) -> str:
+    """Open the Capture page in `tab`, type the model and each (label, value) number; the session id."""
+    tab.goto(url + "/")
+    tab.get_by_text("Capture hidden states").wait_for()
+    sid = tab.url.split("session=")[1][:12]
+    box = tab.get_by_role("textbox", name="Target model")
+    box.fill(model)
+    box.press("Enter")
+    for label, value in numbers:
+        box = tab.get_by_role("spinbutton", name=label, exact=True)
+        box.fill(str(value))
+        box.press("Enter")
+        tab.wait_for_timeout(1500)
+    return sid
 
 
 def measure(args) -> dict:
@@ -138,11 +163,7 @@ def measure(args) -> dict:
             (c1, w1), t1 = cpu_with_children(proc.pid), time.monotonic()
             browser.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         tmp.cleanup()
     return {"config": "streamlit defaults" if args.streamlit_defaults else "app (.streamlit/config.toml)",
             "tabs": args.tabs, "page": args.page or "capture", "seconds": round(t1 - t0, 1),
@@ -176,18 +197,9 @@ def job_vs_cli(args) -> dict:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             first = browser.new_page(viewport={"width": 1440, "height": 1000})
             first.set_default_timeout(1_800_000)
-            first.goto(url + "/")
-            first.get_by_text("Capture hidden states").wait_for()
-            sid = first.url.split("session=")[1][:12]
-            model = first.get_by_role("textbox", name="Target model")
-            model.fill(args.model)
-            model.press("Enter")
-            for label, value in (("Prompts (limit)", args.limit), ("New tokens per response", args.new_tokens),
-                                 ("Batch size", args.batch)):
-                box = first.get_by_role("spinbutton", name=label, exact=True)
-                box.fill(str(value))
-                box.press("Enter")
-                first.wait_for_timeout(1500)
+            sid = fill_capture_form(first, url, args.model, (("Prompts (limit)", args.limit),
+                                                             ("New tokens per response", args.new_tokens),
+                                                             ("Batch size", args.batch)))
             (c0, w0), t0 = cpu_with_children(proc.pid), time.monotonic()
             first.get_by_role("button", name="Start capture").click()
             others = []
@@ -200,11 +212,7 @@ def job_vs_cli(args) -> dict:
             (c1, w1), t1 = cpu_with_children(proc.pid), time.monotonic()
             browser.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     cli_s, app_s = capture_seconds(cli_store), capture_seconds(app_store)
     tmp.cleanup()
     return {"config": "streamlit defaults" if args.streamlit_defaults else "app (.streamlit/config.toml)",

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from app_server import CHROMIUM, CHROMIUM_ARGS, start_server  # noqa: E402  (a sibling script)
+from app_server import CHROMIUM, CHROMIUM_ARGS, fill_capture_form, start_server, stop_server  # noqa: E402  (a sibling script)
 
 
 def one_round(name: str, store: Path, args, seed: int, log_dir: Path) -> dict:
@@ -42,18 +41,8 @@ def one_round(name: str, store: Path, args, seed: int, log_dir: Path) -> dict:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             tab = browser.new_page(viewport={"width": 1440, "height": 1000})
             tab.set_default_timeout(args.timeout * 1000)
-            tab.goto(url + "/")
-            tab.get_by_text("Capture hidden states").wait_for()
-            sid = tab.url.split("session=")[1][:12]
-            model = tab.get_by_role("textbox", name="Target model")
-            model.fill(args.model)
-            model.press("Enter")
-            for label, value in (("Prompts (limit)", args.limit), ("New tokens per response", args.new_tokens),
-                                 ("Seed", seed)):
-                box = tab.get_by_role("spinbutton", name=label, exact=True)
-                box.fill(str(value))
-                box.press("Enter")
-                tab.wait_for_timeout(1000)
+            sid = fill_capture_form(tab, url, args.model, (("Prompts (limit)", args.limit),
+                                                           ("New tokens per response", args.new_tokens), ("Seed", seed)))
             t0 = time.monotonic()
             tab.get_by_role("button", name="Start capture").click()
             tab.get_by_text(f"Capture of {args.model}: done in").or_(tab.get_by_text("(served from the store)")).first.wait_for()
@@ -63,11 +52,7 @@ def one_round(name: str, store: Path, args, seed: int, log_dir: Path) -> dict:
             total = time.monotonic() - t0
             browser.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     return {"round": name, "model": args.model, "prompts": args.limit, "new_tokens": args.new_tokens, "seed": seed,
             "capture_done_s": round(t_capture, 1), "heatmap_drawn_s": round(total, 1),
             "load_average_1min": round(os.getloadavg()[0], 2)}
