@@ -20,6 +20,7 @@ from layerscope.models import load_model
 from layerscope.store import Store
 from layerscope.ui import tasks
 from layerscope.ui.jobs import CANCELLED, DONE, FAILED, JobManager, Task, worker_mode
+from layerscope.ui.worker import job_task
 
 TIMEOUT = 300
 
@@ -102,6 +103,47 @@ def test_cancel_reaches_the_worker(manager, store):
     v = job.view()
     assert v.state == CANCELLED and v.message == "cancelled" and v.result is None
     assert manager.worker_pids() == [pid]                              # the worker lives on for the next job
+
+
+@job_task
+def busy_job(*, seconds: float):
+    """A job that never looks at its cancel flag for `seconds` (as a model load or one long forward does)."""
+    def run(job):
+        job.update(0.1, "busy")
+        end = time.time() + seconds
+        while time.time() < end:
+            sum(range(10_000))
+        return {"slept": seconds}
+
+    return run
+
+
+def test_cancel_stops_a_job_that_does_not_listen_by_stopping_its_worker(store):
+    m = JobManager(max_running=1, mode="process", cancel_grace_s=2.0)
+    try:
+        job = m.submit("s6", "busy", busy_job(seconds=600), title="Busy job")
+        wait_until(lambda: job.view().message == "busy")
+        [pid] = m.worker_pids()
+        t0 = time.monotonic()
+        m.cancel(job.id)
+        assert job.wait(60)
+        v = job.view()
+        assert v.state == CANCELLED and "did not stop within 2 s" in v.message and v.result is None
+        assert time.monotonic() - t0 < 30
+        wait_until(lambda: not _alive(pid), timeout=30)                    # that worker is gone ...
+        again = m.submit("s6", "busy", busy_job(seconds=0.1), title="Short job")
+        assert again.wait(TIMEOUT) and again.view().state == DONE and again.result == {"slept": 0.1}
+        assert m.worker_pids() and m.worker_pids() != [pid]               # ... and the next job got a fresh one
+    finally:
+        m.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store, tmp_path):

@@ -52,6 +52,9 @@ __all__ = ["CANCELLED", "DONE", "FAILED", "FINISHED", "QUEUED", "RUNNING", "Job"
            "JobView", "StatsTag", "Task", "get_manager", "worker_mode"]
 
 
+CANCEL_GRACE_S = 10.0    # a job in the worker that has not stopped this long after Cancel has its worker stopped
+
+
 def worker_mode(value: str | None = None) -> str:
     """Where Task jobs run: LAYERSCOPE_WORKER=process (default: a worker process) or thread (the server)."""
     mode = (value if value is not None else os.environ.get("LAYERSCOPE_WORKER", "process")).strip().lower() or "process"
@@ -211,7 +214,8 @@ class JobManager:
     """Runs jobs (in the worker process or in threads, `mode`), at most `max_running` at a time, and keeps the
     recent ones for polling."""
 
-    def __init__(self, max_running: int | None = None, keep: int = 200, mode: str | None = None):
+    def __init__(self, max_running: int | None = None, keep: int = 200, mode: str | None = None,
+                 cancel_grace_s: float = CANCEL_GRACE_S):
         if max_running is None:
             max_running = int(os.environ.get("LAYERSCOPE_JOBS", "1"))
         self.max_running = max(1, max_running)
@@ -221,6 +225,7 @@ class JobManager:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.keep = keep
+        self.cancel_grace_s = cancel_grace_s
         self._idle: list[Worker] = []        # started workers not running a job (at most max_running in all)
         self._busy: list[Worker] = []
 
@@ -313,7 +318,7 @@ class JobManager:
             job._finish(FAILED, error=f"Could not start the worker process for {job.title} ({e})",
                         fix="Check the server's memory and process limits, or set LAYERSCOPE_WORKER=thread")
             return
-        cancel_sent = False
+        cancel_sent = None          # when the cancel went to the worker
         try:
             try:
                 worker.send(("run", job.id, job.title, job.fn))
@@ -327,9 +332,19 @@ class JobManager:
                                           traceback=traceback.format_exc()))
                 return
             while True:
-                if not cancel_sent and job.should_stop():
+                if cancel_sent is None and job.should_stop():
                     worker.send(("cancel", job.id))
-                    cancel_sent = True
+                    cancel_sent = time.monotonic()
+                elif cancel_sent is not None and time.monotonic() - cancel_sent > self.cancel_grace_s:
+                    # the job does not check for a cancel where it is (a model load, one long forward):
+                    # stop its worker, so Cancel always cancels; the next job starts a fresh worker
+                    self._release_worker(worker, alive=False)
+                    log.warning("job %s (%s) did not stop within %.0f s of its cancel: worker process %d stopped",
+                                job.id, job.title, self.cancel_grace_s, worker.pid)
+                    job._finish(CANCELLED)
+                    job.update(message=f"cancelled (it did not stop within {self.cancel_grace_s:.0f} s, so its "
+                                       "worker process was stopped; models it held load again on the next job)")
+                    return
                 msg = worker.recv(0.2)
                 if msg is None or len(msg) < 3 or msg[1] != job.id:
                     continue
