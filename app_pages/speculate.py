@@ -209,7 +209,8 @@ else:
         with guard("start benchmark"):
             manager.submit(s.id, "bench", tasks.bench_job(
                 store=store, model=s.model, drafts=[by_label[c] for c in chosen], prompts=source,
-                limit=int(n_prompts), max_new_tokens=int(new_tokens), k=int(depth), peers=bool(peers)),
+                limit=int(n_prompts), max_new_tokens=int(new_tokens), k=int(depth), peers=bool(peers),
+                capture_key=s.capture_key),
                 title=f"Benchmark of {len(chosen)} draft(s)")
             st.rerun()
 

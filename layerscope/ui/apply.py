@@ -116,7 +116,8 @@ def _apply_draft(s: Session, entry: dict) -> bool:
 
 
 def _apply_bench(s: Session, result: dict) -> bool:
-    s.bench_results.append({"capture_key": s.capture_key, **result})   # the capture the session had (Compare's runs table)
+    # the capture the session had when the benchmark started (the result says), else now (Compare's runs table)
+    s.bench_results.append({"capture_key": s.capture_key, **result})
     return True
 
 

@@ -313,7 +313,7 @@ class _BenchLive:
 
 @job_task
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int, k: int,
-              peers: bool, seed: int = 0):
+              peers: bool, seed: int = 0, capture_key: str | None = None):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
 
     Live, per contender: running τ and tokens/s (metrics["live"]), τ of every step (series
@@ -341,6 +341,8 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
         out["k"] = k
         out["drafts"] = [{"name": d["name"], "path": d["path"], "layers": d["layers"]} for d in drafts]
         out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if capture_key:
+            out["capture_key"] = capture_key      # the session's capture when the benchmark started
         return out
 
     return run
