@@ -316,6 +316,14 @@ def _mean_lists(lists) -> list[float]:
     return [sum(v) / len(v) for v in zip(*lists)] if lists else []
 
 
+def budget_text(options: dict) -> str:
+    """The training budget of a study's drafts in words, from its options (StudyReport.options)."""
+    online = options.get("online")
+    if online:
+        return "online training (" + ", ".join(f"{k}={v}" for k, v in online.items() if v is not None) + ")"
+    return f"{(options.get('train') or {}).get('steps')} training steps per draft"
+
+
 def format_study(report: StudyReport) -> str:
     """The verdict, the table (τ with its interval, the paired difference to the default rule, the seed
     spread), and the proxies' rank correlations with τ: the study's own and the best version of each."""
@@ -336,7 +344,7 @@ def format_study(report: StudyReport) -> str:
     o = report.options
     seeds = o.get("seeds") or []
     lines.insert(0, f"capture {report.capture}: {report.prompts} {o.get('prompts')} prompts, {o.get('max_new_tokens')} new "
-                    f"tokens, chain K={o.get('depth')}, {o.get('train', {}).get('steps')} training steps per draft, "
+                    f"tokens, chain K={o.get('depth')}, {budget_text(o)}, "
                     f"training seeds {','.join(map(str, seeds))}, {o.get('kernel')} kernel\n")
     lines.insert(1, report.verdict + "\n")
     lines.append("")

@@ -187,8 +187,10 @@ def _set_name(row: dict) -> str:
     return f"{'/'.join(row['strategies'])} {row['layers']}"
 
 
-def _ci(ci) -> str:
-    return f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "[n/a]"
+def _ci(ci, sign: bool = True) -> str:
+    """An interval as text: signed for differences and correlations, plain for τ."""
+    f = "{:+.3f}" if sign else "{:.3f}"
+    return f"[{f.format(ci[0])}, {f.format(ci[1])}]" if ci else "[n/a]"
 
 
 def verdict(rows: list[dict], reference: int, correlations: list[dict], *, prompts: int, seeds: int,
@@ -211,13 +213,15 @@ def verdict(rows: list[dict], reference: int, correlations: list[dict], *, promp
     if best is ref or best["delta_vs_default"] is None or best["delta_vs_default"] <= 0:
         others = [r for r in scored if r is not ref]
         runner = max(others, key=lambda r: r["tau"]) if others else None
-        text = f"No set beat the default rule {ref['layers']} (τ {ref['tau']:.3f}, {pct} interval {_ci(ref['tau_ci'])})"
+        text = f"No set beat the default rule {ref['layers']} (τ {ref['tau']:.3f}, {pct} interval {_ci(ref['tau_ci'], sign=False)})"
         if runner is not None:
             text += (f"; the closest, {_set_name(runner)}, was {abs(runner['delta_vs_default']):.3f} lower "
                      f"(difference {runner['delta_vs_default']:+.3f}, interval {_ci(runner['delta_ci'])})")
         lines.append(text + f" ({basis}).")
     elif significant(best["delta_ci"]):
-        text = (f"{_set_name(best)} won: τ {best['tau']:.3f} {_ci(best['tau_ci'])}, {best['delta_vs_default']:+.3f} "
+        tied = [r for r in scored if r is not best and r["tau"] == best["tau"]]
+        won = f"{_set_name(best)} won" + (f" (tied with {', '.join(_set_name(r) for r in tied)})" if tied else "")
+        text = (f"{won}: τ {best['tau']:.3f} {_ci(best['tau_ci'], sign=False)}, {best['delta_vs_default']:+.3f} "
                 f"{_ci(best['delta_ci'])} against the default rule {ref['layers']} (τ {ref['tau']:.3f}); "
                 f"the difference is significant ({basis})")
         if seeds > 1 and spread >= abs(best["delta_vs_default"]):
@@ -230,6 +234,9 @@ def verdict(rows: list[dict], reference: int, correlations: list[dict], *, promp
         lines.append(f"No difference at this budget: the best set, {_set_name(best)} (τ {best['tau']:.3f}), is "
                      f"{best['delta_vs_default']:+.3f} {_ci(best['delta_ci'])} against the default rule "
                      f"{ref['layers']}, an interval that includes 0 ({basis}).")
+    better = [r for r in scored if r is not ref and r is not best and r["delta_ci"] and r["delta_ci"][0] > 0]
+    if better and significant(best["delta_ci"]):
+        lines.append("Also significantly above the default: " + ", ".join(_set_name(r) for r in better) + ".")
     worse = [r for r in scored if r is not ref and r["delta_ci"] and r["delta_ci"][1] < 0]
     if worse:
         lines.append("Significantly below the default: " + ", ".join(_set_name(r) for r in worse) + ".")

@@ -235,7 +235,7 @@ def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, c
 
 
 def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_store, one_thread):
-    from layerscope.study import StudyOptions, run_study
+    from layerscope.study import StudyOptions, format_study, run_study
 
     online = {**SMALL, "steps": 3}
     options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2, online=online,
@@ -245,6 +245,8 @@ def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_st
     assert len(metas) >= 2 and len({m["run_key"] for m in metas}) == 1          # one pass trained every set
     assert [m["layers"] for m in metas] == [r.layers for r in report.rows]
     assert all(m["online"]["responses"] == "regenerate" and r.tau is not None for m, r in zip(metas, report.rows))
+    header = format_study(report).splitlines()[0]
+    assert "online training (" in header and "steps=3" in header and "training steps per draft" not in header
 
 
 def test_ctrl_c_saves_a_checkpoint_and_stops_cleanly(tmp_path):

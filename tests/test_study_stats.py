@@ -161,8 +161,14 @@ def test_verdict_in_plain_words():
     assert "tentative" in noisy
     flat = verdict([ref, {**win, "delta_ci": [-0.01, 0.13]}], 0, [], prompts=40, seeds=2)
     assert flat.startswith("No difference at this budget") and "Too few distinct sets" in flat
+    tie = row(["entropy-topk"], [18, 26, 27], 1.36, [1.33, 1.39], 0.06, [0.01, 0.11])
+    also = row(["random#2"], [4, 6, 25], 1.33, [1.30, 1.36], 0.03, [0.005, 0.05])
+    both = verdict([ref, win, tie, also], 0, corr, prompts=40, seeds=1)
+    assert both.startswith("aggregate [3, 14, 28] won (tied with entropy-topk [18, 26, 27]): τ 1.360 [1.330, 1.390]")
+    assert "Also significantly above the default: entropy-topk [18, 26, 27], random#2 [4, 6, 25]." in both
     lost = verdict([ref, rnd], 0, [{**corr[0], "ci": [-0.5, 1.0]}], prompts=40, seeds=1)
-    assert lost.startswith("No set beat the default rule [2, 15, 27]") and "No proxy predicted τ reliably" in lost
+    assert lost.startswith("No set beat the default rule [2, 15, 27] (τ 1.300, 95% interval [1.270, 1.330])")
+    assert "No proxy predicted τ reliably" in lost
 
 
 def test_study_figures_show_intervals_seeds_and_proxies():

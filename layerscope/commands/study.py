@@ -10,7 +10,7 @@ from layerscope.commands.common import Progress, open_store, parse_layers, print
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
-from layerscope.study import StudyOptions, format_study
+from layerscope.study import StudyOptions, budget_text, format_study
 
 NAME = "study"
 HELP = ("train one draft per strategy's layer set (and per training seed) with the same budget, benchmark them "
@@ -124,10 +124,7 @@ def run(args) -> int:
     if args.json:
         print_json(report.to_json())
     else:
-        o = report.options
-        budget = (f"online training ({', '.join(f'{k}={v}' for k, v in o['online'].items() if v is not None)})"
-                  if o.get("online") else f"{o['train']['steps']} training steps per draft")
         print(f"study of capture {report.capture} on {done.target.spec}: {report.prompts} held-out prompts, "
-              f"{budget}, {time.perf_counter() - t0:.0f} s")
+              f"{budget_text(report.options)}, {time.perf_counter() - t0:.0f} s")
         print(format_study(report))
     return 0
