@@ -326,11 +326,11 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     for width in (1440, 1024):
         tab = browser.new_page(viewport={"width": width, "height": 900})
         tab.set_default_timeout(120_000)
-        for path in ("", "entropy", "cka", "layer_sets", "speculate", "sessions"):   # "": Capture, the default page
+        for path in ("", "entropy", "cka", "layer_sets", "speculate", "compare", "sessions"):   # "": Capture (default)
             tab.goto(f"{server}/{path}?session={session_id}")
             tab.locator("h1").first.wait_for()
             wait_idle(tab)
-            if path not in ("", "sessions"):
+            if path not in ("", "sessions", "compare"):      # compare: one capture here, so a note, no chart
                 tab.locator(".js-plotly-plot").first.wait_for()
             shot(tab, f"page-{path or 'capture'}-{width}")
         tab.close()
