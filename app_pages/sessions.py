@@ -43,8 +43,7 @@ with left:
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
     st.code(share_link(s.id), language=None)
-    d1, d2 = st.columns([3, 2], vertical_alignment="center")
-    with_drafts = d2.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
+    with_drafts = st.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
                               help="Put each draft's files (weights and JSON) into the archive, so the session's "
                                    "benchmarks and exports work on another server; without it drafts stay paths")
     archive = lambda: sessions.export_bytes(s)    # noqa: E731  (built on click: a plain archive cannot fail)
@@ -52,7 +51,7 @@ with left:
         archive = None    # built now, so a draft that does not load is one error line, not a failed download
         with guard("session archive"):
             archive = sessions.export_bytes(s, drafts=True)
-    d1.download_button("Download session file (.zip)", data=archive if archive is not None else b"",
+    st.download_button("Download session file (.zip)", data=archive if archive is not None else b"",
                        disabled=archive is None,
                        file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}"
                                  f"{'-with-drafts' if with_drafts else ''}.zip",
