@@ -130,8 +130,6 @@ with train_col:
             chart(plots.training_curves(hist), key=f"ls_spec_train_curve_{'live' if v.running else 'done'}",
                   filename="draft-training")
 
-    live_job(s.id, "train", key="spec_train", details=_train_details)
-
 with list_col:
     st.subheader("Drafts of this session")
     if s.drafts:
@@ -185,6 +183,7 @@ with list_col:
                 commit(s)
                 st.rerun()
 
+live_job(s.id, "train", key="spec_train", details=_train_details)    # full width: curves stay readable at 1024 px
 
 # ---------------------------------------------------------------------------- benchmark
 st.header("2 · Benchmark")
