@@ -320,7 +320,8 @@ def budget_text(options: dict) -> str:
     """The training budget of a study's drafts in words, from its options (StudyReport.options)."""
     online = options.get("online")
     if online:
-        return "online training (" + ", ".join(f"{k}={v}" for k, v in online.items() if v is not None) + ")"
+        return "online training (" + ", ".join(f"{k}={v}" for k, v in online.items()
+                                               if v is not None and k != "seed") + ")"   # seeds: said apart
     return f"{(options.get('train') or {}).get('steps')} training steps per draft"
 
 
