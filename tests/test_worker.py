@@ -52,7 +52,8 @@ def wait_until(cond, timeout=TIMEOUT):
 
 
 def test_a_capture_runs_in_the_worker_with_live_progress_and_the_model_loads_once(manager, store):
-    job = manager.submit("s1", "capture", capture(store), title="Capture of tiny-llama")
+    # 8 prompts one at a time: progress moves 8 times, more than the worker's 0.1 s coalescing can merge away
+    job = manager.submit("s1", "capture", capture(store, limit=8, new_tokens=24, batch=1), title="Capture of tiny-llama")
     seen = []
     while not job.wait(0.05):
         v = job.view()
@@ -60,8 +61,9 @@ def test_a_capture_runs_in_the_worker_with_live_progress_and_the_model_loads_onc
             seen.append(v.progress)
     v = job.view()
     assert v.state == DONE, (v.error, v.fix)
-    assert len(seen) >= 3 and seen == sorted(seen), seen          # progress came through while it ran, in order
-    assert v.metrics["tokens"] == v.result["tokens"] > 0 and v.metrics["conversations_total"] == 3
+    midway = [p for p in seen if 0 < p < 1]
+    assert midway and seen == sorted(seen), seen                   # progress came through while it ran, in order
+    assert v.metrics["tokens"] == v.result["tokens"] > 0 and v.metrics["conversations_total"] == 8
     assert store.has_capture(v.result["key"]) and v.result["stats"]["num_layers"] == 4
     [pid] = manager.worker_pids()
     assert pid != os.getpid()
