@@ -19,7 +19,6 @@ sessions. A new statistic is a new field here (listed in ARRAY_FIELDS when it is
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
@@ -31,6 +30,7 @@ from layerscope.metrics import cka as C
 from layerscope.metrics import entropy as E
 from layerscope.metrics.tokens import OUTLIER_FACTOR, select_tokens
 from layerscope.store import make_key
+from layerscope.validate import check_number
 from layerscope.metrics.compartments import compartments as segment
 
 VERSION = 2                  # bump when the statistics change meaning: old cache entries are ignored
@@ -54,25 +54,19 @@ class AnalysisOptions:
     kernel: str = "linear"              # token preparation: "linear" (standard CKA) or "cosine" (unit rows)
 
     def validate(self) -> None:
-        bad = None
+        """The kernel by name; every number by layerscope.validate's one rule (finite, inside its range)."""
         if self.kernel not in E.KERNELS:
-            bad = (f"kernel must be one of {', '.join(E.KERNELS)} (got {self.kernel!r})",
-                   "Use --kernel linear (standard linear CKA) or --kernel cosine (row-normalised tokens)")
-        elif not 0 <= self.alpha < math.inf:
-            bad = f"alpha must be >= 0 and finite (got {self.alpha})", "Use 1 for von Neumann entropy, 2 for collision entropy"
-        elif self.min_entropy is not None and not math.isfinite(self.min_entropy):
-            bad = (f"min_entropy must be a number of nats (got {self.min_entropy})",
-                   "Pass e.g. --min-entropy 0.5, or 0 for no token-entropy filter")
-        elif self.quantile is not None and not 0 <= self.quantile < 1:
-            bad = f"quantile must be in [0, 1) (got {self.quantile})", "Pass e.g. --quantile 0.5"
-        elif self.max_tokens is not None and self.max_tokens < MIN_TOKENS:
-            bad = f"max_tokens must be at least {MIN_TOKENS} (got {self.max_tokens})", "Raise --max-tokens"
-        elif self.rank is not None and self.rank < 1:
-            bad = f"rank must be at least 1 (got {self.rank})", "Leave it out for exact CKA"
-        elif self.outlier_factor is not None and not 1 < self.outlier_factor < math.inf:
-            bad = f"outlier_factor must be > 1 (got {self.outlier_factor})", "Use e.g. 10 (× the median norm)"
-        if bad:
-            raise LayerScopeError(*bad)
+            raise LayerScopeError(f"kernel must be one of {', '.join(E.KERNELS)} (got {self.kernel!r})",
+                                  "Use --kernel linear (standard linear CKA) or --kernel cosine (row-normalised tokens)")
+        check_number("alpha", self.alpha, minimum=0, fix="Use 1 for von Neumann entropy, 2 for collision entropy")
+        check_number("min_entropy", self.min_entropy, optional=True,
+                     fix="Pass e.g. --min-entropy 0.5, or 0 for no token-entropy filter")
+        if self.quantile is not None and not 0 <= self.quantile < 1:     # half-open: not check_number's kind of range
+            raise LayerScopeError(f"quantile must be in [0, 1) (got {self.quantile})", "Pass e.g. --quantile 0.5")
+        check_number("max_tokens", self.max_tokens, minimum=MIN_TOKENS, optional=True, fix="Raise --max-tokens")
+        check_number("rank", self.rank, minimum=1, optional=True, fix="Leave it out for exact CKA")
+        check_number("outlier_factor", self.outlier_factor, minimum=1, above=True, optional=True,
+                     fix="Use e.g. 10 (× the median norm)")
 
 
 # Fields that hold per-layer vectors or layer×layer matrices (None allowed): tensors in a session.
