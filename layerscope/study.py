@@ -229,17 +229,14 @@ def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, d
             todo.append((path, key))
     if todo:
         heads = bench.load_drafts(target, [(path, path) for path, _ in todo])   # named by their (unique) paths
-        items = []
-
         def seen(p):
-            items.append(p)
             say(StudyProgress("bench", f"benchmark: {p.contender}", detail=p))
 
         report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
                                progress=seen)
         by_name = {r["name"]: r for r in report.results}
         for path, key in todo:
-            results[path], per_prompt[path] = by_name[path], PromptRuns.from_progress(items, path)
+            results[path], per_prompt[path] = by_name[path], bench.prompt_runs(by_name[path], by_name["autoregressive"])
             store.put_json("study-bench", key, {"result": results[path], "per_prompt": per_prompt[path].to_json()})
         store.put_json("study-bench", baseline_key, by_name["autoregressive"])
     return results, per_prompt, len(prompts), store.get_json("study-bench", baseline_key) or {}

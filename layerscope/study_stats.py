@@ -1,6 +1,6 @@
 """The study's statistics: paired error bars over prompts, seed spread, proxy correlations, a verdict.
 
-    runs = PromptRuns.from_progress(bench_progress_items, draft_name)    # one per (set, training seed)
+    runs = bench.prompt_runs(entry, baseline)      # per-prompt totals of a bench entry, one per (set, seed)
     sets = compare_sets(runs_by_set, reference=0)       # τ, acceptance, speedup with intervals, Δ vs reference
     corr = correlate(proxies_by_set, sets, PROXIES)    # Spearman ρ of every proxy version with τ, with intervals
     text = verdict(rows, reference, corr)              # plain words
@@ -19,7 +19,6 @@ both which sets happened to be studied and the noise in their τ).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,28 +51,6 @@ class PromptRuns:
         runs = cls(**{k: list(d[k]) for k in cls.__dataclass_fields__})
         assert len({len(v) for v in asdict(runs).values()}) == 1, "per-prompt lists of different lengths"
         return runs
-
-    @classmethod
-    def from_progress(cls, items: Iterable, name: str, baseline: str = "autoregressive") -> "PromptRuns":
-        """Per-prompt totals of contender `name` from bench.run's BenchProgress items (their StepEvents)."""
-        items = list(items)
-        prompts = max((p.prompt_index for p in items), default=-1) + 1
-        cols = {c: [0] * prompts for c in ("tokens", "forwards", "drafted", "accepted", "base_tokens")}
-        secs = {c: [0.0] * prompts for c in ("seconds", "base_seconds")}
-        for p in items:
-            e, i = p.event, p.prompt_index
-            if e is None:
-                continue
-            if p.contender == name:
-                cols["tokens"][i] += len(e.tokens)
-                cols["forwards"][i] += 1
-                secs["seconds"][i] += e.elapsed_s
-                cols["drafted"][i] += e.drafted
-                cols["accepted"][i] += e.accepted
-            elif p.contender == baseline:
-                cols["base_tokens"][i] += len(e.tokens)
-                secs["base_seconds"][i] += e.elapsed_s
-        return cls(**cols, **secs)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: torch.tensor(v, dtype=torch.float64) for k, v in asdict(self).items()}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from layerscope.bench import BenchProgress
+from layerscope.bench import Tally, per_prompt_totals, prompt_runs
 from layerscope.metrics import bootstrap as B
 from layerscope.metrics.correlation import spearman
 from layerscope.specdec import StepEvent
@@ -97,19 +97,22 @@ def test_seeds_average_and_spread():
         compare_sets([[a], [runs([1, 2], [1, 1])]])
 
 
-def test_prompt_runs_from_bench_progress_events():
+def test_prompt_runs_from_bench_per_prompt_totals():
+    """bench.run keeps a Tally per (contender, prompt); bench.prompt_runs turns an entry's into PromptRuns."""
     def ev(tokens, drafted, accepted):
         return StepEvent(0, drafted, accepted, (True,) * accepted + (False,) * (drafted - accepted), tokens[-1],
                          tuple(tokens), 0.5)
 
-    items = [BenchProgress("autoregressive", 0, 2, 0, 4, None, None, ev([1], 0, 0)),
-             BenchProgress("autoregressive", 0, 2, 0, 4, None, None, ev([2], 0, 0)),
-             BenchProgress("d", 0, 2, 1, 4, None, None, ev([1], 0, 0)),
-             BenchProgress("d", 0, 2, 1, 4, None, None, ev([2, 3], 2, 1)),
-             BenchProgress("d", 0, 2, 2, 4, None, None, None),
-             BenchProgress("autoregressive", 1, 2, 2, 4, None, None, ev([4], 0, 0)),
-             BenchProgress("d", 1, 2, 3, 4, None, None, ev([4, 5, 6], 2, 2))]
-    r = PromptRuns.from_progress(items, "d")
+    events = {"autoregressive": [[ev([1], 0, 0), ev([2], 0, 0)], [ev([4], 0, 0)]],
+              "d": [[ev([1], 0, 0), ev([2, 3], 2, 1)], [ev([4, 5, 6], 2, 2)]]}
+    entries = {}
+    for name, per_prompt in events.items():
+        tallies = [Tally() for _ in per_prompt]
+        for t, evs in zip(tallies, per_prompt):
+            for e in evs:
+                t.add_event(e)
+        entries[name] = {"name": name, "per_prompt": per_prompt_totals(tallies)}
+    r = prompt_runs(entries["d"], entries["autoregressive"])
     assert r.tokens == [3, 3] and r.forwards == [2, 1] and r.drafted == [2, 2] and r.accepted == [1, 2]
     assert r.base_tokens == [2, 1] and r.seconds == [1.0, 0.5] and r.base_seconds == [1.0, 0.5]
     assert PromptRuns.from_json(r.to_json()) == r
