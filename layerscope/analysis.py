@@ -58,7 +58,9 @@ class AnalysisOptions:
         if self.kernel not in E.KERNELS:
             raise LayerScopeError(f"kernel must be one of {', '.join(E.KERNELS)} (got {self.kernel!r})",
                                   "Use --kernel linear (standard linear CKA) or --kernel cosine (row-normalised tokens)")
-        check_number("alpha", self.alpha, minimum=0, fix="Use 1 for von Neumann entropy, 2 for collision entropy")
+        alpha_fix = "Use 1 for von Neumann entropy, 2 for collision entropy"
+        if check_number("alpha", self.alpha, fix=alpha_fix) < 0:     # the wording sessions and users already see
+            raise LayerScopeError(f"alpha must be >= 0 (got {self.alpha})", alpha_fix)
         check_number("min_entropy", self.min_entropy, optional=True,
                      fix="Pass e.g. --min-entropy 0.5, or 0 for no token-entropy filter")
         if self.quantile is not None and not 0 <= self.quantile < 1:     # half-open: not check_number's kind of range
