@@ -735,7 +735,7 @@ def draft_files(session: Session) -> tuple[list[dict], list[str]]:
         if d["path"] in seen:
             continue
         seen.add(d["path"])
-        if not all((path / f).is_file() for f in DRAFT_REQUIRED):
+        if not _held(path):
             missing.append(d["path"])
             continue
         try:
@@ -755,9 +755,14 @@ def draft_files(session: Session) -> tuple[list[dict], list[str]]:
     return included, missing
 
 
+def _held(path) -> bool:
+    """Whether this server holds the draft folder `path` (its required files are there)."""
+    return all((Path(path) / f).is_file() for f in DRAFT_REQUIRED)
+
+
 def missing_drafts(session: Session) -> list[str]:
     """Paths of the session's drafts that this server does not hold (an export cannot include them)."""
-    return [d["path"] for d in session.drafts if not all((Path(d["path"]) / f).is_file() for f in DRAFT_REQUIRED)]
+    return [d["path"] for d in session.drafts if not _held(d["path"])]
 
 
 @dataclass
