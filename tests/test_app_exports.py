@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import time
 import zipfile
 from pathlib import Path
 
@@ -20,8 +19,8 @@ from layerscope import session as sessions
 from layerscope.draft.export import read_meta, save_draft
 from layerscope.ui.tasks import draft_entry
 from tests.helpers import untrained_draft
+from tests.test_app import APP, settle
 
-APP = str(Path(__file__).resolve().parents[1] / "app.py")
 PAGE = "app_pages/speculate.py"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,17 +50,6 @@ def open_page(sid: str) -> AppTest:
     at.switch_page(PAGE).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
-
-
-def settle(at: AppTest, timeout: float = 300) -> None:
-    from layerscope.ui.jobs import get_manager
-
-    deadline = time.time() + timeout
-    sid = at.session_state["ls_session"].id
-    while get_manager().active(sid):
-        assert time.time() < deadline, "the benchmark is still running"
-        get_manager().active(sid)[0].wait(0.5)
-    at.run()
 
 
 def error_lines(at: AppTest) -> list[str]:
