@@ -22,13 +22,14 @@ import torch
 from layerscope import bench as bench_mod
 from layerscope import capture as capture_mod
 from layerscope import costmodel
+from layerscope import probe as probe_mod
 from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.analysis import analyze as analyze_capture
 from layerscope.capture import CaptureOptions, CaptureResult
 from layerscope.draft import online as online_mod
 from layerscope.draft.export import read_meta, save_draft
-from layerscope.draft.train import TrainOptions, draft_for, draft_meta, target_weights, train_draft
+from layerscope.draft.train import TrainOptions, draft_for, train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL, LoadedModel, load_model
 from layerscope.prompts import PromptSet, load_prompts
@@ -52,7 +53,7 @@ def default_train_steps(device) -> int:
 
 def with_budget(options: TrainOptions, device) -> TrainOptions:
     """`options`, with the device's default steps when neither steps nor tokens are given."""
-    if options.steps is None and options.tokens is None:
+    if options.steps is None and options.tokens is None and options.time_s is None:
         return replace(options, steps=default_train_steps(device))
     return options
 
@@ -97,14 +98,25 @@ class SelectOptions:
     compare: bool = False            # every strategy, side by side
 
 
-def select(stats: LayerStats, options: SelectOptions) -> list[select_mod.Selection]:
-    """The proposed layer set (one Selection), or with `compare` every strategy's."""
+def select(stats: LayerStats, options: SelectOptions,
+           probe: probe_mod.ProbeInput | None = None) -> list[select_mod.Selection]:
+    """The proposed layer set (one Selection), or with `compare` every strategy's. The `probe` strategy
+    also needs `probe` (probe_input)."""
     o = options
     layers = list(o.layers) if o.layers is not None else None
     if o.compare:
         return select_mod.compare(stats, o.k, lam=o.lam, layers=layers)
     strategy = o.strategy or ("manual" if layers else "aggregate")
-    return [select_mod.select(stats, strategy, o.k, lam=o.lam, layers=layers)]
+    return [select_mod.select(stats, strategy, o.k, lam=o.lam, layers=layers, probe=probe)]
+
+
+def probe_input(store: Store, capture_key: str, options: probe_mod.ProbeOptions | None = None, *,
+                model: str | None = None, load: Loader = load_target) -> probe_mod.ProbeInput:
+    """A capture and its target's weights (default: the capture's model), for layerscope/probe.py and the
+    `probe` selection strategy; probe results are cached in `store`."""
+    cap = store.open_capture(capture_key)
+    target = load(model or cap.manifest["model"], store)
+    return probe_mod.ProbeInput(cap, probe_mod.TargetWeights.of(target), options or probe_mod.ProbeOptions(), store)
 
 
 # ---------------------------------------------------------------------------- 4. train
@@ -132,12 +144,11 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     o = with_budget(options, target.device)
     if out is None:
         path = draft_for(cap, layers, target, store, strategy=strategy, progress=progress, should_stop=should_stop,
-                         **asdict(o))
+                         options=o)
     else:
-        config, embed, lm_head = target_weights(target)
-        head, report = train_draft(cap, layers, config, embed, lm_head, progress=progress, should_stop=should_stop,
-                                   **asdict(o))
-        path = save_draft(out, head, draft_meta(report, cap, target.fingerprint, target.spec, strategy), target=target)
+        head, report = train_capture_draft(cap, layers, target, options=o, strategy=strategy, progress=progress,
+                                           should_stop=should_stop)
+        path = save_draft(out, head, report.meta, target=target)
     return Trained(Path(path), read_meta(path))
 
 
@@ -157,7 +168,7 @@ def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], 
     options.validate()                                      # bad options fail before the model loads
     target = load(model, store)
     return online_mod.train_online(target, [list(s) for s in layer_sets], store, progress=progress,
-                                   should_stop=should_stop, strategy=strategy, **asdict(options))
+                                   should_stop=should_stop, strategy=strategy, options=options)
 
 
 # ---------------------------------------------------------------------------- 5. bench
@@ -177,8 +188,12 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     target = load(spec, store)
     heads = bench_mod.load_drafts(target, drafts)
     prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
-    contenders, curve = costmodel.plan(target, heads, options, store)     # `auto` resolved; the cost curve
-    report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress)
+    if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)
+        bench_mod.wait_quiet(options.machine, progress)
+        options = replace(options, machine=replace(options.machine, wait_s=None))
+    contenders, curve = costmodel.plan(target, heads, options, store, progress)   # `auto` resolved; the cost curve
+    report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
+                               machine_options=options.machine)
     costmodel.annotate(report, contenders, curve)
     return Benchmarked(report, prompt_set, target)
 
@@ -198,7 +213,7 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
     cap = store.open_capture(capture_key)
     target = load(model or cap.manifest["model"], store)
     train = dict(options.train)
-    if train.get("steps") is None and train.get("tokens") is None:
+    if train.get("steps") is None and train.get("tokens") is None and train.get("time_s") is None:
         train["steps"] = default_train_steps(target.device)
     report = run_study(cap, target, store, replace(options, train=train), analysis or AnalysisOptions(), progress)
     return Studied(report, target)

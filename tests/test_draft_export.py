@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from layerscope.draft.export import load_draft, save_draft
-from layerscope.draft.train import draft_meta, target_weights, train_draft
+from layerscope.draft.train import target_weights, train_draft
 from layerscope.errors import DraftError
 from layerscope.models import tiny_model
 
@@ -24,9 +24,8 @@ ENGINE_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "mid
 @pytest.fixture(scope="module")
 def trained(tiny, tiny_capture, tmp_path_factory):
     head, report = train_draft(tiny_capture, [1, 2, 3], *target_weights(tiny), steps=4, batch_size=2, seq_len=32,
-                               draft_vocab=100)
-    path = save_draft(tmp_path_factory.mktemp("drafts") / "d", head,
-                      draft_meta(report, tiny_capture, tiny.fingerprint, tiny.spec, "manual"))
+                               draft_vocab=100, target=tiny, strategy="manual")
+    path = save_draft(tmp_path_factory.mktemp("drafts") / "d", head, report.meta)
     return head, report, path
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from layerscope.draft.export import load_draft, read_meta
-from layerscope.draft.train import (TrainingCancelled, batch_plan, draft_for, split_conversations, target_weights,
-                                    train_draft)
+from layerscope.draft.data import batch_plan, split_conversations
+from layerscope.draft.train import TrainingCancelled, draft_for, target_weights, train_draft
 from layerscope.errors import DraftError
 
 SMALL = dict(batch_size=4, seq_len=64)

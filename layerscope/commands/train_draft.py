@@ -9,12 +9,13 @@ the same command run again resumes from the last checkpoint or returns the finis
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import fields
 
 import torch
 
-from layerscope import workflow
+from layerscope import preflight, workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
 from layerscope.draft.train import TrainOptions
@@ -44,7 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=D["max_prompt_tokens"], help="online: longer prompts are left out")
     p.add_argument("--val-conversations", type=int, default=D["val_conversations"],
                    help="online: held-out conversations for the learning curve")
-    p.add_argument("--eval-points", type=int, default=D["eval_points"], help="online: evaluations over the budget")
+    p.add_argument("--eval-points", type=int, default=D["eval_points"], help="held-out evaluations over the budget")
     p.add_argument("--layers", action="append", default=None,
                    help="a layer set, e.g. 2,15,27 (hidden_states indices 0..N-1); repeat for several sets")
     p.add_argument("--strategy", default=None,
@@ -53,15 +54,23 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="budget in optimizer steps (capture training default: 300 on a CPU, 2000 on a GPU)")
     p.add_argument("--tokens", default=None, help="budget in tokens through the draft, e.g. 2M or 500k")
-    p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m, 2h, 1h30m")
+    p.add_argument("--time", default=None, help="budget in training time, e.g. 45m, 2h, 1h30m")
     p.add_argument("--out", default=None, help="capture training: draft directory to write (default: the store)")
     p.add_argument("--ttt-steps", type=int, default=T["ttt_steps"], help="unrolled draft steps in training (1..7)")
     p.add_argument("--seed", type=int, default=T["seed"])
     p.add_argument("--lr", type=float, default=T["lr"])
-    p.add_argument("--batch-size", type=int, default=None,
-                   help=f"sequences per step (default {T['batch_size']}; online: conversations per step, {D['batch_size']})")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help=f"rows per draft window (default {T['seq_len']}; online {D['seq_len']})")
+    p.add_argument("--batch-size", type=int, default=T["batch_size"],
+                   help=f"windows per step (online: conversations per step); default {T['batch_size']}")
+    p.add_argument("--seq-len", type=int, default=T["seq_len"], help=f"rows per draft window (default {T['seq_len']})")
+    p.add_argument("--warmup", type=int, default=T["warmup"], help=f"linear warm-up steps (default {T['warmup']})")
+    p.add_argument("--feature-loss", type=float, default=T["feature_loss"],
+                   help="weight of the feature regression toward the target's final hidden state (EAGLE-1; 0 = off)")
+    p.add_argument("--noise-std", type=float, default=T["noise_std"],
+                   help="Gaussian noise added to the auxiliary hidden states in training (0 = off)")
+    p.add_argument("--freeze-lm-head", action=argparse.BooleanOptionalAction, default=T["freeze_lm_head"],
+                   help="keep lm_head at the target's rows and the final norm at the target's (frozen)")
+    p.add_argument("--warm-start", type=int, default=T["warm_start"],
+                   help="steps of data for a closed-form (ridge) fc before gradient training (0 = off)")
     p.add_argument("--draft-vocab", type=int, default=T["draft_vocab"], help="draft vocabulary size (most frequent response tokens)")
     p.add_argument("--val-fraction", type=float, default=T["val_fraction"], help="capture training: held-out conversations")
     p.add_argument("--checkpoint-every", default="5m", help="online: training time between checkpoints (default 5m)")
@@ -78,6 +87,7 @@ def run(args) -> int:
         raise DraftError("Give a capture KEY to train from a capture, or --model to train online (one of them)",
                          "E.g. train-draft --model smollm2-135m --prompts sharegpt --layers 2,15,27 --tokens 2M")
     store = open_store(args)
+    preflight.train_draft(args, store)      # paths, options, the store and its free space, before any model loads
     if args.model is not None:
         return run_online(args, store)
     return run_capture(args, store)
@@ -97,12 +107,7 @@ def run_online(args, store) -> int:
     options = OnlineOptions(
         prompts=args.prompts, limit=args.limit, responses=args.responses, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, val_conversations=args.val_conversations,
-        eval_points=args.eval_points, steps=args.steps,
-        tokens=parse_count(args.tokens) if args.tokens is not None else None,
-        time_s=parse_duration(args.time) if args.time is not None else None,
-        ttt_steps=args.ttt_steps, seed=args.seed, lr=args.lr,
-        batch_size=args.batch_size or D["batch_size"], seq_len=args.seq_len or D["seq_len"],
-        draft_vocab=args.draft_vocab, checkpoint_every_s=parse_duration(args.checkpoint_every))
+        checkpoint_every_s=parse_duration(args.checkpoint_every), **recipe(args))
     if not args.json:
         print(f"training {len(sets)} draft(s) online on {args.model} ({args.prompts}, {args.responses} responses), "
               f"layer sets {sets}, {torch.get_num_threads()} thread(s)", file=sys.stderr)
@@ -143,6 +148,15 @@ def run_online(args, store) -> int:
     return 0
 
 
+def recipe(args) -> dict:
+    """The TrainOptions fields the command line sets (budget and recipe), shared by both data sources."""
+    return dict(steps=args.steps, tokens=parse_count(args.tokens) if args.tokens is not None else None,
+                time_s=parse_duration(args.time) if args.time is not None else None, ttt_steps=args.ttt_steps,
+                seed=args.seed, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, warmup=args.warmup,
+                eval_points=args.eval_points, draft_vocab=args.draft_vocab, feature_loss=args.feature_loss,
+                noise_std=args.noise_std, freeze_lm_head=args.freeze_lm_head, warm_start=args.warm_start)
+
+
 def fmt_s(s) -> str:
     if s is None:
         return "?"
@@ -151,8 +165,6 @@ def fmt_s(s) -> str:
 
 
 def run_capture(args, store) -> int:
-    if args.time is not None:
-        raise DraftError("--time is a budget for online training", "From a capture, pass --steps or --tokens")
     if args.layers is not None and len(args.layers) > 1:
         raise DraftError("Several --layers sets train in one pass only online",
                          "Pass --model to train online, or run train-draft once per set")
@@ -160,16 +172,17 @@ def run_capture(args, store) -> int:
         raise DraftError("Give the layer set with --layers or --strategy (one of them)", "E.g. --layers 2,15,27")
     cap = store.open_capture(args.key)
     layers = parse_layers(args.layers[0]) if args.layers else workflow.layers_from_strategy(store, cap, args.strategy, args.k)
-    options = TrainOptions(steps=args.steps, tokens=parse_count(args.tokens) if args.tokens is not None else None,
-                           ttt_steps=args.ttt_steps, seed=args.seed, lr=args.lr,
-                           batch_size=args.batch_size or T["batch_size"], seq_len=args.seq_len or T["seq_len"],
-                           draft_vocab=args.draft_vocab, val_fraction=args.val_fraction)
+    options = TrainOptions(val_fraction=args.val_fraction, **recipe(args))
     if not args.json:
         print(f"training a draft on layers {layers} of {cap.manifest['model']} (capture {cap.key}, "
               f"{cap.num_tokens} tokens)", file=sys.stderr)
     with Progress("train-draft", unit="step") as bar:
         def on_progress(p):
-            bar.update(p["step"], p["steps"], loss=p["loss"], acc1=p["acc"][0], tok_s=p["tokens_per_s"])
+            if p["steps"] is not None:
+                bar.update(p["step"], p["steps"], loss=p["loss"], acc1=p["acc"][0], tok_s=p["tokens_per_s"])
+            else:
+                bar.update(round(100 * p["fraction"]), 100, step=p["step"], loss=p["loss"], acc1=p["acc"][0],
+                           tok_s=p["tokens_per_s"], eta=fmt_s(p["eta_s"]))
         trained = workflow.train(store, cap.key, layers, options, strategy=args.strategy, out=args.out,
                                  progress=on_progress)
     meta = trained.meta

@@ -47,23 +47,25 @@ import torch.distributed as dist
 
 from layerscope import distributed
 from layerscope.capture import CaptureOptions, generate_responses
-from layerscope.draft.export import read_meta, save_draft
-from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
-from layerscope.draft.train import (TrainingCancelled, TrainOptions, evaluate, make_batch, split_of, target_argmax,
-                                    ttt_loss, windows_of)
+from layerscope.draft.data import split_of, target_argmax, trainable, windows_of, make_batch
+from layerscope.draft.export import save_draft
+from layerscope.draft.fit import (FitState, TrainingCancelled, TrainOptions, build_drafters, draft_meta, final_norm,
+                                  fit)
+from layerscope.draft.loss import evaluate
+from layerscope.draft.model import DraftHead, build_draft_vocab
 from layerscope.errors import DraftError
 from layerscope.models import LoadedModel
 from layerscope.prompts import chat_ids, load_prompts, sharegpt_index, sharegpt_path
 from layerscope.store import Store, atomic_write_json, make_key
 
-FORMAT = 1
+FORMAT = 2                              # 2: trained by the one loop (draft/fit.py)
 RESPONSES_FORMAT = 1
 MODES = ("regenerate", "own")
 
 
 @dataclass
 class OnlineOptions(TrainOptions):
-    """TrainOptions (draft shape, TTT, optimizer, budget in steps or tokens) plus the online data and run.
+    """TrainOptions (recipe and budget: steps, tokens or time) plus the online data and run.
     batch_size counts conversations per step; seq_len caps the rows of one draft window (a longer
     conversation is split as in train.py)."""
     prompts: str = "sharegpt"           # builtin | sharegpt | a prompt file
@@ -72,34 +74,20 @@ class OnlineOptions(TrainOptions):
     max_new_tokens: int = 128           # response cap for regenerate
     max_prompt_tokens: int = 256        # longer prompts are left out
     gen_batch_size: int = 32            # prompts per generate() call when regenerating
-    time_s: float | None = None         # budget in seconds of training (instead of steps or tokens)
     val_conversations: int = 32         # held out, evaluated for the learning curve
-    eval_points: int = 8                # evaluations over the budget (the last one at the end)
-    warmup: int | None = 20             # warm-up steps
-    seq_len: int = 512
-    batch_size: int = 8
     checkpoint_every_s: float = 300.0   # seconds of training between checkpoints
 
     def validate(self) -> None:
-        budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
-        if len(budgets) != 1:
-            raise DraftError("Give the training budget as one of steps, tokens or time",
-                             "Pass --steps N, --tokens 2M or --time 45m")
-        for name in ("steps", "tokens", "time_s"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise DraftError(f"The {name.replace('_s', '')} budget must be a positive number (got {v})",
-                                 "Pass e.g. --steps 300, --tokens 2M or --time 45m")
+        super().validate()
         if self.responses not in MODES:
             raise DraftError(f"responses must be one of {', '.join(MODES)} (got {self.responses!r})",
                              "Pass --responses regenerate (the target's own answers) or --responses own")
-        for name in ("max_new_tokens", "max_prompt_tokens", "gen_batch_size", "val_conversations", "eval_points"):
+        for name in ("max_new_tokens", "max_prompt_tokens", "gen_batch_size", "val_conversations"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise DraftError(f"{name} must be a whole number >= 1 (got {getattr(self, name)!r})",
                                  f"Pass --{name.replace('_', '-')} 1 or more")
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s > 0):
             raise DraftError(f"checkpoint_every_s must be positive (got {self.checkpoint_every_s})", "Use e.g. 300")
-        self.validate_draft()
 
     def run_fields(self) -> dict:
         """What decides the drafts: every field but where and how often progress is saved."""
@@ -352,25 +340,26 @@ def split_for(rows, feats, layers: list[int], N: int):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_checkpoint(run_dir: Path, state: dict, heads: list[DraftHead], opts: list[torch.optim.Optimizer]) -> Path:
+def save_checkpoint(run_dir: Path, state: FitState, drafters: list) -> Path:
     """runs/<key>/ckpt-<step>/ {state.json, tensors.safetensors}, placed with one rename; older ones removed."""
     tensors = {"rng": torch.get_rng_state()}
     groups = []
-    for i, (head, opt) in enumerate(zip(heads, opts)):
-        for name, t in head.state_dict().items():
+    for i, d in enumerate(drafters):
+        for name, t in d.head.state_dict().items():
             tensors[f"head{i}.{name}"] = t.detach().cpu().clone()     # the heads share d2t/t2d: one copy each
-        sd = opt.state_dict()
+        sd = d.opt.state_dict()
         groups.append(sd["param_groups"])
         for p, st in sd["state"].items():
             for name, t in st.items():
                 tensors[f"opt{i}.{p}.{name}"] = t.detach().cpu().reshape(-1) if t.dim() == 0 else t.detach().cpu()
-    final = run_dir / f"ckpt-{state['step']:09d}"
+    final = run_dir / f"ckpt-{state.step:09d}"
     if final.is_dir():
         return final
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".ckpt-tmp-"))
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({**state, "param_groups": groups}, default=float))
+        (tmp / "state.json").write_text(json.dumps({**state.to_json(), "param_groups": groups, "format": FORMAT},
+                                                   default=float))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -391,24 +380,25 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                   and (p / "state.json").is_file() and (p / "tensors.safetensors").is_file())
 
 
-def load_checkpoint(path: Path, heads: list[DraftHead], opts: list[torch.optim.Optimizer]) -> dict:
+def load_checkpoint(path: Path, drafters: list) -> FitState:
+    """The state saved in `path`; the drafters' heads, optimizers and torch's RNG are restored from it."""
     state = json.loads((path / "state.json").read_text())
     with safe_open(str(path / "tensors.safetensors"), framework="pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}
-    assert len(state["param_groups"]) == len(heads), "checkpoint holds another number of layer sets"
-    for i, (head, opt) in enumerate(zip(heads, opts)):
-        sd = head.state_dict()
+    assert len(state["param_groups"]) == len(drafters), "checkpoint holds another number of layer sets"
+    for i, d in enumerate(drafters):
+        sd = d.head.state_dict()
         missing = [k for k in sd if f"head{i}.{k}" not in t]
         assert not missing, f"checkpoint {path} lacks {missing[:3]}"
-        head.load_state_dict({k: t[f"head{i}.{k}"] for k in sd})
+        d.head.load_state_dict({k: t[f"head{i}.{k}"] for k in sd})
         opt_state = {}
         for k, v in t.items():
             parts = k.split(".")
             if parts[0] == f"opt{i}":
                 opt_state.setdefault(int(parts[1]), {})[parts[2]] = v.reshape(()) if parts[2] == "step" else v
-        opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"][i]})
+        d.opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"][i]})
     torch.set_rng_state(t["rng"])
-    return state
+    return FitState.from_json(state)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -435,13 +425,13 @@ def normalise_sets(layer_sets, num_layers: int) -> list[list[int]]:
 
 def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Callable[[dict], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, strategy: list[str] | None = None,
-                 **options) -> OnlineResult:
+                 options: OnlineOptions | None = None, **fields) -> OnlineResult:
     """Train one draft per layer set from one target pass per step; resumable; finished runs come from the store.
 
     progress gets {"phase": "responses" | "features" | "train" | "eval" | "done", ...}; in "train":
     step, tokens (rows seen), fraction (of the budget), tokens_per_s, eta_s, loss [per set], val [per set:
     latest agreement per TTT step or None]."""
-    o = OnlineOptions(**options)
+    o = options if options is not None else OnlineOptions(**fields)
     o.validate()
     sets = normalise_sets(layer_sets, target.num_layers)
     say = progress or (lambda p: None)
@@ -517,176 +507,96 @@ def held_out_splits(target, convs, val_idx, sets, union, o: OnlineOptions, say) 
     return splits
 
 
+class OnlineSource:
+    """Batches of training conversations run through the target, one forward per step (fit.Source): every
+    set's batch holds the same rows, read from its own layers; under torchrun each rank forwards its share."""
+
+    def __init__(self, target, convs: Conversations, train_idx: list[int], sets, o: OnlineOptions, t2d):
+        self.target, self.convs, self.train_idx, self.sets, self.o, self.t2d = target, convs, train_idx, sets, o, t2d
+        self.union = sorted({l for s in sets for l in s})
+        self.lengths = [len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx]
+        self._epoch, self._batches = None, []
+
+    def next_batches(self, state: FitState):
+        if self._epoch != state.epoch:
+            self._epoch, self._batches = state.epoch, epoch_batches(self.lengths, self.o.batch_size, self.o.seed, state.epoch)
+        if state.cursor >= len(self._batches):
+            state.epoch, state.cursor = state.epoch + 1, 0
+            return self.next_batches(state)
+        index = distributed.shard([self.train_idx[c] for c in self._batches[state.cursor]], distributed.rank(),
+                                  distributed.world())
+        state.cursor += 1
+        if not index:
+            return [None] * len(self.sets), 0
+        rows, feats = target_features(self.target, self.convs, index, self.union)
+        N, J, out, n_rows = self.target.num_layers, self.o.ttt_steps, [], 0
+        for s in self.sets:
+            sp = split_for(rows, feats, s, N)
+            ok = trainable(sp, self.t2d)
+            wins = windows_of(sp, self.o.seq_len, ok, J)
+            out.append(make_batch(sp, wins, J, ok, self.target.device) if wins else None)
+            n_rows = max(n_rows, sum(w for _, w in wins))
+        return out, n_rows
+
+
 def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx, val_idx, data_tokens, say,
            should_stop, strategy) -> OnlineResult:
     device = target.device
-    N, J = target.num_layers, o.ttt_steps
+    J = o.ttt_steps
     embed = target.model.get_input_embeddings().weight
     lm_head = target.model.get_output_embeddings().weight
     vocab = int(embed.shape[0])
     resp_ids = torch.tensor([t for i in train_idx for t in convs.response[i]], dtype=torch.long)
     d2t, t2d = build_draft_vocab(resp_ids, o.draft_vocab, vocab)
-    V = len(d2t)
-    teacher_w = lm_head.detach()[(d2t + torch.arange(V)).to(lm_head.device)].float().to(device)
     union = sorted({l for s in sets for l in s})
+    drafters = build_drafters(target.model.config, embed, lm_head, final_norm(target.model), sets, d2t, t2d, o, device)
 
     # held-out features, once: one split per set over all held-out conversations (rank 0 evaluates)
     val_splits = held_out_splits(target, convs, val_idx, sets, union, o, say) if distributed.rank() == 0 else None
 
-    heads, opts = [], []
-    for s in sets:
-        torch.manual_seed(o.seed)
-        head = DraftHead(DraftConfig.from_target(target.model.config, s, V, vocab_size=vocab), embed.detach(),
-                         d2t, t2d).to(device)
-        if o.init_lm_head:
-            with torch.no_grad():
-                head.lm_head.weight.copy_(teacher_w)
-        head.train()
-        heads.append(head)
-        opts.append(torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=o.lr, betas=(0.9, 0.95),
-                                      weight_decay=o.weight_decay))
-
-    state = {"step": 0, "tokens": 0, "elapsed": 0.0, "epoch": 0, "cursor": 0, "curves": [[] for _ in sets],
-             "loss_curves": [[] for _ in sets], "evals_done": 0, "format": FORMAT}
+    state = FitState(len(sets))
     ckpts = complete_checkpoints(run_dir)
     resumed = bool(ckpts)
     if ckpts:
         try:
-            state = load_checkpoint(ckpts[-1], heads, opts)
-        except (OSError, ValueError, KeyError, AssertionError, RuntimeError, SafetensorError) as e:
+            state = load_checkpoint(ckpts[-1], drafters)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError, RuntimeError, SafetensorError) as e:
             raise DraftError(f"Checkpoint {ckpts[-1]} cannot be read ({str(e)[:200]})",
                              f"Remove that folder to resume from scratch (or the whole {run_dir} to start over)") from None
-        state.pop("param_groups", None)
-    lengths = [len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx]
 
-    def fraction() -> float:
-        if o.steps is not None:
-            return state["step"] / o.steps
-        if o.tokens is not None:
-            return state["tokens"] / o.tokens
-        return state["elapsed"] / o.time_s
+    def run_eval():
+        return [evaluate(d.head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, d.teacher_w, o.batch_size, device)
+                for d, sp in zip(drafters, val_splits)]
 
-    def lr_now() -> float:
-        if state["step"] < (o.warmup or 0):
-            return o.lr * (state["step"] + 1) / o.warmup
-        f = min(1.0, fraction())
-        return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * f)))
+    def on_progress(p):
+        say({**p, "sets": sets} if p["phase"] == "train" else p)
 
-    def run_eval() -> list[tuple[list[float], float]]:
-        say({"phase": "eval", "step": state["step"], "tokens": state["tokens"]})
-        out = []
-        for head, sp in zip(heads, val_splits):
-            acc, _, _, cov = evaluate(head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, teacher_w,
-                                      o.batch_size, device)
-            out.append(([round(a, 5) for a in acc], round(cov, 5)))
-        return out
-
-    tokens_at_start, elapsed_at_start, fraction_at_start = state["tokens"], state["elapsed"], fraction()
-    last_ckpt = time.perf_counter()
-    val_latest = [c[-1][1] if c else None for c in state["curves"]]
-    batches = epoch_batches(lengths, o.batch_size, o.seed, state["epoch"])
-    rank, world = distributed.rank(), distributed.world()
-    while distributed.agree(fraction() < 1.0) if world > 1 else fraction() < 1.0:
-        stop = should_stop is not None and should_stop()
-        if distributed.agree(stop) if world > 1 else stop:
-            if rank == 0:
-                save_checkpoint(run_dir, state, heads, opts)
-            raise TrainingCancelled(f"Training stopped at step {state['step']} ({state['tokens']} tokens)",
-                                    "The progress is saved; run the same command again to continue")
-        if state["cursor"] >= len(batches):
-            state["epoch"], state["cursor"] = state["epoch"] + 1, 0
-            batches = epoch_batches(lengths, o.batch_size, o.seed, state["epoch"])
-        t_step = time.perf_counter()
-        index = distributed.shard([train_idx[c] for c in batches[state["cursor"]]], rank, world)
-        rows, feats = target_features(target, convs, index, union) if index else (None, None)
-        losses, seen = [], 0
-        for head, opt, s in zip(heads, opts, sets):
-            params = [p for p in head.parameters() if p.requires_grad]
-            batch = None
-            if index:
-                sp = split_for(rows, feats, s, N)
-                nxt = torch.zeros_like(sp.token_id)
-                nxt[:-1] = sp.token_id[1:]
-                ok = sp.counted & head.t2d[nxt]
-                wins = windows_of(sp, o.seq_len, ok, J)
-                batch = make_batch(sp, wins, J, ok, device) if wins else None
-            counts = torch.tensor([int(m.sum()) for m in batch["masks"]] + [batch["rows"]] if batch else [0] * (J + 1),
-                                  device=device)
-            if world > 1:
-                dist.all_reduce(counts)                     # positions per TTT step and rows, over every rank
-            if int(counts[:J].sum()) == 0:
-                continue
-            for g in opt.param_groups:
-                g["lr"] = lr_now()
-            opt.zero_grad(set_to_none=True)
-            loss = torch.zeros((), device=device)
-            if batch is not None:
-                loss, _ = ttt_loss(head, batch, teacher_w, denom=counts[:J].tolist())
-                loss.backward()
-            if world > 1:                                   # the sum of the ranks' gradients = the one-process one
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad)
-                loss = loss.detach().clone()
-                dist.all_reduce(loss)
-            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-            opt.step()
-            losses.append(round(float(loss.detach()), 5))
-            seen = int(counts[J])
-        state["step"] += 1
-        state["cursor"] += 1
-        state["tokens"] += seen
-        state["elapsed"] += time.perf_counter() - t_step
-        if state["step"] % 10 == 1 or fraction() >= 1.0:
-            for c, l in zip(state["loss_curves"], losses):
-                c.append([state["tokens"], l])
-        due = min(o.eval_points, math.floor(fraction() * o.eval_points + 1e-9))
-        if due > state["evals_done"] and rank == 0:
-            for s_i, (acc, cov) in enumerate(run_eval()):
-                state["curves"][s_i].append([state["tokens"], acc, cov])
-                val_latest[s_i] = acc
-            state["evals_done"] = due
-        rate = (state["tokens"] - tokens_at_start) / max(state["elapsed"] - elapsed_at_start, 1e-9)
-        f = min(1.0, fraction())
-        eta = ((state["elapsed"] - elapsed_at_start) / (f - fraction_at_start) * (1 - f)
-               if f > fraction_at_start else None)
-        say({"phase": "train", "step": state["step"], "tokens": state["tokens"], "fraction": f,
-             "tokens_per_s": rate, "eta_s": eta, "loss": losses, "val": val_latest, "sets": sets,
-             "elapsed_s": state["elapsed"]})
-        if time.perf_counter() - last_ckpt >= o.checkpoint_every_s and rank == 0:
-            save_checkpoint(run_dir, state, heads, opts)
-            last_ckpt = time.perf_counter()
+    state = fit(drafters, OnlineSource(target, convs, train_idx, sets, o, t2d), o, state=state, evaluate=run_eval,
+                progress=on_progress, should_stop=should_stop, checkpoint=lambda st: save_checkpoint(run_dir, st, drafters),
+                checkpoint_every_s=o.checkpoint_every_s, planned_steps=o.steps, device=device)
 
     # the drafts, then result.json (the run counts as finished only once every draft is in place)
-    if rank != 0:
+    if distributed.rank() != 0:
         dist.barrier()                                      # rank 0 writes them
         return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens)
     drafts = []
-    for s_i, (head, s) in enumerate(zip(heads, sets)):
-        head.eval()
+    data = {"online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
+                       "conversations": len(train_idx), "data_tokens": data_tokens}, "train_tokens": data_tokens}
+    for s_i, (d, s) in enumerate(zip(drafters, sets)):
+        d.head.eval()
         dkey = make_key({"run": key, "layers": s})
         path = store.path("drafts", dkey)
-        curve = [[c[0], c[1]] for c in state["curves"][s_i]]
-        acc, cov = state["curves"][s_i][-1][1], state["curves"][s_i][-1][2]
-        meta = {"key": dkey, "run_key": key, "target_fingerprint": target.fingerprint, "target_model": target.spec,
-                "capture_key": None, "layers": s, "strategy": strategy[s_i] if strategy else None,
-                "online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
-                           "conversations": len(train_idx), "data_tokens": data_tokens},
-                "budget": {"steps": o.steps, "tokens": o.tokens, "time_s": o.time_s, "resolved_steps": state["step"]},
-                "seed": o.seed, "options": asdict(o), "val_accuracy": acc, "val_coverage": cov,
-                "val_positions": None, "train_tokens": data_tokens, "tokens_seen": state["tokens"],
-                "curve": curve, "loss_curve": state["loss_curves"][s_i], "seconds": round(state["elapsed"], 1),
-                "draft_vocab_size": V, "train_format": FORMAT}
-        save_draft(path, head, meta, target=target)
+        meta = {**draft_meta(s, o, state, s_i, target=target, strategy=strategy[s_i] if strategy else None, data=data,
+                             vocab_size=len(d2t)), "key": dkey, "run_key": key}
+        save_draft(path, d.head, meta, target=target)
         store.touch("drafts", dkey)
-        drafts.append(DraftResult(s, str(path), state["tokens"], acc, cov, curve))
-    rate = state["tokens"] / max(state["elapsed"], 1e-9)
-    atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state["elapsed"],
+        drafts.append(DraftResult(s, str(path), state.tokens, meta["val_accuracy"], meta["val_coverage"], meta["curve"]))
+    rate = state.tokens / max(state.elapsed, 1e-9)
+    atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state.elapsed,
                                                 "tokens_per_s": rate, "sets": sets})
     for old in complete_checkpoints(run_dir):
         shutil.rmtree(old, ignore_errors=True)
-    say({"phase": "done", "step": state["step"], "tokens": state["tokens"]})
-    if world > 1:
+    say({"phase": "done", "step": state.step, "tokens": state.tokens})
+    if distributed.world() > 1:
         dist.barrier()
-    return OnlineResult(drafts, state["elapsed"], rate, resumed, False, key, len(train_idx), data_tokens)
+    return OnlineResult(drafts, state.elapsed, rate, resumed, False, key, len(train_idx), data_tokens)

@@ -1,0 +1,366 @@
+"""The one training loop of LayerScope's drafts: both data sources feed it batches.
+
+    drafters = build_drafters(target, sets, d2t, t2d, options)      one head + AdamW per layer set
+    state = fit(drafters, source, options, evaluate=..., ...)       steps until the budget is spent
+
+A `source` (draft/train.py: a stored capture; draft/online.py: the target in the loop) turns the loop's
+state (epoch, cursor) into one batch per drafter (data.make_batch) and the rows they hold, and advances
+the cursor. Every drafter gets a batch of the same rows, read from its own layers. Per step and drafter:
+    lr      = schedule(step, fraction of the budget)          linear warm-up, then cosine to lr*min_lr_ratio
+    loss    = loss.ttt_loss(head, batch, teacher)             (+ feature regression, + input noise)
+    AdamW step after clipping the gradient norm to grad_clip
+The budget is steps, tokens (rows through the draft) or seconds of training; `fraction` says how much is
+spent. Held-out evaluation runs `eval_points` times over the budget (the last at the end) and gives the
+learning curve [[tokens seen, [agreement per TTT step], coverage], ...] per set.
+
+Warm start (`warm_start` > 0): the first `warm_start` steps' batches are not trained on but accumulated
+into the normal equations of a ridge regression from the auxiliary hidden states at row t to the target's
+final state at t+1 (what step 1 predicts); fc is set to its solution (in the draft norm's units), then
+gradient training starts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from layerscope import distributed
+from layerscope.draft.loss import ttt_loss
+from layerscope.draft.model import DraftConfig, DraftHead
+from layerscope.errors import DraftError
+
+TRAIN_FORMAT = 3                      # 3: one loop for capture and online training (recipe options below)
+
+
+@dataclass
+class TrainOptions:
+    """The recipe and the budget of a draft's training: the one source of their defaults."""
+    steps: int | None = None          # budget: optimizer steps ...
+    tokens: int | None = None         # ... or rows through the draft ...
+    time_s: float | None = None       # ... or seconds of training
+    ttt_steps: int = 3                # unrolled draft steps (EAGLE-3 uses 7; 3 keeps CPU training cheap)
+    lr: float = 1e-3
+    batch_size: int = 8               # windows (capture) or conversations (online) per step
+    seq_len: int = 512                # rows per draft window (longer conversations are split)
+    warmup: int = 20                  # linear warm-up steps
+    min_lr_ratio: float = 0.1         # cosine decay ends at lr * min_lr_ratio
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    seed: int = 0
+    val_fraction: float = 0.1         # capture training: held-out conversations, by a seeded split
+    eval_points: int = 8              # held-out evaluations over the budget (the last one at the end)
+    draft_vocab: int = 8192           # V = min(draft_vocab, target vocabulary)
+    init_lm_head: bool = True         # start lm_head from the target's rows for the draft vocabulary
+    freeze_lm_head: bool = False      # keep lm_head at the target's rows and norm at the target's final norm
+    feature_loss: float = 0.0         # weight of the feature regression toward hidden_states[N] (EAGLE-1)
+    noise_std: float = 0.0            # Gaussian noise on the auxiliary hidden states in training
+    warm_start: int = 0               # steps of data for the closed-form fc before gradient training
+
+    def validate(self) -> None:
+        budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
+        if len(budgets) != 1:
+            raise DraftError("Give the training budget as one of steps, tokens or time",
+                             "Pass --steps N, --tokens 2M or --time 45m")
+        for name in ("steps", "tokens", "time_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise DraftError(f"The {name.replace('_s', '')} budget must be a positive number (got {v})",
+                                 "Pass e.g. --steps 300, --tokens 2M or --time 45m")
+        self.validate_draft()
+
+    def validate_draft(self) -> None:
+        """Everything but the budget: the draft's shape, TTT, the optimizer and the recipe."""
+        if not 1 <= self.ttt_steps <= 7:
+            raise DraftError(f"ttt_steps must be 1..7 (got {self.ttt_steps})", "EAGLE-3 unrolls up to 7 steps; 3 is the CPU default")
+        if self.batch_size < 1 or self.seq_len < 2 or self.draft_vocab < 2:
+            raise DraftError("batch_size, seq_len and draft_vocab must be positive (seq_len and draft_vocab at least 2)",
+                             "Use the defaults: --batch-size 8 --seq-len 512")
+        if not 0 <= self.val_fraction < 1:
+            raise DraftError(f"val_fraction must be in [0, 1) (got {self.val_fraction})", "Use e.g. 0.1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise DraftError(f"lr must be positive (got {self.lr})", "Use e.g. 1e-3")
+        for name in ("warmup", "warm_start"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise DraftError(f"{name} must be a whole number >= 0 (got {getattr(self, name)!r})",
+                                 f"Pass --{name.replace('_', '-')} 0 or more")
+        if not isinstance(self.eval_points, int) or self.eval_points < 1:
+            raise DraftError(f"eval_points must be a whole number >= 1 (got {self.eval_points!r})", "Pass --eval-points 1 or more")
+        for name in ("feature_loss", "noise_std", "weight_decay"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise DraftError(f"{name} must be a number >= 0 (got {v!r})", f"Pass --{name.replace('_', '-')} 0 or more")
+        if self.freeze_lm_head and not self.init_lm_head:
+            raise DraftError("freeze_lm_head keeps the target's lm_head rows, so it needs init_lm_head",
+                             "Leave init_lm_head on, or do not freeze")
+
+
+class TrainingCancelled(DraftError):
+    """should_stop() returned True."""
+
+
+# ----------------------------------------------------------------------------- the drafts being trained
+
+@dataclass
+class Drafter:
+    """One draft in training: its head, optimizer and the target's lm_head rows of the draft vocabulary."""
+    layers: list[int]
+    head: DraftHead
+    opt: torch.optim.Optimizer
+    teacher_w: torch.Tensor           # [V, d] float32
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.head.parameters() if p.requires_grad]
+
+
+def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None,
+                   sets: list[list[int]], d2t: torch.Tensor, t2d: torch.Tensor, o: TrainOptions, device) -> list[Drafter]:
+    """A fresh head per layer set, each seeded with o.seed (so a set's start does not depend on the others).
+    embed, lm_head [vocab, d]: the target's; final_norm [d]: its final RMSNorm weight (for freeze_lm_head)."""
+    V, vocab = len(d2t), int(embed.shape[0])
+    teacher_w = lm_head.detach()[(d2t + torch.arange(V)).to(lm_head.device)].float().to(device)   # [V, d]
+    out = []
+    for s in sets:
+        torch.manual_seed(o.seed)
+        head = DraftHead(DraftConfig.from_target(target_config, s, V, vocab_size=vocab), embed.detach(), d2t, t2d).to(device)
+        with torch.no_grad():
+            if o.init_lm_head:
+                head.lm_head.weight.copy_(teacher_w)
+            if o.freeze_lm_head:
+                if final_norm is None:
+                    raise DraftError("freeze_lm_head needs the target's final norm weight", "Train without freezing")
+                head.norm.weight.copy_(final_norm.detach().float())
+                head.lm_head.weight.requires_grad_(False)
+                head.norm.weight.requires_grad_(False)
+        head.train()
+        params = [p for p in head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay)
+        out.append(Drafter(list(s), head, opt, teacher_w))
+    return out
+
+
+def final_norm(model) -> torch.Tensor | None:
+    """The weight [d] of a causal LM's final RMSNorm (what its lm_head reads through), or None if it has none."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    return None if norm is None else norm.weight
+
+
+# ----------------------------------------------------------------------------- schedule and budget
+
+def fraction(o: TrainOptions, step: int, tokens: int, elapsed: float) -> float:
+    """How much of the budget is spent (>= 1: done)."""
+    if o.steps is not None:
+        return step / o.steps
+    if o.tokens is not None:
+        return tokens / o.tokens
+    return elapsed / o.time_s
+
+
+def lr_at(o: TrainOptions, step: int, frac: float) -> float:
+    """Linear warm-up over the first o.warmup steps, then cosine over the budget down to lr * min_lr_ratio."""
+    if step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    f = min(1.0, frac)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * f)))
+
+
+# ----------------------------------------------------------------------------- state
+
+@dataclass
+class FitState:
+    """Everything a checkpoint needs besides tensors (plain JSON)."""
+    sets: int
+    step: int = 0
+    tokens: int = 0                   # rows through the draft
+    elapsed: float = 0.0              # seconds of training
+    epoch: int = 0                    # the source's position in its data ...
+    cursor: int = 0                   # ... (batches of the epoch done)
+    curves: list = field(default_factory=list)        # per set [[tokens, [agreement per step], coverage], ...]
+    loss_curves: list = field(default_factory=list)   # per set [[tokens, loss], ...]
+    evals_done: int = 0
+    last_eval: list | None = None     # per set (agreement, loss, positions, coverage) of the newest evaluation
+
+    def __post_init__(self):
+        self.curves = self.curves or [[] for _ in range(self.sets)]
+        self.loss_curves = self.loss_curves or [[] for _ in range(self.sets)]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FitState":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+class Source(Protocol):
+    def next_batches(self, state: FitState) -> tuple[list[dict | None], int]:
+        """One batch per drafter (None: no rows for it on this rank) and the rows of this rank; advances
+        state.epoch / state.cursor."""
+
+
+# ----------------------------------------------------------------------------- warm start
+
+class WarmStart:
+    """Normal equations of ridge regression g_t = W x_t, x_t = aux row t [k*d], toward y = final[t+1] [d]
+    (divided by the draft norm's weight, so that norm(fc(x)) reproduces the target's final state)."""
+
+    def __init__(self, drafters: list[Drafter]):
+        self.xtx = [None] * len(drafters)
+        self.xty = [None] * len(drafters)
+        self.n = [0] * len(drafters)
+
+    def add(self, drafters: list[Drafter], batches: list[dict | None]) -> None:
+        for i, (d, b) in enumerate(zip(drafters, batches)):
+            if b is None or b["targets"][0].shape[0] == 0:
+                continue
+            x = b["aux"][b["masks"][0]].double()                                   # [M, k*d]
+            y = (b["targets"][0] / d.head.norm.weight.detach().float().clamp_min(1e-6)).double()   # [M, d]
+            self.xtx[i] = x.T @ x if self.xtx[i] is None else self.xtx[i] + x.T @ x
+            self.xty[i] = x.T @ y if self.xty[i] is None else self.xty[i] + x.T @ y
+            self.n[i] += x.shape[0]
+
+    def apply(self, drafters: list[Drafter], lam: float = 1e-2) -> None:
+        """fc.weight = ((X^T X + lam * mean diag * I)^-1 X^T Y)^T for every drafter that saw data."""
+        for i, d in enumerate(drafters):
+            if self.xtx[i] is None:
+                continue
+            a, b = self.xtx[i], self.xty[i]
+            if distributed.world() > 1:
+                dist.all_reduce(a)
+                dist.all_reduce(b)
+            ridge = lam * float(a.diagonal().mean()) + 1e-8
+            w = torch.linalg.solve(a + ridge * torch.eye(a.shape[0], dtype=a.dtype, device=a.device), b)   # [k*d, d]
+            with torch.no_grad():
+                d.head.fc.weight.copy_(w.T.to(d.head.fc.weight.dtype))
+
+
+# ----------------------------------------------------------------------------- one step
+
+def train_step(d: Drafter, batch: dict | None, o: TrainOptions, lr: float, J: int, device):
+    """One AdamW step of drafter d on its batch (summed over ranks). Returns (loss, this rank's agreement per
+    TTT step on the batch); loss None when no rank had a counted position (no step is taken)."""
+    world = distributed.world()
+    counts = torch.tensor([int(m.sum()) for m in batch["masks"]] if batch else [0] * J, device=device)
+    if world > 1:
+        dist.all_reduce(counts)                         # positions per TTT step, over every rank
+    if int(counts.sum()) == 0:
+        return None, [0.0] * J
+    for g in d.opt.param_groups:
+        g["lr"] = lr
+    d.opt.zero_grad(set_to_none=True)
+    loss, stats = torch.zeros((), device=device), []
+    if batch is not None:
+        loss, stats = ttt_loss(d.head, batch, d.teacher_w, denom=counts.tolist(), feature_weight=o.feature_loss,
+                           noise_std=o.noise_std)
+        loss.backward()
+    if world > 1:                                       # the sum of the ranks' gradients = the one-process one
+        for p in d.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+    torch.nn.utils.clip_grad_norm_(d.params, o.grad_clip)
+    d.opt.step()
+    return float(loss.detach()), [c / t if t else 0.0 for c, t in stats] or [0.0] * J
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitState | None = None,
+        evaluate: Callable[[], list[tuple]] | None = None, progress: Callable[[dict], None] | None = None,
+        should_stop: Callable[[], bool] | None = None, checkpoint: Callable[[FitState], None] | None = None,
+        checkpoint_every_s: float = float("inf"), planned_steps: int | None = None, device="cpu") -> FitState:
+    """Train every drafter until the budget is spent; returns the final state (curves, last evaluation).
+
+    evaluate() -> per set (agreement per TTT step, loss, positions, coverage), run on rank 0 at the eval
+    points. progress gets {"phase": "train", step, steps (planned, or None), tokens, fraction, tokens_per_s,
+    eta_s, loss [per set], acc [per set: this batch's agreement per TTT step], val [per set: newest held-out
+    agreement per TTT step, or None], elapsed_s} after every step and {"phase": "eval", step, tokens} before an
+    evaluation. checkpoint(state) is called every checkpoint_every_s seconds of training and on a stop
+    (never inside the warm start, whose sums are not saved: a stop there starts it again)."""
+    J = o.ttt_steps
+    state = state or FitState(len(drafters))
+    say = progress or (lambda p: None)
+    rank, world = distributed.rank(), distributed.world()
+    agree = distributed.agree if world > 1 else (lambda v: v)
+    warm = WarmStart(drafters) if state.step < o.warm_start else None
+    start = (state.tokens, state.elapsed, fraction(o, state.step, state.tokens, state.elapsed))
+    last_ckpt = time.perf_counter()
+    val_latest = [c[-1][1] if c else None for c in state.curves]
+    while agree(fraction(o, state.step, state.tokens, state.elapsed) < 1.0):
+        if agree(bool(should_stop and should_stop())):
+            in_warm = state.step < o.warm_start
+            if checkpoint is not None and rank == 0 and not in_warm:
+                checkpoint(state)
+            raise TrainingCancelled(f"Training stopped at step {state.step} ({state.tokens} tokens)",
+                                    "The progress is saved; run the same command again to continue"
+                                    if checkpoint is not None and not in_warm else "Nothing was saved; start it again")
+        t_step = time.perf_counter()
+        batches, rows = source.next_batches(state)
+        if world > 1:
+            n = torch.tensor([rows], device=device)
+            dist.all_reduce(n)
+            rows = int(n)
+        frac = fraction(o, state.step, state.tokens, state.elapsed)
+        if warm is not None and state.step < o.warm_start:
+            warm.add(drafters, batches)
+            losses, accs = [], []
+            if state.step + 1 == o.warm_start:
+                warm.apply(drafters)
+        else:
+            lr = lr_at(o, state.step - o.warm_start, frac)
+            losses, accs = map(list, zip(*[train_step(d, b, o, lr, J, device) for d, b in zip(drafters, batches)]))
+        state.step += 1
+        state.tokens += rows
+        state.elapsed += time.perf_counter() - t_step
+        frac = fraction(o, state.step, state.tokens, state.elapsed)
+        if state.step % 10 == 1 or frac >= 1.0:
+            for c, l in zip(state.loss_curves, losses):
+                if l is not None:
+                    c.append([state.tokens, round(l, 5)])
+        due = min(o.eval_points, math.floor(frac * o.eval_points + 1e-9))
+        if due > state.evals_done and rank == 0 and evaluate is not None:
+            say({"phase": "eval", "step": state.step, "tokens": state.tokens})
+            state.last_eval = [list(e) for e in evaluate()]
+            for i, (acc, _, _, cov) in enumerate(state.last_eval):
+                state.curves[i].append([state.tokens, [round(a, 5) for a in acc], round(cov, 5)])
+                val_latest[i] = state.curves[i][-1][1]
+        if due > state.evals_done:
+            state.evals_done = due
+        spent = state.elapsed - start[1]
+        f = min(1.0, frac)
+        say({"phase": "train", "step": state.step, "steps": planned_steps, "tokens": state.tokens, "fraction": f,
+             "tokens_per_s": (state.tokens - start[0]) / max(spent, 1e-9),
+             "eta_s": spent / (f - start[2]) * (1 - f) if f > start[2] else None,
+             "loss": [l for l in losses if l is not None], "acc": accs, "val": list(val_latest),
+             "elapsed_s": state.elapsed})
+        if (checkpoint is not None and rank == 0 and state.step >= o.warm_start
+                and time.perf_counter() - last_ckpt >= checkpoint_every_s):
+            checkpoint(state)
+            last_ckpt = time.perf_counter()
+    return state
+
+
+# ----------------------------------------------------------------------------- what a draft records
+
+def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: int, *, target, strategy=None,
+               data: dict, vocab_size: int) -> dict:
+    """layerscope.json of a trained draft (both sources). data: where the rows came from
+    ({"capture_key": ...} or {"online": {...}}) and train_tokens."""
+    acc, loss, positions, cov = state.last_eval[set_index] if state.last_eval else ([], None, None, None)
+    return {"target_fingerprint": target.fingerprint, "target_model": target.spec,
+            "capture_key": data.get("capture_key"), "layers": list(layers), "strategy": strategy,
+            **({"online": data["online"]} if "online" in data else {}),
+            "budget": {"steps": o.steps, "tokens": o.tokens, "time_s": o.time_s, "resolved_steps": state.step},
+            "seed": o.seed, "options": asdict(o),
+            "val_accuracy": [round(a, 5) for a in acc], "val_loss": loss, "val_positions": positions,
+            "val_coverage": None if cov is None else round(cov, 5), "coverage": data.get("coverage"),
+            "train_tokens": data["train_tokens"], "tokens_seen": state.tokens,
+            "curve": [[c[0], c[1]] for c in state.curves[set_index]], "loss_curve": state.loss_curves[set_index],
+            "seconds": round(state.elapsed, 3), "draft_vocab_size": vocab_size, "train_format": TRAIN_FORMAT}

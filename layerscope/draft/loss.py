@@ -1,0 +1,82 @@
+"""The draft's training loss (EAGLE-3's training-time test) and its held-out evaluation.
+
+For TTT step j (0-based) at a counted position p, with the target's logits on the draft vocabulary
+z = lm_head_target(hidden_states[N][p]) restricted to V, p_t = softmax(z), q = softmax(draft logits):
+    kl_j      = mean over counted p of  sum_v p_t(v) (log p_t(v) - log q(v))     (0 = the draft matches)
+    feature_j = mean over counted p of  smooth_l1(norm_draft(a_j), hidden_states[N][p])   (EAGLE-1's
+                regression toward the feature the target's lm_head reads; weight `feature_weight`, 0 = off)
+    loss      = sum_j 0.8^j (kl_j + feature_weight * feature_j)
+Cross-entropy against p_t minus p_t's own entropy has the same gradient as cross-entropy, and reads as a KL.
+Optional Gaussian noise of std `noise_std` on the auxiliary hidden states (training only, as speculators does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from layerscope.draft.data import Split, make_batch
+from layerscope.draft.model import DraftHead
+
+LOSS_DECAY = 0.8
+
+
+def ttt_loss(head: DraftHead, batch: dict, teacher_w: torch.Tensor, denom: list[int] | None = None, *,
+             feature_weight: float = 0.0, noise_std: float = 0.0):
+    """Weighted TTT loss, and per step (correct, counted) top-1 agreement with the target's argmax on V.
+
+    teacher_w [V, d]: the target's lm_head rows of the draft vocabulary. denom[j]: divide step j's summed
+    loss by this count instead of the batch's own (the global count when the batch is one rank's share of a
+    larger one, so that summed gradients equal the one-process ones)."""
+    aux = batch["aux"]
+    if noise_std > 0:
+        aux = aux + noise_std * torch.randn_like(aux)
+    outs = head.unroll(batch["input_ids"], head.fuse(aux), batch["position_ids"], with_logits=False)
+    loss = torch.zeros((), device=teacher_w.device)
+    stats = []
+    for j, ((_, h), mask, final) in enumerate(zip(outs, batch["masks"], batch["targets"])):
+        if final.shape[0] == 0:
+            stats.append((0, 0))
+            continue
+        normed = head.norm(h[mask])
+        logq = F.log_softmax(head.lm_head(normed).float(), dim=-1)
+        with torch.no_grad():
+            teacher = final @ teacher_w.T                                  # [M, V] target logits on the draft vocab
+            logp = F.log_softmax(teacher, dim=-1)
+        per_row = (logp.exp() * (logp - logq)).sum(-1)
+        if feature_weight > 0:
+            per_row = per_row + feature_weight * F.smooth_l1_loss(normed.float(), final, reduction="none").mean(-1)
+        loss = loss + LOSS_DECAY ** j * (per_row.mean() if denom is None else per_row.sum() / max(denom[j], 1))
+        stats.append((int((logq.argmax(-1) == teacher.argmax(-1)).sum()), int(mask.sum())))
+    return loss, stats
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, split: Split, windows, J, teacher_w, batch_size, device):
+    """Validation over every position of `split` whose next token is a response token (split.counted).
+
+    Returns (agreement per TTT step, mean weighted KL, positions counted at step 1, coverage): agreement is
+    draft argmax == target argmax (split.target_next, whole vocabulary), so an argmax outside the draft
+    vocabulary is a miss; coverage is the share of step-1 positions whose target argmax the draft vocabulary holds."""
+    assert split.target_next is not None, "evaluate needs split.target_next (target_argmax)"
+    was_training = head.training
+    head.eval()
+    correct, total, loss_sum, n, covered = [0] * J, [0] * J, 0.0, 0, 0
+    for i in range(0, len(windows), batch_size):
+        batch = make_batch(split, windows[i: i + batch_size], J, split.counted, device)
+        outs = head.unroll(batch["input_ids"], head.fuse(batch["aux"]), batch["position_ids"], with_logits=False)
+        loss = torch.zeros((), device=device)
+        for j, ((_, h), mask, final, want) in enumerate(zip(outs, batch["masks"], batch["targets"], batch["argmax"])):
+            if final.shape[0] == 0:
+                continue
+            logq = F.log_softmax(head.logits(h[mask]).float(), dim=-1)
+            logp = F.log_softmax(final @ teacher_w.T, dim=-1)
+            loss = loss + LOSS_DECAY ** j * (logp.exp() * (logp - logq)).sum(-1).mean()
+            correct[j] += int((head.to_target_ids(logq.argmax(-1)) == want).sum())
+            total[j] += int(mask.sum())
+            if j == 0:
+                covered += int(head.t2d[want].sum())
+        loss_sum, n = loss_sum + float(loss), n + 1
+    head.train(was_training)
+    acc = [c / t if t else 0.0 for c, t in zip(correct, total)]
+    return acc, (loss_sum / n if n else None), total[0], (covered / total[0] if total[0] else 0.0)
