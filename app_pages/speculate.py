@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from layerscope import engines, plots, specdec
-from layerscope.bench import interval_note, with_ci
+from layerscope import engines, machine, plots, specdec
+from layerscope.bench import auto_note, interval_note, with_ci
 from layerscope.draft.export import engine_verdict, export_zip
 from layerscope.select import default_layers
 from layerscope.ui import sanity, tasks
@@ -198,8 +198,11 @@ else:
     b3, b4, b5, b6 = st.columns(4)
     n_prompts = b3.number_input("Prompts", min_value=1, max_value=500, value=4, step=1, key="ls_w_spec_bench_n")
     new_tokens = b4.number_input("New tokens", min_value=1, max_value=2048, value=48, step=8, key="ls_w_spec_bench_new")
+    auto_k = b5.toggle("K = auto", value=True, key="ls_w_spec_bench_auto",
+                       help="The depth with the best speedup predicted for this machine, from a short calibration "
+                            "of each draft (shown as progress) and the machine's cost curve; off: the depth below")
     depth = b5.number_input("Draft depth K", min_value=1, max_value=16, value=specdec.DEFAULT_K, step=1,
-                            key="ls_w_spec_bench_k", help="Draft tokens proposed per target forward (chain)")
+                            key="ls_w_spec_bench_k", disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
     peers = b6.toggle("Also HF generate / prompt lookup", value=False, key="ls_w_spec_bench_peers",
                       help="The decoders a user has without LayerScope, measured in the same run (slower)")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
@@ -208,7 +211,7 @@ else:
         with guard("start benchmark"):
             manager.submit(s.id, "bench", tasks.bench_job(
                 store=store, model=s.model, drafts=[by_label[c] for c in chosen], prompts=source,
-                limit=int(n_prompts), max_new_tokens=int(new_tokens), k=int(depth), peers=bool(peers),
+                limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth), peers=bool(peers),
                 capture_key=s.capture_key),
                 title=f"Benchmark of {len(chosen)} draft(s)")
             st.rerun()
@@ -264,6 +267,8 @@ else:
             "τ": with_ci(r.get("tau"), r.get("tau_ci")),
             **{f"acc@{i + 1}": ((r.get("acceptance_by_position") or []) + [None] * depth_max)[i] for i in range(depth_max)},
             "tokens/s": r.get("tokens_per_s"), "speedup": with_ci(r.get("speedup"), r.get("speedup_ci"), unit="×"),
+            **({"chosen K": (r.get("chosen") or {}).get("k"), "calibration predicted": (r.get("calibrated") or {}).get("speedup")}
+               if any(x.get("chosen") for x in rows) else {}),
             **({"Δτ vs reference": with_ci((r.get("paired") or {}).get("tau", {}).get("delta"),
                                            (r.get("paired") or {}).get("tau", {}).get("ci"), sign=True)} if paired else {}),
             **({"predicted": r.get("predicted_speedup")} if res.get("cost_curve") else {}), "lossless": r.get("lossless"),
@@ -272,6 +277,11 @@ else:
               column_config={"layers": st.column_config.ListColumn("layers")})
         st.caption(md_text(interval_note(res["intervals"])) if res.get("intervals")
                    else "No intervals: this run had a single prompt, or was saved before benchmarks kept per-prompt totals.")
+        for r in rows:
+            if r.get("chosen"):
+                st.markdown(md_text(auto_note(r)))
+        if res.get("machine"):
+            (st.caption if res["machine"].get("quiet") else st.warning)(md_text(machine.line(res["machine"])))
         for w in res.get("warnings") or []:
             st.caption(f"Note: {md_text(w)}.")
         for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0)):

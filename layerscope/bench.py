@@ -24,6 +24,10 @@ item carries the `BenchReport`. The set-up around it lives here once, for the CL
 app alike: `fitting_prompts` (the seeded sample whose prompts fit, chat-encoded), `load_drafts`
 (distinct contender names), `contenders_for` (the line-up a `BenchOptions` asks for),
 `stop_tokens` (EOS and pad) and `measure` (run to the report, progress through a callback).
+
+The machine: `measure` samples it just before the run (or waits for it to be quiet: `BenchOptions.machine`,
+`--wait-quiet`) and watches it during the run (layerscope.machine); the report carries `machine`, and the
+table says "machine: busy — …; speeds are not trustworthy" when other processes took CPU while it timed.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from layerscope import specdec, study_stats
+from layerscope import machine, specdec, study_stats
 from layerscope.draft.export import load_draft
 from layerscope.errors import LayerScopeError
+from layerscope.machine import MachineOptions
 from layerscope.metrics import bootstrap
 from layerscope.prompts import PromptSet, chat_ids, load_fitting_prompts
 from layerscope.specdec import StepEvent, TreeSpec
@@ -64,8 +69,10 @@ class BenchOptions:
     lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
     auto_k: bool = False             # also the chain depth with the best predicted speedup (costmodel.plan)
     auto_tree: bool = False          # also the tree shape with the best predicted speedup
+    machine: MachineOptions = field(default_factory=MachineOptions)   # the quiet rule; wait_s: --wait-quiet
 
     def validate(self) -> None:
+        self.machine.validate()
         if (not self.ks and not self.auto_k) or (self.ks and min(self.ks) < 1):
             raise LayerScopeError(f"chain depths {list(self.ks)} are not positive integers", "Write it like --k 4 or --k 2,3,4")
         if self.max_new_tokens < 1:
@@ -143,20 +150,27 @@ class BenchReport:
     cost_curve: list[dict] | None = None       # [{tokens, seconds}] the predictions used (costmodel.annotate)
     draft_step_seconds: float | None = None
     intervals: dict | None = None    # how the entries' intervals were made: level, draws, over, reference
+    machine: dict | None = None      # MachineState.to_json() while it decoded (`measure`; `run` alone: None)
+    cost_curve_machine: dict | None = None     # ... while the cost curve was measured
 
     def to_json(self) -> dict:
         out = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
                "results": self.results}
         if self.intervals is not None:
             out["intervals"] = self.intervals
+        if self.machine is not None:
+            out["machine"] = self.machine
         if self.cost_curve is not None:
-            out |= {"cost_curve": self.cost_curve, "draft_step_seconds": self.draft_step_seconds}
+            out |= {"cost_curve": self.cost_curve, "draft_step_seconds": self.draft_step_seconds,
+                    "cost_curve_machine": self.cost_curve_machine}
         return out
 
 
 @dataclass(frozen=True)
 class BenchProgress:
-    """One live update: after every step of our decoders, after every prompt of the HF peers."""
+    """One live update: after every step of our decoders, after every prompt of the HF peers; before the
+    decoding, the other phases say what they do in `message` (calibrate: prompt_index/prompts_total and
+    runs_done/runs_total count calibration prompts; wait and cost curve: no counts)."""
 
     contender: str
     prompt_index: int                # 0-based index of the prompt being decoded
@@ -167,6 +181,8 @@ class BenchProgress:
     tokens_per_s: float | None       # running tokens/s of this contender
     event: StepEvent | None          # the latest step; None for HF peers and the final item
     report: BenchReport | None = None   # set on the last item only
+    phase: str = "decode"            # "wait" (for a quiet machine) | "cost curve" | "calibrate" | "decode"
+    message: str = ""                # a phase other than decode, in words
 
 
 def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
@@ -230,17 +246,35 @@ def stop_tokens(target) -> tuple[object, int | None]:
     return eos, pad if pad is not None else (eos if isinstance(eos, int) else None)
 
 
-def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], max_new_tokens: int,
-            progress: Callable[[BenchProgress], None] | None = None, warmup: bool = True) -> BenchReport:
-    """`run` to the end with `target`'s stop tokens: every live BenchProgress to `progress`, the report returned."""
-    eos, pad = stop_tokens(target)
-    for p in run(target.model, prompts, contenders, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                 pad_token_id=pad, warmup=warmup):
-        if p.report is not None:
-            return p.report
+def wait_quiet(options: MachineOptions, progress: Callable[[BenchProgress], None] | None = None):
+    """machine.settle with its wait reported as BenchProgress of phase "wait"; returns the MachineState."""
+    def seen(state, left):
         if progress is not None:
-            progress(p)
-    raise AssertionError("bench.run ended without a report")
+            progress(BenchProgress("", 0, 0, 0, 0, None, None, None, phase="wait",
+                                   message=machine.wait_message(state, left)))
+    return machine.settle(options, seen)
+
+
+def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], max_new_tokens: int,
+            progress: Callable[[BenchProgress], None] | None = None, warmup: bool = True,
+            machine_options: MachineOptions | None = None) -> BenchReport:
+    """`run` to the end with `target`'s stop tokens: every live BenchProgress to `progress`, the report
+    returned with `machine`: sampled (or waited for: machine_options.wait_s) before, watched during."""
+    options = machine_options or MachineOptions()
+    eos, pad = stop_tokens(target)
+    before = wait_quiet(options, progress)
+    with machine.Monitor(options, before) as watched:
+        for p in run(target.model, prompts, contenders, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                     pad_token_id=pad, warmup=warmup):
+            if p.report is not None:
+                report = p.report
+                break
+            if progress is not None:
+                progress(p)
+        else:
+            raise AssertionError("bench.run ended without a report")
+    report.machine = watched.state.to_json()
+    return report
 
 
 def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], *, max_new_tokens: int = 64,
@@ -406,6 +440,8 @@ def format_table(report: BenchReport) -> str:
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
+    lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
+    lines += [auto_note(r) for r in report.results if r.get("chosen")]
     if report.intervals:
         lines.append(interval_note(report.intervals))
         paired = [r for r in report.results if r.get("paired")]
@@ -424,6 +460,24 @@ def format_table(report: BenchReport) -> str:
                              _f(e["speedup"]) + ("x" if e["speedup"] else ""), "yes" if e["lossless"] else "NO"])
         lines += ["", _grid(rows)]
     return "\n".join(lines)
+
+
+def _curve_line(report: BenchReport) -> str:
+    """A line about the cost curve behind the predictions, only when it was measured busy."""
+    if report.cost_curve is None or not report.cost_curve_machine or report.cost_curve_machine.get("quiet"):
+        return ""
+    return "cost curve: " + machine.line(report.cost_curve_machine, "predicted speedups").removeprefix("machine: ")
+
+
+def auto_note(entry: dict) -> str:
+    """What an `auto` contender chose and predicted, beside what it measured: "low auto chain k=2: chose
+    K=2; the calibration predicted 1.08x, measured 1.02x (1.05x predicted from its measured tau)"."""
+    chosen = entry.get("chosen") or {}
+    what = f"K={chosen['k']}" if "k" in chosen else \
+        "tree " + " ".join(f"{k}={v}" for k, v in (chosen.get("tree") or {}).items())
+    predicted = (entry.get("calibrated") or {}).get("speedup")
+    return (f"{entry['name']}: chose {what}; the calibration predicted {_f(predicted)}x, measured "
+            f"{_f(entry.get('speedup'))}x ({_f(entry.get('predicted_speedup'))}x predicted from its measured tau)")
 
 
 def _f(x, digits: int = 2) -> str:

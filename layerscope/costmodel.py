@@ -2,7 +2,9 @@
 
     cost curve    seconds of one target forward over T = 1..T_max new tokens (mean over a few cache
                   lengths) and of one draft forward over T rows, measured on the loaded model's device,
-                  dtype and thread count; cached in the store under (fingerprint, device, dtype, threads)
+                  dtype and thread count with the machine watched (layerscope.machine); cached in the store
+                  under (fingerprint, device, dtype, threads, draft shape, quiet): only a curve measured on a
+                  quiet machine is ever read back, a busy one is measured again next time
     profile       acceptance of a draft: chain[i-1] = P(draft tokens 1..i all accepted) and
                   rank[j-1][r] = P(the target's token at depth j is the draft's (r+1)-th choice | the
                   path above it matched), measured by a calibration run (Sequoia's acceptance vector)
@@ -29,10 +31,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from layerscope import bench, specdec
+from layerscope import bench, machine, specdec
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
+from layerscope.machine import MachineOptions, MachineState
 from layerscope.specdec import TreeSpec
 from layerscope.store import make_key
 
@@ -45,7 +48,7 @@ CALIBRATION_RANKS = 8                # draft ranks a calibration tells apart (de
 AUTO_KS = tuple(range(1, 9))         # chain depths `auto` considers
 AUTO_TREES = tuple(TreeSpec(b, k, d) for b in (2, 3, 4, 6, 8, 12, 16, 24, 31) for k in (1, 2, 3, 4, 6, 8)
                    for d in range(2, 9) if k <= b <= k + (d - 1) * k * k)   # shapes `auto` considers
-FORMAT = 2                           # of the cached curves (2: monotone fits)
+FORMAT = 3                           # of the cached curves (2: monotone fits; 3: the machine state, quiet in the key)
 
 
 # ----------------------------------------------------------------------------- the cost curve
@@ -62,6 +65,7 @@ class CostCurve:
     target: tuple[float, ...]
     draft: tuple[float, ...]
     cache_lengths: tuple[int, ...] = CACHE_LENGTHS
+    machine: MachineState | None = None          # the machine while it was measured (None: not watched)
 
     def target_s(self, T: int) -> float:
         return _at(self.target, T)
@@ -73,7 +77,8 @@ class CostCurve:
         return {"device": self.device, "dtype": self.dtype, "threads": self.threads,
                 "cost_curve": [{"tokens": i + 1, "seconds": s} for i, s in enumerate(self.target)],
                 "draft_curve": [{"rows": i + 1, "seconds": s} for i, s in enumerate(self.draft)],
-                "draft_step_seconds": self.draft[0], "cache_lengths": list(self.cache_lengths)}
+                "draft_step_seconds": self.draft[0], "cache_lengths": list(self.cache_lengths),
+                "machine": self.machine.to_json() if self.machine is not None else None}
 
     @classmethod
     def from_json(cls, obj: dict) -> "CostCurve":
@@ -82,7 +87,7 @@ class CostCurve:
         assert [p["tokens"] for p in obj["cost_curve"]] == list(range(1, len(target) + 1)), obj["cost_curve"]
         assert target and draft, "a cost curve needs at least one point of each kind"
         return cls(obj["device"], obj["dtype"], int(obj["threads"]), tuple(target), tuple(draft),
-                   tuple(obj.get("cache_lengths", CACHE_LENGTHS)))
+                   tuple(obj.get("cache_lengths", CACHE_LENGTHS)), machine.state_of(obj.get("machine")))
 
 
 def _at(points: Sequence[float], T: int) -> float:
@@ -182,34 +187,47 @@ def default_draft(loaded) -> DraftHead:
     return head.to(loaded.device).eval()
 
 
-def curve_key(loaded, draft=None) -> str:
-    """Store key of a cost curve: the target's weights, device, dtype and threads, and the draft's shape."""
+def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
+    """Store key of a cost curve: the target's weights, device, dtype and threads, the draft's shape, and
+    whether the machine was quiet while it was measured (lookups ask for quiet=True only)."""
     shape = None
     if draft is not None:
         c = draft.config
         shape = [c.hidden_size, c.draft_vocab_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads]
     return make_key({"fingerprint": loaded.fingerprint, "device": str(loaded.device), "dtype": str(loaded.dtype),
-                     "threads": torch.get_num_threads(), "draft": shape, "format": FORMAT})
+                     "threads": torch.get_num_threads(), "draft": shape, "quiet": bool(quiet), "format": FORMAT})
 
 
 def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,
-               cache_lengths: Sequence[int] = CACHE_LENGTHS, repeats: int = REPEATS) -> CostCurve:
+               cache_lengths: Sequence[int] = CACHE_LENGTHS, repeats: int = REPEATS,
+               machine_options: MachineOptions | None = None,
+               progress: Callable[[str], None] | None = None) -> CostCurve:
     """The cost curve of `loaded` (a LoadedModel) with `draft` (default: an untrained draft of the default
-    shape), measured once per (weights, device, dtype, threads, draft shape) and then read from the store;
-    both curves are stored as their monotone fits."""
+    shape), both curves as their monotone fits. Read from the store when a curve of the same (weights,
+    device, dtype, threads, draft shape) was measured on a quiet machine; else measured, with the machine
+    watched before (machine.settle: `machine_options.wait_s` waits for a quiet machine) and during
+    (machine.Monitor), and stored under its quiet flag: a busy curve never replaces a quiet one and is
+    never read back. `progress(message)` hears what it is doing (the wait, the two measurements)."""
     draft = draft if draft is not None else default_draft(loaded)
-    key = curve_key(loaded, draft)
+    say = progress or (lambda message: None)
     if store is not None and not fresh:
-        cached = store.get_json("costcurve", key)
+        cached = store.get_json("costcurve", curve_key(loaded, draft, quiet=True))
         if cached is not None and len(cached["cost_curve"]) >= max_tokens:
             return CostCurve.from_json(cached)
-    target = measure_target(loaded.model, max_tokens=max_tokens, cache_lengths=cache_lengths, repeats=repeats,
-                            aux_layers=draft.aux_layers)
-    drafts = measure_draft(loaded.model, draft, repeats=repeats)
+    options = machine_options or MachineOptions()
+
+    def measure():
+        say(f"measuring the cost of a target forward over 1..{max_tokens} tokens")
+        target = measure_target(loaded.model, max_tokens=max_tokens, cache_lengths=cache_lengths, repeats=repeats,
+                                aux_layers=draft.aux_layers)
+        say("measuring the cost of a draft step")
+        return target, measure_draft(loaded.model, draft, repeats=repeats)
+
+    (target, drafts), state = machine.watch(measure, options, lambda s, left: say(machine.wait_message(s, left)))
     curve = CostCurve(str(loaded.device), str(loaded.dtype).replace("torch.", ""), torch.get_num_threads(),
-                      tuple(monotone(target)), tuple(monotone(drafts)), tuple(cache_lengths))
+                      tuple(monotone(target)), tuple(monotone(drafts)), tuple(cache_lengths), state)
     if store is not None:
-        store.put_json("costcurve", key, curve.to_json())
+        store.put_json("costcurve", curve_key(loaded, draft, quiet=state.quiet), curve.to_json())
     return curve
 
 
@@ -304,14 +322,17 @@ def profile_from_ranks(ranks: torch.Tensor, max_rank: int = CALIBRATION_RANKS) -
 
 
 def calibrate(model, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 48, eos_token_id=None,
-              depth: int = CALIBRATION_DEPTH) -> AcceptanceProfile:
-    """Acceptance of `draft` on the target's own greedy continuations of `prompts` (token id lists)."""
+              depth: int = CALIBRATION_DEPTH, progress: Callable[[int, int], None] | None = None) -> AcceptanceProfile:
+    """Acceptance of `draft` on the target's own greedy continuations of `prompts` (token id lists);
+    `progress(prompts done, prompts)` after each prompt."""
     if not prompts:
         raise LayerScopeError("a calibration needs at least one prompt", "Give one or more prompts")
     ranks = []
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         out, _ = specdec.collect(specdec.autoregressive(model, ids, max_new_tokens, eos_token_id=eos_token_id))
         ranks.append(draft_ranks(model, draft, list(ids) + out, len(ids), depth))
+        if progress is not None:
+            progress(i + 1, len(prompts))
     return profile_from_ranks(torch.cat(ranks))
 
 
@@ -407,16 +428,23 @@ CALIBRATION_PROMPTS = 4              # prompts of a calibration run, a seed apar
 
 
 def auto_contenders(target, drafts: Sequence[tuple[str, object]], options, curve: CostCurve,
-                    calibration: Sequence[Sequence[int]]) -> list[bench.Contender]:
+                    calibration: Sequence[Sequence[int]],
+                    progress: Callable[[bench.BenchProgress], None] | None = None) -> list[bench.Contender]:
     """For `bench --k auto` / `--tree auto`: per draft, the chain depth and the tree with the best speedup
-    predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists)."""
+    predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists);
+    a BenchProgress of phase "calibrate" to `progress` after each prompt of each draft."""
     if not (options.auto_k or options.auto_tree) or not drafts:
         return []
     eos, _ = bench.stop_tokens(target)
-    out = []
-    for name, head in drafts:
+    out, total = [], len(drafts) * len(calibration)
+    for d, (name, head) in enumerate(drafts):
+        def seen(done, n, name=name, d=d):
+            if progress is not None:
+                progress(bench.BenchProgress(name, done - 1, n, d * n + done, total, None, None, None,
+                                             phase="calibrate",
+                                             message=f"calibration for --k auto: {name}, prompt {done}/{n}"))
         profile = calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
-                            eos_token_id=eos)
+                            eos_token_id=eos, progress=seen)
         picks = ([best_chain(curve, profile)] if options.auto_k else []) + \
                 ([best_tree(curve, profile)] if options.auto_tree else [])
         for p in picks:
@@ -439,6 +467,7 @@ def annotate(report: bench.BenchReport, contenders: Sequence[bench.Contender], c
         return
     report.cost_curve = curve.to_json()["cost_curve"]
     report.draft_step_seconds = curve.draft_s(1)
+    report.cost_curve_machine = curve.machine.to_json() if curve.machine is not None else None
     for c, entry in zip(contenders, report.results):
         if c.kind == "autoregressive":
             entry["predicted_speedup"] = 1.0
@@ -453,15 +482,23 @@ def annotate(report: bench.BenchReport, contenders: Sequence[bench.Contender], c
             entry["predicted_speedup"] = None
 
 
-def plan(target, drafts: Sequence[tuple[str, object]], options, store) -> tuple[list[bench.Contender], CostCurve | None]:
+def plan(target, drafts: Sequence[tuple[str, object]], options, store,
+         progress: Callable[[bench.BenchProgress], None] | None = None) -> tuple[list[bench.Contender], CostCurve | None]:
     """The benchmark's line-up with its `auto` contenders resolved, and the cost curve its predictions use
-    (measured once per machine and draft shape, then read from the store; None without drafts)."""
+    (measured once per machine and draft shape on a quiet machine, then read from the store; None without
+    drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration ("calibrate")."""
     contenders = bench.contenders_for(drafts, options)
     if not drafts:
         return contenders, None
-    curve = cost_curve(target, store, drafts[0][1])
+
+    def say(message):
+        if progress is not None:
+            progress(bench.BenchProgress("", 0, 0, 0, 0, None, None, None, phase="cost curve", message=message))
+
+    curve = cost_curve(target, store, drafts[0][1], machine_options=options.machine, progress=say)
     if options.auto_k or options.auto_tree:
         cal = replace(options, seed=options.seed + 1, limit=CALIBRATION_PROMPTS)
         _, prompts = bench.fitting_prompts(target.tokenizer, cal, cache=store.root / "prompts")
-        contenders = lineup(contenders, auto_contenders(target, drafts, options, curve, [p.input_ids for p in prompts]))
+        contenders = lineup(contenders, auto_contenders(target, drafts, options, curve, [p.input_ids for p in prompts],
+                                                        progress))
     return contenders, curve

@@ -11,7 +11,9 @@ For one capture:
   3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
                   and data (cached: a re-run that adds a set or a seed trains only those);
   4. benchmark    bench.run on held-out prompts, every draft against plain decoding in one run; each
-                  draft's result and its per-prompt totals are cached with the prompts and decoding options;
+                  draft's result and its per-prompt totals are cached with the prompts and decoding options
+                  and the machine's state during the run (layerscope.machine; the report's `machine` merges
+                  every run it used, and the verdict says so when one ran on a busy machine);
   5. statistics   study_stats: per set τ, acceptance and speedup with paired bootstrap intervals over
                   the prompts, the paired difference to the default rule, the seed spread; the Spearman
                   correlation of every proxy version with τ with an interval; a plain-words verdict.
@@ -25,12 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import bench, select, specdec, study_stats
+from layerscope import bench, machine, select, specdec, study_stats
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
 from layerscope.draft.online import train_online
 from layerscope.draft.train import draft_for
 from layerscope.errors import LayerScopeError, SelectionError
+from layerscope.machine import MachineOptions
 from layerscope.metrics.correlation import spearman
 from layerscope.store import make_key
 from layerscope.study_stats import PromptRuns
@@ -60,12 +63,13 @@ class StudyOptions:
                                                        # all sets from one target pass per seed, instead of from the capture
     kernels: tuple[str, ...] = ("linear", "cosine")    # proxy versions: token preparation of entropy and CKA ...
     filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
+    machine: MachineOptions = field(default_factory=MachineOptions)   # the benchmark's quiet rule and --wait-quiet
 
     def bench_options(self) -> bench.BenchOptions:
         """The benchmark of the study: these prompts, one chain of depth K per draft, no HF peers."""
         return bench.BenchOptions(prompts=self.prompts, limit=self.limit, seed=self.seed,
                                   max_new_tokens=self.max_new_tokens, max_prompt_tokens=self.max_prompt_tokens,
-                                  ks=(self.depth,), peers=False)
+                                  ks=(self.depth,), peers=False, machine=self.machine)
 
 
 @dataclass
@@ -111,12 +115,13 @@ class StudyReport:
     correlations: list[dict] = field(default_factory=list)   # every proxy version: proxy, version, rho, ci, sets
     best_proxies: dict = field(default_factory=dict)          # proxy -> its best-correlated version
     reference: int = 0                                        # index of the default rule's row
+    machine: dict | None = None                               # machine.merge of the benchmark runs it used
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "rows": [r.to_json() for r in self.rows], "correlations": self.correlations,
                 "best_proxies": self.best_proxies, "options": self.options, "capture": self.capture,
                 "spearman": self.spearman, "baseline_tokens_per_s": self.baseline_tokens_per_s,
-                "prompts": self.prompts, "reference": self.reference}
+                "prompts": self.prompts, "reference": self.reference, "machine": self.machine}
 
 
 @dataclass(frozen=True)
@@ -210,36 +215,42 @@ def train_drafts_online(target, store, sets, o: StudyOptions, seeds, say) -> lis
     return [[paths[i] for paths in per_seed] for i in range(len(sets))]
 
 
-def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, dict, int, dict]:
+def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, dict, int, dict, dict | None]:
     """Every draft on the same prompts against plain decoding. Returns ({path: bench entry},
-    {path: PromptRuns}, prompts, plain decoding's entry); drafts benchmarked before with these prompts and
-    options come from the store (plain decoding's entry then from the latest run that measured it)."""
+    {path: PromptRuns}, prompts, plain decoding's entry, the machine over every run used: machine.merge);
+    drafts benchmarked before with these prompts and options come from the store (plain decoding's entry
+    then from the latest run that measured it), each with the machine's state of its run."""
     bench_options = o.bench_options()
     prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options, cache=store.root / "prompts")
     cache = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
              "device": str(target.device), "format": BENCH_FORMAT}
     baseline_key = make_key({"autoregressive": target.fingerprint, **cache})
-    results, per_prompt, todo = {}, {}, []
+    results, per_prompt, machines, todo = {}, {}, {}, []
     for path in dict.fromkeys(str(p) for p in paths):
         key = make_key({"draft": read_meta(path).get("key", path), **cache})
         cached = store.get_json("study-bench", key)
         if cached is not None:
             results[path], per_prompt[path] = cached["result"], PromptRuns.from_json(cached["per_prompt"])
+            machines[path] = cached.get("machine")
         else:
             todo.append((path, key))
     if todo:
         heads = bench.load_drafts(target, [(path, path) for path, _ in todo])   # named by their (unique) paths
         def seen(p):
-            say(StudyProgress("bench", f"benchmark: {p.contender}", detail=p))
+            say(StudyProgress("bench", p.message if p.phase != "decode" else f"benchmark: {p.contender}", detail=p))
 
         report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
-                               progress=seen)
+                               progress=seen, machine_options=bench_options.machine)
         by_name = {r["name"]: r for r in report.results}
         for path, key in todo:
             results[path], per_prompt[path] = by_name[path], bench.prompt_runs(by_name[path], by_name["autoregressive"])
-            store.put_json("study-bench", key, {"result": results[path], "per_prompt": per_prompt[path].to_json()})
-        store.put_json("study-bench", baseline_key, by_name["autoregressive"])
-    return results, per_prompt, len(prompts), store.get_json("study-bench", baseline_key) or {}
+            machines[path] = report.machine
+            store.put_json("study-bench", key, {"result": results[path], "per_prompt": per_prompt[path].to_json(),
+                                                "machine": report.machine})
+        store.put_json("study-bench", baseline_key, by_name["autoregressive"] | {"machine": report.machine})
+    merged = machine.merge(machines.values())
+    return (results, per_prompt, len(prompts), store.get_json("study-bench", baseline_key) or {},
+            merged.to_json() if merged is not None else None)
 
 
 def run_study(cap, target, store, options: StudyOptions | None = None, analysis: AnalysisOptions | None = None,
@@ -261,7 +272,8 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
             skipped[name] = str(e)
 
     drafts = train_drafts(cap, target, store, sets, o, say)
-    results, per_prompt, n_prompts, baseline = benchmark(target, store, [p for ps in drafts for p in ps], o, say)
+    results, per_prompt, n_prompts, baseline, machine_state = benchmark(target, store, [p for ps in drafts for p in ps],
+                                                                        o, say)
     reference = next(i for i, (_, strategies) in enumerate(sets) if "default" in strategies)
     compared, tau_boot = study_stats.compare_sets([[per_prompt[str(p)] for p in ps] for ps in drafts], reference,
                                                   seed=o.seed)
@@ -294,10 +306,12 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     correlations = study_stats.correlate(table, taus, tau_boot, seed=o.seed + 1)
     text = study_stats.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts,
                                seeds=len(seeds))
+    busy = machine.caution(machine_state, "speedups and tokens/s")
+    text = f"{text} {busy}" if busy else text
     options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
                                 "proxy_versions": list(versions), "proxy_versions_skipped": skipped}
     report = StudyReport(cap.key, rows, corr, baseline.get("tokens_per_s"), n_prompts, options_json, text,
-                         correlations, study_stats.best_versions(correlations), reference)
+                         correlations, study_stats.best_versions(correlations), reference, machine_state)
     say(StudyProgress("done", "study complete"))
     return report
 
@@ -345,6 +359,8 @@ def format_study(report: StudyReport) -> str:
                     f"tokens, chain K={o.get('depth')}, {budget_text(o)}, "
                     f"training seeds {','.join(map(str, seeds))}, {o.get('kernel')} kernel\n")
     lines.insert(1, report.verdict + "\n")
+    if report.machine:
+        lines.insert(2, machine.line(report.machine, "speedups") + "\n")
     lines.append("")
     lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy).")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(

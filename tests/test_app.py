@@ -365,6 +365,7 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     at.radio(key="ls_w_spec_bench_src").set_value("builtin")
     at.number_input(key="ls_w_spec_bench_n").set_value(2)
     at.number_input(key="ls_w_spec_bench_new").set_value(10)
+    at.toggle(key="ls_w_spec_bench_auto").set_value(False)      # a fixed K (the default is auto)
     at.number_input(key="ls_w_spec_bench_k").set_value(3)
     at.run()
     at.button(key="ls_spec_bench").click().run()

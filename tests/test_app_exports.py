@@ -62,6 +62,7 @@ def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, ti
     at.radio(key="ls_w_spec_bench_src").set_value("builtin")
     at.number_input(key="ls_w_spec_bench_n").set_value(3)
     at.number_input(key="ls_w_spec_bench_new").set_value(8)
+    at.toggle(key="ls_w_spec_bench_auto").set_value(False)      # a fixed K (the default is auto)
     at.number_input(key="ls_w_spec_bench_k").set_value(3)
     at.run()
     at.button(key="ls_spec_bench").click().run()

@@ -141,7 +141,7 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "cost_curve", "draft_step_seconds",
-                        "intervals"}
+                        "intervals", "machine", "cost_curve_machine"}
     assert [r["name"] for r in doc["results"]] == ["autoregressive", "low", "hf-generate", "hf-prompt-lookup"]
     assert doc["intervals"]["reference"] == "low" and doc["intervals"]["prompts"] == 3
     for r in doc["results"]:          # the same intervals the library computes, printed as JSON

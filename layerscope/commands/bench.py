@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
-from layerscope import workflow
+from layerscope import machine, workflow
 from layerscope.bench import BenchOptions, folder_names, format_table
-from layerscope.commands.common import Progress, open_store, print_json
+from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.errors import LayerScopeError
 from layerscope.specdec import TreeSpec
 
@@ -42,6 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and HF prompt lookup")
     p.add_argument("--prompt-lookup", type=int, default=d.lookup_tokens,
                    help="prompt_lookup_num_tokens for the HF peer (default %(default)s)")
+    add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -75,7 +76,8 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(model=args.model, prompts=args.prompts, split=args.split, limit=args.limit, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         ks=tuple(dict.fromkeys(ks)), trees=trees, peers=not args.no_peers,
-                        lookup_tokens=args.prompt_lookup, auto_k=auto_k, auto_tree=args.tree == "auto")
+                        lookup_tokens=args.prompt_lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
+                        machine=machine_options(args))
 
 
 def run(args) -> int:
@@ -84,6 +86,12 @@ def run(args) -> int:
     with Progress("bench", unit="run") as bar:
         def show(p):
             nonlocal shown
+            if p.phase in ("wait", "cost curve"):
+                bar.update(0, None, phase=p.message)
+                return
+            if p.phase == "calibrate":
+                bar.update(p.runs_done, p.runs_total, phase=p.message)
+                return
             if p.event is None or time.monotonic() - shown > 0.5:    # every run's end, else twice a second
                 shown = time.monotonic()
                 bar.update(p.runs_done, p.runs_total, on=p.contender, prompt=p.prompt_index + 1,
@@ -94,6 +102,8 @@ def run(args) -> int:
         print(f"warning: {w}", file=sys.stderr)
     if args.json:
         print_json(done.report.to_json())
+        if not (done.report.machine or {}).get("quiet", True):
+            print(machine.line(done.report.machine), file=sys.stderr)
     else:
         print(f"prompt set {done.prompt_set.name} on {done.target.spec}")
         print(format_table(done.report))

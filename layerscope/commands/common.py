@@ -7,7 +7,9 @@ import sys
 
 from tqdm import tqdm
 
+from layerscope.draft.online import parse_duration
 from layerscope.errors import LayerScopeError
+from layerscope.machine import WAIT_S, MachineOptions
 from layerscope.store import Store
 
 STORE_HELP = "artifact store directory (default: $LAYERSCOPE_STORE, else ./cache under the working directory)"
@@ -30,6 +32,23 @@ def parse_layers(text: str) -> list[int]:
     except ValueError:
         raise LayerScopeError(f"--layers {text!r} is not a comma-separated list of integers",
                               "Write it like --layers 2,15,27") from None
+
+
+def add_wait_quiet(p) -> None:
+    """--wait-quiet [SECONDS] of the commands that time something (profile, bench, study)."""
+    q = MachineOptions()
+    p.add_argument("--wait-quiet", nargs="?", const=f"{WAIT_S:g}", default=None, metavar="SECONDS",
+                   help=f"before timing, wait up to SECONDS (e.g. 300, 10m; default {WAIT_S:g} s) for the machine to "
+                        f"be quiet (other processes under {q.max_others_cpu:g} of a core), showing what it sees; if it "
+                        f"stays busy, time anyway and mark the result busy")
+
+
+def machine_options(args) -> MachineOptions:
+    """MachineOptions from --wait-quiet (durations as train-draft's --time: 300, 90s, 10m, 1h)."""
+    wait = getattr(args, "wait_quiet", None)
+    options = MachineOptions(wait_s=parse_duration(wait) if wait is not None else None)
+    options.validate()
+    return options
 
 
 class Progress:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from layerscope import costmodel, workflow
-from layerscope.commands.common import open_store, print_json
+import sys
+
+from layerscope import costmodel, machine, workflow
+from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.draft.export import load_draft
 from layerscope.models import DEFAULT_MODEL
 from layerscope.specdec import DEFAULT_K
@@ -20,7 +22,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=costmodel.MAX_TOKENS,
                    help="longest verification forward measured (default %(default)s)")
     p.add_argument("--repeats", type=int, default=costmodel.REPEATS, help="timings per point (default %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="measure again instead of reading the stored curve")
+    p.add_argument("--fresh", action="store_true",
+                   help="measure again instead of reading the stored curve (only a curve measured on a quiet machine "
+                        "is ever read back)")
+    add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -28,16 +33,23 @@ def run(args) -> int:
     store = open_store(args)
     target = workflow.load_target(args.model, store)
     draft = load_draft(args.draft, target) if args.draft else None
-    curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=max(args.max_tokens, 2),
-                                 repeats=max(args.repeats, 1))
+    options = machine_options(args)
+    with Progress("profile", unit="") as bar:
+        curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=max(args.max_tokens, 2),
+                                     repeats=max(args.repeats, 1), machine_options=options,
+                                     progress=lambda message: bar.update(0, None, phase=message))
     taus = costmodel.break_even_taus(curve)
     doc = curve.to_json() | {"model": target.spec, "break_even_tau": taus[f"chain k={DEFAULT_K}"],
                              "break_even_tau_by_decoding": taus}
+    state = machine.line(curve.machine, "these costs")
     if args.json:
         print_json(doc)
+        if curve.machine is not None and not curve.machine.quiet:
+            print(state, file=sys.stderr)
         return 0
     print(f"{target.spec} on {curve.device} ({curve.dtype}, {curve.threads} thread{'s' if curve.threads > 1 else ''}); "
           f"prefix lengths {', '.join(map(str, curve.cache_lengths))}")
+    print(state or "machine: not recorded")
     base = curve.target_s(1)
     print(f"{'tokens':>6}  {'seconds':>9}  {'x T=1':>6}")
     for T in range(1, len(curve.target) + 1):

@@ -6,7 +6,7 @@ import time
 
 from layerscope import workflow
 from layerscope.analysis import AnalysisOptions
-from layerscope.commands.common import Progress, open_store, parse_layers, print_json
+from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, parse_layers, print_json
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
@@ -62,6 +62,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="default %(default)s")
     p.add_argument("--depth", type=int, default=d.depth, help="chain draft depth K (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="prompt sample and training seed")
+    add_wait_quiet(p)
     p.add_argument("--json", action="store_true")
 
 
@@ -85,7 +86,7 @@ def options_from_args(args) -> StudyOptions:
                         max_new_tokens=args.max_new_tokens, depth=args.depth,
                         seeds=tuple(parse_list(args.seeds, "--seeds", int)) if args.seeds else None,
                         random_sets=args.random_sets, filters=tuple(parse_list(args.filters, "--filters", float)),
-                        online=online)
+                        online=online, machine=machine_options(args))
 
 
 def parse_list(text: str, flag: str, kind) -> list:
@@ -113,6 +114,8 @@ def run(args) -> int:
             elif p.phase == "train" and isinstance(p.detail, dict):
                 bar.update(p.detail.get("step", 0), p.detail.get("steps"), phase=p.message,
                            loss=p.detail.get("loss", 0.0))
+            elif p.phase == "bench" and p.detail is not None and p.detail.phase != "decode":     # the wait
+                bar.update(bar.bar.n, None, phase=p.message)
             elif p.phase == "bench" and p.detail is not None:
                 bar.update(p.detail.runs_done, p.detail.runs_total, phase=p.message,
                            tau=p.detail.tau if p.detail.tau is not None else "-")

@@ -287,6 +287,10 @@ class _BenchLive:
     def __call__(self, p) -> None:
         job, e = self.job, p.event
         job.check_cancel()
+        if p.phase != "decode":                  # the wait, the cost curve, the calibration of K = auto
+            frac = 0.01 + 0.01 * p.runs_done / p.runs_total if p.runs_total else None
+            job.update(frac, p.message, phase=p.phase)
+            return
         if p.tau is not None:
             self.live[p.contender] = {"tau": p.tau, "tokens_per_s": p.tokens_per_s}
         if e is not None:
@@ -308,20 +312,24 @@ class _BenchLive:
                    step_tau=len(e.tokens) if e is not None and e.step > 0 else None,
                    acceptance={name: {"drafted": list(t.drafted_at), "accepted": list(t.accepted_at)}
                                for name, t in self.tallies.items()},
-                   text=list(self.text.pieces) if self.text is not None else [], text_of=p.contender)
+                   text=list(self.text.pieces) if self.text is not None else [], text_of=p.contender, phase=p.phase)
 
 
 @job_task
-def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int, k: int,
-              peers: bool, seed: int = 0, capture_key: str | None = None):
+def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int,
+              k: int | str = "auto", peers: bool, seed: int = 0, capture_key: str | None = None):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
+    k: a chain depth, or "auto" (the default): the depth with the best predicted speedup, chosen by a
+    calibration (costmodel.plan) whose prompts show as progress like the decoding's.
 
     Live, per contender: running τ and tokens/s (metrics["live"]), τ of every step (series
     "tau:<name>"), accepted/drafted counts per draft position (metrics["acceptance"]), and the text
-    of the run being decoded with accepted draft tokens marked (metrics["text"]).
+    of the run being decoded with accepted draft tokens marked (metrics["text"]); before the decoding,
+    metrics["phase"] ("cost curve", "calibrate") with the message saying what it does.
     """
+    auto = k == "auto"
     options = BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
-                           ks=(k,), peers=peers)
+                           ks=() if auto else (int(k),), auto_k=auto, peers=peers)
 
     def run(job):
         if not drafts:
