@@ -38,7 +38,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layerscope.errors import PromptSetError
+from layerscope import jsonsafe
+from layerscope.errors import LayerScopeError, PromptSetError
 from layerscope.store import atomic_write_bytes, default_root
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
@@ -121,6 +122,16 @@ def load_prompts(spec: str, *, limit: int | None = None, seed: int = 0, split: s
         prompts, warnings = _user_file(path, turns)
         prompts = _sample(prompts, limit, seed)
     return PromptSet(name, prompts, content_hash(prompts), warnings)
+
+
+def check_spec(spec: str, split: str = "train") -> None:
+    """The cheap part of load_prompts, for a command's preflight: the named set exists and opens (a file is
+    a regular file of a known type under the size limit; ShareGPT's package is installed). Nothing is read."""
+    spec = str(spec).strip()
+    if spec in ("sharegpt", "sharegpt-heldout"):
+        sharegpt_path()
+    elif spec != "builtin":
+        _user_path(spec)
 
 
 def content_hash(prompts: list[Prompt]) -> str:
@@ -244,11 +255,11 @@ def sharegpt_index(path: Path, cache: Path | None = None) -> dict:
     key = hashlib.sha256(json.dumps(identity).encode("utf-8")).hexdigest()[:24]
     cached = (cache or cache_dir()) / f"sharegpt-index-{key}.json"
     try:
-        index = json.loads(cached.read_text("utf-8"))
+        index = jsonsafe.loads(cached.read_bytes(), what=cached.name, error=PromptSetError)
         if index.get("identity") == identity:
             return index
-    except (OSError, ValueError, AttributeError):
-        pass
+    except (OSError, LayerScopeError, AttributeError):
+        pass                       # missing, damaged or planted: built again
     scan, records, seen = JsonArrayScan(path), [], set()
     for record, offset, length, _ in scan:
         if _user_turns(record, 1)[0] is not None:
@@ -269,7 +280,7 @@ def _write_json_atomic(path: Path, obj) -> None:
     """The store's atomic write; a read-only cache location just means no cache."""
     try:
         atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode("utf-8"))
-    except OSError:
+    except (OSError, LayerScopeError):     # the store's write helpers say StoreWriteError for a full or read-only disk
         pass
 
 
@@ -349,6 +360,12 @@ class JsonArrayScan:
                     break
                 try:
                     record, end = decoder.raw_decode(buf, pos)
+                    if jsonsafe.depth(buf[pos:end]) > jsonsafe.MAX_DEPTH:
+                        raise RecursionError
+                except RecursionError:
+                    raise PromptSetError(f"{self.path.name}: the record at line {line} is nested more than "
+                                         f"{jsonsafe.MAX_DEPTH} levels deep", "A prompt record is an object of "
+                                         "strings and lists of turns; fix or remove that record") from None
                 except json.JSONDecodeError as e:
                     if eof:
                         self.tail_bytes, self.tail_line, self.tail_error = size - offset, line, e.msg
@@ -509,9 +526,9 @@ def _read_jsonl(lines, turns: int) -> tuple[list[Prompt], list[str]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            warnings.append(f"line {n}: not valid JSON: {e.msg} (column {e.colno})")
+            record = jsonsafe.loads(line, what="this line", error=PromptSetError)
+        except PromptSetError as e:   # "line 3: not valid JSON (...)", "line 4: nested 900 levels deep, ..."
+            warnings.append(f"line {n}: {e.problem.removeprefix('this line ').removeprefix('is ')}")
             continue
         user, problem = _user_turns(record, turns)
         if user is None:

@@ -49,6 +49,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from layerscope import jsonsafe
 from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 from layerscope.analysis import AnalysisOptions
 from layerscope.draft.export import FILES as DRAFT_FILES
@@ -289,11 +290,9 @@ def _read_archive(data: bytes, source: str, with_arrays: bool = True,
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
             _refuse(source, f"the archive is corrupted ({e})")
     try:
-        doc = json.loads(raw.decode("utf-8"), parse_constant=lambda c: _refuse(source, f"{c} in {JSON_MEMBER}"))
-    except UnicodeDecodeError:
-        _refuse(source, f"{JSON_MEMBER} is not UTF-8 text")
-    except json.JSONDecodeError as e:
-        _refuse(source, f"{JSON_MEMBER} is not valid JSON ({e.msg} at line {e.lineno})")
+        doc = jsonsafe.loads(raw, what=JSON_MEMBER, error=SessionError, max_bytes=MAX_JSON_BYTES, allow_nan=False)
+    except SessionError as e:
+        _refuse(source, e.problem)
     arrays: dict[str, torch.Tensor] = {}
     if blob is not None:
         try:
@@ -821,10 +820,11 @@ def _archived_drafts(doc: dict, files: dict[str, dict[str, bytes]], source: str)
                    f"{where}: {name} does not match its size and checksum (damaged in transfer?)")
             if name.endswith(".json"):
                 try:
-                    ok = isinstance(json.loads(blob.decode("utf-8")), dict)
-                except (UnicodeDecodeError, ValueError):
-                    ok = False
-                _check(ok, source, f"{where}: {name} is not a JSON object")
+                    value = jsonsafe.loads(blob, what=f"{where}: {name}", error=SessionError,
+                                           max_bytes=MAX_DRAFT_JSON_BYTES)
+                except SessionError as e:
+                    _refuse(source, e.problem)
+                _check(isinstance(value, dict), source, f"{where}: {name} is not a JSON object")
         out.append({"entry": entry, "path": d["path"], "files": got})
     return out
 

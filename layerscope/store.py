@@ -12,8 +12,13 @@ Guarantees (docs/internals.md, "Store guarantees"): every file is written to a t
 renamed into place, so a run killed at any moment leaves a complete entry or none; one writer per
 entry at a time (`Store.lock`), the others wait and then find the finished entry; every chunk's size
 and sha256 are in its capture's manifest, checked on open (sizes, headers) and on first read (hash);
-only names that are entry keys are listed. The index is a cache of what is on disk: when it is
-damaged it is rebuilt from the entries, when the store is read-only it lives in memory.
+only names that are entry keys are listed, and an entry is used only where layerscope/paths.py allows
+(a link leaving the store is a problem every listing, `verify` and every open reports alike). The index
+is a cache of what is on disk: when it is damaged (and only then: a full or read-only disk is not
+damage) it is rebuilt from the entries; when it cannot be written it is read as it is and new results
+live in memory. Its values are bounded JSON (layerscope/jsonsafe.py). A write that meets a full or
+read-only disk is one `StoreWriteError` line (`as_write_error` is the one rule, also applied by the CLI
+and the app's worker to OSErrors that escape elsewhere); what was finished stays on disk.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import struct
 import tempfile
 import time
 import warnings
+import zlib
 from pathlib import Path
 
 import diskcache
@@ -38,7 +44,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from layerscope import jsonsafe
 from layerscope.errors import StoreError
+from layerscope.paths import LINK_FIX, entry_problem
 
 ENTRY_KINDS = ("captures", "drafts", "models", "sessions")   # directory kinds the size limit evicts
 DEFAULT_SIZE_LIMIT = 50 * 2**30
@@ -50,6 +58,8 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 MAX_MANIFEST_BYTES = 64 * 2**20
 MAX_HEADER_BYTES = 100 * 2**20
+MAX_INDEX_VALUE_BYTES = 256 * 2**20          # one decompressed index value (an analysis with its token table)
+INDEX_DAMAGE = ("not a database", "malformed", "no such table", "no such column", "corrupt")
 CHUNK_DTYPES = {"token_id": "I32", "position": "I32", "conversation": "I32", "is_response": "BOOL",
                 "entropy": "F32"}
 
@@ -79,18 +89,47 @@ def file_sha256(path: Path) -> str:
 
 # ---------------------------------------------------------------------------- writes
 
+class StoreWriteError(StoreError):
+    """A write met a full or read-only disk (or a file-size or quota limit). Never a sign of damage."""
+
+
+RESUME = "run the same command again: what was finished is kept (capture chunks, the last training checkpoint) and it resumes"
+
+
 def write_error(e: OSError, path: Path) -> StoreError:
     """An OSError met while writing `path`, as one clear line: full disk, read-only store, or other."""
     where = Path(path).parent
     if e.errno in NO_SPACE:
-        return StoreError(f"No space left on the disk holding {where} (while writing {Path(path).name})",
-                          "Free disk space or pass --store on a larger disk; finished entries and chunks are kept "
-                          "and a rerun resumes")
+        return StoreWriteError(f"No space left on the disk holding {where} (while writing {Path(path).name}: "
+                               f"{e.strerror or os.strerror(e.errno)})",
+                               f"Free disk space or pass --store on a larger disk, then {RESUME}")
     if e.errno in READ_ONLY:
-        return StoreError(f"The store at {where} is read-only ({e.strerror})",
-                          "Pass --store (or set LAYERSCOPE_STORE) to a writable directory; reading and listing "
-                          "still work here")
-    return StoreError(f"Cannot write {path}: {e.strerror or e}", "Check the disk and the store directory")
+        return StoreWriteError(f"The store at {where} is read-only ({e.strerror or os.strerror(e.errno)})",
+                               "Pass --store (or set LAYERSCOPE_STORE) to a writable directory; reading and listing "
+                               "still work here")
+    return StoreWriteError(f"Cannot write {path}: {e.strerror or e}", "Check the disk and the store directory")
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OSError behind `e`: itself, or the one a SafetensorError reports as 'os error N'."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, SafetensorError):
+        code = re.search(r"os error (\d+)", str(e))
+        if code:
+            return OSError(int(code[1]), os.strerror(int(code[1])))
+    return None
+
+
+def as_write_error(e: BaseException, path=None) -> StoreWriteError | None:
+    """The one rule for a write that failed: an OSError (or SafetensorError) with errno ENOSPC, EDQUOT, EFBIG,
+    EROFS, EACCES or EPERM is a StoreWriteError (one line, never 'damaged'); anything else is None."""
+    if isinstance(e, StoreWriteError):
+        return e
+    err = os_error_of(e)
+    if err is None or err.errno not in NO_SPACE + READ_ONLY:
+        return None
+    return write_error(err, Path(path or err.filename or err.filename2 or "the store/file"))
 
 
 def _write_via_temp(path: Path, write) -> None:
@@ -132,10 +171,10 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         except SafetensorError as e:      # an I/O error inside safetensors: keep its errno (full disk ...)
-            code = re.search(r"os error (\d+)", str(e))
-            if code is None:
+            err = os_error_of(e)
+            if err is None:
                 raise
-            raise OSError(int(code[1]), os.strerror(int(code[1]))) from None
+            raise err from None
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
     _write_via_temp(path, write)
@@ -151,6 +190,38 @@ def check_entry_name(kind: str, key: str) -> str:
 
 # ---------------------------------------------------------------------------- the index
 
+class BoundedJSONDisk(diskcache.JSONDisk):
+    """diskcache's JSON disk whose values are read as bounded JSON: a value planted in the index that is
+    too large once decompressed, or nested too deep, is a StoreError (the caller treats it as a miss)."""
+
+    def fetch(self, mode, filename, value, read):
+        data = diskcache.Disk.fetch(self, mode, filename, value, read)
+        if read:
+            return data
+        try:
+            unzip = zlib.decompressobj()
+            text = unzip.decompress(data, MAX_INDEX_VALUE_BYTES + 1)
+        except zlib.error as e:
+            raise StoreError(f"An index value is not compressed JSON ({e})", "It is recomputed") from None
+        if len(text) > MAX_INDEX_VALUE_BYTES or unzip.unconsumed_tail:
+            raise StoreError(f"An index value is larger than {MAX_INDEX_VALUE_BYTES >> 20} MiB", "It is recomputed")
+        return jsonsafe.loads(text, what="An index value", error=StoreError, fix="It is recomputed")
+
+
+def open_cache(directory: Path) -> diskcache.Cache:
+    """The diskcache index in `directory` (JSON only, never pickle), its table touched once (opening is lazy
+    about some damage)."""
+    cache = diskcache.Cache(str(directory), disk=BoundedJSONDisk, eviction_policy="none", size_limit=2**40)
+    cache.get("used/check")
+    return cache
+
+
+def index_damaged(e: BaseException) -> bool:
+    """Whether an index error means its database is damaged (rebuild it), rather than that the disk is full,
+    read-only, locked or failing (read it as it is; never move it aside)."""
+    return isinstance(e, sqlite3.DatabaseError) and any(w in str(e).lower() for w in INDEX_DAMAGE)
+
+
 class _MemoryIndex(dict):
     """Stand-in for the diskcache index when the store cannot hold one (read-only): same calls, no disk.
 
@@ -165,7 +236,7 @@ class _MemoryIndex(dict):
             try:   # immutable: a WAL database opens without writing its -shm file
                 self._db = sqlite3.connect(f"{db.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False)
                 self._db.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
-                self._disk = diskcache.JSONDisk(str(readonly_dir))
+                self._disk = BoundedJSONDisk(str(readonly_dir))
             except (sqlite3.Error, OSError):
                 self._db = None
 
@@ -224,31 +295,43 @@ class Store:
         return self._index
 
     def _open_index(self):
-        directory = self.root / "index"
         try:
-            cache = diskcache.Cache(str(directory), disk=diskcache.JSONDisk, eviction_policy="none", size_limit=2**40)
-            cache.get("used/check")      # opening is lazy about some damage: touch the table once
-            return cache
+            return open_cache(self.root / "index")
         except (sqlite3.DatabaseError, OSError) as e:
-            return self._repair_index(e)
+            if index_damaged(e):
+                return self._repair_index(e)
+            return self._unwritable_index(e)
+
+    def _unwritable_index(self, error: Exception):
+        """The index read as it is (sqlite opened read-only), new results in memory: a full or read-only disk,
+        or another error that is not damage. Nothing is moved or rebuilt."""
+        why = getattr(error, "strerror", None) or str(error)
+        if not self.writable or isinstance(error, OSError) and error.errno in READ_ONLY \
+                or "readonly" in why or "read-only" in why:
+            self.warn(f"The store at {self.root} is read-only: new results are kept in memory only")
+        else:
+            self.warn(f"The store index in {self.root} cannot be written ({why}); it is read as it is and new "
+                      "results are kept in memory only (free disk space to cache them again)")
+        return _MemoryIndex(self.root / "index")
 
     def _repair_index(self, error: Exception):
-        if not self.writable or isinstance(error, OSError) and error.errno in READ_ONLY \
-                or "readonly" in str(error) or "read-only" in str(error):
-            self.warn(f"The store at {self.root} is read-only: new results are kept in memory only")
-            return _MemoryIndex(self.root / "index")
-        with self.lock("index", "repair"):
+        """Move a damaged index aside and rebuild it from the entries on disk (under the index lock)."""
+        if not self.writable:
+            return self._unwritable_index(error)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.lock("index", "repair"))
+            except StoreWriteError as e:          # the lock file cannot be made: the disk is full or read-only
+                return self._unwritable_index(e)
             try:   # another process may have repaired it while we waited
-                cache = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk, eviction_policy="none",
-                                        size_limit=2**40)
-                cache.get("used/check")
-                return cache
-            except (sqlite3.DatabaseError, OSError):
-                pass
+                return open_cache(self.root / "index")
+            except (sqlite3.DatabaseError, OSError) as e:
+                if not index_damaged(e):
+                    return self._unwritable_index(e)
             aside = self.root / f".index.damaged-{int(time.time())}-{os.getpid()}"
             try:
                 os.replace(self.root / "index", aside)
-                cache = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk, eviction_policy="none",
+                cache = diskcache.Cache(str(self.root / "index"), disk=BoundedJSONDisk, eviction_policy="none",
                                         size_limit=2**40)
             except (sqlite3.DatabaseError, OSError) as e:
                 self.warn(f"The store index in {self.root} is damaged and could not be rebuilt ({e}); "
@@ -262,19 +345,23 @@ class Store:
             return cache
 
     def _index_call(self, method: str, *args, default=None):
-        """One index operation; a damaged index is repaired once, a full or read-only one is skipped with a warning."""
+        """One index operation. A damaged index is repaired once; a full or read-only one is skipped with a
+        warning (never moved aside); a damaged value (too large, too deep) reads as missing."""
         for attempt in (0, 1):
             try:
                 return getattr(self.index, method)(*args)
             except sqlite3.DatabaseError as e:
-                text = str(e)
-                if "full" in text or "readonly" in text or "read-only" in text or attempt:
-                    self.warn(f"The store index in {self.root} cannot be written ({text}); results are not cached")
+                if not index_damaged(e) or attempt:
+                    self.warn(f"The store index in {self.root} cannot be written ({e}); results are not cached")
                     return default
                 self.close()
                 self._index = self._repair_index(e)
             except OSError as e:
                 self.warn(f"The store index in {self.root} cannot be used ({e.strerror or e}); results are not cached")
+                return default
+            except StoreError as e:
+                self.warn(f"The store index in {self.root} holds a damaged value under {args[0] if args else '?'} "
+                          f"({e.problem}); it is ignored and recomputed")
                 return default
         return default
 
@@ -332,12 +419,22 @@ class Store:
         """The directory for entry `key` of `kind` (not created)."""
         return self.root / kind / key
 
-    def _entry_dirs(self, kind: str) -> list[Path]:
-        """Entry directories of a kind: only entry names (temporary and partial names carry dots)."""
+    def _entry_names(self, kind: str) -> list[Path]:
+        """Every entry of a kind, usable or not: entry names only (temporary and partial names carry dots),
+        directories and links."""
         base = self.root / kind
         if not base.is_dir():
             return []
-        return [p for p in base.iterdir() if ENTRY_NAME_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+        return [p for p in base.iterdir() if ENTRY_NAME_RE.fullmatch(p.name) and (p.is_symlink() or p.is_dir())]
+
+    def entry_problem(self, kind: str, key: str) -> str | None:
+        """Why entry kind/key may not be used (a link leaving the store, a loop, ...: layerscope/paths.py),
+        or None. The one rule of every listing, verify and open."""
+        return entry_problem(self.root / kind, self.path(kind, key))
+
+    def _entry_dirs(self, kind: str) -> list[Path]:
+        """The usable entry directories of a kind (entry_problem is None)."""
+        return [p for p in self._entry_names(kind) if self.entry_problem(kind, p.name) is None]
 
     def touch(self, kind: str, key: str) -> None:
         """Record a use, for least-recently-used eviction (best effort: a read-only store skips it)."""
@@ -377,7 +474,7 @@ class Store:
 
     def remove(self, kind: str, key: str) -> None:
         p = self.path(kind, key)
-        if p.is_dir():
+        if p.is_dir() or p.is_symlink():
             trash = p.with_name(f".{p.name}.deleting-{os.getpid()}")
             try:
                 os.replace(p, trash)      # the entry vanishes at once; the files go after
@@ -385,6 +482,8 @@ class Store:
                 pass
             except OSError as e:
                 raise write_error(e, p) from None
+            if trash.is_symlink():        # a link entry: the link goes, never what it points to
+                trash.unlink(missing_ok=True)
             shutil.rmtree(trash, ignore_errors=True)
         self._index_call("pop", f"used/{kind}/{key}", None)
         if kind == "captures":
@@ -392,7 +491,12 @@ class Store:
 
     # ------------------------------------------------------------------ captures
     def has_capture(self, key: str) -> bool:
-        return bool(KEY_RE.fullmatch(str(key))) and (self.path("captures", key) / "manifest.json").is_file()
+        """Whether captures/<key> is there as a finished capture, or as a link the path rule refuses (then
+        opening it says why: what is listed is what opens, and the other way round)."""
+        if not KEY_RE.fullmatch(str(key)):
+            return False
+        p = self.path("captures", key)
+        return p.is_symlink() and self.entry_problem("captures", key) is not None or (p / "manifest.json").is_file()
 
     def resolve_capture_key(self, key: str) -> str:
         """The full key of a stored capture from its key or an unambiguous prefix (hex); StoreError otherwise."""
@@ -402,8 +506,8 @@ class Store:
                              "unique prefix); run `layerscope captures` to list them")
         if self.has_capture(key):
             return key
-        matches = sorted(p.name for p in self._entry_dirs("captures")
-                         if p.name.startswith(key) and KEY_RE.fullmatch(p.name) and (p / "manifest.json").is_file())
+        matches = sorted(p.name for p in self._entry_names("captures")
+                         if p.name.startswith(key) and self.has_capture(p.name))
         if len(matches) == 1:
             return matches[0]
         if matches:
@@ -416,9 +520,16 @@ class Store:
     def open_capture(self, key: str) -> "CaptureReader":
         """The finished capture `key` (or unique prefix), checked cheaply (schema, sizes, chunk headers)."""
         key = self.resolve_capture_key(key)
+        self._check_entry("captures", key)
         reader = CaptureReader(self.path("captures", key))
         self.touch("captures", key)
         return reader
+
+    def _check_entry(self, kind: str, key: str) -> None:
+        problem = self.entry_problem(kind, key)
+        if problem is not None:
+            raise StoreError(f"{kind[:-1].capitalize()} {key} cannot be used: {problem}",
+                             LINK_FIX.format(where=self.path(kind, key)))
 
     def partial_capture_dir(self, key: str) -> Path:
         return self.root / "captures" / f"{key}.partial"
@@ -447,27 +558,75 @@ class Store:
         self.evict()
         return final
 
-    def list_captures(self) -> list[dict]:
-        """Summaries of finished captures, newest first. A damaged one is listed with `problem` set."""
+    def list_captures(self, *, incomplete: bool = False) -> list[dict]:
+        """Summaries of finished captures, newest first, each with `state` "ok" or "damaged" (then `problem`
+        and `fix` say what and what to do). With `incomplete`, also captures not finished yet (their chunks
+        in captures/<key>.partial/, state "incomplete"): never opened, listed so that nothing is hidden."""
         out = []
-        for p in self._entry_dirs("captures"):
-            if not (KEY_RE.fullmatch(p.name) and (p / "manifest.json").is_file()):
+        for p in self._entry_names("captures"):
+            if not self.has_capture(p.name):
                 continue
+            link = self.entry_problem("captures", p.name)
             try:
+                if link is not None:
+                    raise StoreError(f"Capture {p.name} cannot be used: {link}",
+                                     LINK_FIX.format(where=self.path("captures", p.name)))
                 manifest = read_manifest(p)
                 check_chunk_files(p, manifest)
-                summary = summarize_manifest(manifest)
-                summary["problem"] = None
+                summary = summarize_manifest(manifest) | {"state": "ok", "problem": None, "fix": None}
             except StoreError as e:
-                summary = {k: None for k in SUMMARY_KEYS} | {"key": p.name, "problem": e.problem,
-                                                            "conversations": 0, "tokens": 0, "created": ""}
-            summary["size_bytes"] = self.entry_size("captures", p.name)
+                summary = {k: None for k in SUMMARY_KEYS} | {"key": p.name, "conversations": 0, "tokens": 0,
+                                                            "created": "", "state": "damaged",
+                                                            "problem": e.problem, "fix": e.fix}
+            summary["size_bytes"] = self.entry_size("captures", p.name) if link is None else 0
             out.append(summary)
+        if incomplete:
+            out += self.incomplete_captures()
         return sorted(out, key=lambda s: s.get("created") or "", reverse=True)
+
+    def incomplete_captures(self) -> list[dict]:
+        """Captures begun and not finished: captures/<key>.partial/ with the chunks written so far."""
+        base = self.root / "captures"
+        rows = []
+        for p in sorted(base.glob("*.partial")) if base.is_dir() else []:
+            key = p.name[: -len(".partial")]
+            if not (KEY_RE.fullmatch(key) and p.is_dir() and not p.is_symlink()) or self.has_capture(key):
+                continue
+            chunks = list_chunks(p)
+            busy = self._locked("captures", key)
+            rows.append({k: None for k in SUMMARY_KEYS} | {
+                "key": key, "conversations": max((e for _, e, _ in chunks), default=0), "tokens": None,
+                "created": "", "state": "incomplete", "size_bytes": sum(c.stat().st_size for _, _, c in chunks),
+                "problem": ("being written by another process now" if busy else
+                            f"not finished ({len(chunks)} chunk{'s' if len(chunks) != 1 else ''} written)"),
+                "fix": ("Wait for it to finish" if busy else "Run the same capture command again to resume from "
+                        f"its chunks, or delete {p} to drop them")})
+        return rows
+
+    def _locked(self, kind: str, key: str) -> bool:
+        """Whether another process holds the write lock of kind/key now (a read-only probe)."""
+        path = self.root / "locks" / kind / f"{key}.lock"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def verify_capture(self, key: str) -> list[str]:
         """Every problem of capture `key` (full check: schema, sizes, headers and sha256 of every chunk)."""
-        path = self.path("captures", self.resolve_capture_key(key))
+        key = self.resolve_capture_key(key)
+        path = self.path("captures", key)
+        problem = self.entry_problem("captures", key)
+        if problem is not None:
+            return [problem]
         try:
             manifest = read_manifest(path)
             check_chunk_files(path, manifest)
@@ -508,9 +667,11 @@ def read_manifest(path: Path) -> dict:
     try:
         if f.stat().st_size > MAX_MANIFEST_BYTES:
             raise damaged(path, f"manifest.json is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-        manifest = json.loads(f.read_text("utf-8"))
-    except (OSError, ValueError) as e:
+        manifest = jsonsafe.loads(f.read_bytes(), what="manifest.json", error=StoreError)
+    except OSError as e:
         raise damaged(path, f"manifest.json is unreadable ({e})") from None
+    except StoreError as e:
+        raise damaged(path, e.problem) from None
     validate_manifest(manifest, Path(path).name)
     return manifest
 
@@ -565,7 +726,12 @@ def read_header(path: Path) -> dict:
         (n,) = struct.unpack("<Q", head)
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError("header length runs past the file")
-        header = json.loads(f.read(n))
+        try:
+            header = jsonsafe.loads(f.read(n), what="its header", error=StoreError)
+        except StoreError as e:
+            raise ValueError(e.problem) from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
     header.pop("__metadata__", None)
     end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + n + end != size:

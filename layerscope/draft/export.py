@@ -29,17 +29,19 @@ import zipfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from layerscope import engines
+from layerscope import engines, jsonsafe
 from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead
 from layerscope.engines import TargetFacts
 from layerscope.errors import DraftError
+from layerscope.store import as_write_error
 
 FORMAT = 1
 FILES = ("config.json", "model.safetensors", "layers.json", "layerscope.json")
 STAGING = ".layerscope-staging"
+MAX_JSON_BYTES = 16 * 2**20       # any JSON file of a draft
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -123,8 +125,17 @@ def save_draft(path, head: DraftHead, meta: dict | None = None, *, target=None, 
     if facts is None and target is not None:
         facts = engines.target_facts(target)
     dtype = engines.dtype_name(dtype or (facts.dtype if facts else "float32"))
-    with staged(path) as tmp:
-        write_draft(tmp, head, meta, facts, dtype)
+    try:
+        with staged(path) as tmp:
+            write_draft(tmp, head, meta, facts, dtype)
+    except (OSError, SafetensorError) as e:      # the old draft at `path` (if any) is untouched
+        error = as_write_error(e, path)
+        if error is None and isinstance(e, OSError):
+            error = DraftError(f"Cannot write the draft to {path} ({e.strerror or e})",
+                               "Give another directory; nothing was replaced")
+        if error is None:
+            raise
+        raise error from None
     return path
 
 
@@ -248,7 +259,7 @@ def load_draft(path, target=None) -> DraftHead:
     if ARCHITECTURE not in (cfg.get("architectures") or []) and "Eagle3LlamaForCausalLM" not in (cfg.get("architectures") or []):
         raise DraftError(f"{path}/config.json describes {cfg.get('architectures')}, not an EAGLE-3 Llama draft",
                          f"LayerScope loads drafts with architectures [\"{ARCHITECTURE}\"]")
-    config = DraftConfig.from_hf_config(cfg, meta.get("aux_layers"))
+    config = DraftConfig.from_hf_config(cfg, draft_layers(path, cfg, meta, read_layers_record(path)))
     try:
         tensors = load_file(str(path / "model.safetensors"))
     except Exception as e:  # safetensors raises its own error types for a damaged file
@@ -297,11 +308,67 @@ def check_fits(config: DraftConfig, meta: dict, target, path) -> None:
                          f"Load it with the target it was trained for, or train a draft for {name} with `layerscope train-draft`")
 
 
+def read_config(path) -> dict:
+    """config.json of a draft directory."""
+    return _read_json(Path(path) / "config.json")
+
+
+def draft_layers(path, cfg: dict, meta: dict, record: dict) -> list[int] | None:
+    """The one layer set every file of the draft in `path` records, with the engines' conventions applied:
+    config.json's vLLM key (ids = layers) and SGLang key (eagle_config; ids = layers - 1 for Llama-like
+    targets, layers.json's sglang_rule otherwise), layers.json (hf_hidden_states, vllm_speculators_ids,
+    sglang_specforge_ids) and layerscope.json (aux_layers or layers). DraftError naming which file says
+    what when they disagree; None when no file names the layers (from_hf_config then says so)."""
+    facts = recorded_facts_of(record)
+    rule_type = facts.model_type if facts else "llama"      # layers_record assumes a Llama-like target then
+    told: list[tuple[str, list[int]]] = []
+
+    def say(where: str, ids, convert=None):
+        if ids is None:
+            return
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise DraftError(f"{path}: {where} is not a list of layer ids ({str(ids)[:80]})",
+                             "Re-export the draft with `layerscope export`, or train it again")
+        told.append((where, convert(ids) if convert else list(ids)))
+
+    def from_sglang(ids):
+        reads, _ = engines.read_layers("sglang", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+                                       TargetFacts(model_type=rule_type, num_layers=max(ids) + 2, dtype="float32"))
+        return reads
+
+    say("config.json eagle_aux_hidden_state_layer_ids (vLLM ids)", cfg.get("eagle_aux_hidden_state_layer_ids"))
+    if record.get("sglang_specforge_ids", 0) is not None:    # None: no SGLang id list reads this set (layers.json)
+        say(f"config.json eagle_config.eagle_aux_hidden_state_layer_ids (SGLang ids, {rule_type} convention)",
+            (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), from_sglang)
+        say(f"layers.json sglang_specforge_ids ({rule_type} convention)", record.get("sglang_specforge_ids"),
+            from_sglang)
+    say("layers.json hf_hidden_states", record.get("hf_hidden_states"))
+    say("layers.json vllm_speculators_ids", record.get("vllm_speculators_ids"))
+    say("layerscope.json aux_layers", meta.get("aux_layers"))
+    say("layerscope.json layers", meta.get("layers"))
+    if len({tuple(sorted(layers)) for _, layers in told}) > 1:      # a set: the engines read it in ascending order
+        said = "; ".join(f"{where} says layers {layers}" for where, layers in told)
+        raise DraftError(f"The files of draft {path} disagree on the layers it reads: {said}",
+                         f"Re-export it from the original with `layerscope export DRAFT --for ENGINE --out DIR`, or "
+                         f"run `layerscope check-draft {path} --target MODEL` to see what each engine would read; "
+                         "do not edit the ids by hand")
+    return told[0][1] if told else None
+
+
+def recorded_facts_of(record: dict) -> TargetFacts | None:
+    target = record.get("target") if isinstance(record, dict) else None
+    try:
+        return TargetFacts.from_dict(target) if target else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _read_json(f: Path) -> dict:
     try:
-        value = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise DraftError(f"{f} is not valid JSON ({e})", "The draft is damaged; train or copy it again") from e
+        value = jsonsafe.loads(f.read_bytes(), what=str(f), error=DraftError, max_bytes=MAX_JSON_BYTES,
+                               fix="The draft is damaged; train or copy it again")
+    except OSError as e:
+        raise DraftError(f"{f} cannot be read ({e.strerror or e})", "Check the draft directory") from None
     if not isinstance(value, dict):
         raise DraftError(f"{f} does not hold a JSON object", "The draft is damaged; train or copy it again")
     return value

@@ -1,0 +1,249 @@
+"""Preflight: what a command can check before it loads a model or trains, checked first.
+
+    writable(store)                      the store takes a new file (a real probe: root and a read-only mount)
+    need_space(directory, nbytes, what)  the disk holding `directory` has room for an estimated output
+    layer_list(text, flag)               "--layers 2,15,27" parsed; an empty or malformed list is one line
+    prompt_spec(spec)                    a prompt set that exists and can be opened (builtin, sharegpt, a file)
+    draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
+    train_draft(args, store)             every check of `layerscope train-draft` (the CLI calls it first)
+    bench_drafts(paths)                  every --draft of a benchmark
+
+Estimates of what a step writes (bytes), from the target's shape when it can be read without loading
+the weights (`target_shape`: tiny-llama, a model directory's or the Hugging Face cache's config.json,
+the de-quantized copy of a GGUF in the store); None when it cannot, and then only the store is checked:
+    capture     tokens x (N + 1 (+1 pre-norm)) x d x 2 (float16 states) + 17 per token (the token table)
+    draft       its parameter count x 4 (float32 at most)
+    checkpoint  the drafts' parameters x 4 x 3 (weights and Adam's two moments); online training holds two
+                for a moment when it replaces one, so it needs twice that
+Every failure is a LayerScopeError (one line, exit 2 in the CLI) and nothing has been written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from layerscope import jsonsafe, paths
+from layerscope.errors import DraftError, LayerScopeError, SelectionError
+from layerscope.store import Store, StoreWriteError, write_error
+
+MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
+RESERVE = 8 * 2**20            # ... and by 8 MiB (the index, locks, small JSON files)
+MAX_CONFIG_BYTES = 4 * 2**20
+
+
+# ---------------------------------------------------------------------------- the store and the disk
+
+def writable(store: Store) -> None:
+    """StoreWriteError (read-only, full, not permitted) unless a file can be created in the store root.
+    A real probe: os.access says yes to root on a read-only directory, and to anyone before a mount check."""
+    directory_writable(store.root)
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes available to this user on the disk holding `directory` (its nearest existing ancestor)."""
+    d = Path(directory)
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
+
+
+def need_space(directory: Path, nbytes: int | None, what: str) -> None:
+    """StoreWriteError when the disk holding `directory` has less free space than `what` needs (about nbytes)."""
+    if not nbytes:
+        return
+    free = free_bytes(directory)
+    if free < nbytes * MARGIN + RESERVE:
+        raise StoreWriteError(f"Not enough free space for {what}: it needs about {_mib(nbytes)}, the disk holding "
+                              f"{directory} has {_mib(free)} free",
+                              "Free disk space or pass --store on a larger disk (nothing was written)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------------------- estimates
+
+def capture_bytes(tokens: int, num_layers: int, hidden_size: int, prenorm: bool = True) -> int:
+    """Bytes of a capture of `tokens` tokens: float16 states of layers 0..N (and the pre-norm final state),
+    plus the token table (token id, position, conversation: int32; is_response: bool; entropy: float32)."""
+    states = (num_layers + 1 + int(prenorm)) * hidden_size * 2
+    return int(tokens) * (states + 4 + 4 + 4 + 1 + 4)
+
+
+def draft_params(shape, layers, draft_vocab: int) -> int:
+    """Parameters and buffers of a draft reading `layers` of a target with config `shape` (counted on the
+    meta device: exact, nothing allocated)."""
+    from layerscope.draft.model import DraftConfig, DraftHead
+
+    vocab = int(shape.vocab_size)
+    config = DraftConfig.from_target(shape, sorted(set(layers)), min(int(draft_vocab), vocab))
+    with torch.device("meta"):
+        head = DraftHead(config)
+    return sum(t.numel() for t in head.state_dict().values())
+
+
+def draft_bytes(shape, layers, draft_vocab: int) -> int:
+    return 4 * draft_params(shape, layers, draft_vocab)
+
+
+def checkpoint_bytes(shape, layer_sets, draft_vocab: int) -> int:
+    return 3 * sum(draft_bytes(shape, s, draft_vocab) for s in layer_sets)
+
+
+def target_shape(spec: str, store: Store):
+    """The target's config (hidden_size, num_hidden_layers, vocab_size, heads, ...) read without loading its
+    weights, or None when that is not possible (a GGUF not de-quantized yet, a hub id not in the local cache)."""
+    from layerscope import models
+
+    spec = (spec or "").strip()
+    if spec == "tiny-llama" or spec.startswith("tiny-llama:"):
+        return models.load_model(spec).model.config      # a random tiny model: built in milliseconds
+    config = None
+    if spec == models.DEFAULT_MODEL or spec.endswith(".gguf"):
+        config = _gguf_config(spec, store)
+    elif Path(spec).expanduser().is_dir():
+        config = Path(spec).expanduser() / "config.json"
+    elif spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(spec, "config.json")
+            config = Path(hit) if isinstance(hit, str) else None
+        except Exception:       # no cache, a malformed id: the model load says what is wrong
+            config = None
+    if config is None or not config.is_file() or config.stat().st_size > MAX_CONFIG_BYTES:
+        return None
+    try:
+        cfg = jsonsafe.loads(config.read_bytes(), what=str(config))
+        cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+        shape = SimpleNamespace(**cfg)
+        int(shape.hidden_size), int(shape.num_hidden_layers), int(shape.vocab_size)
+        int(shape.num_attention_heads), int(shape.intermediate_size)
+        return shape
+    except (LayerScopeError, OSError, AttributeError, TypeError, ValueError):
+        return None       # the model load reports a broken config
+
+
+def _gguf_config(spec: str, store: Store) -> Path | None:
+    """config.json of the GGUF's de-quantized copy in the store, found through the store's file-hash memo."""
+    from layerscope import models
+
+    try:
+        path = models.smollm2_gguf_path() if spec == models.DEFAULT_MODEL else Path(spec).expanduser()
+        st = path.stat()
+        memo = jsonsafe.loads((store.root / "file-hashes.json").read_bytes(), what="file-hashes.json")
+        digest = memo.get(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+    except (LayerScopeError, OSError, AttributeError):
+        return None
+    return Path(store.path("models", f"gguf-{digest}")) / "config.json" if digest else None
+
+
+# ---------------------------------------------------------------------------- options and paths
+
+def layer_list(text, flag: str = "--layers", error: type[LayerScopeError] = SelectionError) -> list[int]:
+    """'2,15,27' -> [2, 15, 27]: integers >= 0, each once, at least one; `error` naming `flag` otherwise."""
+    parts = [x.strip() for x in str(text).split(",")]
+    if not any(parts):
+        raise error(f"{flag} {text!r} names no layer", f"List the layers, e.g. {flag} 2,15,27")
+    try:
+        layers = [int(x) for x in parts if x]
+    except ValueError:
+        raise error(f"{flag} {text!r} is not a comma-separated list of integers",
+                    f"Write it like {flag} 2,15,27") from None
+    if min(layers) < 0:
+        raise error(f"{flag} {text!r} has a negative layer", "Layers are hidden_states indices 0..N-1")
+    dupes = sorted({l for l in layers if layers.count(l) > 1})
+    if dupes:
+        raise error(f"{flag} {text!r} repeats {dupes}", "List each layer once")
+    return layers
+
+
+def layers_in_range(sets, num_layers: int, flag: str = "--layers",
+                    error: type[LayerScopeError] = SelectionError) -> None:
+    """Every layer of every set is a hidden_states index a draft can read, 0..N-1."""
+    for s in sets:
+        bad = [l for l in s if not 0 <= l < num_layers]
+        if bad:
+            raise error(f"{flag} {','.join(map(str, s))}: layers {bad} are outside 0..{num_layers - 1} of "
+                             f"this target ({num_layers} decoder layers)", "A draft reads hidden_states 0..N-1")
+
+
+def prompt_spec(spec: str) -> None:
+    """The prompt set exists and opens (the cheap part of load_prompts: no file is read through)."""
+    from layerscope.prompts import check_spec
+
+    check_spec(spec)
+
+
+def draft_dir(path, *, agree: bool = True) -> Path:
+    """A draft directory the user named: no link loop, exists, has config.json and model.safetensors, and
+    (with `agree`) its layer records agree (draft.export.draft_layers). Returns its real path."""
+    from layerscope.draft.export import draft_layers, read_layers_record, read_meta, read_config
+
+    real = paths.existing_dir(path, "The draft", DraftError,
+                              "Give the directory `layerscope train-draft` or `layerscope export` wrote")
+    missing = [f for f in ("config.json", "model.safetensors") if not (real / f).is_file()]
+    if missing:
+        raise DraftError(f"{path} is not a draft directory (it has no {' or '.join(missing)})",
+                         "Give the directory `layerscope train-draft` or `layerscope export` wrote")
+    if agree:
+        draft_layers(real, read_config(real), read_meta(real), read_layers_record(real))
+    return real
+
+
+def bench_drafts(drafts) -> None:
+    """Every draft directory of a benchmark, checked before the target loads."""
+    for d in drafts:
+        draft_dir(d)
+
+
+# ---------------------------------------------------------------------------- commands
+
+def train_draft(args, store: Store) -> None:
+    """`layerscope train-draft`: the layer sets, the prompt set, --out, the store and its free space."""
+    sets = [layer_list(s, "--layers", DraftError) for s in (args.layers or [])]
+    draft_vocab = int(args.draft_vocab)
+    if args.model is not None:          # online: runs/ and drafts/ in the store
+        writable(store)
+        prompt_spec(args.prompts)
+        shape = target_shape(args.model, store)
+        if shape is not None and sets:
+            layers_in_range(sets, int(shape.num_hidden_layers), error=DraftError)
+            need = 2 * checkpoint_bytes(shape, sets, draft_vocab)
+            need_space(store.root, need, f"online training of {len(sets)} draft(s) on {args.model} (two checkpoints "
+                                         f"of {_mib(need // 2)} at the moment one replaces the other, then the drafts)")
+        return
+    if args.key is None:
+        return
+    if args.out is not None:            # from a capture, into --out
+        where = paths.output_dir(args.out, "--out", DraftError)
+        directory_writable(where.parent)
+    else:                               # from a capture, into the store's drafts/
+        where = store.root
+        writable(store)
+    cap = store.open_capture(args.key)
+    if sets:
+        layers_in_range(sets, cap.num_layers, error=DraftError)
+        shape = target_shape(cap.manifest.get("model") or "", store)
+        if shape is not None:
+            need_space(where, draft_bytes(shape, sets[0], draft_vocab), "the draft")
+
+
+def directory_writable(directory: Path) -> None:
+    """A file can be created in `directory`, or in its nearest existing ancestor (which then gets the folders)."""
+    d = Path(directory)
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".preflight-", suffix=".tmp")
+    except OSError as e:
+        raise write_error(e, Path(directory) / ".preflight") from None
+    os.close(fd)
+    os.unlink(probe)
