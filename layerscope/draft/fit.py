@@ -34,6 +34,7 @@ from layerscope.draft.loss import ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.errors import DraftError
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 TRAIN_FORMAT = 3                      # 3: one loop for capture and online training (recipe options below)
 
 
@@ -60,6 +61,7 @@ class TrainOptions:
     feature_loss: float = 0.0         # weight of the feature regression toward hidden_states[N] (EAGLE-1)
     noise_std: float = 0.0            # Gaussian noise on the auxiliary hidden states in training
     warm_start: int = 0               # steps of data for the closed-form fc before gradient training
+    clock: str = "wall"               # what a time budget counts: "wall" seconds, or "cpu" seconds of this process
 
     def validate(self) -> None:
         budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
@@ -94,6 +96,9 @@ class TrainOptions:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise DraftError(f"{name} must be a number >= 0 (got {v!r})", f"Pass --{name.replace('_', '-')} 0 or more")
+        if self.clock not in CLOCKS:
+            raise DraftError(f"clock must be one of {', '.join(CLOCKS)} (got {self.clock!r})",
+                             "Use wall (seconds on the clock) or cpu (CPU seconds of this process: equal work on a busy machine)")
         if self.freeze_lm_head and not self.init_lm_head:
             raise DraftError("freeze_lm_head keeps the target's lm_head rows, so it needs init_lm_head",
                              "Leave init_lm_head on, or do not freeze")
@@ -291,6 +296,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
     agree = distributed.agree if world > 1 else (lambda v: v)
     warm = WarmStart(drafters) if state.step < o.warm_start else None
     start = (state.tokens, state.elapsed, fraction(o, state.step, state.tokens, state.elapsed))
+    clock = CLOCKS[o.clock]
     last_ckpt = time.perf_counter()
     val_latest = [c[-1][1] if c else None for c in state.curves]
     while agree(fraction(o, state.step, state.tokens, state.elapsed) < 1.0):
@@ -301,7 +307,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
             raise TrainingCancelled(f"Training stopped at step {state.step} ({state.tokens} tokens)",
                                     "The progress is saved; run the same command again to continue"
                                     if checkpoint is not None and not in_warm else "Nothing was saved; start it again")
-        t_step = time.perf_counter()
+        t_step = clock()
         batches, rows = source.next_batches(state)
         if world > 1:
             n = torch.tensor([rows], device=device)
@@ -318,7 +324,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
             losses, accs = map(list, zip(*[train_step(d, b, o, lr, J, device) for d, b in zip(drafters, batches)]))
         state.step += 1
         state.tokens += rows
-        state.elapsed += time.perf_counter() - t_step
+        state.elapsed += clock() - t_step
         frac = fraction(o, state.step, state.tokens, state.elapsed)
         if state.step % 10 == 1 or frac >= 1.0:
             for c, l in zip(state.loss_curves, losses):
