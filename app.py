@@ -16,11 +16,13 @@ st.set_page_config(page_title="LayerScope", page_icon=":material/layers:", layou
 
 from layerscope.ui import sidebar  # noqa: E402  (after set_page_config)
 from layerscope.ui.apply import collect  # noqa: E402
-from layerscope.ui.state import active_session, pop_notice  # noqa: E402
-from layerscope.ui.widgets import CANCEL_OWNER_KEY, guard  # noqa: E402
+from layerscope.ui.state import active_session, dismiss_notes, notes, pop_notice  # noqa: E402
+from layerscope.ui.widgets import CANCEL_OWNER_KEY, guard, md_text  # noqa: E402
 
 PAGES = [
-    st.Page("app_pages/capture.py", title="Capture", icon=":material/download:", url_path="capture", default=True),
+    # Home is the default page (the bare URL); every step's page has its own URL, /capture included.
+    st.Page("app_pages/home.py", title="Home", icon=":material/home:", url_path="home", default=True),
+    st.Page("app_pages/capture.py", title="Capture", icon=":material/download:", url_path="capture"),
     st.Page("app_pages/entropy.py", title="Entropy", icon=":material/show_chart:", url_path="entropy"),
     st.Page("app_pages/cka.py", title="CKA heatmap", icon=":material/grid_on:", url_path="cka"),
     st.Page("app_pages/layer_sets.py", title="Layer sets", icon=":material/checklist:", url_path="layer_sets"),
@@ -37,6 +39,12 @@ notice = pop_notice()
 if notice:
     kind, text = notice
     getattr(st, kind)(text)
+said = notes(session)      # changes the app made to the session (sets that did not fit a new capture): until dismissed
+if said:
+    for text in said:
+        st.warning(md_text(text), icon=":material/published_with_changes:")
+    st.button("Dismiss these notes", key="ls_notes_dismiss", icon=":material/done_all:",
+              on_click=lambda: dismiss_notes(active_session()))
 summary = st.sidebar.container()
 try:
     with guard(page.title):   # a bug shows as one readable line, never a traceback

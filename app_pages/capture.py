@@ -5,9 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from layerscope import fmt
 from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import commit
+from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
 from layerscope.ui.widgets import fmt_seconds, guard, job_status, md_text, poll_interval, show_error, table
 
@@ -17,19 +18,24 @@ s, store = page_header("Capture hidden states",
                        "Captures are stored once and reused: the same model, prompts and options come back from the store.")
 manager = get_manager()
 
-for k, v in {"ls_w_cap_model": s.model or "smollm2-135m", "ls_w_cap_source": "builtin", "ls_w_cap_limit": 16,
-             "ls_w_cap_new": 48, "ls_w_cap_batch": 8, "ls_w_cap_seed": 0}.items():
-    st.session_state.setdefault(k, v)
+# Every control's value lives in the session (s.view), so it survives leaving the page, a reload and a new tab.
+SOURCES = ["builtin", "sharegpt", "upload"]
+on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or "smollm2-135m"),
+      "source": bind_view(s, "cap_source", "ls_w_cap_source", "builtin", options=SOURCES),
+      "limit": bind_view(s, "cap_limit", "ls_w_cap_limit", 16, clamp=(1, 100_000)),
+      "new": bind_view(s, "cap_new", "ls_w_cap_new", 48, clamp=(1, 4096)),
+      "batch": bind_view(s, "cap_batch", "ls_w_cap_batch", 8, clamp=(1, 256)),
+      "seed": bind_view(s, "cap_seed", "ls_w_cap_seed", 0, clamp=(0, 2**31 - 1))}
 
 job = manager.latest(s.id, "capture")
 view = job.view() if job else None
 
 left, right = st.columns([1, 1], gap="large")
 with left:
-    st.text_input("Target model", key="ls_w_cap_model",
+    st.text_input("Target model", key="ls_w_cap_model", on_change=on["model"],
                   help="`smollm2-135m` (default, embedded), `tiny-llama` (a random tiny model for demos), "
                        "a Hugging Face id such as `HuggingFaceTB/SmolLM2-135M-Instruct`, a local directory or a .gguf file")
-    source = st.radio("Prompt set", ["builtin", "sharegpt", "upload"], key="ls_w_cap_source", horizontal=True,
+    source = st.radio("Prompt set", SOURCES, key="ls_w_cap_source", horizontal=True, on_change=on["source"],
                       help="builtin: prompts written for LayerScope in several task categories; "
                            "sharegpt: real conversations (training split); upload: your own .jsonl/.txt/.csv")
     prompt_spec = source
@@ -41,11 +47,11 @@ with left:
             with guard("upload"):
                 prompt_spec = str(tasks.save_upload(store, up.name, up.getvalue()))
     c1, c2 = st.columns(2)
-    c1.number_input("Prompts (limit)", min_value=1, max_value=100_000, step=1, key="ls_w_cap_limit")
-    c2.number_input("New tokens per response", min_value=1, max_value=4096, step=8, key="ls_w_cap_new")
+    c1.number_input("Prompts (limit)", min_value=1, max_value=100_000, step=1, key="ls_w_cap_limit", on_change=on["limit"])
+    c2.number_input("New tokens per response", min_value=1, max_value=4096, step=8, key="ls_w_cap_new", on_change=on["new"])
     c3, c4 = st.columns(2)
-    c3.number_input("Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch")
-    c4.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed")
+    c3.number_input("Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch", on_change=on["batch"])
+    c4.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed", on_change=on["seed"])
 
 with right:
     st.subheader("Prompt preview")
@@ -120,7 +126,7 @@ with guard("stored captures"):
         df = pd.DataFrame([{
             "key": c.get("key"), "model": c.get("model"), "prompt set": c.get("prompt_set"),
             "prompts": c.get("conversations"), "tokens": c.get("tokens"), "layers": c.get("num_layers"),
-            "created": c.get("created"), "MB": round((c.get("size_bytes") or 0) / 2**20, 1),
+            "created": fmt.when(c.get("created")), "MB": round((c.get("size_bytes") or 0) / 2**20, 1),
             "active": "●" if c.get("key") == s.capture_key else "",
         } for c in caps])
         table(df, key="ls_cap_table", filename="captures")

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import plots
+from layerscope import fmt, plots
 from layerscope.ui import apply
+from layerscope.ui.apply import kernel_of
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
 from layerscope.ui.widgets import chart, table
 
 s, store = page_header("CKA between layers",
-                       "Linear CKA of every pair of layers over the kept tokens (response tokens, attention sinks and "
+                       "CKA of every pair of layers (linear or cosine kernel, as chosen on the Entropy page) over the kept "
+                       "tokens (response tokens, attention sinks and "
                        "massive activations excluded, entropy filter as set on the Entropy page). 1 = the two layers carry the "
                        "same information up to rotation and scale. White boxes: compartments, contiguous blocks of similar layers. "
                        "Drag a box or click a cell (choose the mouse tool above the heatmap) to pick layers for a hand-made set; "
@@ -36,10 +38,10 @@ if stats is not None:
                              help="How many contiguous blocks to outline (the `spread` strategy uses them)")
     matrix = stats["cka_debiased"] if kind == "debiased" else stats["cka"]
     comps = (stats.get("compartments_by_k") or {}).get(str(int(k_comp)), stats.get("compartments"))
-    c3.markdown(f"**{stats['tokens_kept']:,}** of {stats['tokens_total']:,} tokens · "
-                f"{stats['outliers_dropped']} outliers dropped · threshold {stats['threshold']:.2f} nats · "
-                f"{(stats.get('options') or {}).get('kernel', 'linear')} kernel · "
-                f"layer {n} is the final state ({stats.get('final_state', 'post-norm')})")
+    kernel = kernel_of(stats)
+    c3.markdown(f"**{fmt.count(stats['tokens_kept'])}** of {fmt.count(stats['tokens_total'])} tokens · "
+                f"{fmt.count(stats['outliers_dropped'])} outliers dropped · threshold {stats['threshold']:.2f} nats · "
+                f"{kernel} kernel · layer {n} is the final state ({stats.get('final_state', 'post-norm')})")
 
     picks = apply.manual_layers(s)
     tool = st.radio("Mouse on the heatmap", ["drag a box", "click cells"], horizontal=True, key="ls_w_cka_tool",
@@ -47,10 +49,11 @@ if stats is not None:
                     help="drag a box: every cell in the box picks its row and column layer; click cells: a click "
                          "picks one cell's two layers and a drag pans. Either way, picking picked layers again unpicks them.")
     fig = plots.cka_heatmap(matrix, compartments=comps, sets=apply.sets_for_display(s), picks=picks,
-                            title=f"Linear CKA ({kind}), {s.model or ''}", final_state=stats.get("final_state", "post-norm"),
-                            box_select=tool == "drag a box")
+                            title=f"CKA, {kernel} kernel ({kind}){', ' + s.model if s.model else ''}",
+                            final_state=stats.get("final_state", "post-norm"), box_select=tool == "drag a box",
+                            colors=apply.colors(s))
     round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key starts with no selection
-    event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kind}-{s.capture_key or 'session'}",
+    event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kernel}-{kind}-{s.capture_key or 'session'}",
                   on_select="rerun", selection_mode=("points", "box"))
     chosen = plots.cells_to_layers(event.selection.points) if event else []
     chosen = [l for l in chosen if l < n]        # drafts read 0..N-1
@@ -73,4 +76,4 @@ if stats is not None:
 
     with st.expander("CKA matrix as a table"):
         df = pd.DataFrame(matrix, index=[f"L{i}" for i in range(n + 1)], columns=[f"L{j}" for j in range(n + 1)]).round(4)
-        table(df, key="ls_cka_table", filename=f"cka-{kind}", hide_index=False)
+        table(df, key="ls_cka_table", filename=f"cka-{kernel}-{kind}", hide_index=False)

@@ -12,7 +12,7 @@ from layerscope.analysis import AnalysisOptions
 from layerscope.metrics.entropy import KERNELS
 from layerscope.select import default_layers
 from layerscope.ui import apply
-from layerscope.ui.state import bind_view, commit
+from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, job_status, md_text, option_changes, table, wait_briefly
 
@@ -22,57 +22,115 @@ s, store = page_header("Matrix entropy per layer",
                        "kept tokens; normalized = entropy / log min(n, d).")
 
 ALPHAS = [0.5, 1.0, 2.0, 3.0]
-opts = {**asdict(AnalysisOptions()), **s.analysis_options}
-# The option widgets edit a pending copy of the session's options: nothing changes for the session (and
-# for everyone who opens it) until Recompute. They follow the session when its options change elsewhere.
-if st.session_state.get("ls_ent_synced") != opts:
-    st.session_state.update({
-        "ls_ent_synced": opts,
-        "ls_ent_alpha": float(opts["alpha"]) if float(opts["alpha"]) in ALPHAS else 1.0,
-        "ls_ent_filter": opts.get("min_entropy") not in (None, 0, 0.0),
-        "ls_ent_threshold": float(opts.get("min_entropy") or 0.5),
-        "ls_ent_response": bool(opts["response_only"]),
-        "ls_ent_outliers": opts.get("outlier_factor") is not None,
-        "ls_ent_max_tokens": int(opts.get("max_tokens") or 8192),
-        "ls_ent_kernel": opts.get("kernel", "linear"),
-    })
+CONTROLS = ("alpha", "kernel", "filter", "threshold", "response", "outliers", "max_tokens")
+OPTION_KEYS = ("alpha", "min_entropy", "response_only", "outlier_factor", "max_tokens", "kernel")
+FEW_TOKENS = 1000          # below this, entropy and CKA estimates are mostly noise
+
+
+def controls_of(opts: dict) -> dict:
+    """What the option widgets show for analysis options `opts`."""
+    return {"alpha": float(opts["alpha"]) if float(opts["alpha"]) in ALPHAS else 1.0,
+            "kernel": opts.get("kernel", "linear") if opts.get("kernel") in KERNELS else "linear",
+            "filter": opts.get("min_entropy") not in (None, 0, 0.0),
+            "threshold": float(opts.get("min_entropy") or AnalysisOptions().min_entropy),
+            "response": bool(opts["response_only"]), "outliers": opts.get("outlier_factor") is not None,
+            "max_tokens": int(opts.get("max_tokens") or AnalysisOptions().max_tokens)}
+
+
+def options_of(c: dict, base: dict) -> dict:
+    """The analysis options the widgets' values `c` ask for (the rest from `base`)."""
+    return {**base, "alpha": float(c["alpha"]), "min_entropy": float(c["threshold"]) if c["filter"] else 0.0,
+            "response_only": bool(c["response"]),
+            "outlier_factor": (base.get("outlier_factor") or AnalysisOptions().outlier_factor) if c["outliers"] else None,
+            "max_tokens": int(c["max_tokens"]), "kernel": c["kernel"]}
+
+
+def stored_controls(value) -> dict | None:
+    """The session's edited (not yet applied) widget values, when they are whole and valid."""
+    if not isinstance(value, dict) or set(value) != set(CONTROLS):
+        return None
+    ok = (value["alpha"] in ALPHAS and value["kernel"] in KERNELS and isinstance(value["threshold"], (int, float))
+          and 0 <= value["threshold"] <= 5 and isinstance(value["max_tokens"], int) and 8 <= value["max_tokens"] <= 1_000_000)
+    return {**value, "threshold": float(value["threshold"])} if ok else None
+
+
+# The widgets edit a copy of the session's options, kept in the session (s.view["entropy_controls"]) so an edit
+# survives leaving the page, a reload and a new tab; nothing changes for the session (and for everyone who
+# opens it) until the changes are reviewed and confirmed.
+applied = {**asdict(AnalysisOptions()), **s.analysis_options}
+for name, value in (stored_controls(s.view.get("entropy_controls")) or controls_of(applied)).items():
+    st.session_state[f"ls_ent_{name}"] = value
+
+
+def _edited():
+    current = st.session_state.get(SESSION_KEY) or s
+    c = {name: st.session_state[f"ls_ent_{name}"] for name in CONTROLS}
+    if c == controls_of({**asdict(AnalysisOptions()), **current.analysis_options}):
+        current.view.pop("entropy_controls", None)
+    else:
+        current.view["entropy_controls"] = c
+    commit(current)
+
+
 with st.container(border=True):
     c1, c2 = st.columns(2)
-    c1.select_slider("Rényi order α", options=ALPHAS, key="ls_ent_alpha",
+    c1.select_slider("Rényi order α", options=ALPHAS, key="ls_ent_alpha", on_change=_edited,
                      help="α = 1: von Neumann (Shannon) entropy; α = 2: collision entropy")
-    c2.radio("Kernel", KERNELS, key="ls_ent_kernel", horizontal=True,
+    c2.radio("Kernel", KERNELS, key="ls_ent_kernel", horizontal=True, on_change=_edited,
              help="linear: standard linear CKA on centered token states; cosine: tokens scaled to unit length first")
-    c1.toggle("Token-entropy filter", key="ls_ent_filter", help="Drop tokens the target is sure about (low predictive entropy)")
+    c1.toggle("Token-entropy filter", key="ls_ent_filter", on_change=_edited,
+              help="Drop tokens the target is sure about (low predictive entropy)")
     c1.slider("Threshold (nats)", 0.0, 5.0, step=0.05, key="ls_ent_threshold", disabled=not st.session_state.ls_ent_filter,
-              help="The red line on the histogram below follows this slider; Recompute applies it")
-    c2.toggle("Response tokens only", key="ls_ent_response", help="Only the tokens the target generated, as in EAGLE training data")
-    c2.toggle("Drop massive activations", key="ls_ent_outliers",
+              on_change=_edited, help="The red line on the histogram below follows this slider; applying recomputes")
+    c2.toggle("Response tokens only", key="ls_ent_response", on_change=_edited,
+              help="Only the tokens the target generated, as in EAGLE training data")
+    c2.toggle("Drop massive activations", key="ls_ent_outliers", on_change=_edited,
               help="Tokens whose norm exceeds 10× the layer's median (attention sinks etc.) dominate the statistics")
     c2.number_input("Max tokens", min_value=8, max_value=1_000_000, step=1024, key="ls_ent_max_tokens",
-                    help="A seeded random subsample keeps interactive use fast")
-    pending = {**opts, "alpha": float(st.session_state.ls_ent_alpha),
-               "min_entropy": float(st.session_state.ls_ent_threshold) if st.session_state.ls_ent_filter else 0.0,
-               "response_only": bool(st.session_state.ls_ent_response),
-               "outlier_factor": (opts.get("outlier_factor") or AnalysisOptions().outlier_factor) if st.session_state.ls_ent_outliers else None,
-               "max_tokens": int(st.session_state.ls_ent_max_tokens), "kernel": st.session_state.ls_ent_kernel}
-    changes = option_changes(opts, pending)
+                    on_change=_edited, help="A seeded random subsample keeps interactive use fast")
+    pending = options_of({name: st.session_state[f"ls_ent_{name}"] for name in CONTROLS}, applied)
+    changes = option_changes(applied, pending)
+    reviewing = st.session_state.get("ls_ent_review") == s.id and bool(changes)
     b1 = st.container(horizontal=True, vertical_alignment="center")
-    if b1.button("Recompute", type="primary", icon=":material/refresh:", key="ls_ent_recompute", width="content") and changes:
-        st.session_state["ls_ent_undo"] = (s.id, dict(s.analysis_options), changes)
-        s.analysis_options = {k: pending[k] for k in ("alpha", "min_entropy", "response_only", "outlier_factor",
-                                                       "max_tokens", "kernel")}
+    if b1.button("Review and apply…", type="primary", icon=":material/fact_check:", key="ls_ent_recompute",
+                 width="content", disabled=not changes or reviewing):
+        st.session_state["ls_ent_review"] = s.id
+        st.rerun()
+    if changes and b1.button("Discard changes", key="ls_ent_discard", icon=":material/close:", width="content"):
+        s.view.pop("entropy_controls", None)
+        st.session_state.pop("ls_ent_review", None)
         commit(s)
         st.rerun()
-    if changes:
-        b1.caption("Not applied yet: " + "; ".join(changes) + ". Recompute changes this session's statistics on every "
-                   "page, for everyone who opens this session.")
+    if changes and not reviewing:
+        b1.caption(f"{len(changes)} change(s) not applied yet: " + "; ".join(changes) + ".")
+    if reviewing:
+        with st.container(border=True):
+            st.markdown("**Apply these changes to this session?** The statistics are recomputed with them, and every "
+                        "page (and everyone who opens this session) then shows the new ones:\n"
+                        + "\n".join(f"- {c}" for c in changes))
+            if int(pending["max_tokens"]) < FEW_TOKENS:
+                st.warning(f"Max tokens {int(pending['max_tokens']):,}: entropy and CKA computed on fewer than "
+                           f"{FEW_TOKENS:,} tokens are mostly noise.", icon=":material/warning:")
+            r1 = st.container(horizontal=True)
+            if r1.button("Apply and recompute", type="primary", key="ls_ent_confirm", icon=":material/refresh:",
+                         width="content"):
+                st.session_state["ls_ent_undo"] = (s.id, dict(s.analysis_options), changes)
+                st.session_state.pop("ls_ent_review", None)
+                s.analysis_options = {k: pending[k] for k in OPTION_KEYS}
+                s.view.pop("entropy_controls", None)
+                commit(s)
+                st.rerun()
+            if r1.button("Keep editing", key="ls_ent_back", icon=":material/edit:", width="content"):
+                st.session_state.pop("ls_ent_review", None)
+                st.rerun()
     undo = st.session_state.get("ls_ent_undo")
     if undo and undo[0] == s.id:
         u1, u2 = st.columns([4, 1])
-        u1.info("This session's statistics were recomputed (" + "; ".join(undo[2]) + "); every page and everyone who "
-                "opens this session now sees them.", icon=":material/info:")
+        u1.info("This session's statistics were recomputed (" + "; ".join(undo[2]) + "); every page and "
+                "everyone who opens this session now sees them.", icon=":material/info:")
         if u2.button("Undo", key="ls_ent_undo_btn", icon=":material/undo:"):
             s.analysis_options = undo[1]
+            s.view.pop("entropy_controls", None)
             st.session_state.pop("ls_ent_undo", None)
             commit(s)
             st.rerun()
@@ -122,7 +180,7 @@ if stats is not None:
     sets = apply.sets_for_display(s, extra=[("default", default)])
     fig = plots.entropy_curve(curves, sets=sets, title=f"Matrix entropy per layer (α = {stats['alpha']:g})",
                               y_title="normalized entropy" if norm else "entropy (nats)",
-                              final_state=stats.get("final_state", "post-norm"))
+                              final_state=stats.get("final_state", "post-norm"), colors=apply.colors(s))
     chart(fig, key="ls_entropy_curve", filename=f"entropy-{s.capture_key or 'session'}")
     st.caption(f"Layer 0 is the embedding output, layer {n} the final state ({md_text(stats.get('final_state', 'post-norm'))}); "
                f"drafts read layers 0..{n - 1}. Markers: the layer sets of this session and the default rule.")
@@ -143,6 +201,6 @@ if stats is not None:
     df = pd.DataFrame({"layer": list(range(n + 1)), "entropy": stats["entropy"],
                        "normalized": stats["entropy_normalized"], "entropy α=2": stats.get("entropy2"),
                        "prompt-level": stats.get("entropy_prompt"),
-                       "prompt-level normalized": stats.get("entropy_prompt_normalized")}).round(5)
+                       "prompt-level normalized": stats.get("entropy_prompt_normalized")})
     with st.expander("Per-layer values"):
         table(df, key="ls_entropy_table", filename=f"entropy-{s.capture_key or 'session'}")

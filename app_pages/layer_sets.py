@@ -5,83 +5,109 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import plots
+from layerscope import fmt, plots
 from layerscope import select as sel
 from layerscope.ui import apply, recommend
-from layerscope.ui.state import commit
+from layerscope.ui.apply import kernel_of
+from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
 from layerscope.ui.widgets import chart, guard, md_text, table
 
 s, store = page_header("Layer sets",
-                       "Each strategy proposes the layers a draft should read. Every set, your own included, is ranked on "
-                       "one scale: the aggregate entropy of its layers taken together (α = 2, nats). Mean entropy and mean "
-                       "CKA explain the rank; each strategy's own objective is listed apart, since those are not comparable.")
+                       "Each strategy proposes the layers a draft should read. Sets of one size are ranked by evidence no "
+                       "strategy optimises: measured τ (a study or benchmark), else trained drafts' held-out agreement, else "
+                       "the probe. Entropy and CKA describe each set, but every strategy maximises one of them, so they "
+                       "never rank the strategies.")
 
 stats = stats_or_progress(s, store, key="sets")
 if stats is not None:
     n = int(stats["num_layers"])
     layer_stats = apply.layer_stats(stats)
+    colors = apply.colors(s)
     c1, c2, c3 = st.columns([1, 1, 2.5])
-    k = c1.number_input("Layers per set (k)", min_value=1, max_value=n, value=min(3, n), step=1, key="ls_w_sets_k")
-    lam = c2.slider("Redundancy weight λ", 0.0, 2.0, 0.5, 0.05, key="ls_w_sets_lam",
+    k = c1.number_input("Layers per set (k)", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
+                        on_change=bind_view(s, "sets_k", "ls_w_sets_k", len(sel.default_layers(n)[0]), clamp=(1, n)),
+                        help="Sets are ranked against sets of the same size only; the default is the default rule's size")
+    lam = c2.slider("Redundancy weight λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",
+                    on_change=bind_view(s, "sets_lam", "ls_w_sets_lam", 0.5, clamp=(0.0, 2.0)),
                     help="greedy (mRMR) maximises normalized entropy − λ · mean CKA to the layers already chosen")
 
     def _manual_changed():
         s.manual_picks = sorted(int(x) for x in st.session_state["ls_sets_manual"])
         commit(s)
 
-    st.session_state["ls_sets_manual"] = [l for l in apply.manual_layers(s) if l < n]
+    st.session_state["ls_sets_manual"] = apply.manual_layers(s)       # picks always fit (apply clears those that do not)
     manual = c3.multiselect(f"Hand-picked set (layers 0..{n - 1}; pre-filled by clicks on the CKA heatmap)",
                             list(range(n)), key="ls_sets_manual", on_change=_manual_changed)
-    manual_name = st.session_state.get("ls_w_sets_name", "hand-picked").strip() or "hand-picked"
+    name_changed = bind_view(s, "sets_name", "ls_w_sets_name", "hand-picked")
+    manual_name = str(st.session_state.get("ls_w_sets_name") or "").strip() or "hand-picked"
 
-    selections = []
+    selections, rec = [], None
     with guard("layer-set comparison"):
-        selections = sel.compare(layer_stats, int(k), lam=float(lam), layers=manual or None)
-    if selections:
-        rec = recommend.recommend(selections, n, names={"manual": manual_name})
+        rec, selections = recommend.for_session(s, stats, int(k), lam=float(lam), manual=manual, manual_name=manual_name)
+    if rec is not None:
         with st.container(border=True):
             st.markdown("**Recommendation**")
-            st.text(rec.text)
-            for flag in rec.best.flags:
-                st.caption(f"Note: {flag}.")
-        rows = [{"rank": r.rank, "set": r.name, "layers": r.layers, "aggregate entropy (nats)": r.aggregate_entropy,
-                 "mean entropy": r.mean_entropy, "mean CKA": r.mean_cka,
-                 "": ("★ recommended" if r is rec.best else "") + ("  ◆ default rule" if "default" in r.name.split(" = ") else ""),
-                 "flags": "; ".join(f.split(",")[0] for f in r.flags)} for r in rec.ranked]
-        df = pd.DataFrame(rows)
-        table(df.round(4), key="ls_sets_table", filename=f"layer-sets-{s.capture_key or 'session'}",
-              column_config={"layers": st.column_config.ListColumn("layers"),
-                             "aggregate entropy (nats)": st.column_config.NumberColumn(
-                                 help="The ranking score: α = 2 entropy of the set's layers together")})
-        with st.expander("What the scores mean, and what good values look like"):
+            said = rec.text.replace(" " + rec.disagreement, "") if rec.disagreement else rec.text
+            st.markdown(md_text(said))
+            if rec.disagreement:
+                st.warning(md_text(rec.disagreement), icon=":material/compare_arrows:")
+            for flag in (rec.best.flags if rec.best else []):
+                st.caption(f"Note: {md_text(flag)}.")
+
+        def row_of(r):
+            return {"rank": r.rank, "role": " · ".join(x for x in ("★ recommended" if r is rec.best else "",
+                                                                    "◆ default rule" if r.is_default else "") if x),
+                    "set": r.name, "layers": fmt.layers(r.layers),
+                    "τ [95% interval]": fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None,
+                    "measured in": r.tau_source, "held-out agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
+                    "probe agreement": fmt.percent(r.probe) if r.probe is not None else None,
+                    "aggregate entropy (nats)": r.aggregate_entropy, "mean entropy": r.mean_entropy,
+                    "mean CKA": r.mean_cka, "flags": "; ".join(f.split(":")[0] for f in r.flags)}
+
+        st.markdown(f"**Sets of {int(k)} layers**, ranked by "
+                    + (f"{rec.basis} ({md_text(rec.source)})" if rec.basis else "nothing yet: no evidence tells them apart"))
+        table(pd.DataFrame([row_of(r) for r in rec.ranked]), key="ls_sets_table",
+              filename=f"layer-sets-{s.capture_key or 'session'}", na={"mean CKA": fmt.NOT_APPLICABLE},
+              column_config={"aggregate entropy (nats)": st.column_config.TextColumn(
+                  "aggregate entropy (nats)", alignment="right",
+                  help="Describes the set (α = 2 entropy of its layers together); the aggregate strategy maximises "
+                       "it, so it does not rank")})
+        if rec.other_sizes:
+            with st.expander(f"{len(rec.other_sizes)} set(s) of another size (not ranked with sets of {int(k)} layers)"):
+                table(pd.DataFrame([row_of(r) for r in rec.other_sizes]).drop(columns=["rank"]), key="ls_sets_other",
+                      filename="layer-sets-other-sizes", na={"mean CKA": fmt.NOT_APPLICABLE})
+        with st.expander("What the columns mean, and what good values look like"):
             st.markdown(
-                f"- **Aggregate entropy** (α = 2, nats; the rank): how many directions the set's layers spread the tokens "
-                f"over, taken together. Higher is better. It ranges from about the layers' own α = 2 entropy (the layers "
-                f"are copies of each other) to that plus log k = {recommend.headroom(int(k)):.2f} nats for k = {int(k)} "
-                f"(they share nothing). Compare it only between sets of one capture and one k.\n"
-                f"- **Mean entropy** (α = {stats['alpha']:g}, nats): how informative each layer is on its own; at most "
-                f"log min(tokens, d). The Entropy page shows the curve; a layer in a dip carries little.\n"
-                "- **Mean CKA** between the set's layers (0..1): below about 0.5 they carry different information, "
-                "above 0.9 they are near copies and a draft gains little from reading both.\n"
-                "- **How this relates to τ**: these are proxies. EAGLE-3 drafts read low, middle and high layers because "
-                "each adds something; whether a higher score gives a higher τ (accepted tokens per target forward) on "
-                "this model is what the study on the Speculative decoding page measures (Spearman correlation).\n"
+                "- **τ** (tokens per target forward, with its 95% interval): what decoding with a draft reading the set "
+                "achieved. Above the break-even τ of this machine (Home page) the draft speeds decoding up.\n"
+                "- **Held-out agreement**: how often a trained draft's first proposal is the target's own choice on "
+                "conversations it never saw: the estimate of first-position acceptance. Near 0: it has not learned.\n"
+                "- **Probe agreement**: the same for a closed-form ridge map of the set's states (no training): a quick "
+                "first look.\n"
+                f"- **Aggregate entropy** (α = 2, nats): how many directions the set's layers spread the tokens over, "
+                f"together; from about the layers' own α = 2 entropy (copies) to that plus log k = "
+                f"{recommend.headroom(int(k)):.2f} nats for k = {int(k)} (they share nothing).\n"
+                f"- **Mean entropy** (α = {stats['alpha']:g}, nats): how informative each layer is on its own.\n"
+                "- **Mean CKA** between the set's layers (0..1; n/a for one layer): below about 0.5 they carry different "
+                "information, above 0.9 they are near copies.\n"
+                "- The proxies describe; they do not rank: `aggregate` maximises aggregate entropy, `entropy-topk` mean "
+                "entropy, `greedy` a mix of both, so ranking by one of them crowns its own strategy. Whether a proxy "
+                "predicts τ on this model is what the study measures (Spearman correlation).\n"
                 f"- **Flags**: layer 0 is the embedding output; layer {n} (the final state) is not readable by a draft.")
         with st.expander("Each strategy's own objective (not comparable across strategies)"):
-            own = [{"strategy": x.strategy, "layers": x.layers,
-                    "objective": (x.explanation.get("objective") or {}).get("name"),
+            own = [{"strategy": x.strategy, "layers": fmt.layers(x.layers),
+                    "objective": fmt.name((x.explanation.get("objective") or {}).get("name")),
                     "value": (x.explanation.get("objective") or {}).get("value"),
                     "mRMR (λ)": x.explanation.get("mrmr"), "note": x.explanation.get("note") or ""} for x in selections]
-            table(pd.DataFrame(own).round(4), key="ls_sets_own", filename="layer-sets-objectives",
-                  column_config={"layers": st.column_config.ListColumn("layers")})
+            table(pd.DataFrame(own), key="ls_sets_own", filename="layer-sets-objectives")
 
         a1, a2, a3 = st.columns([2, 1.2, 1])
-        labels = [f"{x.strategy} {x.layers}" for x in selections]
+        labels = [f"{x.strategy} {fmt.layers(x.layers)}" for x in selections]
         by_label = {label: (x.strategy, list(x.layers)) for label, x in zip(labels, selections)}
         to_add = a1.multiselect("Add to the session's sets to test", labels, key="ls_sets_to_add",
                                 placeholder="choose one or more sets")
-        a2.text_input("Name for the hand-picked set", value="hand-picked", key="ls_w_sets_name", max_chars=60)
+        a2.text_input("Name for the hand-picked set", key="ls_w_sets_name", max_chars=60, on_change=name_changed)
 
         def _add(chosen=tuple(to_add), by_label=by_label, name=manual_name):
             for label in chosen:
@@ -93,20 +119,22 @@ if stats is not None:
         a3.button("Add", type="primary", key="ls_sets_add", disabled=not to_add, icon=":material/add:", on_click=_add)
 
         shown = [(r.name.split(" = ")[0], r.layers) for r in rec.ranked]
-        t1, t2 = st.tabs(["Scores", "On the curves"])
+        t1, t2 = st.tabs(["Proxies", "On the curves"])
         with t1:
             chart(plots.set_comparison([{"name": r.name.split(" = ")[0], "layers": r.layers,
                                          "aggregate_entropy": r.aggregate_entropy, "mean_entropy": r.mean_entropy,
                                          "mean_cka": r.mean_cka} for r in rec.ranked],
                                        metrics=("aggregate_entropy", "mean_entropy", "mean_cka"),
-                                       title="Sets ranked by aggregate entropy"),
-                  key="ls_sets_cmp", filename="layer-sets-scores")
+                                       title=f"Proxies of the sets of {int(k)} layers (they describe, they do not rank)",
+                                       colors=colors),
+                  key="ls_sets_cmp", filename="layer-sets-proxies")
         with t2:
             chart(plots.entropy_curve({"entropy": stats["entropy"]}, sets=shown, title="Sets on the entropy curve",
-                                      final_state=stats.get("final_state", "post-norm")),
+                                      final_state=stats.get("final_state", "post-norm"), colors=colors),
                   key="ls_sets_curve", filename="layer-sets-entropy")
             chart(plots.cka_heatmap(stats["cka"], compartments=stats.get("compartments"), sets=shown,
-                                    title="Sets on the CKA heatmap", final_state=stats.get("final_state", "post-norm")),
+                                    title=f"Sets on the CKA heatmap ({kernel_of(stats)} kernel)",
+                                    final_state=stats.get("final_state", "post-norm"), colors=colors),
                   key="ls_sets_heat", filename="layer-sets-cka")
 
     st.subheader("Sets to test in this session")
@@ -117,19 +145,20 @@ if stats is not None:
         for x in s.layer_sets:
             try:
                 e = sel.score_set(layer_stats, x["layers"], lam=float(lam))
-                scored.append({"name": x["name"], "strategy": x["strategy"], "layers": x["layers"],
+                scored.append({"name": x["name"], "strategy": x["strategy"], "layers": fmt.layers(x["layers"]),
                                "aggregate entropy (nats)": e["aggregate_entropy"], "mean entropy": e["mean_entropy"],
-                               "mean CKA": e["mean_cka"], "problem": ""})
+                               "mean CKA": e["mean_cka"] if len(x["layers"]) > 1 else None, "problem": ""})
             except Exception as err:  # a set that does not fit this capture: say so in the row
-                scored.append({"name": x["name"], "strategy": x["strategy"], "layers": x["layers"],
+                scored.append({"name": x["name"], "strategy": x["strategy"], "layers": fmt.layers(x["layers"]),
                                "aggregate entropy (nats)": None, "mean entropy": None, "mean CKA": None,
                                "problem": str(err)})
-        table(pd.DataFrame(scored).round(4), key="ls_sets_session", filename="session-layer-sets",
-              column_config={"layers": st.column_config.ListColumn("layers")})
+        table(pd.DataFrame(scored), key="ls_sets_session", filename="session-layer-sets",
+              na={"mean CKA": fmt.NOT_APPLICABLE})
         r1, r2 = st.columns([3, 1])
-        gone = r1.selectbox("Remove a set", [f"{x['name']} {x['layers']}" for x in s.layer_sets], key="ls_sets_rm_pick")
+        gone = r1.selectbox("Remove a set", [f"{x['name']} {fmt.layers(x['layers'])}" for x in s.layer_sets],
+                            key="ls_sets_rm_pick")
         if r2.button("Remove", key="ls_sets_rm", icon=":material/delete:"):
-            idx = [f"{x['name']} {x['layers']}" for x in s.layer_sets].index(gone)
+            idx = [f"{x['name']} {fmt.layers(x['layers'])}" for x in s.layer_sets].index(gone)
             s.remove_layer_set(s.layer_sets[idx]["layers"])
             commit(s)
             st.rerun()

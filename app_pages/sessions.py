@@ -7,9 +7,10 @@ from urllib.parse import urlsplit
 import pandas as pd
 import streamlit as st
 
+from layerscope import fmt
 from layerscope import session as sessions
 from layerscope.ui import report
-from layerscope.ui.state import switch_to
+from layerscope.ui.state import session_title, switch_to
 from layerscope.ui.views import page_header
 from layerscope.ui.widgets import guard, md_text, table
 
@@ -39,7 +40,7 @@ with left:
             else:
                 sessions.save(s, store, name=name)
                 st.success(f"Saved as “{md_text(s.name)}”.")
-    summary.markdown(f"**{md_text(s.title())}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
+    summary.markdown(f"**{md_text(session_title(s))}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
     st.code(share_link(s.id), language=None)
@@ -53,7 +54,7 @@ with left:
             archive = sessions.export_bytes(s, drafts=True)
     st.download_button("Download session file (.zip)", data=archive if archive is not None else b"",
                        disabled=archive is None,
-                       file_name=f"layerscope-session-{(s.name or s.id).replace(' ', '_')[:40]}"
+                       file_name=f"layerscope-session-{fmt.file_part(s.name or s.id)}"
                                  f"{'-with-drafts' if with_drafts else ''}.zip",
                        mime="application/zip", key="ls_sess_download", on_click="ignore", icon=":material/download:")
     if with_drafts:
@@ -61,7 +62,8 @@ with left:
         st.caption(f"{len(s.drafts) - len(missing)} of {len(s.drafts)} draft(s) go into the archive"
                    + (f"; not on this server, so left out: {md_text(', '.join(missing))}" if missing else "") + ".")
     st.download_button("Download report (HTML)", data=lambda: report.session_report(s).encode(),
-                       file_name=f"layerscope-report-{s.id}.html", mime="text/html", key="ls_sess_report",
+                       file_name=f"layerscope-report-{fmt.file_part(s.name or s.id)}.html", mime="text/html",
+                       key="ls_sess_report",
                        on_click="ignore", icon=":material/description:",
                        help="One self-contained page: the statistics, ranked layer sets and recommendation, benchmark "
                             "and study results, with interactive figures that open without a network")
@@ -99,7 +101,7 @@ with guard("list sessions"):
         df = pd.DataFrame([{"name": r.get("name") or "(unnamed)", "id": r["id"], "model": r.get("model"),
                             "prompt set": r.get("prompt_set"), "tokens": r.get("tokens"),
                             "layer sets": ", ".join(str(x) for x in r.get("layer_sets", [])),
-                            "drafts": r.get("drafts"), "updated": r.get("updated"),
+                            "drafts": r.get("drafts"), "updated": fmt.when(r.get("updated")),
                             "problem": r.get("error", "")} for r in rows])
         table(df, key="ls_sess_table", filename="sessions")
         ids = [r["id"] for r in rows if not r.get("error")]

@@ -8,14 +8,15 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from layerscope import engines, machine, plots, specdec
-from layerscope.bench import auto_note, interval_note, with_ci
+from layerscope import engines, fmt, machine, plots, specdec
+from layerscope.bench import auto_note, interval_note
 from layerscope.draft.export import engine_verdict, export_zip
 from layerscope.select import default_layers
 from layerscope.ui import sanity, tasks
-from layerscope.ui.apply import set_label
+from layerscope.ui.apply import colors as palette_of
+from layerscope.ui.apply import draft_labels, run_label, set_label
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import bind_view, commit
+from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, show_error, table
 
@@ -47,14 +48,18 @@ with train_col:
     labels = [f"{name} {layers}" for name, layers, _ in sets]
     train_running = any(j.kind == "train" for j in manager.active(s.id))
     mode = st.radio("Training data", ["capture", "online"], horizontal=True, key="ls_w_spec_mode",
+                    on_change=bind_view(s, "spec_mode", "ls_w_spec_mode", "capture", options=["capture", "online"]),
                     format_func={"capture": "from this capture", "online": "online: the target in the loop"}.get,
                     help="From the capture: quick, one set at a time, as much data as the capture holds. Online: the "
                          "target runs inside the training loop on as many conversations as you like, every chosen set "
                          "trains from the same target pass, and a stopped run resumes (docs/training.md).")
-    c1, c2, c3 = st.columns(3)
-    ttt = c2.number_input("TTT steps", min_value=1, max_value=7, value=tasks.train_defaults().ttt_steps, step=1, key="ls_w_spec_ttt",
+    c1, c2 = st.columns(2)         # two a row: three labels a row wrapped mid-word at 1024 px
+    c3, _ = st.columns(2)
+    ttt = c2.number_input("TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
+                          on_change=bind_view(s, "spec_ttt", "ls_w_spec_ttt", tasks.train_defaults().ttt_steps, clamp=(1, 7)),
                           help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
-    seed = c3.number_input("Seed", min_value=0, value=0, step=1, key="ls_w_spec_seed")
+    seed = c3.number_input("Seed", min_value=0, step=1, key="ls_w_spec_seed",
+                           on_change=bind_view(s, "spec_seed", "ls_w_spec_seed", 0, clamp=(0, 2**31 - 1)))
     if mode == "capture":
         if not have_capture:
             st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained from it here. "
@@ -64,9 +69,12 @@ with train_col:
             st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn "
                        f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
                        f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.", icon=":material/warning:")
-        steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, value=tasks.train_defaults().steps, step=50,
-                                key="ls_w_spec_steps", help="The same budget for every set keeps the comparison fair")
+        steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_steps",
+                                on_change=bind_view(s, "spec_steps", "ls_w_spec_steps", tasks.train_defaults().steps,
+                                                    clamp=(1, 1_000_000)),
+                                help="The same budget for every set keeps the comparison fair")
         pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
+                            on_change=bind_view(s, "spec_set", "ls_w_spec_set", labels[0] if labels else None, options=labels),
                             help="The session's sets to test (Layer sets page) and the default rule")
         if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
                      disabled=not (have_capture and labels) or train_running):
@@ -78,18 +86,25 @@ with train_col:
                     title=f"Draft for {name} {list(layers)}")
                 st.rerun()
     else:
-        kilo = c1.number_input("Budget (k tokens)", min_value=1, max_value=1_000_000, value=200, step=50,
-                               key="ls_w_spec_online_tokens",
+        kilo = c1.number_input("Budget (k tokens)", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_online_tokens",
+                               on_change=bind_view(s, "spec_online_tokens", "ls_w_spec_online_tokens", 200,
+                                                   clamp=(1, 1_000_000)),
                                help="Tokens through each draft; every set gets the same. On a 2-core CPU about 100-300 "
                                     "tokens/s for three sets; on a GPU thousands")
-        picks = st.multiselect("Layer sets (one draft each, same batches)", labels, default=labels[:3],
-                               key="ls_w_spec_online_sets")
+        picks = st.multiselect("Layer sets (one draft each, same batches)", labels, key="ls_w_spec_online_sets",
+                               on_change=bind_view(s, "spec_online_sets", "ls_w_spec_online_sets", labels[:3],
+                                                   options=labels))
         d1, d2, d3 = st.columns(3)
         prompts = d1.selectbox("Conversations", ["sharegpt", "builtin"], key="ls_w_spec_online_prompts",
+                               on_change=bind_view(s, "spec_online_prompts", "ls_w_spec_online_prompts", "sharegpt",
+                                                   options=["sharegpt", "builtin"]),
                                help="sharegpt: its training split (benchmarks use the held-out split)")
-        limit = d2.number_input("Conversations drawn", min_value=8, max_value=20_000, value=1000, step=100,
-                                key="ls_w_spec_online_limit")
+        limit = d2.number_input("Conversations drawn", min_value=8, max_value=20_000, step=100, key="ls_w_spec_online_limit",
+                                on_change=bind_view(s, "spec_online_limit", "ls_w_spec_online_limit", 1000,
+                                                    clamp=(8, 20_000)))
         responses = d3.selectbox("Responses", ["regenerate", "own"], key="ls_w_spec_online_responses",
+                                 on_change=bind_view(s, "spec_online_responses", "ls_w_spec_online_responses",
+                                                     "regenerate", options=["regenerate", "own"]),
                                  help="regenerate: the target's own answers, generated once and kept (EAGLE-3's "
                                       "choice; costs a generation pass); own: the conversations' own answers "
                                       "(ShareGPT only; no generation)")
@@ -130,18 +145,25 @@ with train_col:
             chart(plots.training_curves(hist), key=f"ls_spec_train_curve_{'live' if v.running else 'done'}",
                   filename="draft-training")
 
+labels_of = draft_labels(s.drafts)      # path -> "name [layers]", told apart when two read the same set
+colors = palette_of(s)                  # one color per layer set in every chart of the session
 with list_col:
     st.subheader("Drafts of this session")
     if s.drafts:
-        df = pd.DataFrame([{"name": d["name"], "layers": d["layers"], "steps": d.get("steps"),
+        flags = sanity.collapse_reasons(s.drafts)
+        df = pd.DataFrame([{"name": d["name"], "layers": fmt.layers(d["layers"]), "steps": d.get("steps"),
                             "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
-                            "val acc per step": ", ".join(f"{a:.0%}" for a in (d.get("val_accuracy") or [])),
+                            "held-out agreement per step": ", ".join(fmt.percent(a) for a in (d.get("val_accuracy") or [])),
                             "trained in": fmt_seconds(d["seconds"]) if d.get("seconds") else None,
-                            "stored as": Path(d["path"]).name} for d in s.drafts])
-        table(df, key="ls_spec_drafts", filename="drafts", column_config={"layers": st.column_config.ListColumn("layers")})
-        curves = {f"{d['name']} {d['layers']}": d["curve"] for d in s.drafts if d.get("curve")}
+                            "stored as": Path(d["path"]).name, "flag": flag or ""} for d, flag in zip(s.drafts, flags)])
+        table(df, key="ls_spec_drafts", filename="drafts")
+        collapsed = sanity.collapse_warning(s.drafts)
+        if collapsed:
+            st.warning(md_text(collapsed), icon=":material/warning:")
+        curves = {labels_of[d["path"]]: d["curve"] for d in s.drafts if d.get("curve")}
         if curves:
-            chart(plots.learning_curves(curves), key="ls_spec_learning_curves", filename="learning-curves")
+            chart(plots.learning_curves(curves, layers={labels_of[d["path"]]: d["layers"] for d in s.drafts},
+                                        colors=colors), key="ls_spec_learning_curves", filename="learning-curves")
             st.caption("Held-out agreement at the first draft position (every position counts: the estimate of "
                        "decoding acceptance) as each draft saw more tokens. Sets trained in one online pass saw the "
                        "same data in the same order, so their curves compare directly.")
@@ -149,10 +171,13 @@ with list_col:
         st.caption("None yet: train one, or add one the store already holds.")
     if s.drafts:
         with st.expander("Export a draft for a serving engine"):
-            by_path = {d["path"]: f"{d['name']} {d['layers']}" for d in s.drafts}
             e1, e2 = st.columns(2)
-            ex_path = e1.selectbox("Draft", list(by_path), format_func=by_path.get, key="ls_w_spec_export_draft")
+            ex_path = e1.selectbox("Draft", list(labels_of), format_func=labels_of.get, key="ls_w_spec_export_draft",
+                                   on_change=bind_view(s, "export_draft", "ls_w_spec_export_draft", next(iter(labels_of)),
+                                                       options=list(labels_of)))
             ex_engine = e2.selectbox("Engine", engines.ENGINES, key="ls_w_spec_export_engine",
+                                     on_change=bind_view(s, "export_engine", "ls_w_spec_export_engine", engines.ENGINES[0],
+                                                         options=list(engines.ENGINES)),
                                      help="The folder `layerscope export --for ENGINE` writes, with COMMANDS.md")
             with guard("engine export"):
                 verdict = engine_verdict(ex_path, ex_engine)
@@ -190,27 +215,44 @@ st.header("2 · Benchmark")
 if not s.drafts:
     st.caption("Train or add a draft first.")
 else:
-    by_label = {f"{d['name']} {d['layers']}": d for d in s.drafts}
+    by_path = {d["path"]: d for d in s.drafts}
+    # The session keeps the drafts left out of the comparison (s.view["bench_skip"]): a draft trained or added
+    # later joins it at once, and the choice survives leaving the page.
+    skip = [p for p in s.view.get("bench_skip", []) if p in by_path]
+    st.session_state["ls_spec_bench_drafts"] = [p for p in by_path if p not in skip]
+
+    def _compare_changed():
+        current = st.session_state.get(SESSION_KEY) or s
+        kept = st.session_state["ls_spec_bench_drafts"]
+        current.view["bench_skip"] = [d["path"] for d in current.drafts if d["path"] not in kept]
+        commit(current)
+
     b1, b2 = st.columns([2, 1])
-    chosen = b1.multiselect("Drafts to compare", list(by_label), default=list(by_label), key="ls_spec_bench_drafts")
+    chosen = b1.multiselect("Drafts to compare", list(by_path), key="ls_spec_bench_drafts", format_func=labels_of.get,
+                            on_change=_compare_changed, placeholder="choose one or more drafts")
     source = b2.radio("Prompts", ["sharegpt-heldout", "builtin"], key="ls_w_spec_bench_src", horizontal=True,
+                      on_change=bind_view(s, "bench_prompts", "ls_w_spec_bench_src", "sharegpt-heldout",
+                                          options=["sharegpt-heldout", "builtin"]),
                       help="sharegpt-heldout: conversations no capture for training ever uses")
     b3, b4, b5, b6 = st.columns(4)
-    n_prompts = b3.number_input("Prompts", min_value=1, max_value=500, value=4, step=1, key="ls_w_spec_bench_n")
-    new_tokens = b4.number_input("New tokens", min_value=1, max_value=2048, value=48, step=8, key="ls_w_spec_bench_new")
+    n_prompts = b3.number_input("Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
+                                on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
+    new_tokens = b4.number_input("New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
+                                 on_change=bind_view(s, "bench_new", "ls_w_spec_bench_new", 48, clamp=(1, 2048)))
     auto_k = b5.toggle("K = auto", value=True, key="ls_w_spec_bench_auto",
                        help="The depth with the best speedup predicted for this machine, from a short calibration "
                             "of each draft (shown as progress) and the machine's cost curve; off: the depth below")
     depth = b5.number_input("Draft depth K", min_value=1, max_value=16, value=specdec.DEFAULT_K, step=1,
                             key="ls_w_spec_bench_k", disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
-    peers = b6.toggle("Also HF generate / prompt lookup", value=False, key="ls_w_spec_bench_peers",
+    peers = b6.toggle("Also HF generate / prompt lookup", key="ls_w_spec_bench_peers",
+                      on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
                       help="The decoders a user has without LayerScope, measured in the same run (slower)")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
                  disabled=not chosen or bench_running):
         with guard("start benchmark"):
             manager.submit(s.id, "bench", tasks.bench_job(
-                store=store, model=s.model, drafts=[by_label[c] for c in chosen], prompts=source,
+                store=store, model=s.model, drafts=[by_path[c] for c in chosen], prompts=source,
                 limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth), peers=bool(peers),
                 capture_key=s.capture_key),
                 title=f"Benchmark of {len(chosen)} draft(s)")
@@ -250,31 +292,37 @@ else:
 
     if s.bench_results:
         st.subheader("Results")
-        runs = list(range(len(s.bench_results)))[::-1]
-        on_run = bind_view(s, "bench_run", "ls_spec_bench_run", runs[0])
-        if st.session_state.ls_spec_bench_run not in runs:
-            st.session_state.ls_spec_bench_run = runs[0]
-        pick_run = st.selectbox("Benchmark run", runs, key="ls_spec_bench_run", on_change=on_run, format_func=lambda i: (
-            f"#{i + 1} · {s.bench_results[i].get('prompts')} {s.bench_results[i].get('prompt_set', '')} prompts · "
-            f"{s.bench_results[i].get('max_new_tokens')} tokens · {s.bench_results[i].get('device')} · "
-            f"{s.bench_results[i].get('created', '')}"))
+        runs = list(range(len(s.bench_results)))[::-1]     # newest first; a new result becomes the shown one (apply)
+        on_run = bind_view(s, "bench_run", "ls_spec_bench_run", runs[0], options=runs)
+        pick_run = st.selectbox("Benchmark run", runs, key="ls_spec_bench_run", on_change=on_run,
+                                format_func=lambda i: run_label(s.bench_results[i], i))
         res = s.bench_results[pick_run]
         rows = res.get("results", [])
         depth_max = max((len(r.get("acceptance_by_position") or []) for r in rows), default=0)
         paired = any(r.get("paired") for r in rows)
+        agreement_of = {d["name"]: by_path[d["path"]].get("val_accuracy") for d in res.get("drafts") or []
+                        if d.get("path") in by_path}
+        measured = [{**r, "val_accuracy": agreement_of.get(r["name"])} if r.get("layers") else {} for r in rows]
+        flags = sanity.collapse_reasons(measured)
         df = pd.DataFrame([{
-            "contender": r["name"], "layers": r.get("layers") or [], "decoding": r.get("decoding", ""),
-            "τ": with_ci(r.get("tau"), r.get("tau_ci")),
-            **{f"acc@{i + 1}": ((r.get("acceptance_by_position") or []) + [None] * depth_max)[i] for i in range(depth_max)},
-            "tokens/s": r.get("tokens_per_s"), "speedup": with_ci(r.get("speedup"), r.get("speedup_ci"), unit="×"),
-            **({"chosen K": (r.get("chosen") or {}).get("k"), "calibration predicted": (r.get("calibrated") or {}).get("speedup")}
+            "contender": r["name"], "layers": fmt.layers(r["layers"]) if r.get("layers") else "",
+            "decoding": r.get("decoding", ""), "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+            **{f"acc@{i + 1}": fmt.percent(((r.get("acceptance_by_position") or []) + [None] * depth_max)[i])
+               for i in range(depth_max)},
+            "tokens/s": fmt.number(r.get("tokens_per_s"), 1),
+            "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),
+            **({"chosen K": (r.get("chosen") or {}).get("k"),
+                "calibration predicted": fmt.speedup((r.get("calibrated") or {}).get("speedup"))}
                if any(x.get("chosen") for x in rows) else {}),
-            **({"Δτ vs reference": with_ci((r.get("paired") or {}).get("tau", {}).get("delta"),
-                                           (r.get("paired") or {}).get("tau", {}).get("ci"), sign=True)} if paired else {}),
-            **({"predicted": r.get("predicted_speedup")} if res.get("cost_curve") else {}), "lossless": r.get("lossless"),
-        } for r in rows]).round(3)
-        table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}",
-              column_config={"layers": st.column_config.ListColumn("layers")})
+            **({"Δτ vs reference": fmt.interval((r.get("paired") or {}).get("tau", {}).get("delta"),
+                                                (r.get("paired") or {}).get("tau", {}).get("ci"), "delta")} if paired else {}),
+            **({"predicted": fmt.speedup(r.get("predicted_speedup"))} if res.get("cost_curve") else {}),
+            "lossless": r.get("lossless"), "flag": flag or "",
+        } for r, flag in zip(rows, flags)])
+        table(df, key="ls_spec_bench_table", filename=f"benchmark-{pick_run + 1}")
+        collapsed = sanity.collapse_warning([m for m in measured if m])
+        if collapsed:
+            st.warning(md_text(collapsed), icon=":material/warning:")
         st.caption(md_text(interval_note(res["intervals"])) if res.get("intervals")
                    else "No intervals: this run had a single prompt, or was saved before benchmarks kept per-prompt totals.")
         for r in rows:
@@ -292,21 +340,23 @@ else:
                      "please report it with the session file.")
         g1, g2 = st.columns(2)
         with g1:
-            chart(plots.bench_comparison(rows), key="ls_spec_bench_cmp", filename=f"benchmark-{pick_run + 1}-tau-speedup")
+            chart(plots.bench_comparison(rows, colors=colors), key="ls_spec_bench_cmp",
+                  filename=f"benchmark-{pick_run + 1}-tau-speedup")
         with g2:
             acc = {r["name"]: r["acceptance_by_position"] for r in rows if r.get("acceptance_by_position")}
             if acc:
-                chart(plots.acceptance_bars(acc), key="ls_spec_bench_acc", filename=f"benchmark-{pick_run + 1}-acceptance")
+                chart(plots.acceptance_bars(acc, layers={r["name"]: r.get("layers") for r in rows}, colors=colors),
+                      key="ls_spec_bench_acc", filename=f"benchmark-{pick_run + 1}-acceptance")
         if res.get("cost_curve"):
             chart(plots.cost_curve(res["cost_curve"], draft_step_seconds=res.get("draft_step_seconds")),
                   key="ls_spec_bench_cost", filename=f"benchmark-{pick_run + 1}-cost-curve")
         cats = sorted({c for r in rows for c in (r.get("by_category") or {})})
         if len(cats) > 1:
             with st.expander("Per prompt category"):
-                cdf = pd.DataFrame([{"category": c, "contender": r["name"], "τ": r["by_category"][c].get("tau"),
-                                     "tokens/s": r["by_category"][c].get("tokens_per_s"),
-                                     "speedup": r["by_category"][c].get("speedup")}
-                                    for c in cats for r in rows if c in (r.get("by_category") or {})]).round(3)
+                cdf = pd.DataFrame([{"category": c, "contender": r["name"], "τ": fmt.tau(r["by_category"][c].get("tau")),
+                                     "tokens/s": fmt.number(r["by_category"][c].get("tokens_per_s"), 1),
+                                     "speedup": fmt.speedup(r["by_category"][c].get("speedup"))}
+                                    for c in cats for r in rows if c in (r.get("by_category") or {})])
                 table(cdf, key="ls_spec_bench_cat", filename=f"benchmark-{pick_run + 1}-categories")
 
 # ---------------------------------------------------------------------------- the study
@@ -320,12 +370,19 @@ if not (have_capture and stats):
     st.caption("The study needs this session's capture in the store and its layer statistics.")
 else:
     q1, q2, q3, q4, q5 = st.columns(5)
-    st_k = q1.number_input("Layers per set (k)", min_value=1, max_value=max(1, n), value=min(3, max(1, n)), step=1,
-                           key="ls_w_study_k")
-    st_steps = q2.number_input("Training steps (each)", min_value=1, value=tasks.train_defaults().steps, step=50, key="ls_w_study_steps")
-    st_src = q3.selectbox("Study prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src")
-    st_n = q4.number_input("Study prompts", min_value=1, max_value=500, value=8, step=1, key="ls_w_study_n")
-    st_new = q5.number_input("Study new tokens", min_value=1, max_value=2048, value=48, step=8, key="ls_w_study_new")
+    st_k = q1.number_input("Layers per set (k)", min_value=1, max_value=max(1, n), step=1, key="ls_w_study_k",
+                           on_change=bind_view(s, "study_k", "ls_w_study_k", min(3, max(1, n)), clamp=(1, max(1, n))))
+    st_steps = q2.number_input("Steps (each)", min_value=1, max_value=1_000_000, step=50, key="ls_w_study_steps",
+                               on_change=bind_view(s, "study_steps", "ls_w_study_steps", tasks.train_defaults().steps,
+                                                   clamp=(1, 1_000_000)),
+                               help="Training steps of every draft of the study: one budget for all")
+    st_src = q3.selectbox("Prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src",
+                          on_change=bind_view(s, "study_prompts", "ls_w_study_src", "sharegpt-heldout",
+                                              options=["sharegpt-heldout", "builtin"]))
+    st_n = q4.number_input("Prompts", min_value=1, max_value=500, step=1, key="ls_w_study_n",
+                           on_change=bind_view(s, "study_n", "ls_w_study_n", 8, clamp=(1, 500)))
+    st_new = q5.number_input("New tokens", min_value=1, max_value=2048, step=8, key="ls_w_study_new",
+                             on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
     with guard("study sets"):
         options = tasks.study_options(s.layer_sets, k=int(st_k),
                                       train={"steps": int(st_steps), "ttt_steps": int(ttt), "seed": int(seed)},
@@ -333,7 +390,7 @@ else:
                                       depth=int(st.session_state.get("ls_w_spec_bench_k", specdec.DEFAULT_K)))
         plan = tasks.study_plan(stats, options)
         st.markdown("Sets in the study: " + " · ".join(
-            f"**{md_text(set_label(names, layers, s.layer_sets))}** `{layers}`" for layers, names in plan))
+            f"**{md_text(set_label(names, layers, s.layer_sets))}** `{fmt.layers(layers)}`" for layers, names in plan))
         st.caption(sanity.study_cost(plan, options, tasks.stored_drafts(store, fingerprint=(s.capture or {}).get("fingerprint")),
                                      s.bench_results))
         study_running = any(j.kind == "study" for j in manager.active(s.id))
@@ -350,47 +407,63 @@ else:
 
     live_job(s.id, "study", key="spec_study", details=_study_details)
     if s.study:
-        res = s.study[-1]
+        studies = list(range(len(s.study)))[::-1]      # newest first; a new result becomes the shown one (apply)
+        if len(studies) > 1:
+            pick_study = st.selectbox("Study", studies, key="ls_spec_study_run",
+                                      on_change=bind_view(s, "study_run", "ls_spec_study_run", studies[0], options=studies),
+                                      format_func=lambda i: f"#{i + 1} · {len(s.study[i]['rows'])} sets · "
+                                                            f"{s.study[i].get('prompts')} prompts · "
+                                                            f"{fmt.when(s.study[i].get('created'))}")
+        else:
+            pick_study = 0
+        res = s.study[pick_study]
         rows, o = res["rows"], res.get("options") or {}
         budget = (f"online training, {md_text(', '.join(f'{k} {v}' for k, v in o['online'].items() if v is not None))}"
                   if o.get("online") else f"{(o.get('train') or {}).get('steps')} training steps each")
-        st.markdown(f"Latest study: {len(rows)} sets · {budget} · "
-                    f"{res['prompts']} {md_text(o.get('prompts', ''))} prompts × {o.get('max_new_tokens')} tokens · "
-                    f"K = {o.get('depth')} · {md_text(res.get('device', ''))}")
+        st.markdown(f"{'Latest study' if pick_study == len(s.study) - 1 else f'Study #{pick_study + 1}'}: {len(rows)} sets · "
+                    f"{budget} · {res['prompts']} {md_text(o.get('prompts', ''))} prompts × {o.get('max_new_tokens')} "
+                    f"tokens · K = {o.get('depth')} · {md_text(res.get('device', ''))}"
+                    + (f" · {fmt.when(res['created'])}" if res.get("created") else ""))
         if res.get("verdict"):
             st.info(md_text(res["verdict"]), icon=":material/gavel:")
-        ci = lambda c, i: c[i] if c else None  # noqa: E731
-        df = pd.DataFrame([{"set": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": r["layers"],
-                            "mean entropy": r["mean_entropy"], "mean CKA": r["mean_cka"],
-                            "aggregate entropy": r["aggregate_entropy"],
-                            "val acc@1": (r.get("val_accuracy") or [None])[0], "τ": r.get("tau"),
-                            "τ low": ci(r.get("tau_ci"), 0), "τ high": ci(r.get("tau_ci"), 1),
-                            "Δτ vs default": r.get("delta_vs_default"), "Δ low": ci(r.get("delta_ci"), 0),
-                            "Δ high": ci(r.get("delta_ci"), 1), "seed range": r.get("tau_seed_range"),
-                            "speedup": r.get("speedup"), "lossless": r.get("lossless")} for r in rows]).round(4)
-        table(df, key="ls_spec_study_table", filename="study", column_config={"layers": st.column_config.ListColumn("layers")})
-        st.caption("τ low/high and Δ low/high: 95% paired bootstrap intervals over the prompts; seed range: max − min "
-                   "of τ over the training seeds.")
+        flags = sanity.collapse_reasons(rows)
+        df = pd.DataFrame([{"set": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": fmt.layers(r["layers"]),
+                            "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+                            "Δτ vs default": fmt.interval(r.get("delta_vs_default"), r.get("delta_ci"), "delta"),
+                            "seed range": fmt.tau(r.get("tau_seed_range")) if len(r.get("seeds") or []) > 1 else "",
+                            "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),
+                            "held-out agreement @1": fmt.percent(sanity.agreement(r.get("val_accuracy"))),
+                            "mean entropy": fmt.number(r["mean_entropy"]),
+                            "mean CKA": fmt.number(r["mean_cka"]) if len(r["layers"]) > 1 else fmt.NOT_APPLICABLE,
+                            "aggregate entropy": fmt.number(r["aggregate_entropy"]),
+                            "lossless": r.get("lossless"), "flag": flag or ""} for r, flag in zip(rows, flags)])
+        table(df, key="ls_spec_study_table", filename="study")
+        st.caption("[lo, hi]: 95% paired bootstrap intervals over the prompts; seed range: max − min of τ over the "
+                   "training seeds; mean CKA n/a: a one-layer set has no pair of layers.")
         if res.get("correlations"):
             best = {p: c.get("version") for p, c in (res.get("best_proxies") or {}).items()}
-            cdf = pd.DataFrame([{"proxy": c["proxy"], "version": c["version"], "Spearman ρ with τ": c["rho"],
-                                 "ρ low": ci(c.get("ci"), 0), "ρ high": ci(c.get("ci"), 1),
+            cdf = pd.DataFrame([{"proxy": fmt.name(c["proxy"]), "version": c["version"],
+                                 "Spearman ρ with τ": fmt.interval(c["rho"], c.get("ci"), "delta"),
                                  "best version": best.get(c["proxy"]) == c["version"]}
-                                for c in res["correlations"]]).round(3)
+                                for c in res["correlations"]])
             table(cdf, key="ls_spec_study_corr", filename="study-correlations")
         if any(r.get("tau_ci") for r in rows):
-            chart(plots.study_intervals(rows), key="ls_spec_study_ci", filename="study-tau-intervals")
+            chart(plots.study_intervals(rows, colors=colors), key="ls_spec_study_ci", filename="study-tau-intervals")
         versions = list(rows[0].get("proxies") or {}) if rows else []
         if versions:
-            version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version")
-            chart(plots.study_proxies(rows, version), key="ls_spec_study_proxies", filename="study-tau-vs-proxies")
+            version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version",
+                                   on_change=bind_view(s, "study_version", "ls_w_study_version", versions[0],
+                                                       options=versions))
+            chart(plots.study_proxies(rows, version, colors=colors), key="ls_spec_study_proxies",
+                  filename="study-tau-vs-proxies")
         corr = res.get("spearman") or {}
         st.markdown("**Spearman correlation with τ** over the sets: " + " · ".join(
-            f"{name.replace('_', ' ')} {'n/a' if v is None else format(v, '+.2f')}" for name, v in corr.items())
+            f"{md_text(fmt.name(name))} {'n/a' if v is None else fmt.delta(v)}" for name, v in corr.items())
             + ("  \n(n/a: fewer than 3 sets, or a constant column)" if any(v is None for v in corr.values()) else ""))
         for w in sanity.study_warnings(rows, int(res.get("prompts") or 0)):
-            st.warning(w, icon=":material/warning:")
-        chart(plots.bench_comparison([{"name": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": r["layers"], "tau": r.get("tau"),
-                                       "speedup": r.get("speedup")} for r in rows],
-                                     title="Study: τ and speedup per layer set"),
+            st.warning(md_text(w), icon=":material/warning:")
+        chart(plots.bench_comparison([{"name": set_label(r["strategies"], r["layers"], s.layer_sets), "layers": r["layers"],
+                                       "tau": r.get("tau"), "tau_ci": r.get("tau_ci"), "speedup": r.get("speedup"),
+                                       "speedup_ci": r.get("speedup_ci")} for r in rows],
+                                     title="Study: τ and speedup per layer set", colors=colors),
               key="ls_spec_study_chart", filename="study-tau-speedup")

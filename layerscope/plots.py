@@ -21,6 +21,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from layerscope import fmt
+
 # One color per layer set, in the order the sets are given; the default rule is always grey.
 SET_COLORS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22"]
 DEFAULT_SET_COLOR = "#555555"
@@ -65,11 +67,27 @@ def _named_sets(sets) -> list[tuple[str, list[int]]]:
 BASELINE_COLORS = {"autoregressive": "#9e9e9e", "hf-generate": "#bdbdbd", "hf-prompt-lookup": "#d6d6d6"}
 
 
-def set_color(name: str, index: int) -> str:
-    """Grey for the default rule and the baselines (plain decoding, HF peers); a palette color otherwise."""
+def set_color(name: str, index: int, layers=None, colors: Mapping | None = None) -> str:
+    """Grey for the default rule and the baselines (plain decoding, HF peers); else the color `colors` gives the
+    layer set (`palette`: one color per set, the same in every figure), else a palette color by position."""
     if name in BASELINE_COLORS:
         return BASELINE_COLORS[name]
+    if colors and layers is not None and tuple(int(l) for l in layers) in colors:
+        return colors[tuple(int(l) for l in layers)]
     return DEFAULT_SET_COLOR if name.startswith("default") else SET_COLORS[index % len(SET_COLORS)]
+
+
+def palette(layer_sets, default=None) -> dict[tuple, str]:
+    """One color per distinct layer set, in the order given (the default rule's set grey): pass it as `colors=`
+    to every figure so a set (and a draft reading it) keeps its color from one figure to the next."""
+    out: dict[tuple, str] = {}
+    if default is not None:
+        out[tuple(int(l) for l in default)] = DEFAULT_SET_COLOR
+    for layers in layer_sets:
+        key = tuple(int(l) for l in layers)
+        if key not in out:
+            out[key] = SET_COLORS[(len(out) - (default is not None)) % len(SET_COLORS)]
+    return out
 
 
 def layer_label(layer: int, num_layers: int, final_state: str = "post-norm") -> str:
@@ -99,8 +117,9 @@ def entropy_curve(
     title: str | None = "Matrix entropy per layer",
     y_title: str = "entropy (nats)",
     final_state: str = "post-norm",
+    colors: Mapping | None = None,
 ) -> go.Figure:
-    """Per-layer curves (e.g. dataset-level and prompt-level entropy) with layer sets highlighted.
+    """Per-layer curves (e.g. dataset-level and prompt-level entropy) with layer sets highlighted (`colors`: palette).
 
     curves: name -> values for layers 0..N (all curves the same length).
     sets: layer sets to mark on the first curve: {name: layers}, [(name, layers)] or objects with
@@ -128,7 +147,7 @@ def entropy_curve(
     base = named[0][1]
     for i, (name, layers) in enumerate(_named_sets(sets)):
         inside = [l for l in layers if 0 <= l < n_points]
-        color = set_color(name, i)
+        color = set_color(name, i, layers, colors)
         fig.add_trace(go.Scatter(
             x=inside, y=[base[l] for l in inside], mode="markers", name=f"{name} {layers}",
             marker=dict(size=14 - min(i, 4), color="rgba(0,0,0,0)", symbol=SET_SYMBOLS[i % len(SET_SYMBOLS)],
@@ -212,6 +231,7 @@ def cka_heatmap(
     zmin: float | None = 0.0,
     zmax: float | None = 1.0,
     box_select: bool = False,
+    colors: Mapping | None = None,
 ) -> go.Figure:
     """(N+1)×(N+1) CKA heatmap; `box_select`: a drag draws a selection box (else a click selects a cell).
 
@@ -250,7 +270,7 @@ def cka_heatmap(
                       line=dict(color="white", width=2.5), fillcolor="rgba(0,0,0,0)", layer="above")
     for k, (name, layers) in enumerate(_named_sets(sets)):
         inside = [l for l in layers if 0 <= l < n]
-        color = set_color(name, k)
+        color = set_color(name, k, layers, colors)
         fig.add_trace(go.Scatter(
             x=inside, y=[-0.5 - 0.9 * (k + 1)] * len(inside), mode="markers", name=f"{name} {layers}",
             marker=dict(size=10, color=color, symbol=SET_SYMBOLS[k % len(SET_SYMBOLS)]),
@@ -296,8 +316,11 @@ def acceptance_bars(
     acceptance: Mapping[str, Sequence[float]] | Sequence[float],
     *,
     title: str | None = "Acceptance rate per draft position",
+    layers: Mapping[str, Sequence[int]] | None = None,
+    colors: Mapping | None = None,
 ) -> go.Figure:
-    """Bars of the acceptance rate at draft positions 1..K; several contenders grouped."""
+    """Bars of the acceptance rate at draft positions 1..K; several contenders grouped (`layers`: each one's
+    layer set, for its color in `colors`)."""
     if not isinstance(acceptance, Mapping):
         acceptance = {"draft": acceptance}
     fig = go.Figure()
@@ -305,8 +328,9 @@ def acceptance_bars(
         rates = [float(r) for r in _as_list(rates)]
         fig.add_trace(go.Bar(
             x=[f"pos {k + 1}" for k in range(len(rates))], y=rates, name=str(name),
-            marker=dict(color=set_color(str(name), i)), text=[f"{r:.0%}" for r in rates],
-            textposition="outside", hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>",
+            marker=dict(color=set_color(str(name), i, (layers or {}).get(name), colors)),
+            text=[fmt.percent(r) for r in rates], textposition="outside", cliponaxis=False,
+            hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>",
         ))
     _base_layout(fig, title, barmode="group", showlegend=len(acceptance) > 1)
     fig.update_yaxes(title="accepted", range=[0, 1.12], tickformat=".0%")
@@ -351,6 +375,7 @@ def set_comparison(
     *,
     metrics: Sequence[str] = SCORE_COLUMNS,
     title: str | None = "Layer sets compared",
+    colors: Mapping | None = None,
 ) -> go.Figure:
     """One subplot column per metric, one bar per set: compares sets on a common scale.
 
@@ -362,16 +387,16 @@ def set_comparison(
     metrics = [m for m in metrics if any(r.get(m) is not None for r in rows)]
     if not metrics:
         raise ValueError("set_comparison needs at least one metric present in the rows")
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[m.replace("_", " ") for m in metrics],
-                        horizontal_spacing=0.06)
-    names = [f"{r.get('name', '?')} {list(r.get('layers', []))}" for r in rows]
-    colors = [set_color(str(r.get("name", "")), i) for i, r in enumerate(rows)]
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[fmt.name(m) for m in metrics],
+                        horizontal_spacing=0.08)
+    names = [f"{r.get('name', '?')} {fmt.layers(r.get('layers', []))}" for r in rows]
+    bar_colors = [set_color(str(r.get("name", "")), i, r.get("layers"), colors) for i, r in enumerate(rows)]
     for c, m in enumerate(metrics, start=1):
         ys = [None if r.get(m) is None else float(r[m]) for r in rows]
         fig.add_trace(go.Bar(
-            x=names, y=ys, marker=dict(color=colors), showlegend=False, name=m,
-            text=[None if y is None else f"{y:.3g}" for y in ys], textposition="outside",
-            hovertemplate="%{x}<br>" + m + ": %{y:.4f}<extra></extra>",
+            x=names, y=ys, marker=dict(color=bar_colors), showlegend=False, name=fmt.name(m),
+            text=[None if y is None else fmt.number(y) for y in ys], textposition="outside", cliponaxis=False,
+            textfont=dict(size=10), hovertemplate="%{x}<br>" + fmt.name(m) + ": %{y:.4f}<extra></extra>",
         ), row=1, col=c)
         top = max((y for y in ys if y is not None), default=1.0)
         fig.update_yaxes(range=[min(0.0, min((y for y in ys if y is not None), default=0.0)), top * 1.18 or 1.0],
@@ -387,32 +412,40 @@ def bench_comparison(
     results: Sequence[Mapping],
     *,
     title: str | None = "τ and speedup per contender",
+    colors: Mapping | None = None,
 ) -> go.Figure:
-    """τ and speedup of several drafts (and baselines) side by side, from benchmark result rows."""
+    """τ and speedup of several drafts (and baselines) side by side, from benchmark result rows, each with its
+    interval as an error bar where the row has one (`tau_ci`, `speedup_ci`)."""
     from plotly.subplots import make_subplots
 
     if not results:
         raise ValueError("bench_comparison needs at least one result")
     fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain decoding)"], horizontal_spacing=0.12)
-    names = [str(r.get("name")) + (f" {list(r['layers'])}" if r.get("layers") else "") for r in results]
-    colors = [set_color(str(r.get("name", "")), i) for i, r in enumerate(results)]
-    taus = [None if r.get("tau") is None else float(r["tau"]) for r in results]
-    speed = [None if r.get("speedup") is None else float(r["speedup"]) for r in results]
-    fig.add_trace(go.Bar(x=names, y=taus, marker=dict(color=colors), name="τ",
-                         text=[None if t is None else f"{t:.2f}" for t in taus], textposition="outside"), row=1, col=1)
-    fig.add_trace(go.Bar(x=names, y=speed, marker=dict(color=colors), name="speedup",
-                         text=[None if s is None else f"{s:.2f}×" for s in speed], textposition="outside"),
-                  row=1, col=2)
+    names = [str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else "") for r in results]
+    bar_colors = [set_color(str(r.get("name", "")), i, r.get("layers"), colors) for i, r in enumerate(results)]
+    tops = []
+    for col, (metric, form) in enumerate((("tau", fmt.tau), ("speedup", fmt.speedup)), start=1):
+        ys = [None if r.get(metric) is None else float(r[metric]) for r in results]
+        cis = [r.get(f"{metric}_ci") if r.get(f"{metric}_ci") and None not in r[f"{metric}_ci"] else None for r in results]
+        error = None
+        if any(cis):
+            error = dict(type="data", symmetric=False, color="#444444", thickness=1.2, width=4,
+                         array=[(c[1] - y) if c and y is not None else 0 for c, y in zip(cis, ys)],
+                         arrayminus=[(y - c[0]) if c and y is not None else 0 for c, y in zip(cis, ys)])
+        fig.add_trace(go.Bar(x=names, y=ys, marker=dict(color=bar_colors), name=fmt.name(metric), error_y=error,
+                             text=[None if y is None else form(y) for y in ys], textposition="inside",
+                             insidetextanchor="end", textfont=dict(size=10, color="white")), row=1, col=col)
+        tops.append(max([c[1] for c in cis if c] + [y for y in ys if y is not None] + [1.0]))
     fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"), row=1, col=2)
     _base_layout(fig, title, showlegend=False, height=460)
     fig.update_annotations(font_size=12)
     # upright contender names and axis titles that say the unit: slanted names ran into each other and
-    # long subplot titles into the next subplot in a half-width column
+    # long subplot titles into the next subplot in a half-width column; values inside the bars (above them they
+    # were cut by the next subplot at 1024 px), intervals as error bars
     fig.update_xaxes(tickangle=-90, automargin=True, tickfont=dict(size=11))
     fig.update_yaxes(title="tokens per target forward", rangemode="tozero", row=1, col=1)
-    for col, ys in ((1, taus), (2, speed)):
-        top = max((y for y in ys if y is not None), default=1.0)
-        fig.update_yaxes(range=[0, top * 1.2 or 1.0], row=1, col=col)
+    for col, top in enumerate(tops, start=1):
+        fig.update_yaxes(range=[0, top * 1.12], row=1, col=col)
     return fig
 
 
@@ -442,18 +475,19 @@ def study_intervals(
     rows: Sequence[Mapping],
     *,
     title: str | None = "Study: τ per layer set with its 95% interval",
+    colors: Mapping | None = None,
 ) -> go.Figure:
     """τ of each set of a study with its paired bootstrap interval (`tau_ci`), the default rule's τ as a
     dotted line, and each training seed's τ as small marks. rows: `study --json` rows."""
     if not rows:
         raise ValueError("study_intervals needs at least one row")
-    names = ["/".join(r["strategies"]) + f" {list(r['layers'])}" for r in rows]
+    names = ["/".join(r["strategies"]) + f" {fmt.layers(r['layers'])}" for r in rows]
     taus = [r.get("tau") for r in rows]
     ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
     fig = go.Figure()
     fig.add_trace(go.Scatter(
         x=names, y=taus, mode="markers", name="τ (mean over seeds)",
-        marker=dict(size=11, color=[set_color(n, i) for i, n in enumerate(names)]),
+        marker=dict(size=11, color=[set_color(n, i, r["layers"], colors) for i, (n, r) in enumerate(zip(names, rows))]),
         error_y=dict(type="data", symmetric=False, array=[(c[1] - t) if t is not None else None for c, t in zip(ci, taus)],
                      arrayminus=[(t - c[0]) if t is not None else None for c, t in zip(ci, taus)]),
         hovertemplate="%{x}<br>τ %{y:.3f}<extra></extra>"))
@@ -474,6 +508,7 @@ def study_proxies(
     proxies: Sequence[str] = ("mean_entropy", "mean_cka", "aggregate_entropy"),
     *,
     title: str | None = None,
+    colors: Mapping | None = None,
 ) -> go.Figure:
     """τ (with its interval) against each proxy of one statistics version ("linear, H≥0.5"), one panel
     per proxy, one point per set of a study. rows: `study --json` rows, each with `proxies[version]`."""
@@ -481,20 +516,20 @@ def study_proxies(
 
     if not rows:
         raise ValueError("study_proxies needs at least one row")
-    fig = make_subplots(rows=1, cols=len(proxies), subplot_titles=[p.replace("_", " ") for p in proxies],
+    fig = make_subplots(rows=1, cols=len(proxies), subplot_titles=[fmt.name(p) for p in proxies],
                         shared_yaxes=True, horizontal_spacing=0.06)
-    names = ["/".join(r["strategies"]) + f" {list(r['layers'])}" for r in rows]
+    names = ["/".join(r["strategies"]) + f" {fmt.layers(r['layers'])}" for r in rows]
     taus = [r.get("tau") for r in rows]
     ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
     for j, proxy in enumerate(proxies):
         x = [(r.get("proxies") or {}).get(version, {}).get(proxy) for r in rows]
         fig.add_trace(go.Scatter(
             x=x, y=taus, mode="markers", text=names, showlegend=False,
-            marker=dict(size=10, color=[set_color(n, i) for i, n in enumerate(names)]),
+            marker=dict(size=10, color=[set_color(n, i, r["layers"], colors) for i, (n, r) in enumerate(zip(names, rows))]),
             error_y=dict(type="data", symmetric=False,
                          array=[(c[1] - t) if t is not None else None for c, t in zip(ci, taus)],
                          arrayminus=[(t - c[0]) if t is not None else None for c, t in zip(ci, taus)]),
-            hovertemplate="%{text}<br>" + proxy + " %{x:.3f}<br>τ %{y:.3f}<extra></extra>"), row=1, col=j + 1)
+            hovertemplate="%{text}<br>" + fmt.name(proxy) + " %{x:.3f}<br>τ %{y:.3f}<extra></extra>"), row=1, col=j + 1)
     fig.update_yaxes(title_text="τ", row=1, col=1)
     _base_layout(fig, title or f"Study: τ against each proxy ({version})", height=380)
     fig.update_annotations(font_size=12)
@@ -529,7 +564,8 @@ def training_curves(
 
 
 def learning_curves(curves: Mapping[str, Sequence], *, step: int = 0,
-                    title: str | None = "Held-out agreement as the drafts see more tokens") -> go.Figure:
+                    title: str | None = "Held-out agreement as the drafts see more tokens",
+                    layers: Mapping[str, Sequence[int]] | None = None, colors: Mapping | None = None) -> go.Figure:
     """One line per layer set: agreement at TTT step `step`+1 (every held-out position; the estimate of
     first-position acceptance for step 0) against tokens seen.
 
@@ -538,7 +574,7 @@ def learning_curves(curves: Mapping[str, Sequence], *, step: int = 0,
     for i, (name, points) in enumerate(curves.items()):
         pts = [(int(t), float(a[step])) for t, a in points if len(_as_list(a)) > step]
         fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[a for _, a in pts], mode="lines+markers", name=str(name),
-                                 line=dict(color=SET_COLORS[i % len(SET_COLORS)])))
+                                 line=dict(color=set_color(str(name), i, (layers or {}).get(name), colors))))
     fig.update_xaxes(title="tokens seen")
     fig.update_yaxes(title=f"agreement, draft step {step + 1}", tickformat=".0%", rangemode="tozero")
     _base_layout(fig, title, height=360)
@@ -553,7 +589,8 @@ def figure_config(filename: str, image_format: str = "png") -> dict:
     return {
         "displaylogo": False,
         "toImageButtonOptions": {"format": fmt, "filename": filename, "scale": 2 if fmt == "png" else 1},
-        "modeBarButtonsToRemove": ["lasso2d"],
+        # the chart's one download is the button under it (ui.widgets.chart); the toolbar keeps zoom and pan
+        "modeBarButtonsToRemove": ["lasso2d", "toImage"],
     }
 
 

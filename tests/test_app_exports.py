@@ -62,7 +62,7 @@ def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, ti
     at.radio(key="ls_w_spec_bench_src").set_value("builtin")
     at.number_input(key="ls_w_spec_bench_n").set_value(3)
     at.number_input(key="ls_w_spec_bench_new").set_value(8)
-    at.toggle(key="ls_w_spec_bench_auto").set_value(False)      # a fixed K (the default is auto)
+    at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()      # a fixed K (the default is auto)
     at.number_input(key="ls_w_spec_bench_k").set_value(3)
     at.run()
     at.button(key="ls_spec_bench").click().run()
@@ -74,8 +74,8 @@ def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, ti
     assert draft["tau_ci"][0] <= draft["tau"] <= draft["tau_ci"][1]
     assert sessions.load(app_store, sid).bench_results[-1]["results"][1]["tau_ci"] == draft["tau_ci"]   # saved
     shown = next(d.value for d in at.dataframe if "contender" in d.value.columns)
-    assert shown["τ"].tolist()[1] == f"{draft['tau']:.2f} [{draft['tau_ci'][0]:.2f}, {draft['tau_ci'][1]:.2f}]"
-    assert shown["τ"].tolist()[0] == "1.00 [1.00, 1.00]"           # plain decoding: one token per forward
+    assert shown["τ"].tolist()[1] == f"{draft['tau']:.3f} [{draft['tau_ci'][0]:.3f}, {draft['tau_ci'][1]:.3f}]"
+    assert shown["τ"].tolist()[0] == "1.000 [1.000, 1.000]"        # plain decoding: one token per forward
     assert re.fullmatch(r"\d+\.\d\d× \[\d+\.\d\d, \d+\.\d\d\]", shown["speedup"].tolist()[1])
     assert any("95% bootstrap intervals over the 3 prompts" in c.value for c in at.caption)
 
@@ -92,7 +92,7 @@ def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, ti
     at.selectbox(key="ls_spec_bench_run").set_value(1).run()
     assert not at.exception, [e.value for e in at.exception]
     shown = next(d.value for d in at.dataframe if "contender" in d.value.columns)
-    assert shown["τ"].tolist()[1] == f"{draft['tau']:.2f}"
+    assert shown["τ"].tolist()[1] == f"{draft['tau']:.3f}"
     assert any(c.value.startswith("No intervals") for c in at.caption)
 
 
@@ -200,7 +200,7 @@ def test_session_report_shows_intervals_and_the_study_verdict():
     s = sessions.Session(model="m", bench_results=[bench_entry],
                          study=[{"rows": [row], "verdict": "No difference at this budget: <b>x</b>"}])
     page = session_report(s)
-    assert "1.13 [1.09, 1.16]" in page and "0.55× [0.52, 0.58]" in page
+    assert "1.133 [1.091, 1.160]" in page and "0.55× [0.52, 0.58]" in page    # one interval form everywhere
     assert "95% bootstrap intervals over the 40 prompts" in page
     assert "1.130 [1.097, 1.162]" in page and "+0.007 [-0.016, +0.030]" in page and "0.012" in page
     assert "No difference at this budget: &lt;b&gt;x&lt;/b&gt;" in page      # the verdict as plain text

@@ -6,11 +6,17 @@ statistics a page draws come from here (the session's snapshot, else a backgroun
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import streamlit as st
 
+from layerscope import fmt, plots
+from layerscope.select import default_layers
 from layerscope.session import Session
 from layerscope.ui import tasks
 from layerscope.ui.jobs import StatsTag, get_manager
+from layerscope.ui.recommend import set_label  # noqa: F401  (pages name studied sets through apply)
+from layerscope.ui.state import add_note
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -23,11 +29,25 @@ def preview_prompts(spec: str, limit: int, seed: int):
 # ---------------------------------------------------------------------------- captures
 
 def _fit_sets_to(s: Session, num_layers: int | None) -> None:
-    """Drop layer sets, picks and drafts that do not exist in a capture of `num_layers` layers."""
+    """Keep the layer sets that exist in a capture of `num_layers` layers (drafts read 0..N-1); the others, and
+    hand-picked layers that do not all fit, are removed whole (never cut down to the layers that fit), and a
+    note says which."""
     if num_layers is None:
         return
-    s.layer_sets = [x for x in s.layer_sets if all(0 <= l < num_layers for l in x["layers"])]
-    s.manual_picks = [l for l in s.manual_picks if 0 <= l < num_layers]
+    n = int(num_layers)
+    fits = [x for x in s.layer_sets if all(0 <= l < n for l in x["layers"])]
+    gone = [x for x in s.layer_sets if x not in fits]
+    s.layer_sets = fits
+    if gone:
+        add_note(s, f"The new capture has {n} layers that drafts read (0..{n - 1}), so "
+                    + ("this layer set did not fit and was removed: " if len(gone) == 1 else
+                       "these layer sets did not fit and were removed: ")
+                    + "; ".join(f"{x['name']} {fmt.layers(x['layers'])}" for x in gone)
+                    + (f". Kept: {'; '.join(x['name'] + ' ' + fmt.layers(x['layers']) for x in fits)}." if fits else "."))
+    if any(not 0 <= l < n for l in s.manual_picks):
+        add_note(s, f"Your hand-picked layers {fmt.layers(sorted(s.manual_picks))} do not fit the new capture "
+                    f"(layers 0..{n - 1}): they were cleared, not cut down; pick again on the CKA heatmap.")
+        s.manual_picks = []
 
 
 def _set_capture(s: Session, key: str, summary: dict, model: str | None, prompt_set: str | None) -> None:
@@ -39,9 +59,14 @@ def _set_capture(s: Session, key: str, summary: dict, model: str | None, prompt_
     if changed:
         s.stats, s.arrays = {}, {}
         if s.drafts or s.bench_results:
-            # drafts were trained on another capture; keep them listed only when the model is the same
+            # drafts were trained on another capture; keep them listed only when the model is the same, and say so
             fp = summary.get("fingerprint")
-            s.drafts = [d for d in s.drafts if fp is None or d.get("target_fingerprint") in (None, fp)]
+            other = [d for d in s.drafts if not (fp is None or d.get("target_fingerprint") in (None, fp))]
+            s.drafts = [d for d in s.drafts if d not in other]
+            if other:
+                add_note(s, f"The new capture is of another model, so {len(other)} draft(s) trained for the previous "
+                            "one left this session's list (they stay in the store): "
+                            + "; ".join(f"{d['name']} {fmt.layers(d['layers'])}" for d in other) + ".")
     _fit_sets_to(s, summary.get("num_layers"))
 
 
@@ -118,6 +143,7 @@ def _apply_draft(s: Session, entry: dict) -> bool:
 def _apply_bench(s: Session, result: dict) -> bool:
     # the capture the session had when the benchmark started (the result says), else now (Compare's runs table)
     s.bench_results.append({"capture_key": s.capture_key, **result})
+    s.view["bench_run"] = len(s.bench_results) - 1       # the new result is the one shown
     return True
 
 
@@ -128,6 +154,7 @@ def _apply_capture(s: Session, result: dict) -> bool:
 
 def _apply_study(s: Session, result: dict) -> bool:
     s.study.append(result)
+    s.view["study_run"] = len(s.study) - 1               # the new result is the one shown
     known = {d["path"] for d in s.drafts}
     steps = ((result.get("options") or {}).get("train") or {}).get("steps")
     for r in result["rows"]:     # the study's drafts become the session's drafts too
@@ -164,19 +191,41 @@ def collect(s: Session) -> bool:
     return changed
 
 
+# ---------------------------------------------------------------------------- how results are named
+
+def draft_labels(drafts) -> dict[str, str]:
+    """{path: "name [layers]"} for pickers and charts; two drafts that would read alike get their folder name too."""
+    base = {d["path"]: f"{d['name']} {fmt.layers(d['layers'])}" for d in drafts}
+    seen: dict[str, int] = {}
+    for label in base.values():
+        seen[label] = seen.get(label, 0) + 1
+    return {p: label + (f" · {Path(p).name[:8]}" if seen[label] > 1 else "") for p, label in base.items()}
+
+
+def colors(s: Session) -> dict:
+    """The session's palette: one color per layer set (its sets, then its drafts', studies' and benchmarks'), the
+    default rule grey; every figure takes it, so a set and the drafts reading it keep one color across charts."""
+    n = s.num_layers
+    sets = ([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts]
+            + [r["layers"] for study in s.study for r in study.get("rows") or []]
+            + [r["layers"] for b in s.bench_results for r in b.get("results") or [] if r.get("layers")])
+    return plots.palette(sets, default=default_layers(n)[0] if n else None)
+
+
+def run_label(res: dict, i: int) -> str:
+    """How a benchmark run reads in its picker: number, prompts, tokens, depth, device, when."""
+    parts = [f"#{i + 1}", f"{res.get('prompts')} {res.get('prompt_set', '')} prompts".replace("  ", " "),
+             f"{res.get('max_new_tokens')} new tokens"]
+    if res.get("k") is not None:
+        parts.append(f"K {res['k']}")
+    parts += [str(res.get("device") or "?"), fmt.when(res.get("created"))]
+    return " · ".join(parts)
+
+
 # ---------------------------------------------------------------------------- layer sets
 
 def manual_layers(s: Session) -> list[int]:
     return sorted(set(s.manual_picks))
-
-
-def set_label(names, layers, session_sets=()) -> str:
-    """How a studied set reads: its first proposer, then the others ("default, also greedy"); "manual" (a
-    set of the session) becomes the name the user gave it."""
-    own = {tuple(x["layers"]): x["name"] for x in session_sets}
-    shown = [own.get(tuple(layers), "your set") if n == "manual" else n for n in names]
-    shown = list(dict.fromkeys(shown))
-    return shown[0] + (f", also {', '.join(shown[1:])}" if len(shown) > 1 else "")
 
 
 def toggle_picks(picks, chosen) -> list[int]:
@@ -184,6 +233,11 @@ def toggle_picks(picks, chosen) -> list[int]:
     they are unpicked; otherwise the chosen layers are added."""
     picks, chosen = set(int(p) for p in picks), set(int(c) for c in chosen)
     return sorted(picks - chosen if chosen and chosen <= picks else picks | chosen)
+
+
+def kernel_of(stats: dict) -> str:
+    """The CKA kernel the statistics were computed with (the Entropy page's choice when they were computed)."""
+    return (stats.get("options") or {}).get("kernel", "linear")
 
 
 def layer_stats(stats: dict):

@@ -1,9 +1,24 @@
-"""The Layer sets page's decision: every set ranked on one comparable scale, one set recommended and why.
+"""The Layer sets page's decision, from evidence: which layer set of one size a draft should read, and why.
 
-The scale is the α = 2 aggregate entropy of the set's layers taken together (`select.score_set`,
-nats): the only score every strategy's set, the default rule's and a hand-picked one share. Mean
-entropy, the mRMR value and compartment cohesion are each strategy's own objective and are not
-comparable across strategies, so they never enter the ranking. No Streamlit here: plain data in, out.
+A set's proxies (aggregate entropy, mean entropy, mean CKA) describe it but cannot rank the strategies: each
+strategy maximises one of them (`aggregate` the aggregate entropy, `entropy-topk` the mean entropy), so ranking
+by a proxy crowns that proxy's own strategy by construction. Sets are ranked instead by the strongest evidence
+that no strategy optimises and that covers at least two of them:
+
+    1. measured τ: the latest study (one budget, the same prompts; Δτ to the default rule with a paired interval),
+       else the latest benchmark run, with its 95% interval;
+    2. held-out agreement: a trained draft's agreement with the target at draft position 1 on held-out
+       conversations (the estimate of first-position acceptance);
+    3. the probe: the held-out agreement of a closed-form ridge map of the set (layerscope.probe; no training),
+       when the session holds probe scores (s.view["probe"]: {"capture_key", "sets": [{"layers", "agreement"}]}).
+
+and only within one set size (a set with more layers carries more, whatever they are). A measured winner is
+recommended only when it beats the default rule beyond the interval; otherwise the default rule is (the
+established choice, as good as far as the measurements tell). With no evidence at all the default rule is
+recommended as the prior and the text says what to measure. When the evidence disagrees with the proxies (the
+set with the highest aggregate entropy measured worse), the text says so, with the numbers.
+
+Plain data in, plain data out; no Streamlit here (the HTML report uses it too).
 """
 
 from __future__ import annotations
@@ -11,26 +26,47 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SCORE = "aggregate_entropy"
+from layerscope import fmt
+from layerscope import select as sel
+from layerscope.analysis import LayerStats
+from layerscope.select import default_layers, score_set
+
+BASES = ("τ", "held-out agreement", "probe agreement")
 
 
 @dataclass
 class Ranked:
-    rank: int                 # 1 = highest aggregate entropy (ties share the lower layer indices' order)
-    name: str                 # strategy or the hand-picked set's name
+    name: str                         # first proposer, then the others ("greedy = aggregate")
     layers: list[int]
-    aggregate_entropy: float  # nats, the ranking score
-    mean_entropy: float
-    mean_cka: float
+    aggregate_entropy: float | None   # proxies: describe the set, never rank it
+    mean_entropy: float | None
+    mean_cka: float | None            # None for a one-layer set (no pair of layers)
     flags: list[str] = field(default_factory=list)
+    is_default: bool = False
+    tau: float | None = None          # measured, with its interval and where from
+    tau_ci: list | None = None
+    delta: float | None = None        # τ − the default rule's τ (a study's paired difference)
+    delta_ci: list | None = None
+    tau_source: str | None = None
+    agreement: float | None = None    # a trained draft's held-out agreement at position 1
+    probe: float | None = None        # the closed-form probe's held-out agreement
+    rank: int | None = None           # by the basis; None when the basis did not measure this set
+
+    def value(self, basis: str | None) -> float | None:
+        return {"τ": self.tau, "held-out agreement": self.agreement, "probe agreement": self.probe}.get(basis)
 
 
 @dataclass
 class Recommendation:
-    ranked: list[Ranked]
-    best: Ranked
-    default_rank: int | None  # where the default rule [2, N//2, N-3] stands, 1-based
-    text: str                 # two sentences: which set and why
+    k: int
+    ranked: list[Ranked]              # the sets of size k: measured by the basis first (best first), then the rest
+    best: Ranked | None               # None: no evidence at this size and no default rule of this size
+    basis: str | None                 # what ranked them: one of BASES, or None (no evidence)
+    source: str | None                # where the basis came from ("study #2", "benchmark #3", "drafts", "probe")
+    text: str                         # the recommendation and why, in sentences
+    disagreement: str | None = None   # the proxies' favourite lost on the evidence: said with the numbers
+    other_sizes: list[Ranked] = field(default_factory=list)   # sets of another size, not ranked with these
+    default_rank: int | None = None   # where the default rule stands (when it is of size k and measured)
 
 
 def flags(layers, num_layers: int) -> list[str]:
@@ -44,57 +80,224 @@ def flags(layers, num_layers: int) -> list[str]:
     return out
 
 
-def rank(selections, num_layers: int, names: dict[str, str] | None = None) -> list[Ranked]:
-    """Selections (select.compare output) ranked by aggregate entropy, highest first; one row per distinct set,
-    named after the first strategy that proposes it (the others are listed in its name)."""
+# ---------------------------------------------------------------------------- evidence in a session
+
+@dataclass
+class Evidence:
+    measured: list[tuple[str, dict]] = field(default_factory=list)   # [(source, {layers: entry})], preferred first
+    agreement: dict = field(default_factory=dict)                   # {layers: held-out agreement @1}
+    probe: dict = field(default_factory=dict)                       # {layers: probe agreement}
+
+
+def _key(layers) -> tuple:
+    return tuple(int(l) for l in layers)
+
+
+def _agreement(val_accuracy) -> float | None:
+    if isinstance(val_accuracy, (list, tuple)):
+        val_accuracy = val_accuracy[0] if val_accuracy else None
+    return None if fmt.missing(val_accuracy) else float(val_accuracy)
+
+
+def evidence_of(s) -> Evidence:
+    """What the session measured about layer sets: its latest study and latest benchmark run (τ with intervals), its
+    drafts' held-out agreement, and the probe scores it holds for its capture."""
+    ev = Evidence()
+    if s.study:
+        i = len(s.study) - 1
+        rows = {_key(r["layers"]): {"tau": r["tau"], "tau_ci": r.get("tau_ci"), "delta": r.get("delta_vs_default"),
+                                    "delta_ci": r.get("delta_ci")}
+                for r in s.study[i].get("rows") or [] if r.get("tau") is not None}
+        if rows:
+            ev.measured.append((f"study #{i + 1}", rows))
+    for i in range(len(s.bench_results) - 1, -1, -1):          # the latest run that measured a draft
+        rows = {_key(r["layers"]): {"tau": r["tau"], "tau_ci": r.get("tau_ci")}
+                for r in s.bench_results[i].get("results") or [] if r.get("layers") and r.get("tau") is not None}
+        if rows:
+            ev.measured.append((f"benchmark #{i + 1}", rows))
+            break
+    for d in s.drafts:                                          # later drafts of a set replace earlier ones
+        a = _agreement(d.get("val_accuracy"))
+        if a is not None and d.get("layers"):
+            ev.agreement[_key(d["layers"])] = a
+    probe = s.view.get("probe") if isinstance(s.view.get("probe"), dict) else {}
+    if probe.get("capture_key") == s.capture_key:
+        for x in probe.get("sets") or []:
+            if isinstance(x, dict) and x.get("layers") and not fmt.missing(x.get("agreement")):
+                ev.probe[_key(x["layers"])] = float(x["agreement"])
+    return ev
+
+
+# ---------------------------------------------------------------------------- the candidates
+
+def candidates(selections, stats, num_layers: int, *, names: dict[str, str] | None = None,
+               extra: list[tuple[str, list[int]]] = ()) -> list[Ranked]:
+    """One row per distinct set: the strategies' selections (select.compare), then `extra` (name, layers) pairs
+    (the session's sets, studied sets, drafts' sets), each with its proxies; named after its first proposer."""
     names = names or {}
+    default = _key(default_layers(num_layers)[0])
     merged: dict[tuple, Ranked] = {}
-    for x in selections:
-        e = x.explanation
-        label = names.get(x.strategy, x.strategy)
-        key = tuple(x.layers)
+    for label, layers, e in ([(names.get(x.strategy, x.strategy), x.layers, x.explanation) for x in selections]
+                             + [(n, l, None) for n, l in extra]):
+        key = _key(layers)
         if key in merged:
-            merged[key].name += f" = {label}"
+            if label not in merged[key].name.split(" = "):
+                merged[key].name += f" = {label}"
             continue
-        merged[key] = Ranked(0, label, list(x.layers), float(e[SCORE]), float(e["mean_entropy"]), float(e["mean_cka"]),
-                             flags(x.layers, num_layers))
-    out = sorted(merged.values(), key=lambda r: (-r.aggregate_entropy, r.layers))
-    for i, r in enumerate(out, start=1):
-        r.rank = i
-    return out
+        if e is None:
+            try:
+                e = score_set(stats, list(key))
+            except Exception:        # a set that does not fit these statistics: shown without proxies
+                e = {}
+        k = len(key)
+        merged[key] = Ranked(label, list(key), e.get("aggregate_entropy"), e.get("mean_entropy"),
+                             e.get("mean_cka") if k > 1 else None, flags(key, num_layers), is_default=key == default)
+    return list(merged.values())
 
 
-def recommend(selections, num_layers: int, names: dict[str, str] | None = None) -> Recommendation:
-    """The highest-ranked set that does not read layer 0 (when there is one), with the reason in two sentences."""
-    ranked = rank(selections, num_layers, names)
-    if not ranked:
+# ---------------------------------------------------------------------------- the decision
+
+def _attach(rows: list[Ranked], ev: Evidence) -> str | None:
+    """Fill each row's measurements; returns the measured source used for τ (the one covering most rows)."""
+    best_source, best_cover = None, 0
+    for source, measured in ev.measured:
+        cover = sum(_key(r.layers) in measured for r in rows)
+        if cover > best_cover:
+            best_source, best_cover = source, cover
+    for r in rows:
+        key = _key(r.layers)
+        for source, measured in sorted(ev.measured, key=lambda m: m[0] != best_source):
+            if key in measured:
+                m = measured[key]
+                r.tau, r.tau_ci, r.delta, r.delta_ci, r.tau_source = (m["tau"], m.get("tau_ci"), m.get("delta"),
+                                                                      m.get("delta_ci"), source)
+                break
+        r.agreement = ev.agreement.get(key)
+        r.probe = ev.probe.get(key)
+    return best_source
+
+
+def _above(ci) -> bool:
+    return bool(ci) and None not in ci and ci[0] > 0
+
+
+def _interval_text(r: Ranked) -> str:
+    return fmt.interval(r.tau, r.tau_ci, "tau")
+
+
+def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recommendation:
+    """Rank the rows of size `k` by the strongest evidence covering two or more of them; recommend one, say why."""
+    ev = ev or Evidence()
+    same = [r for r in rows if len(r.layers) == k]
+    other = [r for r in rows if len(r.layers) != k]
+    if not same and not other:
         raise ValueError("recommend needs at least one layer set")
-    clean = [r for r in ranked if not r.flags]
-    best = clean[0] if clean else ranked[0]
-    default = next((r for r in ranked if r.name.split(" = ")[0] == "default" or " = default" in r.name), None)
-    k = len(best.layers)
-    where = f"{len(ranked)} sets" + (" that do not read layer 0" if best.rank != 1 else "")
-    if default is None or default is best:
-        aside = "; it is the default rule's own set" if default is best else ""
+    source = _attach(same, ev)
+    _attach(other, ev)
+    basis = next((b for b in BASES if sum(r.value(b) is not None for r in same) >= 2), None)
+    measured = sorted([r for r in same if r.value(basis) is not None], key=lambda r: (-r.value(basis), r.layers))
+    rest = [r for r in same if r.value(basis) is None or basis is None]
+    for i, r in enumerate(measured, start=1):
+        r.rank = i
+    ranked = measured + [r for r in rest if r not in measured]
+    default = next((r for r in same if r.is_default), None)
+    proxy_top = max((r for r in same if r.aggregate_entropy is not None and not r.flags),
+                    key=lambda r: r.aggregate_entropy, default=None)
+    where = {"τ": source, "held-out agreement": "the session's drafts", "probe agreement": "the probe"}.get(basis)
+
+    if basis is None:
+        best = default
+        if default is not None:
+            text = (f"Recommended: the default rule {fmt.layers(default.layers)}, EAGLE-3's choice, as nothing measured "
+                    f"yet tells these {len(same)} sets of {k} layers apart.")
+        else:
+            text = f"No recommendation for sets of {k} layers yet: nothing measured tells these {len(same)} sets apart."
+        text += (" The proxies in the table describe each set, but every strategy maximises one of them, so they "
+                 "cannot rank the strategies. Train a draft for two or more sets (or run the study) on the Speculative "
+                 "decoding page; their held-out agreement and measured τ then rank them.")
+        return Recommendation(k, ranked, best, None, None, text, None, other, None)
+
+    top = measured[0]
+    best, why = top, []
+    if basis == "τ":
+        why.append(f"the highest measured τ of the {len(measured)} sets measured ({where}): {_interval_text(top)}")
+        if default is not None and top is not default and default.tau is not None:
+            if top.delta is not None and top.delta_ci:
+                beaten = _above(top.delta_ci)
+                gap = f"Δτ to the default rule {fmt.interval(top.delta, top.delta_ci, 'delta')}"
+            elif top.tau_ci and default.tau_ci:
+                beaten = top.tau_ci[0] > default.tau_ci[1]
+                gap = f"the default rule {fmt.interval(default.tau, default.tau_ci, 'tau')}"
+            else:
+                beaten, gap = False, f"the default rule {fmt.tau(default.tau)}, no intervals"
+            if not beaten:
+                best = default
+                why = [f"no set beat it beyond the interval: the best measured, {top.name} {fmt.layers(top.layers)} "
+                       f"at {_interval_text(top)}, against {gap}"]
+            else:
+                why.append(f"above the default rule beyond the interval ({gap})")
     else:
-        aside = (f"; the default rule {default.layers} ranks {default.rank} of {len(ranked)} "
-                 f"at {default.aggregate_entropy:.3f} nats")
-    first = (f"Recommended: {best.name} {best.layers}, the highest aggregate entropy of the {where} "
-             f"({best.aggregate_entropy:.3f} nats{aside}).")
-    second = (f"Its {k} layer{'s' if k != 1 else ''} together spread the tokens over the most directions"
-              + (f" (mean CKA {best.mean_cka:.2f} between them: {redundancy_words(best.mean_cka)})" if k > 1 else "")
-              + ", which is what a draft reading them can use; confirm it with the study's measured τ on the "
-              "Speculative decoding page.")
-    return Recommendation(ranked, best, None if default is None else default.rank, first + " " + second)
+        why.append(f"the highest {basis} of the {len(measured)} sets with one ({fmt.percent(top.value(basis))}, "
+                   f"from {where})")
+        why.append("an estimate of first-position acceptance, not a measurement of τ: confirm it with a benchmark "
+                   "or the study" if basis == "held-out agreement" else
+                   "a closed-form fit, not a trained draft: confirm it with drafts, a benchmark or the study")
+    text = (f"Recommended: {best.name} {fmt.layers(best.layers)}, "
+            + ("; ".join(why)) + ".")
+
+    disagreement = None
+    if proxy_top is not None and proxy_top is not best and proxy_top.value(basis) is not None \
+            and best.value(basis) is not None and proxy_top.value(basis) < best.value(basis):
+        if basis == "τ":
+            diff = (fmt.interval(proxy_top.delta, proxy_top.delta_ci, "delta")
+                    if best.is_default and proxy_top.delta is not None else fmt.delta(proxy_top.tau - best.tau))
+            numbers = f"τ {_interval_text(proxy_top)} against {_interval_text(best)} (Δτ {diff})"
+        else:
+            numbers = f"{basis} {fmt.percent(proxy_top.value(basis))} against {fmt.percent(best.value(basis))}"
+        disagreement = (f"The measurements disagree with the proxies: {proxy_top.name} {fmt.layers(proxy_top.layers)} "
+                        f"has the highest aggregate entropy of these sets (the proxy the `aggregate` strategy maximises), "
+                        f"but measured lower: {numbers}. The recommendation follows the measurement.")
+        text += " " + disagreement
+    if basis != "τ" and ev.measured:
+        text += f" (No measured τ covers two or more sets of {k} layers yet.)"
+    return Recommendation(k, ranked, best, basis, where, text, disagreement, other,
+                          default.rank if default is not None else None)
 
 
-def redundancy_words(cka: float) -> str:
+def set_label(names, layers, session_sets=()) -> str:
+    """How a studied set reads: its first proposer, then the others ("default, also greedy"); "manual" (a
+    set of the session) becomes the name the user gave it."""
+    own = {tuple(x["layers"]): x["name"] for x in session_sets}
+    shown = [own.get(tuple(layers), "your set") if n == "manual" else n for n in names]
+    shown = list(dict.fromkeys(shown))
+    return shown[0] + (f", also {', '.join(shown[1:])}" if len(shown) > 1 else "")
+
+
+def for_session(s, stats: dict, k: int, *, lam: float = 0.5, manual=None, manual_name: str = "hand-picked"):
+    """(Recommendation, selections) for the session: every strategy's set of size `k` (select.compare, with the
+    hand-picked `manual` set), the session's own sets, its latest study's sets and its drafts' sets, ranked by the
+    session's evidence. The Layer sets page and the HTML report both decide through here."""
+    n = int(stats["num_layers"])
+    layer_stats = LayerStats.from_dict(stats)
+    selections = sel.compare(layer_stats, int(k), lam=float(lam), layers=list(manual) if manual else None)
+    extra = ([(x["name"], x["layers"]) for x in s.layer_sets]
+             + [(set_label(r["strategies"], r["layers"], s.layer_sets), r["layers"])
+                for study in s.study[-1:] for r in study.get("rows") or []]
+             + [(d["name"], d["layers"]) for d in s.drafts])
+    rows = candidates(selections, layer_stats, n, names={"manual": manual_name},
+                      extra=[(name, ls) for name, ls in extra if ls and all(0 <= l < n for l in ls)])
+    return recommend(rows, int(k), evidence_of(s)), selections
+
+
+def redundancy_words(cka: float | None) -> str:
     """What a mean CKA between a set's layers says, in words."""
+    if cka is None or (isinstance(cka, float) and math.isnan(cka)):
+        return "one layer: no pair to compare"
     if cka < 0.5:
         return "they share little"
     if cka < 0.8:
         return "they overlap in part"
-    return "largely redundant, as every set here is"
+    return "largely redundant"
 
 
 def headroom(k: int) -> float:

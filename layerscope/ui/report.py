@@ -11,13 +11,12 @@ import html
 import pandas as pd
 from plotly.offline import get_plotlyjs
 
-from layerscope import plots
+from layerscope import fmt, plots
 from layerscope import select as sel
-from layerscope.bench import interval_note, with_ci
-from layerscope.analysis import LayerStats
+from layerscope.bench import interval_note
 from layerscope.session import Session, now_iso
-from layerscope.ui import recommend
-from layerscope.ui.apply import set_label
+from layerscope.ui import recommend, sanity
+from layerscope.ui.recommend import set_label
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2rem auto;padding:0 1rem;color:#222}
 h1{font-size:1.7rem}h2{font-size:1.3rem;margin-top:2.2rem;border-bottom:1px solid #ddd;padding-bottom:.3rem}
@@ -34,90 +33,108 @@ def _table(rows: list[dict]) -> str:
     if not rows:
         return ""
     df = pd.DataFrame(rows)
-    return df.to_html(index=False, escape=True, na_rep="—", float_format=lambda v: f"{v:.4g}", border=0)
-
-
-def _ci(x, ci, **kw) -> str | None:
-    """bench.with_ci's "1.13 [1.09, 1.16]", or None (the table's dash) when there is no number."""
-    return None if x is None else with_ci(x, ci, **kw)
+    return df.to_html(index=False, escape=True, na_rep=fmt.MISSING, float_format=fmt.number, border=0)
 
 
 def _figure(fig) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False, "responsive": True})
 
 
+def recommendation(s: Session, stats: dict):
+    """The Layer sets page's recommendation for this session: its set size k, its hand-picked set, its evidence."""
+    n = int(stats["num_layers"])
+    k = max(1, min(int(s.view.get("sets_k") or len(sel.default_layers(n)[0])), n))
+    manual = [l for l in s.manual_picks if 0 <= l < n]
+    rec, _ = recommend.for_session(s, stats, k, lam=float(s.view.get("sets_lam", 0.5)), manual=manual,
+                                   manual_name=s.view.get("sets_name") or "hand-picked")
+    return rec
+
+
 def session_report(s: Session) -> str:
     """The whole session on one page: what was captured, the statistics, the ranked sets and recommendation,
     benchmark and study results."""
-    parts = [f"<h1>LayerScope report: {_e(s.title())}</h1>",
-             f"<p class='note'>Session {_e(s.id)} · written {_e(now_iso())} · device {_e(s.device or '—')}</p>"]
+    title = s.name or f"unnamed session {s.id}"
+    parts = [f"<h1>LayerScope report: {_e(title)}</h1>",
+             f"<p class='note'>Session {_e(s.id)} · written {_e(fmt.when(now_iso()))} · device {_e(s.device or '—')}</p>"]
     cap = s.capture or {}
     parts.append("<h2>Capture</h2>" + _table([{
         "model": s.model, "prompt set": s.prompt_set, "capture": s.capture_key, "prompts": cap.get("conversations"),
         "tokens": cap.get("tokens"), "layers": f"0..{cap.get('num_layers')}" if cap.get("num_layers") else None}]))
     stats = s.stats_dict()
     verdict = None
+    colors = plots.palette([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts],
+                           default=sel.default_layers(s.num_layers)[0] if s.num_layers else None)
     if stats is not None:
         n = int(stats["num_layers"])
         final = stats.get("final_state", "post-norm")
+        kernel = (stats.get("options") or {}).get("kernel", "linear")
         parts.append("<h2>Layer statistics</h2>" + _table([{
             "tokens kept": stats.get("tokens_kept"), "of": stats.get("tokens_total"),
-            "threshold (nats)": stats.get("threshold"), "α": stats.get("alpha"),
-            "kernel": (stats.get("options") or {}).get("kernel", "linear")}]))
+            "threshold (nats)": stats.get("threshold"), "α": stats.get("alpha"), "kernel": kernel}]))
         default, _ = sel.default_layers(n)
         sets = [(x["name"], x["layers"]) for x in s.layer_sets] + [("default", default)]
-        parts.append(_figure(plots.entropy_curve({"dataset-level": stats["entropy"]}, sets=sets, final_state=final)))
+        parts.append(_figure(plots.entropy_curve({"dataset-level": stats["entropy"]}, sets=sets, final_state=final,
+                                                 colors=colors)))
         estimator = "debiased" if s.view.get("cka_estimator") == "debiased" and stats.get("cka_debiased") else "biased"
         matrix = stats["cka_debiased"] if estimator == "debiased" else stats["cka"]
         parts.append(_figure(plots.cka_heatmap(matrix, compartments=stats.get("compartments"), sets=sets,
-                                               picks=s.manual_picks, final_state=final,
-                                               title=f"Linear CKA ({estimator})")))
-        layer_stats = LayerStats.from_dict(stats)
-        selections = sel.compare(layer_stats, min(3, n), layers=s.manual_picks or None)
-        rec = recommend.recommend(selections, n)
+                                               picks=s.manual_picks, final_state=final, colors=colors,
+                                               title=f"CKA, {kernel} kernel ({estimator})")))
+        rec = recommendation(s, stats)
         verdict = rec.text
-        parts.append("<h2>Layer sets, ranked by aggregate entropy</h2>" + _table([{
-            "rank": r.rank, "set": r.name, "layers": str(r.layers), "aggregate entropy (nats)": r.aggregate_entropy,
-            "mean entropy": r.mean_entropy, "mean CKA": r.mean_cka,
+        basis = f"ranked by {rec.basis} ({rec.source})" if rec.basis else "not ranked: nothing measured tells them apart"
+        parts.append(f"<h2>Layer sets of {rec.k} layers, {_e(basis)}</h2>" + _table([{
+            "rank": r.rank, "set": r.name, "layers": fmt.layers(r.layers),
+            "role": " · ".join(x for x in ("recommended" if r is rec.best else "",
+                                          "default rule" if r.is_default else "") if x),
+            "τ [95% interval]": fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None,
+            "measured in": r.tau_source,
+            "held-out agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
+            "probe agreement": fmt.percent(r.probe) if r.probe is not None else None,
+            "aggregate entropy (nats)": r.aggregate_entropy, "mean entropy": r.mean_entropy,
+            "mean CKA": fmt.NOT_APPLICABLE if r.mean_cka is None else r.mean_cka,
             "flags": "; ".join(f.split(":")[0] for f in r.flags)} for r in rec.ranked]))
+        parts.append("<p class='note'>Entropy and CKA describe each set; every strategy maximises one of them, so "
+                     "they do not rank. Sets are ranked by measured τ, else trained drafts' held-out agreement, else "
+                     "the probe, within one set size.</p>")
+    collapsed = sanity.collapse_warning(s.drafts) if s.drafts else None
+    if collapsed:
+        parts.append(f"<p class='warn'>{_e(collapsed)}</p>")
     if s.bench_results:
         b = s.bench_results[-1]
         rows = b.get("results") or []
         parts.append(f"<h2>Benchmark</h2><p class='note'>{_e(b.get('prompts'))} {_e(b.get('prompt_set', ''))} prompts × "
-                     f"{_e(b.get('max_new_tokens'))} new tokens · {_e(b.get('device'))} · {_e(b.get('created', ''))}</p>")
-        parts.append(_table([{"contender": r.get("name"), "layers": str(r.get("layers") or ""),
-                              "τ": _ci(r.get("tau"), r.get("tau_ci")), "tokens/s": r.get("tokens_per_s"),
-                              "speedup": _ci(r.get("speedup"), r.get("speedup_ci"), unit="×"),
+                     f"{_e(b.get('max_new_tokens'))} new tokens · {_e(b.get('device'))} · {_e(fmt.when(b.get('created')))}</p>")
+        parts.append(_table([{"contender": r.get("name"), "layers": fmt.layers(r["layers"]) if r.get("layers") else "",
+                              "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+                              "tokens/s": fmt.number(r.get("tokens_per_s"), 1),
+                              "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),
                               "lossless": r.get("lossless")} for r in rows]))
         if b.get("intervals"):
             parts.append(f"<p class='note'>{_e(interval_note(b['intervals']))}</p>")
         if rows:
-            parts.append(_figure(plots.bench_comparison(rows)))
+            parts.append(_figure(plots.bench_comparison(rows, colors=colors)))
     if s.study:
         st_ = s.study[-1]
         rows = st_.get("rows") or []
         parts.append("<h2>Study: does a proxy predict τ?</h2>" + _table([{
             "set": set_label(r.get("strategies") or [], r.get("layers") or [], s.layer_sets),
-            "layers": str(r.get("layers")), "aggregate entropy": r.get("aggregate_entropy"),
-            "mean entropy": r.get("mean_entropy"), "mean CKA": r.get("mean_cka"),
-            "τ": _ci(r.get("tau"), r.get("tau_ci"), digits=3),
-            "τ − default": _ci(r.get("delta_vs_default"), r.get("delta_ci"), digits=3, sign=True),
-            "τ range over seeds": r.get("tau_seed_range") if len(r.get("seeds") or []) > 1 else None,
-            "speedup": _ci(r.get("speedup"), r.get("speedup_ci"), unit="×")} for r in rows]))
+            "layers": fmt.layers(r.get("layers")), "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+            "τ − default": fmt.interval(r.get("delta_vs_default"), r.get("delta_ci"), "delta"),
+            "τ range over seeds": fmt.tau(r.get("tau_seed_range")) if len(r.get("seeds") or []) > 1 else None,
+            "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),
+            "aggregate entropy": r.get("aggregate_entropy"), "mean entropy": r.get("mean_entropy"),
+            "mean CKA": r.get("mean_cka") if len(r.get("layers") or []) > 1 else fmt.NOT_APPLICABLE} for r in rows]))
         if st_.get("verdict"):
             parts.append(f"<p><b>The study's verdict.</b> {_e(st_['verdict'])}</p>")
+        for w in sanity.study_warnings(rows, int(st_.get("prompts") or 0)):
+            parts.append(f"<p class='warn'>{_e(w)}</p>")
         corr = st_.get("spearman") or {}
         if corr:
             parts.append("<p>Spearman correlation with τ: " + " · ".join(
-                f"{_e(k.replace('_', ' '))} {'n/a' if v is None else f'{v:+.2f}'}" for k, v in corr.items()) + "</p>")
-        measured = [r for r in rows if r.get("tau") is not None]
-        if measured:
-            top = max(measured, key=lambda r: r["tau"])
-            verdict = ((verdict + " ") if verdict else "") + (
-                f"Measured: the highest τ in the study was {top['tau']:.3f} for "
-                f"{set_label(top.get('strategies') or [], top.get('layers') or [], s.layer_sets)} {top.get('layers')}.")
+                f"{_e(fmt.name(k))} {'n/a' if v is None else fmt.delta(v)}" for k, v in corr.items()) + "</p>")
     if verdict:
         parts.insert(2, f"<div class='verdict'><b>Verdict.</b> {_e(verdict)}</div>")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
-            f"<title>LayerScope report: {_e(s.title())}</title><style>{STYLE}</style>"
+            f"<title>LayerScope report: {_e(title)}</title><style>{STYLE}</style>"
             f"<script>{get_plotlyjs()}</script></head><body>" + "\n".join(parts) + "</body></html>")

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import statistics
 
+from layerscope import fmt
+
 FEW_PROMPTS = 10          # below this τ and speedup move a lot from one prompt set to the next
 FEW_SETS = 5              # a Spearman correlation over fewer sets is anecdote
+UNTRAINED_AGREEMENT = 0.02   # held-out agreement at draft position 1 below this: the draft predicts next to nothing
+SAME_TAU = 3              # this many drafts reading different layers at exactly one τ: they ignore their layers
 
 
 def _fmt_seconds(s: float) -> str:
@@ -28,6 +32,64 @@ def implausible_speedups(rows) -> list[str]:
     return out
 
 
+def agreement(val_accuracy) -> float | None:
+    """Held-out agreement at the first draft position, from a draft's val_accuracy (a list per TTT step, or one number)."""
+    if isinstance(val_accuracy, (list, tuple)):
+        val_accuracy = val_accuracy[0] if val_accuracy else None
+    return None if fmt.missing(val_accuracy) else float(val_accuracy)
+
+
+def _same(values) -> dict:
+    """{value: [row indices]} for values shared by rows (None left out)."""
+    groups: dict = {}
+    for i, v in enumerate(values):
+        if v is not None:
+            groups.setdefault(v, []).append(i)
+    return groups
+
+
+def collapse_reasons(rows) -> list[str | None]:
+    """Why each draft may not have learned, or None. rows: [{"layers", "tau"?, "val_accuracy"?}] (drafts, benchmark
+    rows of drafts, study rows). A draft is flagged when its held-out agreement is about 0, when it accepted no draft
+    token at all (τ exactly 1), when SAME_TAU or more drafts reading different layers reach exactly the same τ, or
+    when drafts reading different layers have exactly the same held-out agreement: a draft that uses its layers
+    differs from one that reads others, so exact ties say the drafts ignore their layers (collapsed to one answer)."""
+    out: list[list[str]] = [[] for _ in rows]
+    for i, r in enumerate(rows):
+        a = agreement(r.get("val_accuracy"))
+        if a is not None and a < UNTRAINED_AGREEMENT:
+            out[i].append(f"held-out agreement {fmt.percent(a)} ≈ 0: it has not learned to predict the target")
+        if r.get("tau") is not None and round(float(r["tau"]), 6) == 1.0:
+            out[i].append("τ exactly 1: the target accepted none of its tokens")
+    taus = [round(float(r["tau"]), 4) if r.get("tau") is not None and r.get("layers") else None for r in rows]
+    for tau, idx in _same(taus).items():
+        if len(idx) >= SAME_TAU and tau != 1.0 and len({tuple(rows[i]["layers"]) for i in idx}) == len(idx):
+            for i in idx:
+                out[i].append(f"τ exactly {fmt.tau(tau)}, as {len(idx) - 1} other drafts reading other layers: "
+                              "they probably ignore their layers (collapsed)")
+    accs = [tuple(round(float(v), 4) for v in r["val_accuracy"]) if isinstance(r.get("val_accuracy"), (list, tuple))
+            and r["val_accuracy"] and all(not fmt.missing(v) for v in r["val_accuracy"]) else None for r in rows]
+    for acc, idx in _same(accs).items():
+        if len(idx) >= 2 and acc[0] >= UNTRAINED_AGREEMENT and len({tuple(rows[i]["layers"]) for i in idx}) == len(idx):
+            for i in idx:
+                out[i].append(f"exactly the same held-out agreement ({fmt.percent(acc[0])}) as {len(idx) - 1} "
+                              "draft(s) reading other layers: they probably ignore their layers (collapsed)")
+    return ["; ".join(x) if x else None for x in out]
+
+
+def collapse_warning(rows, what: str = "drafts") -> str | None:
+    """One sentence for the page when any of `rows` is flagged by `collapse_reasons`, naming them."""
+    reasons = collapse_reasons(rows)
+    flagged = [(r, why) for r, why in zip(rows, reasons) if why]
+    if not flagged:
+        return None
+    names = ", ".join(f"{r.get('name') or '/'.join(r.get('strategies') or []) or 'draft'} {fmt.layers(r.get('layers'))}"
+                      for r, _ in flagged)
+    return (f"{len(flagged)} of {len(rows)} {what} may not have learned ({names}): "
+            + flagged[0][1] + ". Their τ says nothing about their layer sets; train longer or on more data "
+            "(online training), then compare again.")
+
+
 def bench_warnings(rows, prompts: int) -> list[str]:
     out = []
     bad = implausible_speedups(rows)
@@ -43,6 +105,9 @@ def bench_warnings(rows, prompts: int) -> list[str]:
 
 def study_warnings(rows, prompts: int) -> list[str]:
     out = []
+    collapsed = collapse_warning(rows, "sets")
+    if collapsed:
+        out.append(collapsed)
     taus = [round(r["tau"], 3) for r in rows if r.get("tau") is not None]
     if len(rows) < FEW_SETS:
         out.append(f"The correlations are over {len(rows)} sets: with fewer than {FEW_SETS}, a Spearman value says "

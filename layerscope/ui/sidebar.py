@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import streamlit as st
 
+from layerscope import fmt
 from layerscope.session import Session
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.models import device_label
-from layerscope.ui.widgets import fmt_seconds, md_text
+from layerscope.ui.state import bind_view
+from layerscope.ui.widgets import IMAGE_FORMAT_KEY, fmt_seconds, md_text
 
 # The page that shows a job of each kind (url paths of app.py's pages).
 JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.py",
@@ -17,7 +19,8 @@ JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.p
 
 
 def render(s: Session) -> None:
-    st.markdown(f"**Session** · {md_text(s.name) if s.name else '*unsaved*'}  \n`{s.id}`")
+    # Every change is saved at once; a name only lists the session on the Sessions page.
+    st.markdown(f"**Session** · {md_text(s.name) if s.name else '*unnamed*'}  \n`{s.id}` · saved as you work")
     cap = s.capture or {}
     rows = [
         ("Model", md_text(s.model) if s.model else "—"),
@@ -29,7 +32,7 @@ def render(s: Session) -> None:
     st.markdown("  \n".join(f"{k}: {v}" for k, v in rows))
     if s.layer_sets:
         st.markdown("Layer sets to test:  \n" + "  \n".join(
-            f"- {md_text(x['name'])}: `{x['layers']}`" for x in s.layer_sets))
+            f"- {md_text(x['name'])}: `{fmt.layers(x['layers'])}`" for x in s.layer_sets))
     else:
         st.caption("No layer sets chosen yet (Layer sets page).")
     if s.drafts:
@@ -37,6 +40,9 @@ def render(s: Session) -> None:
     running = get_manager().active(s.id)
     if running:
         _running_jobs(s.id)
+    st.radio("Chart downloads", ["png", "svg"], key=IMAGE_FORMAT_KEY, horizontal=True, format_func=str.upper,
+             on_change=bind_view(s, "image_format", IMAGE_FORMAT_KEY, "png", options=["png", "svg"]),
+             help="The format of every chart's download button")
 
 
 @st.fragment(run_every=2.0)

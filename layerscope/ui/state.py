@@ -113,12 +113,18 @@ def pop_notice():
     return st.session_state.pop(NOTICE_KEY, None)
 
 
-def bind_view(s: Session, name: str, key: str, default):
+def bind_view(s: Session, name: str, key: str, default, *, options=None, clamp=None):
     """Tie the widget keyed `key` to the session's view choice `name` (s.view), so the choice survives page
-    changes, refreshes and share links. Call it for the widget's `on_change=` before the widget is drawn
-    (the widget takes no `value=`): it seeds the widget from the session; the callback saves a change."""
-    if key not in st.session_state:
-        st.session_state[key] = s.view.get(name, default)
+    changes, refreshes, new tabs and share links. Call it for the widget's `on_change=` before the widget is
+    drawn (the widget takes no `value=`): on every run it sets the widget from the session (the session is the
+    one place the value lives; Streamlit forgets a widget's value when its page is left); the callback saves
+    a change. A stored value not among `options`, or outside `clamp` = (lo, hi), falls back to `default`."""
+    value = s.view.get(name, default)
+    if options is not None and value not in options and not (isinstance(value, list) and all(v in options for v in value)):
+        value = default
+    if clamp is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = type(value)(min(max(value, clamp[0]), clamp[1]))
+    st.session_state[key] = value
 
     def changed():
         current = st.session_state.get(SESSION_KEY) or s
@@ -126,3 +132,28 @@ def bind_view(s: Session, name: str, key: str, default):
         commit(current)
 
     return changed
+
+
+def session_title(s: Session) -> str:
+    """How a session is named on screen: its name, else 'unnamed session ID' (it is saved as you work either way)."""
+    return s.name or f"unnamed session {s.id}"
+
+
+# ---------------------------------------------------------------------------- notes: changes the user must hear of
+
+NOTES = "notes"          # s.view[NOTES]: sentences about changes the app made to the session, until dismissed
+
+
+def add_note(s: Session, text: str) -> None:
+    """Say a change the app made to the session (a set dropped, picks cleared): shown on every page until dismissed."""
+    notes = [n for n in s.view.get(NOTES, []) if n != text]
+    s.view[NOTES] = (notes + [text])[-10:]
+
+
+def notes(s: Session) -> list[str]:
+    return list(s.view.get(NOTES, []))
+
+
+def dismiss_notes(s: Session) -> None:
+    s.view.pop(NOTES, None)
+    commit(s)

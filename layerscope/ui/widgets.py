@@ -11,7 +11,7 @@ import time
 
 import streamlit as st
 
-from layerscope import plots
+from layerscope import fmt, plots
 from layerscope.errors import LayerScopeError
 from layerscope.ui.jobs import CANCELLED, DONE, FAILED, JobView, get_manager
 
@@ -52,11 +52,15 @@ def guard(what: str = ""):
 # ---------------------------------------------------------------------------- charts and tables
 
 def image_format() -> str:
-    return st.session_state.get(IMAGE_FORMAT_KEY, "png")
+    """The image format of chart downloads: the session's choice (sidebar), PNG until one is made."""
+    s = st.session_state.get("ls_session")
+    kind = (s.view.get("image_format") if s is not None else None) or st.session_state.get(IMAGE_FORMAT_KEY, "png")
+    return kind if kind in ("png", "svg") else "png"
 
 
 def chart(fig, *, key: str, filename: str, on_select=None, selection_mode=None, height: int | None = None):
-    """A Plotly chart with PNG and SVG download buttons under it (rendered on click by headless chromium).
+    """A Plotly chart with one download button under it, in the image format chosen in the sidebar (PNG or SVG,
+    rendered on click by headless chromium); the chart's own toolbar has no second download.
 
     With `on_select`, returns Streamlit's selection state (a dict with ``selection.points``).
     """
@@ -73,13 +77,12 @@ def chart(fig, *, key: str, filename: str, on_select=None, selection_mode=None, 
 
 
 def image_buttons(fig, *, key: str, filename: str) -> None:
-    """PNG and SVG downloads of `fig`, side by side; the image is rendered only when a button is pressed."""
-    with st.container(horizontal=True):       # side by side at their own width, even in a narrow column
-        for fmt in ("png", "svg"):
-            st.download_button(fmt.upper(), data=_image_maker(fig, fmt), file_name=f"{filename}.{fmt}",
-                               mime="image/png" if fmt == "png" else "image/svg+xml", key=f"{key}_{fmt}",
-                               on_click="ignore", icon=":material/image:", width="content",
-                               help=f"Download this chart as {fmt.upper()}")
+    """One download of `fig` in the chosen image format; the image is rendered only when the button is pressed."""
+    kind = image_format()
+    st.download_button(f"Download {kind.upper()}", data=_image_maker(fig, kind), file_name=f"{filename}.{kind}",
+                       mime="image/png" if kind == "png" else "image/svg+xml", key=f"{key}_image",
+                       on_click="ignore", icon=":material/image:", width="content",
+                       help=f"Download this chart as {kind.upper()} (the format is set in the sidebar)")
 
 
 def _image_maker(fig, fmt: str):
@@ -92,34 +95,51 @@ def _image_maker(fig, fmt: str):
     return make
 
 
-MISSING = "—"
+MISSING = fmt.MISSING
 
 
-def display_frame(df):
-    """`df` for the screen: missing values read "—" instead of "None"/"nan"; numbers stay numbers where whole."""
+def display_frame(df, na: dict | None = None):
+    """`df` for the screen: every cell through the one formatter (`layerscope.fmt.cell`: numbers in one form, never
+    an exponent cut short; layer lists in full; missing values "—", or `na[column]` for that column)."""
     import pandas as pd
 
-    out = df.copy()
-    for c in out.columns:
-        col = out[c]
-        missing = col.map(lambda v: v is None or (isinstance(v, float) and v != v))
-        if not missing.any():
-            continue
-        if pd.api.types.is_numeric_dtype(col) or all(isinstance(v, (int, float)) for v in col[~missing]):
-            out[c] = [MISSING if m else (f"{v:.4g}" if isinstance(v, float) else str(v)) for v, m in zip(col, missing)]
-        else:
-            out[c] = [MISSING if m else v for v, m in zip(col, missing)]
-    return out
+    out = {}
+    for c in df.columns:
+        gone = (na or {}).get(c)
+        out[c] = [gone if gone is not None and fmt.missing(v if not hasattr(v, "item") else v.item()) else fmt.cell(v)
+                  for v in df[c]]
+    return pd.DataFrame(out, index=df.index)
 
 
-def table(df, *, key: str, filename: str, hide_index: bool = True, **kwargs) -> None:
-    """A dataframe (missing values shown as "—") with a CSV download of the real values under it."""
-    st.dataframe(display_frame(df), hide_index=hide_index, key=f"{key}_df", width="stretch", **kwargs)
+def _numeric(col) -> bool:
+    values = [v for v in col if not fmt.missing(v if not hasattr(v, "item") else v.item())]
+    return bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) or hasattr(v, "dtype")
+                                for v in values)
+
+
+def table(df, *, key: str, filename: str, hide_index: bool = True, column_config: dict | None = None,
+          na: dict | None = None, **kwargs) -> None:
+    """A dataframe as text in the one number form (missing values "—"; columns of numbers, formatted or not,
+    right-aligned), with a CSV download of the real values under it."""
+    shown = display_frame(df, na)
+    config = {c: st.column_config.TextColumn(c, alignment="right") for c in df.columns
+              if _numeric(df[c]) or _formatted_number(df[c])}
+    config.update(column_config or {})
+    st.dataframe(shown, hide_index=hide_index, key=f"{key}_df", width="stretch", column_config=config, **kwargs)
     buf = io.StringIO()
     df.to_csv(buf, index=not hide_index)
     st.download_button("CSV", data=buf.getvalue().encode(), file_name=f"{filename}.csv",
                        mime="text/csv", key=f"{key}_csv", on_click="ignore", icon=":material/download:",
                        help="Download this table as CSV")
+
+
+_NUMBER_TEXT = re.compile(r"^[+\-−]?[\d,]+(\.\d+)?(%|×)?( \[[^\]]+\])?$")
+
+
+def _formatted_number(col) -> bool:
+    """A column of numbers already formatted by layerscope.fmt ("1.133 [1.091, 1.160]", "24.5%")."""
+    values = [v for v in col if isinstance(v, str) and v not in ("", MISSING, fmt.NOT_APPLICABLE)]
+    return bool(values) and all(_NUMBER_TEXT.match(v) for v in values)
 
 
 # ---------------------------------------------------------------------------- jobs

@@ -1,0 +1,145 @@
+"""How numbers, names and times read on screen: the one formatter of the app, its figures and its report.
+
+Plain functions, strings out; nothing here imports Streamlit. Every kind of number has one form:
+
+    count        48,450                      (thousands separated, never 4.845e+04)
+    number       5.548 · 0.123 · 1,234       (3 decimals below 100, 1 below 1000, none above)
+    tau          1.133                       (tokens per target forward: 3 decimals)
+    delta        +0.007                      (a signed τ difference)
+    speedup      1.42×
+    percent      24.5%                       (acceptance, agreement: a share of 1 as a percentage)
+    interval     1.133 [1.091, 1.160]        (every interval: the value, then [lo, hi] in the same form;
+                 1.42× [1.30, 1.55]           a × unit once, on the value)
+
+A missing value reads "—"; a value that does not exist for the thing (mean CKA of one layer) reads "n/a".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime
+
+MISSING = "—"
+NOT_APPLICABLE = "n/a"
+
+# Raw field names as people read them (tables, figure titles, correlations).
+NAMES = {
+    "mean_entropy": "mean entropy", "mean_entropy_normalized": "mean normalized entropy", "mean_cka": "mean CKA",
+    "aggregate_entropy": "aggregate entropy", "val_accuracy@1": "held-out agreement @1",
+    "val_accuracy": "held-out agreement", "objective": "own objective", "mrmr": "mRMR",
+    "compartment_cohesion": "compartment cohesion", "tau": "τ", "speedup": "speedup", "probe": "probe agreement",
+    "entropy-topk": "entropy-topk", "tokens_per_s": "tokens/s",
+}
+
+
+def missing(x) -> bool:
+    return x is None or (isinstance(x, float) and not math.isfinite(x))
+
+
+def count(n) -> str:
+    """A whole number: 48,450."""
+    return MISSING if missing(n) else f"{int(round(float(n))):,}"
+
+
+def number(x, digits: int = 3) -> str:
+    """Any other number: `digits` decimals below 100, one below 1000, none above; never an exponent cut short."""
+    if missing(x):
+        return MISSING
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return count(x)
+    x = float(x)
+    a = abs(x)
+    if a >= 1000:
+        return f"{x:,.0f}"
+    if a >= 100:
+        return f"{x:.1f}"
+    if 0 < a < 10 ** -digits:
+        return f"{x:.2g}"
+    return f"{x:.{digits}f}"
+
+
+def tau(x) -> str:
+    return MISSING if missing(x) else f"{float(x):.3f}"
+
+
+def delta(x) -> str:
+    return MISSING if missing(x) else f"{float(x):+.3f}"
+
+
+def speedup(x) -> str:
+    return MISSING if missing(x) else f"{float(x):.2f}×"
+
+
+def percent(x, digits: int = 1) -> str:
+    """A share of 1 as a percentage: 0.245 -> 24.5%."""
+    return MISSING if missing(x) else f"{100 * float(x):.{digits}f}%"
+
+
+KINDS = {"tau": tau, "delta": delta, "speedup": speedup, "percent": percent, "number": number, "count": count}
+
+
+def interval(x, ci, kind: str = "tau") -> str:
+    """A value with its interval, both in the form of `kind`: "1.133 [1.091, 1.160]"; the value alone without one."""
+    f = KINDS[kind]
+    if missing(x):
+        return MISSING
+    if not ci or len(ci) != 2 or any(missing(c) for c in ci):
+        return f(x)
+    return f"{f(x)} [{f(ci[0]).rstrip('×')}, {f(ci[1]).rstrip('×')}]"     # the unit once, on the value
+
+
+def layers(ls) -> str:
+    """A layer list, always in full: [1, 14, 28]."""
+    return MISSING if ls is None else "[" + ", ".join(str(int(l)) for l in ls) + "]"
+
+
+def name(raw) -> str:
+    """A raw field name as people read it: mean_entropy -> mean entropy."""
+    if raw is None:
+        return MISSING
+    raw = str(raw)
+    return NAMES.get(raw, raw.replace("_", " "))
+
+
+_OFFSET = re.compile(r"([+-]\d\d)(\d\d)$")
+
+
+def when(iso) -> str:
+    """An ISO timestamp in this server's local time, to the minute: 2026-12-01 10:09."""
+    if not iso:
+        return MISSING
+    text = _OFFSET.sub(r"\1:\2", str(iso).strip().replace("Z", "+00:00"))   # +0000 -> +00:00 (Python < 3.11)
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        return str(iso)
+    if t.tzinfo is not None:
+        t = t.astimezone()
+    return t.strftime("%Y-%m-%d %H:%M")
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def file_part(text, limit: int = 40) -> str:
+    """User text (a session name) made safe inside a download's file name: letters, digits, '.', '_', '-'."""
+    safe = _UNSAFE.sub("_", str(text or "")).strip("._-")[:limit].strip("._-")
+    return safe or "session"
+
+
+def cell(x) -> str:
+    """A table cell: numbers by `number`, layer lists in full, missing values as a dash."""
+    if isinstance(x, (list, tuple)):
+        return layers(x) if all(isinstance(v, int) and not isinstance(v, bool) for v in x) else ", ".join(map(str, x))
+    if isinstance(x, str):
+        return x
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, (int, float)) or x is None:
+        return number(x)
+    if hasattr(x, "item"):                          # numpy / pandas scalars
+        return cell(x.item())
+    return str(x)
