@@ -184,6 +184,22 @@ def read_layers(engine: str, config: dict, facts: TargetFacts, run_ids: list[int
     return ids, "config"
 
 
+def speculators_reads(config: dict, facts: TargetFacts) -> tuple[list[int] | None, str]:
+    """The layers the speculators library itself reads from a converted config.json, and where from:
+    Eagle3DraftModel.from_pretrained hands the top-level eagle_aux_hidden_state_layer_ids to
+    resolve_target_layer_ids with the verifier's depth N (src/speculators/models/eagle3/core.py,
+    src/speculators/models/utils.py): null -> [2, N//2, N-3] with a warning, else the ids as written, refused
+    (None) unless distinct and within 0..N. vLLM's reader of the same file is read_layers("speculators")."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    n = facts.num_layers
+    if ids is None:
+        return default_layers("speculators", n), "default (eagle_aux_hidden_state_layer_ids is null)"
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) for i in ids) \
+            or min(ids) < 0 or max(ids) > n or len(set(ids)) != len(ids):
+        return None, f"refused: the ids {ids} must be distinct and within [0, {n}]"
+    return vllm_ids(ids), "config"
+
+
 def _check_engine(engine: str) -> None:
     if engine not in ENGINES:
         raise DraftError(f"Unknown engine {engine!r}", f"Use one of {', '.join(ENGINES)}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from layerscope import engines
+from layerscope import engines, preflight
 from layerscope.commands.common import open_store, print_json
 from layerscope.errors import DraftError
 
 NAME = "check-draft"
 HELP = ("report which layers vLLM, SGLang, SpecForge and speculators would read from a draft directory for a "
-        "target, and fail when that is not the set the draft was trained on")
+        "target, and fail when that is not the set the draft was trained on; for a speculators directory also "
+        "whether its verifier resolves from here and whether it carries the target's embedding")
 
 
 def add_arguments(p) -> None:
@@ -24,6 +25,7 @@ def run(args) -> int:
     from layerscope.draft.export import check_draft
     from layerscope.models import load_model
 
+    preflight.draft_dir(args.directory, agree=False)    # before the model loads; disagreements are this command's to show
     target = load_model(args.target, store=open_store(args))
     report = check_draft(args.directory, engines.target_facts(target), only=args.engines)
     if args.json:
@@ -35,6 +37,14 @@ def run(args) -> int:
         for r in report["rows"]:
             mark = ("ok  " if r["ok"] else "FAIL") if r["checked"] else "info"
             print(f"  {mark} {r['engine']:<12} reads {str(r['reads']):<16} from {r['source']}: {r['status']}")
+            if "library_reads" in r:
+                print(f"       {'':<12} (that is vLLM's reading; speculators' own from_pretrained reads "
+                      f"{r['library_reads']} from {r['library_source']})")
+        spec = report.get("speculators")
+        if spec and not spec["verifier_problem"]:
+            print(f"  info verifier     `{spec['verifier']}` resolves from here")
+        for w in report.get("warnings", []):
+            print(f"  warn {w}")
     if not report["ok"]:
         raise DraftError(f"Engines would not read the trained layers {report['trained']}: "
                          + "; ".join(report["problems"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerscope import engines
+from layerscope import engines, preflight
 from layerscope.commands.common import open_store, print_json
 from layerscope.errors import DraftError
 
@@ -18,9 +18,11 @@ def add_arguments(p) -> None:
     p.add_argument("--for", dest="engine", required=True, choices=engines.ENGINES, help="the engine to export for")
     p.add_argument("--out", required=True, help="directory to write (replaced whole; the old one stays until the new is complete)")
     p.add_argument("--target", default=None,
-                   help="the target model spec (as for capture); default: the target facts recorded in layers.json")
+                   help="the target model spec (as for capture); default: the target facts recorded in layers.json "
+                        "(and for speculators, whose export carries the target's embedding, the model layerscope.json names)")
     p.add_argument("--target-path", default=None,
-                   help="how the engine should name the target in COMMANDS.md (default: the directory it loads from)")
+                   help="how the export names the target (speculators' verifier, COMMANDS.md); default: an alias's "
+                        "Hugging Face id, a local folder relative to --out when they share a parent, else as given")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the target's dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -38,9 +40,8 @@ def resolve_draft(spec: str, args) -> Path:
 
 
 def target_of(args, draft: Path):
-    """(TargetFacts, how COMMANDS.md names the target) from --target, else from layers.json."""
-    from layerscope.draft.export import _read_json, check_fits, read_meta, recorded_facts
-    from layerscope.draft.model import DraftConfig
+    """(TargetFacts, the loaded target or None) from --target, else from layers.json."""
+    from layerscope.draft.export import recorded_facts
     from layerscope.models import load_model
 
     if args.target is None:
@@ -48,21 +49,21 @@ def target_of(args, draft: Path):
         if facts is None:
             raise DraftError(f"{draft}/layers.json does not record the target's family, depth and dtype",
                              "Pass --target MODEL (the model the draft was trained for)")
-        return facts, args.target_path or read_meta(draft).get("target_model") or "TARGET"
+        return facts, None
     target = load_model(args.target, store=open_store(args))
-    meta = read_meta(draft)
-    config = DraftConfig.from_hf_config(_read_json(draft / "config.json"), meta.get("aux_layers"))
-    check_fits(config, meta, target, draft)
-    source = str(getattr(target.model.config, "_name_or_path", "") or "")
-    return engines.target_facts(target), args.target_path or (source if Path(source).is_dir() else args.target)
+    return engines.target_facts(target), target
 
 
 def run(args) -> int:
     from layerscope.draft.export import export_draft, read_layers_record
 
     draft = resolve_draft(args.draft, args)
-    facts, target_path = target_of(args, draft)
-    out = export_draft(draft, args.engine, args.out, facts, dtype=args.dtype, target_path=target_path)
+    preflight.draft_dir(draft)              # before a --target model loads
+    preflight.output(args.out)
+    facts, target = target_of(args, draft)
+    store = open_store(args) if args.engine == "speculators" and target is None else None
+    out = export_draft(draft, args.engine, args.out, facts, dtype=args.dtype, target_path=args.target_path,
+                       target=target, store=store)
     record = read_layers_record(out)
     result = {"out": str(out), "engine": args.engine, "layers": record.get("hf_hidden_states"),
               "vllm_speculators_ids": record.get("vllm_speculators_ids"),

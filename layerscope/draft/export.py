@@ -3,7 +3,8 @@
     config.json         DraftConfig.to_hf_config() with the engines' ids for this target (layerscope/engines.py)
                         and "torch_dtype"/"dtype" = the dtype the weights are saved in (the target's by default)
     model.safetensors   fc, midlayer.*, norm, lm_head (in that dtype), d2t (int64), t2d (bool); no embed_tokens:
-                        every engine shares the target's embedding when the checkpoint has none
+                        every engine shares the target's embedding when the checkpoint has none (a speculators
+                        export carries it: speculators' own forward reads the checkpoint's, see write_speculators)
     layers.json         the layer set three ways (hidden_states index, vLLM/speculators id, SGLang/SpecForge id),
                         the target facts they were computed for, and what each engine can or cannot do with it
     layerscope.json     what produced it: target fingerprint, capture key, layers, strategy, budget, seed,
@@ -32,7 +33,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from layerscope import engines, jsonsafe
+from huggingface_hub import try_to_load_from_cache
+
+from layerscope import engines, jsonsafe, models
 from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead
 from layerscope.engines import TargetFacts
 from layerscope.errors import DraftError
@@ -377,10 +380,13 @@ def _read_json(f: Path) -> dict:
 # ----------------------------------------------------------------------------------------- exports for engines
 
 def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str | None = None,
-                 target_path: str = "TARGET", named=None) -> Path:
+                 target_path: str | None = None, named=None, target=None, store=None) -> Path:
     """Write what `engine` needs to train at scale, serve and benchmark the draft in `draft_dir` into `out`
     (replaced whole or not at all). Refuses, naming the engine and the reason, a set the engine cannot take.
-    named: how COMMANDS.md and specforge.yaml name the folder (default `out`; a zip's `./<folder>`)."""
+    target: the LoadedModel the draft was trained for, checked against it (for speculators, default: the
+    draft's target_model loaded from `store`): a speculators export carries its input embedding.
+    target_path: how the export names the target (default: target_name's rule). named: how COMMANDS.md and
+    specforge.yaml name the folder (default `out`; a zip's `./<folder>`, which also says the folder moves)."""
     engine = engine.lower()
     if engine not in engines.ENGINES:
         raise DraftError(f"Unknown engine {engine!r}", f"Use --for {' | '.join(engines.ENGINES)}")
@@ -394,19 +400,123 @@ def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str 
         raise DraftError(f"Cannot export for {engine}: {reason}", f"Train a draft on a layer set {engine} takes "
                          f"(layers.json lists every engine's verdict), or export for another engine")
     dtype = engines.dtype_name(dtype or facts.dtype)
-    meta = {**read_meta(draft_dir), "exported_for": engine, "exported_from": str(draft_dir), "dtype": dtype}
+    trained = read_meta(draft_dir)
+    if engine == "speculators" and target is None:
+        target = trained_target(draft_dir, store)
+    if target is not None:
+        check_fits(head.config, trained, target, draft_dir)
+    meta = {**trained, "exported_for": engine, "exported_from": str(draft_dir), "dtype": dtype}
     out = Path(out)
+    if target_path:
+        name = TargetName(target_path, target_path, None)
+    else:
+        spec = target.spec if target is not None else trained.get("target_model")
+        name = target_name(spec, model_folder(target), out if named is None else None)
     named = named if named is not None else out      # a str keeps "./" (a bare name could read as a hub id)
+    commands = name.in_commands(named)
     with staged(out) as tmp:
         if engine == "speculators":
-            write_speculators(tmp, head, meta, facts, dtype, target_path)
+            write_speculators(tmp, head, meta, facts, dtype, name.verifier, target.model.get_input_embeddings().weight)
         else:
             write_draft(tmp, head, meta, facts, dtype)
         if engine == "specforge":
-            write_specforge(tmp, head, facts, dtype, target_path, named)
-        (tmp / "COMMANDS.md").write_text(commands_md(engine, layers, facts, dtype, target_path, named,
-                                                     head.config.draft_vocab_size))
+            write_specforge(tmp, head, facts, dtype, commands, named)
+        (tmp / "COMMANDS.md").write_text(commands_md(engine, layers, facts, dtype, commands, named,
+                                                     head.config.draft_vocab_size, name.note,
+                                                     target.spec if target is not None else trained.get("target_model")))
     return out
+
+
+def trained_target(draft_dir, store=None):
+    """The target a draft was trained for, loaded from the spec its layerscope.json records."""
+    spec = read_meta(draft_dir).get("target_model")
+    if not spec:
+        raise DraftError(f"{draft_dir}/layerscope.json does not name the target model, whose input embedding a "
+                         "speculators export carries", "Pass --target MODEL (the model the draft was trained for)")
+    try:
+        return models.load_model(spec, store=store)
+    except models.ModelSpecError as e:
+        raise DraftError(f"A speculators export carries the target's input embedding, and the draft's target "
+                         f"{spec!r} does not load here ({e.problem})",
+                         "Pass --target MODEL (the model the draft was trained for)") from e
+
+
+# ----------------------------------------------------------------------------------------- naming the target
+
+class TargetName:
+    """How an export names its target: `verifier` in speculators' config.json (relative to the export folder
+    when `relative`), `commands` in COMMANDS.md and specforge.yaml, and `note`, the COMMANDS.md line saying
+    what to put in its place on another machine (None when the name resolves anywhere)."""
+
+    def __init__(self, verifier: str, commands: str, note: str | None, relative: bool = False):
+        self.verifier, self.commands, self.note, self.relative = verifier, commands, note, relative
+
+    def in_commands(self, named) -> str:
+        """The name in commands that name the export folder `named`: a relative verifier is joined to it."""
+        return os.path.normpath(os.path.join(str(named), self.verifier)) if self.relative else self.commands
+
+
+def model_folder(target) -> Path | None:
+    """The local folder a LoadedModel was read from (None for a hub id or an in-memory model)."""
+    if target is None:
+        return None
+    source = str(getattr(target.model.config, "_name_or_path", "") or "")
+    return Path(source).resolve() if source and (Path(source) / "config.json").is_file() else None
+
+
+def target_name(spec: str | None, folder: Path | None, out: Path | None) -> TargetName:
+    """The rule: an alias (smollm2-135m) is named by its public Hugging Face id (models.ALIASES); a local
+    `folder` relative to the export folder `out` when both lie under one directory below the root (out None:
+    the export moves, as a zip does), else by its absolute path; anything else (a hub id, tiny-llama) as given."""
+    hf = models.public_id(spec)
+    if hf:
+        alias = models.ALIASES[spec.strip()]
+        where = f"`{folder}`" if folder else "the store's `models/gguf-*/` folder"
+        return TargetName(hf, hf, f"`{hf}` is the public repository of `{spec}`. The draft was trained on "
+                          f"LayerScope's float32 de-quantization of {alias.file}, stored in {where}; the "
+                          "repository's original weights differ from it by the quantization error. To serve exactly "
+                          "the trained-on weights, put that folder in place of the repository id.")
+    if folder is not None:
+        if out is not None and len(Path(os.path.commonpath([folder, out.resolve()])).parts) > 1:
+            rel = os.path.relpath(folder, out.resolve())
+            return TargetName(rel, rel, f"`config.json` names the verifier `{rel}`, the target's folder relative to "
+                              "this folder; speculators and vLLM resolve it from the working directory, so load this "
+                              "folder from inside it, or write the target's absolute path there. The commands name it "
+                              "from where the export was written. On another machine put the path or Hugging Face id "
+                              "of the same weights in both places.", relative=True)
+        return TargetName(str(folder), str(folder), f"`{folder}` is the target's folder on the machine that exported "
+                          "this draft: on another machine put the path or Hugging Face id of the same weights in its "
+                          "place (in the commands below, and in config.json's verifier where there is one).")
+    if not spec:
+        return TargetName("TARGET", "TARGET", "`TARGET` stands for the target model: put its folder or Hugging Face "
+                          "id in its place (or export with --target MODEL).")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return TargetName(spec, spec, None)
+    return TargetName(spec, spec, f"`{spec}` is LayerScope's name for the target, which other tools cannot resolve: "
+                      "put the target's folder or Hugging Face id in its place.")
+
+
+def verifier_problem(name: str | None, directory: Path) -> str | None:
+    """Why speculators, run from the current directory, cannot resolve a converted draft's verifier (None
+    when it can: a model folder here, or a hub id in the local Hugging Face cache). SpeculatorModel.from_pretrained
+    reads the verifier's config and weights (src/speculators/utils/loading.py _resolve_file: a local directory
+    when Path(name).is_dir(), else hf_hub_download; models/utils.py get_verifier_config)."""
+    if not name:
+        return ("config.json names no verifier (speculators_config.verifier.name_or_path): speculators cannot "
+                "read the target's depth, output head and final norm")
+    if (Path(name).expanduser() / "config.json").is_file():
+        return None
+    if (Path(directory) / name / "config.json").is_file():
+        return (f"the verifier `{name}` is a folder relative to {directory}, but speculators resolves it from the "
+                f"working directory ({Path.cwd()}), where it does not exist: run from {directory}, or write its "
+                "absolute path in config.json")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+        return (f"the verifier `{name}` is not in this machine's Hugging Face cache: speculators downloads it from "
+                "the Hub, which needs network access (and a token for a gated model)")
+    return (f"the verifier `{name}` is neither a model folder here nor a Hugging Face id: speculators cannot load "
+            "this draft; put the target's folder or Hugging Face id in speculators_config.verifier.name_or_path")
 
 
 def engine_verdict(draft_dir, engine: str) -> dict:
@@ -436,15 +546,15 @@ def engine_verdict(draft_dir, engine: str) -> dict:
 def export_zip(draft_dir, engine: str, *, dtype: str | None = None, target_path: str | None = None) -> tuple[str, bytes]:
     """`export_draft` for the target layers.json records, into a temporary folder, zipped: (file name, bytes).
     The zip holds one folder `<draft>-<engine>/`; its COMMANDS.md names it `./<draft>-<engine>` (where it is
-    unpacked) and the target as the draft's target_model (or `target_path`). Refusals as export_draft's."""
+    unpacked) and the target by target_name's rule for the draft's target_model (or as `target_path`).
+    Refusals as export_draft's."""
     verdict = engine_verdict(draft_dir, engine)
     engine = verdict["engine"]
     name = f"{Path(draft_dir).resolve().name or 'draft'}-{engine}"
-    target_path = target_path or read_meta(draft_dir).get("target_model") or "TARGET"
     buf = io.BytesIO()
     with tempfile.TemporaryDirectory(prefix="layerscope-export-") as tmp:
         out = export_draft(draft_dir, engine, Path(tmp) / name, verdict["target"], dtype=dtype,
-                           target_path=str(target_path), named=f"./{name}")
+                           target_path=target_path, named=f"./{name}")
         with zipfile.ZipFile(buf, "w") as z:
             for f in sorted(out.iterdir()):
                 z.write(f, f"{name}/{f.name}",
@@ -505,7 +615,7 @@ deployment:
 """
 
 
-def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, target_path: str) -> dict:
+def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, verifier: str) -> dict:
     """The config.json `speculators convert --algorithm eagle3` writes (Eagle3SpeculatorConfig,
     src/speculators/models/eagle3/config.py, built by src/speculators/convert/eagle/eagle3_converter.py),
     with eagle_aux_hidden_state_layer_ids set: the converter would leave it null and the draft would read the
@@ -524,7 +634,7 @@ def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, target_p
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-            "verifier": {"name_or_path": target_path,
+            "verifier": {"name_or_path": verifier,
                          "architectures": list(facts.architectures) or ["LlamaForCausalLM"]},
         },
         "transformer_layer_config": layer,
@@ -541,11 +651,22 @@ def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, target_p
     }
 
 
-def write_speculators(directory: Path, head: DraftHead, meta: dict, facts: TargetFacts, dtype: str, target_path: str) -> None:
+def write_speculators(directory: Path, head: DraftHead, meta: dict, facts: TargetFacts, dtype: str, verifier: str,
+                      embedding: torch.Tensor) -> None:
     """A converted speculators checkpoint: the converter's config (ids set) and its weight names
-    (midlayer.* -> layers.0.*, Eagle3Speculator in src/speculators/convert/eagle/eagle3_legacy_model.py)."""
-    (directory / "config.json").write_text(json.dumps(speculators_config(head, facts, dtype, target_path), indent=2))
+    (midlayer.* -> layers.0.*, Eagle3Speculator in src/speculators/convert/eagle/eagle3_legacy_model.py), plus
+    the target's input embedding [vocab, d] as embed_tokens.weight in `dtype`. speculators' own forward embeds
+    tokens with the checkpoint's embed_tokens; without one, from_pretrained initializes the missing weight,
+    which replaces the NaN placeholder load_verifier_weights looks for before it copies the verifier's
+    (src/speculators/model.py), so the draft would run on a wrong embedding. vLLM loads it when present
+    (llama_eagle3.py load_weights: includes_embed_tokens); it is the target's own, so nothing changes there."""
+    if tuple(embedding.shape) != (head.config.vocab_size, head.config.hidden_size):
+        raise DraftError(f"The target's embedding has shape {tuple(embedding.shape)}, the draft needs "
+                         f"({head.config.vocab_size}, {head.config.hidden_size})",
+                         "Export with the target the draft was trained for")
+    (directory / "config.json").write_text(json.dumps(speculators_config(head, facts, dtype, verifier), indent=2))
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in draft_tensors(head, dtype).items()}
+    tensors["embed_tokens.weight"] = embedding.detach().to("cpu", TORCH_DTYPES[dtype]).contiguous()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts), indent=2))
     info = {"format": FORMAT, "aux_layers": head.aux_layers, "draft_vocab_size": head.config.draft_vocab_size,
@@ -553,9 +674,40 @@ def write_speculators(directory: Path, head: DraftHead, meta: dict, facts: Targe
     (directory / "layerscope.json").write_text(json.dumps(info, indent=2, default=float))
 
 
+ENGINE_READS = {
+    # engine: (what it reads from the export folder, what it ignores there); docs/drafts.md has the same table
+    "vllm": ("config.json: `architectures` (LlamaForCausalLMEagle3), the top-level `eagle_aux_hidden_state_layer_ids`, "
+             "`draft_vocab_size`, `target_hidden_size`, the layer shape, `eagle_config.use_aux_hidden_state`; "
+             "model.safetensors: `fc`, `midlayer.*` (as `layers.0.*`, q/k/v and gate/up stacked), `norm`, `lm_head`, "
+             "`d2t` (as `draft_id_to_target_id`)",
+             "`t2d`, the SGLang ids under `eagle_config`, layers.json, layerscope.json, COMMANDS.md; the checkpoint "
+             "has no `embed_tokens`, so the draft shares the target's embedding"),
+    "sglang": ("config.json: `architectures`, `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang ids), "
+               "`draft_vocab_size`, the layer shape, `tie_word_embeddings` (false); model.safetensors: the same "
+               "weights under `model.`, `d2t` (as `hot_token_id = d2t + arange`)",
+               "`t2d`, the top-level vLLM ids, layers.json, layerscope.json, COMMANDS.md; the EAGLE worker gives the "
+               "draft the target's embedding"),
+    "specforge": ("specforge.yaml (`model.aux_hidden_state_layer_ids` first, `target_model_path`, "
+                  "`draft_checkpoint_path` = this folder), draft_config.json (its `eagle_config` ids when the run "
+                  "config has none), vocab_mapping.pt (`d2t`, `t2d`)",
+                  "config.json's top-level vLLM ids, layers.json, layerscope.json, COMMANDS.md"),
+    "speculators": ("config.json: `speculators_config.verifier.name_or_path` (the verifier's config for its depth "
+                    "and hidden size, and its `lm_head` and final norm for the training loss), "
+                    "`transformer_layer_config`, `eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`, "
+                    "`target_hidden_size`, `norm_before_residual` and the other norm flags; model.safetensors: "
+                    "`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d` and `embed_tokens` (the target's input "
+                    "embedding, which its forward embeds tokens with). vLLM serving this folder reads the same "
+                    "config and weights, loads `embed_tokens` and skips `t2d`",
+                    "layers.json, layerscope.json, COMMANDS.md; the verifier's own embedding and `lm_head`, which "
+                    "it copies in only when the checkpoint lacks them"),
+}
+
+
 def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, target: str, out: Path,
-                draft_vocab: int) -> str:
-    """COMMANDS.md: the command lines to train at scale, serve and benchmark this draft with `engine`."""
+                draft_vocab: int, note: str | None = None, check_as: str | None = None) -> str:
+    """COMMANDS.md: the command lines to train at scale, serve and benchmark this draft with `engine`.
+    target: how the commands name the target; note: what to change on another machine (TargetName.note);
+    check_as: the LayerScope model spec for `layerscope check-draft` (default `target`)."""
     vllm = engines.vllm_ids(layers)
     space = " ".join(str(i) for i in vllm)
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
@@ -567,9 +719,13 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
             "has the set in every engine's ids. Check what an engine will read before serving:",
             "",
             "```bash",
-            f"layerscope check-draft {out} --target {target}",
+            f"layerscope check-draft {out} --target {check_as or target}",
             "```",
             ""]
+    if note:
+        head += [f"**The target's name.** {note}", ""]
+    reads, ignores = ENGINE_READS[engine]
+    head += [f"**What {engine} reads here:** {reads}. **Ignored:** {ignores}.", ""]
     notes = engines.notes(engine, layers, facts)
     if notes:
         head += ["Notes:", *[f"- {n}" for n in notes], ""]
@@ -605,9 +761,17 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
         body = serve_vllm + train_speculators
     elif engine == "speculators":
         convert = json.dumps({"eagle_aux_hidden_state_layer_ids": vllm})
-        body = [f"`{out}` is already the converted checkpoint, with `eagle_aux_hidden_state_layer_ids` = {vllm}. "
+        body = [f"`{out}` is already the converted checkpoint, with `eagle_aux_hidden_state_layer_ids` = {vllm} "
+                "and the target's input embedding. Load it in Python (from inside the folder when its verifier is "
+                "a relative path):", "",
+                "```python",
+                "from speculators import SpeculatorModel",
+                f"draft = SpeculatorModel.from_pretrained(\"{out}\")   # target_layer_ids == {vllm}",
+                "```", "",
                 "To convert the LayerScope draft with the speculators tool instead, pass the ids, or it silently "
-                f"falls back to {engines.default_layers('speculators', facts.num_layers)}:", "",
+                f"falls back to {engines.default_layers('speculators', facts.num_layers)}; its output has the same "
+                "tensors but no `embed_tokens` (the LayerScope draft has none), and the verifier's config.json must "
+                "name its `architectures`:", "",
                 "```bash",
                 f"speculators convert DRAFT_DIR --algorithm eagle3 --verifier {target} \\",
                 f"  --output-path {out} --algorithm-kwargs '{convert}'",
@@ -643,8 +807,11 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
 
 def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) -> dict:
     """Which layers each engine would read from `directory` for this target, against the set the draft was
-    trained on (layerscope.json, cross-checked with the width of fc). Returns {"trained", "rows", "ok"}; a row
-    fails when an engine that should load the directory reads another set or cannot load it at all."""
+    trained on (layerscope.json, cross-checked with the width of fc). Returns {"trained", "rows", "ok",
+    "warnings", "speculators"}; a row fails when an engine that should load the directory reads another set or
+    cannot load it at all. For a converted (speculators) directory the speculators row also has the library's
+    own reading (library_reads), and "speculators" says whether its verifier resolves from the working
+    directory and whether the checkpoint carries the embedding; what it finds wrong there is a warning."""
     directory = Path(directory)
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
         raise DraftError(f"{directory} is not a draft directory (config.json and model.safetensors are needed)",
@@ -686,12 +853,38 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
             status = f"SILENT FALLBACK to {reads}: {source}"
         else:
             status = f"READS OTHER LAYERS {reads} than the trained {trained}"
-        rows.append({"engine": engine, "reads": reads, "source": source, "ok": ok, "checked": checked,
-                     "status": status})
+        row = {"engine": engine, "reads": reads, "source": source, "ok": ok, "checked": checked, "status": status}
+        rows.append(row)
         if checked and not ok:
             problems.append(f"{engine}: {status}")
+        if engine == "speculators":
+            row["library_reads"], row["library_source"] = engines.speculators_reads(cfg, facts)
+            if checked and row["library_reads"] != trained and not refused:
+                problems.append(f"speculators' own from_pretrained reads {row['library_reads']} "
+                                f"({row['library_source']}), not the trained {trained}")
+    warnings, spec = [], None
+    if converted:
+        verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        spec = {"verifier": verifier, "verifier_problem": verifier_problem(verifier, directory),
+                "embedding": "embed_tokens.weight" in _tensor_names(directory)}
+        if spec["verifier_problem"]:
+            warnings.append(spec["verifier_problem"])
+        if not spec["embedding"]:
+            warnings.append("model.safetensors has no embed_tokens.weight: speculators' own forward then embeds "
+                            "tokens with a weight from_pretrained initialized, not the target's (vLLM shares the "
+                            "target's, so serving is unaffected); export it again with `layerscope export --for "
+                            "speculators`")
     return {"directory": str(directory), "trained": trained, "target": facts.to_dict(), "rows": rows,
-            "problems": problems, "ok": not problems}
+            "problems": problems, "ok": not problems, "warnings": warnings, "speculators": spec}
+
+
+def _tensor_names(directory: Path) -> set[str]:
+    """The tensor names in a directory's model.safetensors, from its header (empty when unreadable)."""
+    try:
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            return set(f.keys())
+    except Exception:  # an unreadable checkpoint is load_draft's to report
+        return set()
 
 
 def _fc_inputs(directory: Path, cfg: dict) -> int | None:
