@@ -106,8 +106,11 @@ def display_frame(df, na: dict | None = None):
     out = {}
     for c in df.columns:
         gone = (na or {}).get(c)
+        col = df[c]
+        if pd.api.types.is_float_dtype(col) and col.isna().any() and (col.dropna() % 1 == 0).all():
+            col = [None if pd.isna(v) else int(v) for v in col]      # whole numbers pandas made float by a gap
         out[c] = [gone if gone is not None and fmt.missing(v if not hasattr(v, "item") else v.item()) else fmt.cell(v)
-                  for v in df[c]]
+                  for v in col]
     return pd.DataFrame(out, index=df.index)
 
 

@@ -1,0 +1,209 @@
+"""Results at a glance and a recommendation from evidence: the formatter, the recommendation, collapsed-draft flags,
+the Home page, tables and charts as the pages draw them (AppTest on the tiny capture of tests/test_app.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+from layerscope import fmt
+from layerscope import session as sessions
+from layerscope.ui import recommend, sanity
+from layerscope.ui.recommend import Evidence, Ranked
+from tests.test_app import captured, copy_of, frame_with, new_app, no_exception, plain, settle  # noqa: F401
+
+SETS, SPEC, CKA = "app_pages/layer_sets.py", "app_pages/speculate.py", "app_pages/cka.py"
+
+
+# ---------------------------------------------------------------------------- one formatter
+
+def test_one_formatter_for_every_number():
+    assert fmt.count(48450) == "48,450" and fmt.number(48450.0) == "48,450" and fmt.number(4.845e4) == "48,450"
+    assert fmt.number(5.54791) == "5.548" and fmt.number(123.45) == "123.5" and fmt.number(None) == "—"
+    assert fmt.number(float("nan")) == "—" and fmt.number(0.00012) == "0.00012"
+    assert fmt.tau(1.13341) == "1.133" and fmt.delta(-0.1301) == "-0.130" and fmt.speedup(1.4234) == "1.42×"
+    assert fmt.percent(0.245) == "24.5%"             # acceptance: one form (bars and tables alike)
+    assert fmt.interval(1.2201, [1.18, 1.26]) == "1.220 [1.180, 1.260]"
+    assert fmt.interval(-0.13, [-0.19, -0.08], "delta") == "-0.130 [-0.190, -0.080]"
+    assert fmt.interval(1.42, [1.3, 1.55], "speedup") == "1.42× [1.30, 1.55]"
+    assert fmt.interval(1.1, None) == "1.100" and fmt.interval(None, [1, 2]) == "—"
+    assert fmt.layers([1, 14, 28]) == "[1, 14, 28]" and fmt.cell([1, 14, 28]) == "[1, 14, 28]"
+    assert fmt.name("mean_entropy") == "mean entropy" and fmt.name("val_accuracy@1") == "held-out agreement @1"
+    assert fmt.when("2026-12-01T10:09:40+00:00") != "2026-12-01T10:09:40+00:00"
+    assert len(fmt.when("2026-12-01T10:09:40+0000")) == len("2026-12-01 10:09") and "T" not in fmt.when("2026-12-01T10:09:40Z")
+    assert fmt.when("not a time") == "not a time" and fmt.when(None) == "—"
+    for raw in ("../../etc/passwd", 'a "b"\nc', "<script>", "  ", "名前"):
+        safe = fmt.file_part(raw)
+        assert safe and all(c.isalnum() and c.isascii() or c in "._-" for c in safe) and ".." not in safe, (raw, safe)
+
+
+# ---------------------------------------------------------------------------- the recommendation
+
+def rows():
+    """The issue's case: `aggregate` has the highest aggregate entropy (it maximises it), then lost its benchmark."""
+    return [Ranked("aggregate", [1, 14, 27], 5.0, 3.0, 0.4), Ranked("default", [2, 15, 27], 4.5, 2.9, 0.5, is_default=True),
+            Ranked("greedy", [1, 9, 20], 4.8, 3.1, 0.45), Ranked("all layers", list(range(30)), 6.0, 2.5, 0.6)]
+
+
+def study(**taus):
+    """Evidence of one study: name -> (τ, τ interval, Δ vs default, Δ interval)."""
+    layers = {r.name: tuple(r.layers) for r in rows()}
+    return Evidence(measured=[("study #1", {layers[n]: {"tau": t, "tau_ci": ci, "delta": d, "delta_ci": dci}
+                                            for n, (t, ci, d, dci) in taus.items()})])
+
+
+def test_the_recommendation_follows_measurements_within_one_size_and_says_why():
+    # nothing measured: no proxy ranks the strategies; the default rule is the prior; other sizes apart
+    rec = recommend.recommend(rows(), 3)
+    assert rec.basis is None and rec.best.name == "default" and all(r.rank is None for r in rec.ranked)
+    assert [r.name for r in rec.other_sizes] == ["all layers"] and all(len(r.layers) == 3 for r in rec.ranked)
+    assert "every strategy maximises one of them" in rec.text
+    # the issue's study: aggregate lost to the default (Δ −0.13 [−0.19, −0.08]): the default is recommended, and why
+    ev = study(aggregate=(1.22, [1.18, 1.26], -0.13, [-0.19, -0.08]), default=(1.36, [1.31, 1.40], 0.0, [0.0, 0.0]),
+               greedy=(1.30, [1.25, 1.35], -0.06, [-0.10, -0.01]))
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.basis == "τ" and rec.source == "study #1" and rec.best.name == "default"
+    assert [r.name for r in rec.ranked] == ["default", "greedy", "aggregate"] and [r.rank for r in rec.ranked] == [1, 2, 3]
+    assert "1.360 [1.310, 1.400]" in rec.text
+    assert rec.disagreement and "aggregate [1, 14, 27]" in rec.disagreement
+    assert "1.220 [1.180, 1.260]" in rec.disagreement and "-0.130 [-0.190, -0.080]" in rec.disagreement
+    # a set measured best but not beyond the interval: the default rule stays
+    ev = study(greedy=(1.40, [1.33, 1.47], 0.04, [-0.02, 0.10]), default=(1.36, [1.31, 1.40], 0.0, [0.0, 0.0]))
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.best.name == "default" and "no set beat it beyond the interval" in rec.text and "+0.040 [-0.020, +0.100]" in rec.text
+    # ... and beyond it: that set
+    ev = study(greedy=(1.46, [1.40, 1.52], 0.10, [0.04, 0.16]), default=(1.36, [1.31, 1.40], 0.0, [0.0, 0.0]))
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.best.name == "greedy" and "above the default rule beyond the interval" in rec.text
+    # no measured τ, trained drafts: their held-out agreement ranks, and the text says it is an estimate
+    ev = Evidence(agreement={(1, 14, 27): 0.31, (1, 9, 20): 0.36})
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.basis == "held-out agreement" and rec.best.name == "greedy" and "36.0%" in rec.text
+    assert "not a measurement of τ" in rec.text
+    # the probe alone ranks when nothing else does
+    ev = Evidence(probe={(2, 15, 27): 0.12, (1, 14, 27): 0.10})
+    assert recommend.recommend(rows(), 3, ev).best.name == "default"
+
+
+def tiny_study(s, measured: dict) -> dict:
+    """A study result for the tiny session: {layers tuple: (τ, Δ vs default, Δ interval)}."""
+    return {"rows": [{"strategies": ["default" if list(l) == [1, 2] else "manual"], "layers": list(l),
+                      "draft": f"/nowhere/{i}", "mean_entropy": 1.0, "mean_cka": 0.5, "aggregate_entropy": 1.0,
+                      "tau": t, "tau_ci": [t - 0.02, t + 0.02], "delta_vs_default": d, "delta_ci": dci,
+                      "val_accuracy": [0.3, 0.1]}
+                     for i, (l, (t, d, dci)) in enumerate(measured.items())],
+            "prompts": 20, "options": {"train": {"steps": 300}, "prompts": "builtin", "max_new_tokens": 48, "depth": 3}}
+
+
+def test_the_page_and_the_report_change_when_a_study_measures_otherwise(app_store, copy_of):
+    from layerscope.ui.report import session_report
+
+    s = sessions.load(app_store, copy_of)
+    before = session_report(s)
+    assert "Recommended: the default rule [1, 2]" in before and "nothing measured" in before
+    s.study.append(tiny_study(s, {(1, 2): (1.36, 0.0, [0.0, 0.0]), (2, 3): (1.50, 0.14, [0.08, 0.20]),
+                                  (1, 3): (1.20, -0.16, [-0.22, -0.10])}))
+    sessions.save(s, app_store)
+    after = session_report(s)
+    verdict = after[after.index("Verdict."):after.index("</div>", after.index("Verdict."))]
+    assert "[2, 3]" in verdict.split(".")[1], verdict
+    assert "ranked by τ (study #1)" in after and "1.500 [1.480, 1.520]" in after
+    at = new_app(copy_of).run()
+    at.switch_page(SETS).run()
+    settle(at)
+    no_exception(at)
+    ranked = frame_with(at, "τ [95% interval]")
+    assert list(ranked["layers"])[:3] == ["[2, 3]", "[1, 2]", "[1, 3]"] and list(ranked["rank"])[:3] == ["1", "2", "3"]
+    assert list(ranked["measured in"])[:3] == ["study #1"] * 3
+    text = plain(next(m.value for m in at.markdown if plain(m.value).startswith("Recommended: ")))
+    assert "[2, 3]" in text and "+0.140 [+0.080, +0.200]" in text
+
+
+# ---------------------------------------------------------------------------- collapsed drafts
+
+def test_collapsed_or_untrained_drafts_are_flagged_with_the_reason():
+    five = [{"name": n, "layers": l, "tau": 1.455, "val_accuracy": [0.21, 0.05]}
+            for n, l in [("default", [2, 15, 27]), ("greedy", [1, 9, 20]), ("single", [29]), ("random", [4, 11, 22]),
+                         ("last-k", [27, 28, 29])]]
+    reasons = sanity.collapse_reasons(five)
+    assert all("τ exactly 1.455" in r and "collapsed" in r for r in reasons)
+    assert all("same held-out agreement" in r for r in reasons)
+    said = sanity.collapse_warning(five, "sets")
+    assert said.startswith("5 of 5 sets may not have learned") and "single [29]" in said
+    assert sanity.collapse_reasons([{"layers": [1], "val_accuracy": [0.004]}])[0].startswith("held-out agreement 0.4% ≈ 0")
+    assert "accepted none" in sanity.collapse_reasons([{"layers": [1, 2], "tau": 1.0}])[0]
+    learned = [{"layers": [1, 2], "tau": 1.41, "val_accuracy": [0.33]}, {"layers": [2, 3], "tau": 1.37, "val_accuracy": [0.29]},
+               {"layers": [1, 3], "tau": 1.41, "val_accuracy": [0.31]}]
+    assert sanity.collapse_reasons(learned) == [None, None, None] and sanity.collapse_warning(learned) is None
+    assert any("may not have learned" in w for w in sanity.study_warnings(five, prompts=40))
+
+
+def test_the_speculate_page_flags_drafts_that_did_not_learn(app_store, copy_of):
+    s = sessions.load(app_store, copy_of)
+    s.drafts = [{"name": "flat", "path": "/nowhere/flat", "layers": [1, 2], "val_accuracy": [0.003, 0.0], "steps": 300},
+                {"name": "deep", "path": "/nowhere/deep", "layers": [1, 2, 3], "val_accuracy": [0.31, 0.12],
+                 "steps": 300, "tokens_seen": 48450}]
+    s.study.append(tiny_study(s, {l: (1.455, 0.0, [0.0, 0.0]) for l in [(1, 2), (2, 3), (1, 3), (3,)]}))
+    sessions.save(s, app_store)
+    at = new_app(copy_of).run()
+    at.switch_page(SPEC).run()
+    no_exception(at)
+    drafts = frame_with(at, "held-out agreement per step")
+    assert list(drafts["layers"]) == ["[1, 2]", "[1, 2, 3]"]             # in full, as text: no hidden third pill
+    assert list(drafts["tokens seen"]) == ["—", "48,450"]               # never 4.845e+04
+    assert drafts["flag"][0].startswith("held-out agreement 0.3% ≈ 0") and drafts["flag"][1] == ""
+    warnings = [plain(w.value) for w in at.warning]
+    assert any(w.startswith("1 of 2 drafts may not have learned (flat [1, 2])") for w in warnings), warnings
+    assert any(w.startswith("4 of 4 sets may not have learned") and "τ exactly 1.455" in w for w in warnings), warnings
+    studied = frame_with(at, "Δτ vs default")
+    assert list(studied["τ"])[0] == "1.455 [1.435, 1.475]" and list(studied["mean CKA"])[-1] == "n/a"
+    assert "τ low" not in studied.columns                                # intervals one way: value [lo, hi]
+    corr = [m.value for m in at.markdown if m.value.startswith("**Spearman")]
+    assert not corr or "mean_entropy" not in corr[0]                     # names as people read them
+
+
+# ---------------------------------------------------------------------------- pages at a glance
+
+def test_home_page_shows_the_workflow_progress_and_break_even(app_store, copy_of):
+    at = new_app(copy_of).run()
+    no_exception(at)
+    assert at.title[0].value == "LayerScope"
+    steps = [plain(m.value) for m in at.main.markdown if " · " in m.value and "**" in m.value]
+    names = [x.split("**")[1] for x in steps]
+    assert names == ["1 · Capture", "2 · Analyse", "3 · Layer sets", "4 · Drafts", "5 · Benchmark", "6 · Study"]
+    assert "check_circle" in steps[0] and "check_circle" in steps[1] and "next" in steps[2]
+    assert any("not measured yet" in c.value for c in at.caption)
+    s = sessions.load(app_store, copy_of)
+    s.bench_results.append({"prompts": 4, "prompt_set": "builtin", "device": "cpu", "created": "2026-12-01T10:09:40+0000",
+                            "cost_curve": [{"tokens": t, "seconds": 0.01 + 0.001 * (t - 1)} for t in range(1, 17)],
+                            "draft_step_seconds": 0.002,
+                            "results": [{"name": "autoregressive", "tau": 1.0}, {"name": "d", "layers": [1, 2], "tau": 1.3}]})
+    sessions.save(s, app_store)
+    at = new_app(copy_of).run()
+    line = next(plain(m.value) for m in at.markdown if "Break-even τ on this machine" in m.value)
+    # chain of depth K: (K draft steps + a target forward over K + 1 tokens) / one plain forward
+    assert f"K = 1: {fmt.tau((0.002 + 0.011) / 0.01)}" in line and f"K = 3: {fmt.tau((3 * 0.002 + 0.013) / 0.01)}" in line
+    assert "2026-12-01T" not in line
+
+
+def test_tables_charts_and_names_read_at_a_glance(app_store, copy_of):
+    s = sessions.load(app_store, copy_of)
+    s.name = 'my/../"run" 1'
+    s.add_layer_set("one", [3])
+    s.analysis_options = {**s.analysis_options, "kernel": "cosine"}
+    sessions.save(s, app_store)
+    at = new_app(copy_of).run()
+    at.switch_page(CKA).run()
+    settle(at)
+    no_exception(at)
+    title = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]["title"]["text"]
+    assert "cosine kernel" in title and "Linear" not in title               # the title names the kernel chosen
+    charts = at.get("plotly_chart")
+    buttons = [b for b in at.get("download_button") if b.proto.label.startswith("Download ")]
+    assert len(buttons) == len(charts) and all(b.proto.label == "Download PNG" for b in buttons)   # one per chart
+    assert all("toImage" in json.loads(c.proto.config)["modeBarButtonsToRemove"] for c in charts)   # no second one
+    at.switch_page(SETS).run()
+    session_sets = frame_with(at, "problem")
+    assert list(session_sets["mean CKA"]) == ["n/a"] and list(session_sets["layers"]) == ["[3]"]
+    side = "\n".join(m.value for m in at.sidebar.markdown)
+    assert "unsaved" not in side and "saved as you work" in side       # (the browser test reads the file names)
