@@ -11,10 +11,13 @@ returns a `Selection`. Drafts may read layers 0..N-1 (N is the final state). Str
     spread         cut depth into k contiguous compartments by clustering the CKA matrix, then the
                    most informative layer of each compartment
     manual         a set given by the user
+    probe          the set whose closed-form ridge map of the draft's inputs best predicts the target's
+                   final state (layerscope/probe.py; needs the capture and the target: `probe=ProbeInput`)
 Controls (for the study: what "better than the default" means against chance; not in `compare`):
     random         k distinct layers drawn uniformly from 0..N-1 with a seeded generator (`seed`)
     last-k         the k deepest layers N-k..N-1
     single         one layer, N-1 (an EAGLE-1-style draft that reads the top of the stack)
+Each strategy is one function in REGISTRY (name -> (function, description)), which the CLI lists from.
 All sets get the same `score_set` explanation and `score` (aggregate entropy, nats), so sets from
 different strategies, hand-picked ones included, are compared on one scale. Ties break toward
 lower layer indices; every strategy is deterministic.
@@ -178,48 +181,119 @@ def random_layers(n: int, k: int, seed: int) -> list[int]:
     return sorted(torch.randperm(n, generator=g)[:k].tolist())
 
 
+# ---- the registry: name -> (function, description) ----------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    """What a strategy may read besides the statistics."""
+    k: int
+    lam: float
+    layers: list[int] | None
+    seed: int
+    probe: object | None              # a probe.ProbeInput (the `probe` strategy only)
+
+
+def _manual(stats, r: Request) -> Selection:
+    return _selection(stats, "manual", check_layers(r.layers, stats.num_layers), r.lam,
+                      {"name": "aggregate_entropy", "value": None})
+
+
+def _default(stats, r: Request) -> Selection:
+    chosen, note = default_layers(stats.num_layers)
+    if r.k != 3:
+        note = (note + "; " if note else "") + f"the default rule always reads 3 layers (k={r.k} ignored)"
+    return _selection(stats, "default", chosen, r.lam, {"name": "fixed rule [2, N//2, N-3]", "value": None}, note=note)
+
+
+def _entropy_topk(stats, r: Request) -> Selection:
+    n, _, hn, _, _ = _tensors(stats)
+    sel = _selection(stats, "entropy-topk", top_by_entropy(hn, list(range(n)), r.k), r.lam,
+                     {"name": "mean_entropy", "value": None})
+    sel.explanation["objective"]["value"] = sel.explanation["mean_entropy"]
+    return sel
+
+
+def _greedy(stats, r: Request) -> Selection:
+    n, _, hn, _, c = _tensors(stats)
+    order, gains = greedy_mrmr(hn, c, n, r.k, r.lam)
+    sel = _selection(stats, "greedy", order, r.lam, {"name": "mrmr", "value": None}, order=order, gains=gains)
+    sel.explanation["objective"]["value"] = sel.explanation["mrmr"]
+    return sel
+
+
+def _aggregate(stats, r: Request) -> Selection:
+    n, _, _, h2, c = _tensors(stats)
+    how = "exhaustive" if r.k <= 3 else "exhaustive over 3, then greedy"
+    return _selection(stats, "aggregate", best_aggregate(h2, c, n, r.k), r.lam,
+                      {"name": "aggregate_entropy", "value": None, "search": how})
+
+
+def _spread(stats, r: Request) -> Selection:
+    n, _, hn, _, c = _tensors(stats)
+    blocks = compartments(c[:n, :n], r.k)
+    chosen = [top_by_entropy(hn, list(range(f, e + 1)), 1)[0] for f, e in blocks]
+    return _selection(stats, "spread", chosen, r.lam,
+                      {"name": "compartment_cohesion", "value": compartment_objective(c[:n, :n], blocks)},
+                      compartments=blocks, compartment_mean_cka=[_mean_offdiag(c[f:e + 1, f:e + 1]) for f, e in blocks])
+
+
+def _control(name: str, chosen, rule: str):
+    def pick(stats, r: Request) -> Selection:
+        return _selection(stats, name, chosen(stats.num_layers, r), r.lam, {"name": f"control: {rule(r)}", "value": None})
+    return pick
+
+
+def _probe(stats, r: Request) -> Selection:
+    """The probe's search (layerscope/probe.py): needs the capture and the target, passed as `probe=`."""
+    if r.probe is None:
+        raise SelectionError("The probe strategy needs the capture and the target model, not only the statistics",
+                             "Run `layerscope select KEY --strategy probe` or `layerscope probe KEY`, or pass "
+                             "probe=probe.ProbeInput(cap, target)")
+    if r.probe.cap.num_layers != stats.num_layers:
+        raise SelectionError(f"The probe's capture has {r.probe.cap.num_layers} layers, the statistics "
+                             f"{stats.num_layers}", "Pass the capture the statistics were computed from")
+    report = r.probe.search(r.k)
+    best = report.best()
+    return _selection(stats, "probe", best.layers, r.lam,
+                      {"name": "probe agreement (held-out)", "value": best.agreement,
+                       "search": report.search["method"] if report.search else None, "scored": report.scored},
+                      probe=best.to_json())
+
+
+REGISTRY: dict[str, tuple] = {     # name -> (function(stats, Request) -> Selection, description)
+    "default": (_default, "[2, N//2, N-3], the rule vLLM, SGLang and EAGLE use"),
+    "entropy-topk": (_entropy_topk, "the k most informative layers (highest matrix entropy)"),
+    "greedy": (_greedy, "mRMR: the most informative layer, then the best normalized entropy - λ · mean CKA"),
+    "aggregate": (_aggregate, "the set with the largest aggregate entropy (α = 2)"),
+    "spread": (_spread, "k depth compartments by CKA clustering, the most informative layer of each"),
+    "manual": (_manual, "a set given by the user"),
+    "random": (_control("random", lambda n, r: random_layers(n, r.k, r.seed),
+                        lambda r: f"uniform random draw, seed {r.seed}"), "control: k seeded random layers"),
+    "last-k": (_control("last-k", lambda n, r: list(range(n - r.k, n)), lambda r: f"the {r.k} deepest layers"),
+               "control: the k deepest layers"),
+    "single": (_control("single", lambda n, r: [n - 1], lambda r: "one layer, the deepest a draft may read"),
+               "control: one layer, N-1"),
+    "probe": (_probe, "the set whose closed-form ridge map of the draft's inputs best predicts the target's "
+                      "final state (greedy + swap search; needs the capture and the target)"),
+}
+NEEDS_PROBE = ("probe",)           # strategies that read the capture and the target, not only LayerStats
+
+
+def describe() -> list[tuple[str, str]]:
+    """(name, description) of every strategy, for the CLI and the app."""
+    return [(name, desc) for name, (_, desc) in REGISTRY.items()]
+
+
 def select(stats, strategy: str = "aggregate", k: int = 3, *, lam: float = 0.5, layers=None,
-           seed: int = 0) -> Selection:
+           seed: int = 0, probe=None) -> Selection:
     """One layer set from `stats` (a LayerStats) by `strategy`; k layers (the default rule has 3,
-    `single` has 1). `seed` seeds the `random` control."""
-    n, h, hn, h2, c = _tensors(stats)
-    if strategy not in STRATEGIES + CONTROLS:
-        raise SelectionError(f"Unknown strategy {strategy!r}", f"Use one of {', '.join(STRATEGIES + CONTROLS)}")
+    `single` has 1). `seed` seeds the `random` control; `probe` (a probe.ProbeInput) feeds the `probe` strategy."""
+    if strategy not in REGISTRY:
+        raise SelectionError(f"Unknown strategy {strategy!r}", f"Use one of {', '.join(REGISTRY)}")
     if strategy != "manual":
-        _check_k(k, n)
-    if strategy in CONTROLS:
-        chosen = {"random": lambda: random_layers(n, k, seed), "last-k": lambda: list(range(n - k, n)),
-                  "single": lambda: [n - 1]}[strategy]()
-        rule = {"random": f"uniform random draw, seed {seed}", "last-k": f"the {k} deepest layers",
-                "single": "one layer, the deepest a draft may read"}[strategy]
-        sel = _selection(stats, strategy, chosen, lam, {"name": f"control: {rule}", "value": None})
-    elif strategy == "manual":
-        sel = _selection(stats, strategy, check_layers(layers, n), lam, {"name": "aggregate_entropy", "value": None})
-    elif strategy == "default":
-        chosen, note = default_layers(n)
-        if k != 3:
-            note = (note + "; " if note else "") + f"the default rule always reads 3 layers (k={k} ignored)"
-        sel = _selection(stats, strategy, chosen, lam, {"name": "fixed rule [2, N//2, N-3]", "value": None}, note=note)
-    elif strategy == "entropy-topk":
-        chosen = top_by_entropy(hn, list(range(n)), k)
-        sel = _selection(stats, strategy, chosen, lam, {"name": "mean_entropy", "value": None})
-        sel.explanation["objective"]["value"] = sel.explanation["mean_entropy"]
-    elif strategy == "greedy":
-        order, gains = greedy_mrmr(hn, c, n, k, lam)
-        sel = _selection(stats, strategy, order, lam, {"name": "mrmr", "value": None},
-                         order=order, gains=gains)
-        sel.explanation["objective"]["value"] = sel.explanation["mrmr"]
-    elif strategy == "aggregate":
-        chosen = best_aggregate(h2, c, n, k)
-        how = "exhaustive" if k <= 3 else "exhaustive over 3, then greedy"
-        sel = _selection(stats, strategy, chosen, lam, {"name": "aggregate_entropy", "value": None, "search": how})
-    else:  # spread
-        blocks = compartments(c[:n, :n], k)
-        chosen = [top_by_entropy(hn, list(range(f, e + 1)), 1)[0] for f, e in blocks]
-        sel = _selection(stats, strategy, chosen, lam,
-                         {"name": "compartment_cohesion", "value": compartment_objective(c[:n, :n], blocks)},
-                         compartments=blocks,
-                         compartment_mean_cka=[_mean_offdiag(c[f:e + 1, f:e + 1]) for f, e in blocks])
+        _check_k(k, stats.num_layers)
+    pick, _ = REGISTRY[strategy]
+    sel = pick(stats, Request(k, lam, layers, seed, probe))
     if sel.explanation["objective"]["value"] is None:
         sel.explanation["objective"]["value"] = sel.score
     return sel
@@ -231,7 +305,8 @@ def _mean_offdiag(block: torch.Tensor) -> float:
 
 
 def compare(stats, k: int = 3, *, lam: float = 0.5, layers=None) -> list[Selection]:
-    """Every automatic strategy (and the manual set when `layers` is given), in STRATEGIES order."""
+    """Every automatic strategy (and the manual set when `layers` is given), in STRATEGIES order; not `probe`,
+    which needs the capture and the target (and minutes), nor the controls."""
     out = [select(stats, s, k, lam=lam) for s in AUTOMATIC]
     if layers:
         out.append(select(stats, "manual", k, lam=lam, layers=layers))

@@ -8,6 +8,9 @@ For one capture:
                   any user sets) and the controls: `random_sets` seeded random sets of the same size,
                   the last k layers, a single-layer draft; strategies that propose the same set share
                   one draft. The default rule is always in: it is the reference of every comparison;
+  2b. probe       probe.score_sets (`probe` options; None skips it): the training-free proxy `probe`, a
+                  closed-form ridge map per set and its held-out agreement with the target's argmax
+                  (layerscope/probe.py), cached in the store;
   3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
                   and data (cached: a re-run that adds a set or a seed trains only those);
   4. benchmark    bench.run on held-out prompts, every draft against plain decoding in one run; each
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from layerscope import bench, machine, select, specdec, study_stats
+from layerscope import probe as probe_mod
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
 from layerscope.draft.online import train_online
@@ -35,11 +39,13 @@ from layerscope.draft.train import draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
 from layerscope.metrics.correlation import spearman
+from layerscope.probe import ProbeOptions
 from layerscope.store import make_key
 from layerscope.study_stats import PromptRuns
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
 PROXIES = ("mean_entropy", "mean_cka", "aggregate_entropy")
+PROBE_VERSION = "held-out agreement"       # the `probe` proxy's one version in the correlations
 BENCH_FORMAT = 2       # study-bench cache entries: the benchmark entry plus per-prompt totals
 
 
@@ -64,6 +70,7 @@ class StudyOptions:
     kernels: tuple[str, ...] = ("linear", "cosine")    # proxy versions: token preparation of entropy and CKA ...
     filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
     machine: MachineOptions = field(default_factory=MachineOptions)   # the benchmark's quiet rule and --wait-quiet
+    probe: ProbeOptions | None = field(default_factory=ProbeOptions)  # the training-free `probe` proxy (None: off)
 
     def bench_options(self) -> bench.BenchOptions:
         """The benchmark of the study: these prompts, one chain of depth K per draft, no HF peers."""
@@ -98,6 +105,7 @@ class StudyRow:
     tau_seed_sd: float | None = None
     proxies: dict = field(default_factory=dict)         # version ("linear, H≥0.5") -> {proxy: value}
     drafts: list[str] = field(default_factory=list)     # one per seed
+    probe: dict | None = None            # the probe's SetScore.to_json(): agreement, explained_variance, lambda, ...
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -271,6 +279,15 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
         except LayerScopeError as e:            # e.g. a threshold that leaves too few tokens: that version only
             skipped[name] = str(e)
 
+    probed, probe_skipped = None, None
+    if o.probe is not None:
+        say(StudyProgress("analyze", "probe: a ridge map per set"))
+        try:
+            probed = probe_mod.score_sets(cap, target, [layers for layers, _ in sets], o.probe, store=store,
+                                          progress=lambda frac, msg="": say(StudyProgress("analyze", msg)))
+        except probe_mod.ProbeError as e:        # e.g. a capture without held-out response positions
+            probe_skipped = str(e)
+
     drafts = train_drafts(cap, target, store, sets, o, say)
     results, per_prompt, n_prompts, baseline, machine_state = benchmark(target, store, [p for ps in drafts for p in ps],
                                                                         o, say)
@@ -279,7 +296,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
                                                   seed=o.seed)
 
     rows = []
-    for (layers, strategies), paths, c in zip(sets, drafts, compared):
+    for i, ((layers, strategies), paths, c) in enumerate(zip(sets, drafts, compared)):
         score = select.score_set(stats, layers, o.lam)
         metas = [read_meta(p) for p in paths]
         entries = [results[str(p)] for p in paths]
@@ -296,20 +313,24 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
             all(e["lossless"] for e in entries), str(paths[0]), tau_ci=c["tau_ci"], acceptance=c["acceptance"],
             acceptance_ci=c["acceptance_ci"], speedup_ci=c["speedup_ci"], delta_vs_default=c["delta_vs_default"],
             delta_ci=c["delta_ci"], paired=c["paired"], seeds=per_seed, tau_seed_range=c["tau_seed_range"],
-            tau_seed_sd=c["tau_seed_sd"], proxies=proxies, drafts=[str(p) for p in paths]))
+            tau_seed_sd=c["tau_seed_sd"], proxies=proxies, drafts=[str(p) for p in paths],
+            probe=probed.sets[i].to_json() if probed is not None else None))
 
     taus = [r.tau for r in rows]
     corr = {p: spearman([getattr(r, p) for r in rows], taus) for p in PROXIES}
     corr["val_accuracy@1"] = spearman([r.val_accuracy[0] if r.val_accuracy else None for r in rows], taus)
+    if probed is not None:
+        corr["probe"] = spearman([r.probe["agreement"] for r in rows], taus)
     table = [r.proxies | {"training": {"val_accuracy@1": r.val_accuracy[0] if r.val_accuracy else None}}
-             for r in rows]
+             | ({PROBE_VERSION: {"probe": r.probe["agreement"]}} if probed is not None else {}) for r in rows]
     correlations = study_stats.correlate(table, taus, tau_boot, seed=o.seed + 1)
     text = study_stats.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts,
                                seeds=len(seeds))
     busy = machine.caution(machine_state, "speedups and tokens/s")
     text = f"{text} {busy}" if busy else text
     options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
-                                "proxy_versions": list(versions), "proxy_versions_skipped": skipped}
+                                "proxy_versions": list(versions), "proxy_versions_skipped": skipped,
+                                "probe_skipped": probe_skipped}
     report = StudyReport(cap.key, rows, corr, baseline.get("tokens_per_s"), n_prompts, options_json, text,
                          correlations, study_stats.best_versions(correlations), reference, machine_state)
     say(StudyProgress("done", "study complete"))
@@ -339,7 +360,7 @@ def budget_text(options: dict) -> str:
 def format_study(report: StudyReport) -> str:
     """The verdict, the table (τ with its interval, the paired difference to the default rule, the seed
     spread), and the proxies' rank correlations with τ: the study's own and the best version of each."""
-    head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "tau", "tau 95% CI",
+    head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "probe", "tau", "tau 95% CI",
             "vs default", "diff 95% CI", "seed range", "speedup", "lossless"]
     rows = [head]
     f3 = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
@@ -347,6 +368,7 @@ def format_study(report: StudyReport) -> str:
     for r in report.rows:
         rows.append([",".join(map(str, r.layers)), "/".join(r.strategies), f"{r.mean_entropy:.3f}", f"{r.mean_cka:.3f}",
                      f"{r.aggregate_entropy:.3f}", f"{r.val_accuracy[0]:.3f}" if r.val_accuracy else "-",
+                     f3(r.probe["agreement"]) if r.probe else "-",
                      f3(r.tau), ci(r.tau_ci), f"{r.delta_vs_default:+.3f}" if r.delta_vs_default is not None else "-",
                      ci(r.delta_ci), f3(r.tau_seed_range) if len(r.seeds) > 1 else "-",
                      f"{r.speedup:.2f}x" if r.speedup else "-", "yes" if r.lossless else "NO"])
@@ -362,7 +384,8 @@ def format_study(report: StudyReport) -> str:
     if report.machine:
         lines.insert(2, machine.line(report.machine, "speedups") + "\n")
     lines.append("")
-    lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy).")
+    lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy; "
+                 "probe = the training-free ridge map's held-out agreement, layerscope/probe.py).")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(
         f"{k} {v:+.2f}" if v is not None else f"{k} n/a" for k, v in report.spearman.items()))
     by_proxy: dict[str, list[dict]] = {}

@@ -28,7 +28,7 @@ from layerscope.metrics.correlation import spearman
 
 METRICS = ("tau", "acceptance", "speedup")
 # The direction in which each proxy is expected to predict τ: more information, less redundancy.
-PROXY_SIGN = {"mean_entropy": 1, "mean_cka": -1, "aggregate_entropy": 1, "val_accuracy@1": 1}
+PROXY_SIGN = {"mean_entropy": 1, "mean_cka": -1, "aggregate_entropy": 1, "val_accuracy@1": 1, "probe": 1}
 
 
 @dataclass
@@ -221,12 +221,29 @@ def verdict(rows: list[dict], reference: int, correlations: list[dict], *, promp
     if controls:
         lines.append("Controls: " + "; ".join(f"{_set_name(r)} τ {r['tau']:.3f} ({r['delta_vs_default']:+.3f})"
                                              for r in controls) + ".")
+    lines.extend(proxy_verdict(correlations, level))
+    return " ".join(lines)
+
+
+def proxy_verdict(correlations: list[dict], level: float = B.LEVEL) -> list[str]:
+    """Which proxy predicts τ: the strongest ρ in the expected direction (PROXY_SIGN) among those whose
+    interval excludes 0 on that side, named only then; otherwise it says that none does. A proxy whose
+    interval excludes 0 on the other side is said apart."""
     usable = [c for c in correlations if c["rho"] is not None]
     if not usable:
-        lines.append("Too few distinct sets to correlate the proxies with τ.")
+        return ["Too few distinct sets to correlate the proxies with τ."]
+    sign = lambda c: PROXY_SIGN.get(c["proxy"], 1)  # noqa: E731
+    what = lambda c: f"{c['proxy']} ({c['version']}): ρ = {c['rho']:+.2f}, interval {_ci(c['ci'])}"  # noqa: E731
+    side = lambda c: sorted(sign(c) * x for x in c["ci"])  # noqa: E731  (the interval, expected direction > 0)
+    reliable = [c for c in usable if c["ci"] is not None and side(c)[0] > 0]
+    against = [c for c in usable if c["ci"] is not None and side(c)[1] < 0]
+    sets = max(c["sets"] for c in usable)
+    if reliable:
+        top = max(reliable, key=lambda c: sign(c) * c["rho"])
+        out = [f"Best predictor of τ: {what(top)} over {top['sets']} sets."]
     else:
-        top = max(usable, key=lambda c: PROXY_SIGN.get(c["proxy"], 1) * c["rho"])
-        what = f"{top['proxy']} ({top['version']}): ρ = {top['rho']:+.2f}, interval {_ci(top['ci'])} over {top['sets']} sets"
-        good = top["ci"] is not None and PROXY_SIGN.get(top["proxy"], 1) * top["ci"][0] > 0
-        lines.append(("Best predictor of τ: " if good else "No proxy predicted τ reliably; the strongest was ") + what + ".")
-    return " ".join(lines)
+        out = [f"No proxy predicted τ reliably: none of the {len(usable)} correlations (proxy versions over {sets} "
+               f"sets) has a {level:.0%} interval that excludes 0 in the expected direction."]
+    if against:
+        out.append("Against the expected direction beyond its interval: " + "; ".join(what(c) for c in against) + ".")
+    return out

@@ -34,7 +34,7 @@ def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
     assert len({tuple(r.layers) for r in report.rows}) == len(report.rows)
     for r in report.rows:
         assert r.tau is not None and r.tau >= 1.0 and len(r.val_accuracy) == 3
-    assert set(report.spearman) == {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1"}
+    assert set(report.spearman) == {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1", "probe"}
     text = format_study(report)
     assert text.startswith(f"capture {tiny_capture.key}: 2 builtin prompts, 6 new tokens, chain K=2, 3 training steps")
     assert all(",".join(map(str, r.layers)) in text for r in report.rows)
@@ -87,9 +87,11 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
     assert rows[0].proxies["linear, H≥0.5"] != rows[0].proxies["cosine, H≥0.5"]
     assert {(c["proxy"], c["version"]) for c in report.correlations} == \
         {(p, v) for p in ("mean_entropy", "mean_cka", "aggregate_entropy") for v in versions} | \
-        {("val_accuracy@1", "training")}
+        {("val_accuracy@1", "training"), ("probe", "held-out agreement")}
     assert all(c["sets"] == len(rows) for c in report.correlations)
-    assert set(report.best_proxies) <= {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1"}
+    assert set(report.best_proxies) <= {"mean_entropy", "mean_cka", "aggregate_entropy", "val_accuracy@1", "probe"}
+    assert all(0 <= r.probe["agreement"] <= 1 and r.probe["layers"] == r.layers for r in rows)   # the probe proxy
+    assert "probe" in report.spearman and report.options["probe_skipped"] is None
     assert report.verdict and "default rule" in report.verdict and "Controls:" in report.verdict
     out = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert {"rows", "verdict", "correlations", "options"} <= set(out)
