@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "captures",
     "analyze",
     "select",
+    "probe",
     "train_draft",
     "bench",
     "study",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from layerscope import workflow
 from layerscope.commands.analyze import add_analysis_arguments, load_stats, token_line
-from layerscope.commands.common import parse_layers, print_json
-from layerscope.select import STRATEGIES
+from layerscope.commands.common import open_store, parse_layers, print_json
+from layerscope.select import NEEDS_PROBE, REGISTRY, describe
 
 NAME = "select"
 HELP = "propose a layer set for an EAGLE-3 draft from the layer statistics (or --compare all strategies)"
@@ -15,8 +15,9 @@ def add_arguments(p) -> None:
     d = workflow.SelectOptions()
     add_analysis_arguments(p)
     p.add_argument("--k", type=int, default=d.k, help="number of layers (default %(default)s)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="default: aggregate, or manual when --layers is given")
+    p.add_argument("--strategy", choices=list(REGISTRY), default=d.strategy,
+                   help="default: aggregate, or manual when --layers is given; "
+                        + "; ".join(f"{name}: {desc}" for name, desc in describe()).replace("%", "%%"))
     p.add_argument("--lam", type=float, default=d.lam,
                    help="λ: weight of redundancy in greedy mRMR and in the mrmr score (default %(default)s)")
     p.add_argument("--layers", default=None, help="a manual set, e.g. 2,15,27 (scored like the others)")
@@ -29,7 +30,8 @@ def run(args) -> int:
     options = workflow.SelectOptions(k=args.k, strategy=args.strategy, lam=args.lam, compare=args.compare,
                                      layers=tuple(parse_layers(args.layers)) if args.layers else None)
     stats = load_stats(args)
-    sels = workflow.select(stats, options)
+    probe = workflow.probe_input(open_store(args), args.key) if options.strategy in NEEDS_PROBE else None
+    sels = workflow.select(stats, options, probe=probe)
     if args.compare:
         if args.json:
             print_json([s.to_dict() for s in sels])
