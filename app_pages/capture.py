@@ -10,7 +10,8 @@ from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import fmt_seconds, guard, job_status, md_text, poll_interval, show_error, table
+from layerscope.ui.widgets import (fmt_seconds, guard, job_status, md_text, number_field, poll_interval, show_error,
+                                   table)
 
 s, store = page_header("Capture hidden states",
                        "The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
@@ -47,11 +48,11 @@ with left:
             with guard("upload"):
                 prompt_spec = str(tasks.save_upload(store, up.name, up.getvalue()))
     c1, c2 = st.columns(2)
-    c1.number_input("Prompts (limit)", min_value=1, max_value=100_000, step=1, key="ls_w_cap_limit", on_change=on["limit"])
-    c2.number_input("New tokens per response", min_value=1, max_value=4096, step=8, key="ls_w_cap_new", on_change=on["new"])
+    number_field(c1, "Prompts (limit)", min_value=1, max_value=100_000, step=1, key="ls_w_cap_limit", on_change=on["limit"])
+    number_field(c2, "New tokens per response", min_value=1, max_value=4096, step=8, key="ls_w_cap_new", on_change=on["new"])
     c3, c4 = st.columns(2)
-    c3.number_input("Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch", on_change=on["batch"])
-    c4.number_input("Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed", on_change=on["seed"])
+    number_field(c3, "Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch", on_change=on["batch"])
+    number_field(c4, "Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed", on_change=on["seed"])
 
 with right:
     st.subheader("Prompt preview")
@@ -119,7 +120,7 @@ live_capture()
 st.divider()
 st.subheader("Stored captures")
 with guard("stored captures"):
-    caps = store.list_captures()
+    caps = store.list_captures(incomplete=True)     # damaged and unfinished ones too, marked with their fix
     if not caps:
         st.caption("The store is empty: run a capture above.")
     else:
@@ -128,12 +129,14 @@ with guard("stored captures"):
             "prompts": c.get("conversations"), "tokens": c.get("tokens"), "layers": c.get("num_layers"),
             "created": fmt.when(c.get("created")), "MB": round((c.get("size_bytes") or 0) / 2**20, 1),
             "active": "●" if c.get("key") == s.capture_key else "",
+            "state": "ok" if c.get("state", "ok") == "ok" else f"{c['state'].upper()}: {c.get('problem')}. {c.get('fix')}",
         } for c in caps])
         table(df, key="ls_cap_table", filename="captures")
-        keys = [c["key"] for c in caps]
+        keys = [c["key"] for c in caps if c.get("state") != "incomplete"]
         pick = st.selectbox("Capture to open", keys, key="ls_cap_pick",
                             index=keys.index(s.capture_key) if s.capture_key in keys else 0,
-                            format_func=lambda k: next(f"{k} · {c.get('model')} · {c.get('prompt_set')} · {c.get('tokens')} tokens"
+                            format_func=lambda k: next(("" if c.get("state", "ok") == "ok" else "DAMAGED · ")
+                                                       + f"{k} · {c.get('model')} · {c.get('prompt_set')} · {c.get('tokens')} tokens"
                                                        for c in caps if c["key"] == k))
         if st.button("Open this capture", key="ls_cap_open", icon=":material/folder_open:"):
             with guard("open capture"):

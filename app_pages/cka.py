@@ -10,7 +10,7 @@ from layerscope.ui import apply
 from layerscope.ui.apply import kernel_of
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
-from layerscope.ui.widgets import chart, table
+from layerscope.ui.widgets import chart, number_field, table
 
 s, store = page_header("CKA between layers",
                        "CKA of every pair of layers (linear or cosine kernel, as chosen on the Entropy page) over the kept "
@@ -32,9 +32,9 @@ if stats is not None:
         st.session_state.ls_w_cka_kind = "biased"
     kind = c1.radio("Estimator", kinds, horizontal=True, key="ls_w_cka_kind", on_change=on_kind,
                     help="Debiased CKA uses the unbiased HSIC estimator: less inflated on few tokens")
-    on_k = bind_view(s, "cka_compartments", "ls_w_cka_k", min(3, max_k))
+    on_k = bind_view(s, "cka_compartments", "ls_w_cka_k", min(3, max_k), clamp=(1, max_k))
     st.session_state.ls_w_cka_k = max(1, min(int(st.session_state.ls_w_cka_k), max_k))
-    k_comp = c2.number_input("Compartments", min_value=1, max_value=max_k, step=1, key="ls_w_cka_k", on_change=on_k,
+    k_comp = number_field(c2, "Compartments", min_value=1, max_value=max_k, step=1, key="ls_w_cka_k", on_change=on_k,
                              help="How many contiguous blocks to outline (the `spread` strategy uses them)")
     matrix = stats["cka_debiased"] if kind == "debiased" else stats["cka"]
     comps = (stats.get("compartments_by_k") or {}).get(str(int(k_comp)), stats.get("compartments"))

@@ -11,7 +11,7 @@ from layerscope.ui import apply, recommend
 from layerscope.ui.apply import kernel_of
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
-from layerscope.ui.widgets import chart, guard, md_text, table
+from layerscope.ui.widgets import chart, guard, md_text, number_field, table
 
 s, store = page_header("Layer sets",
                        "Each strategy proposes the layers a draft should read. Sets of one size are ranked by evidence no "
@@ -25,7 +25,7 @@ if stats is not None:
     layer_stats = apply.layer_stats(stats)
     colors = apply.colors(s)
     c1, c2, c3 = st.columns([1, 1, 2.5])
-    k = c1.number_input("Layers per set (k)", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
+    k = number_field(c1, "Layers per set (k)", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
                         on_change=bind_view(s, "sets_k", "ls_w_sets_k", len(sel.default_layers(n)[0]), clamp=(1, n)),
                         help="Sets are ranked against sets of the same size only; the default is the default rule's size")
     lam = c2.slider("Redundancy weight λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",

@@ -18,7 +18,7 @@ from layerscope.ui.apply import draft_labels, run_label, set_label
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, show_error, table
+from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, number_field, show_error, table
 
 SMALL_CAPTURE_TOKENS = 20_000     # below this a draft memorises its training prompts (README: 63k tokens took 21 min)
 
@@ -55,10 +55,10 @@ with train_col:
                          "trains from the same target pass, and a stopped run resumes (docs/training.md).")
     c1, c2 = st.columns(2)         # two a row: three labels a row wrapped mid-word at 1024 px
     c3, _ = st.columns(2)
-    ttt = c2.number_input("TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
+    ttt = number_field(c2, "TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
                           on_change=bind_view(s, "spec_ttt", "ls_w_spec_ttt", tasks.train_defaults().ttt_steps, clamp=(1, 7)),
                           help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
-    seed = c3.number_input("Seed", min_value=0, step=1, key="ls_w_spec_seed",
+    seed = number_field(c3, "Seed", min_value=0, step=1, key="ls_w_spec_seed",
                            on_change=bind_view(s, "spec_seed", "ls_w_spec_seed", 0, clamp=(0, 2**31 - 1)))
     if mode == "capture":
         if not have_capture:
@@ -69,7 +69,7 @@ with train_col:
             st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn "
                        f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
                        f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.", icon=":material/warning:")
-        steps = c1.number_input("Training steps", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_steps",
+        steps = number_field(c1, "Training steps", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_steps",
                                 on_change=bind_view(s, "spec_steps", "ls_w_spec_steps", tasks.train_defaults().steps,
                                                     clamp=(1, 1_000_000)),
                                 help="The same budget for every set keeps the comparison fair")
@@ -86,7 +86,7 @@ with train_col:
                     title=f"Draft for {name} {list(layers)}")
                 st.rerun()
     else:
-        kilo = c1.number_input("Budget (k tokens)", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_online_tokens",
+        kilo = number_field(c1, "Budget (k tokens)", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_online_tokens",
                                on_change=bind_view(s, "spec_online_tokens", "ls_w_spec_online_tokens", 200,
                                                    clamp=(1, 1_000_000)),
                                help="Tokens through each draft; every set gets the same. On a 2-core CPU about 100-300 "
@@ -99,7 +99,7 @@ with train_col:
                                on_change=bind_view(s, "spec_online_prompts", "ls_w_spec_online_prompts", "sharegpt",
                                                    options=["sharegpt", "builtin"]),
                                help="sharegpt: its training split (benchmarks use the held-out split)")
-        limit = d2.number_input("Conversations drawn", min_value=8, max_value=20_000, step=100, key="ls_w_spec_online_limit",
+        limit = number_field(d2, "Conversations drawn", min_value=8, max_value=20_000, step=100, key="ls_w_spec_online_limit",
                                 on_change=bind_view(s, "spec_online_limit", "ls_w_spec_online_limit", 1000,
                                                     clamp=(8, 20_000)))
         responses = d3.selectbox("Responses", ["regenerate", "own"], key="ls_w_spec_online_responses",
@@ -235,9 +235,9 @@ else:
                                           options=["sharegpt-heldout", "builtin"]),
                       help="sharegpt-heldout: conversations no capture for training ever uses")
     b3, b4, b5, b6 = st.columns(4)
-    n_prompts = b3.number_input("Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
+    n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
                                 on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
-    new_tokens = b4.number_input("New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
+    new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
                                  on_change=bind_view(s, "bench_new", "ls_w_spec_bench_new", 48, clamp=(1, 2048)))
     auto_k = b5.toggle("K = auto", value=True, key="ls_w_spec_bench_auto",
                        help="The depth with the best speedup predicted for this machine, from a short calibration "
@@ -370,18 +370,18 @@ if not (have_capture and stats):
     st.caption("The study needs this session's capture in the store and its layer statistics.")
 else:
     q1, q2, q3, q4, q5 = st.columns(5)
-    st_k = q1.number_input("Layers per set (k)", min_value=1, max_value=max(1, n), step=1, key="ls_w_study_k",
+    st_k = number_field(q1, "Layers per set (k)", min_value=1, max_value=max(1, n), step=1, key="ls_w_study_k",
                            on_change=bind_view(s, "study_k", "ls_w_study_k", min(3, max(1, n)), clamp=(1, max(1, n))))
-    st_steps = q2.number_input("Steps (each)", min_value=1, max_value=1_000_000, step=50, key="ls_w_study_steps",
+    st_steps = number_field(q2, "Steps (each)", min_value=1, max_value=1_000_000, step=50, key="ls_w_study_steps",
                                on_change=bind_view(s, "study_steps", "ls_w_study_steps", tasks.train_defaults().steps,
                                                    clamp=(1, 1_000_000)),
                                help="Training steps of every draft of the study: one budget for all")
     st_src = q3.selectbox("Prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src",
                           on_change=bind_view(s, "study_prompts", "ls_w_study_src", "sharegpt-heldout",
                                               options=["sharegpt-heldout", "builtin"]))
-    st_n = q4.number_input("Prompts", min_value=1, max_value=500, step=1, key="ls_w_study_n",
+    st_n = number_field(q4, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_study_n",
                            on_change=bind_view(s, "study_n", "ls_w_study_n", 8, clamp=(1, 500)))
-    st_new = q5.number_input("New tokens", min_value=1, max_value=2048, step=8, key="ls_w_study_new",
+    st_new = number_field(q5, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_study_new",
                              on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
     with guard("study sets"):
         options = tasks.study_options(s.layer_sets, k=int(st_k),

@@ -138,3 +138,23 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     assert len(runs) == 2 and runs[-1]["prompts"] == 2
     assert at.selectbox(key="ls_spec_bench_run").value == 1, "the new benchmark is the one shown"
     assert any("over the 2 prompts" in plain(c.value) for c in at.caption)      # the table is the new run's
+
+
+def test_letters_in_a_number_field_are_refused_not_turned_into_its_minimum(app_store, copy_of):
+    """In the browser, letters typed into a number field reach the app as an empty field (input type=number), which
+    Streamlit's own number input turns into its minimum (1 training step) without a word: set_value(None) is that."""
+    at = new_app(copy_of).run()
+    at.switch_page(SPEC).run()
+    at.number_input(key="ls_w_spec_steps").set_value(40).run()
+    at.number_input(key="ls_w_spec_steps").set_value(None).run()
+    no_exception(at)
+    assert at.number_input(key="ls_w_spec_steps").value == 40
+    assert any("Training steps: that was not a number, so it was refused; the field keeps 40" in plain(w.value)
+               for w in at.warning), [w.value for w in at.warning]
+    assert sessions.load(app_store, copy_of).view["spec_steps"] == 40
+    at.switch_page(ENTROPY).run()
+    settle(at)
+    at.number_input(key="ls_ent_max_tokens").set_value(None).run()
+    assert at.number_input(key="ls_ent_max_tokens").value == 8192
+    assert at.button(key="ls_ent_recompute").disabled                  # nothing changed, nothing to apply
+    assert any("Max tokens: that was not a number" in plain(w.value) for w in at.warning)

@@ -233,6 +233,29 @@ def wait_briefly(job, seconds: float = 0.8) -> None:
         time.sleep(0.05)
 
 
+# ---------------------------------------------------------------------------- number fields
+
+def refused_key(key: str) -> str:
+    return f"ls_refused_{key}"
+
+
+def number_field(where, label: str, *, key: str, min_value, max_value=None, step=1, on_change=None, help=None,
+                 disabled: bool = False):
+    """A number input that refuses what is not a number. Streamlit's own turns letters or an emptied field into its
+    minimum without a word; this one hands the change callback None (`state.bind_view` then keeps the last good
+    value, so nothing changes) and says under the field that the entry was refused. The widget takes its value from
+    the session (bind_view), never `value=`."""
+    value = where.number_input(label, min_value=min_value, max_value=max_value, value=None, step=step, key=key,
+                               on_change=on_change, help=help, disabled=disabled,
+                               placeholder=f"a number from {min_value:,}")
+    if st.session_state.pop(refused_key(key), False):
+        where.warning(f"{md_text(label)}: that was not a number, so it was refused; the field keeps "
+                      f"{'nothing' if value is None else f'{value:,}'}. Type digits"
+                      + (f" from {min_value:,} to {max_value:,}." if max_value is not None else f", at least {min_value:,}."),
+                      icon=":material/block:")
+    return value
+
+
 # ---------------------------------------------------------------------------- options
 
 OPTION_LABELS = {"alpha": "α", "min_entropy": "threshold", "response_only": "response tokens only",
