@@ -208,6 +208,30 @@ class Source(Protocol):
         state.epoch / state.cursor."""
 
 
+class EpochSource:
+    """A Source whose data comes in seeded epochs: subclasses give epoch(e) (the epoch's list of items) and
+    batches(item) (one batch per drafter, rows); this walks state.epoch / state.cursor over them."""
+
+    def __init__(self):
+        self._epoch, self._items = None, []
+
+    def epoch(self, e: int) -> list:
+        raise NotImplementedError
+
+    def batches(self, item) -> tuple[list[dict | None], int]:
+        raise NotImplementedError
+
+    def next_batches(self, state: FitState) -> tuple[list[dict | None], int]:
+        if self._epoch != state.epoch:
+            self._epoch, self._items = state.epoch, self.epoch(state.epoch)
+        if state.cursor >= len(self._items):
+            state.epoch, state.cursor = state.epoch + 1, 0
+            return self.next_batches(state)
+        item = self._items[state.cursor]
+        state.cursor += 1
+        return self.batches(item)
+
+
 # ----------------------------------------------------------------------------- warm start
 
 class WarmStart:

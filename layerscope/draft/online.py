@@ -49,8 +49,8 @@ from layerscope import distributed
 from layerscope.capture import CaptureOptions, generate_responses
 from layerscope.draft.data import split_of, target_argmax, trainable, windows_of, make_batch
 from layerscope.draft.export import save_draft
-from layerscope.draft.fit import (FitState, TrainingCancelled, TrainOptions, build_drafters, draft_meta, final_norm,
-                                  fit)
+from layerscope.draft.fit import (EpochSource, FitState, TrainingCancelled, TrainOptions, build_drafters, draft_meta,
+                                  final_norm, fit)
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import DraftHead, build_draft_vocab
 from layerscope.errors import DraftError
@@ -507,25 +507,21 @@ def held_out_splits(target, convs, val_idx, sets, union, o: OnlineOptions, say) 
     return splits
 
 
-class OnlineSource:
+class OnlineSource(EpochSource):
     """Batches of training conversations run through the target, one forward per step (fit.Source): every
     set's batch holds the same rows, read from its own layers; under torchrun each rank forwards its share."""
 
     def __init__(self, target, convs: Conversations, train_idx: list[int], sets, o: OnlineOptions, t2d):
+        super().__init__()
         self.target, self.convs, self.train_idx, self.sets, self.o, self.t2d = target, convs, train_idx, sets, o, t2d
         self.union = sorted({l for s in sets for l in s})
         self.lengths = [len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx]
-        self._epoch, self._batches = None, []
 
-    def next_batches(self, state: FitState):
-        if self._epoch != state.epoch:
-            self._epoch, self._batches = state.epoch, epoch_batches(self.lengths, self.o.batch_size, self.o.seed, state.epoch)
-        if state.cursor >= len(self._batches):
-            state.epoch, state.cursor = state.epoch + 1, 0
-            return self.next_batches(state)
-        index = distributed.shard([self.train_idx[c] for c in self._batches[state.cursor]], distributed.rank(),
-                                  distributed.world())
-        state.cursor += 1
+    def epoch(self, e: int) -> list:
+        return epoch_batches(self.lengths, self.o.batch_size, self.o.seed, e)
+
+    def batches(self, conversations):
+        index = distributed.shard([self.train_idx[c] for c in conversations], distributed.rank(), distributed.world())
         if not index:
             return [None] * len(self.sets), 0
         rows, feats = target_features(self.target, self.convs, index, self.union)

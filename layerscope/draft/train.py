@@ -21,8 +21,8 @@ import torch
 from layerscope.draft.data import (Split, batch_plan, epoch_windows, make_batch, split_conversations, split_of,
                                    target_argmax, trainable, windows_of)
 from layerscope.draft.export import save_draft
-from layerscope.draft.fit import (TrainingCancelled, TrainOptions, build_drafters, draft_meta, final_norm, fit,
-                                  FitState)
+from layerscope.draft.fit import (EpochSource, TrainingCancelled, TrainOptions, build_drafters, draft_meta, final_norm,
+                                  fit)
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import build_draft_vocab
 from layerscope.errors import DraftError
@@ -70,21 +70,17 @@ def load_splits(cap, held_out: torch.Tensor, layers: list[int]) -> tuple[Split, 
                  for name in ("train", "val"))
 
 
-class CaptureSource:
-    """Batches of windows of the capture's training split, epoch after epoch (fit.Source)."""
+class CaptureSource(EpochSource):
+    """Batches of windows of the capture's training split, a seeded reshuffle per epoch (fit.Source)."""
 
     def __init__(self, split: Split, ok: torch.Tensor, windows: list, o: TrainOptions, device):
+        super().__init__()
         self.split, self.ok, self.windows, self.o, self.device = split, ok, windows, o, device
-        self._epoch, self._batches = None, []
 
-    def next_batches(self, state: FitState):
-        if self._epoch != state.epoch:
-            self._epoch, self._batches = state.epoch, epoch_windows(self.windows, self.o.batch_size, self.o.seed, state.epoch)
-        if state.cursor >= len(self._batches):
-            state.epoch, state.cursor = state.epoch + 1, 0
-            return self.next_batches(state)
-        wins = self._batches[state.cursor]
-        state.cursor += 1
+    def epoch(self, e: int) -> list:
+        return epoch_windows(self.windows, self.o.batch_size, self.o.seed, e)
+
+    def batches(self, wins):
         return [make_batch(self.split, wins, self.o.ttt_steps, self.ok, self.device)], sum(w for _, w in wins)
 
 
