@@ -7,10 +7,11 @@ import streamlit as st
 
 from layerscope import fmt, plots
 from layerscope import select as sel
-from layerscope.ui import apply, recommend
+from layerscope.ui import apply, recommend, tasks
 from layerscope.ui.apply import kernel_of
 from layerscope.ui.state import bind_view, commit
-from layerscope.ui.views import page_header, stats_or_progress
+from layerscope.ui.jobs import get_manager
+from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, guard, md_text, number_field, table
 
 s, store = page_header("Layer sets",
@@ -54,6 +55,22 @@ if stats is not None:
                 st.warning(md_text(rec.disagreement), icon=":material/compare_arrows:")
             for flag in (rec.best.flags if rec.best else []):
                 st.caption(f"Note: {md_text(flag)}.")
+            unscored = [r.layers for r in rec.ranked + rec.other_sizes if r.probe is None]
+            if apply.capture_available(s, store) and s.model:
+                p1 = st.container(horizontal=True, vertical_alignment="center")
+                running = any(j.kind == "probe" for j in get_manager().active(s.id))
+                if p1.button("Score the sets with the probe", key="ls_sets_probe", icon=":material/query_stats:",
+                             disabled=running or not unscored, width="content"):
+                    with guard("start the probe"):
+                        get_manager().submit(s.id, "probe", tasks.probe_job(store=store, capture_key=s.capture_key,
+                                                                             model=s.model, sets=unscored),
+                                             title=f"Probe of {len(unscored)} layer set(s)")
+                        st.rerun()
+                p1.caption("A closed-form ridge map per set from its layers' states to the target's final state, "
+                           "scored by how often it gives the target's next token on held-out conversations: evidence "
+                           "no strategy optimises, without training a draft"
+                           + ("" if unscored else " (every set here has its score)") + ".")
+                live_job(s.id, "probe", key="sets_probe")
 
         def row_of(r):
             return {"rank": r.rank, "role": " · ".join(x for x in ("★ recommended" if r is rec.best else "",

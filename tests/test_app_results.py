@@ -207,3 +207,23 @@ def test_tables_charts_and_names_read_at_a_glance(app_store, copy_of):
     assert list(session_sets["mean CKA"]) == ["n/a"] and list(session_sets["layers"]) == ["[3]"]
     side = "\n".join(m.value for m in at.sidebar.markdown)
     assert "unsaved" not in side and "saved as you work" in side       # (the browser test reads the file names)
+
+
+def test_the_probe_scores_the_sets_and_then_ranks_them(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page(SETS).run()
+    settle(at)
+    at.button(key="ls_sets_probe").click().run()
+    settle(at)
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    scores = {tuple(x["layers"]): x["agreement"] for x in s.view["probe"]["sets"]}
+    assert s.view["probe"]["capture_key"] == s.capture_key and len(scores) >= 3
+    assert all(0.0 <= a <= 1.0 for a in scores.values())
+    ranked = frame_with(at, "τ [95% interval]")
+    assert list(ranked["probe agreement"]) == [fmt.percent(scores[tuple(json.loads(l))]) for l in ranked["layers"]]
+    measured = [scores[tuple(json.loads(l))] for l in ranked["layers"]]
+    assert measured == sorted(measured, reverse=True) and list(ranked["rank"])[0] == "1"
+    text = plain(next(m.value for m in at.markdown if plain(m.value).startswith("Recommended: ")))
+    assert "probe agreement" in text and "confirm it with drafts" in text
+    assert at.button(key="ls_sets_probe").disabled                  # every set has its score

@@ -165,7 +165,20 @@ def _apply_study(s: Session, result: dict) -> bool:
     return True
 
 
-APPLIERS = {"capture": _apply_capture, "analysis": _apply_analysis, "train": _apply_draft, "bench": _apply_bench,
+def _apply_probe(s: Session, result: dict) -> bool:
+    """Probe scores of the session's capture join those it holds (s.view["probe"]; recommend reads them)."""
+    if result.get("capture_key") != s.capture_key:
+        return False
+    held = s.view.get("probe") if isinstance(s.view.get("probe"), dict) else {}
+    known = {tuple(x["layers"]): x for x in held.get("sets") or []} if held.get("capture_key") == s.capture_key else {}
+    for x in result["sets"]:
+        known[tuple(x["layers"])] = {"layers": list(x["layers"]), "agreement": x["agreement"],
+                                     "explained_variance": x.get("explained_variance")}
+    s.view["probe"] = {"capture_key": s.capture_key, "sets": list(known.values())}
+    return True
+
+
+APPLIERS = {"capture": _apply_capture, "probe": _apply_probe, "analysis": _apply_analysis, "train": _apply_draft, "bench": _apply_bench,
             "study": _apply_study}
 
 

@@ -10,7 +10,9 @@ that no strategy optimises and that covers at least two of them:
     2. held-out agreement: a trained draft's agreement with the target at draft position 1 on held-out
        conversations (the estimate of first-position acceptance);
     3. the probe: the held-out agreement of a closed-form ridge map of the set (layerscope.probe; no training),
-       when the session holds probe scores (s.view["probe"]: {"capture_key", "sets": [{"layers", "agreement"}]}).
+       when the session holds probe scores (s.view["probe"]: {"capture_key", "sets": [{"layers", "agreement"}]},
+       from the Layer sets page's probe job); select.compare leaves the `probe` strategy out, so no set here was
+       chosen by maximising it.
 
 and only within one set size (a set with more layers carries more, whatever they are). A measured winner is
 recommended only when it beats the default rule beyond the interval; otherwise the default rule is (the

@@ -15,7 +15,7 @@ from layerscope.ui.widgets import IMAGE_FORMAT_KEY, fmt_seconds, md_text
 # The page that shows a job of each kind (url paths of app.py's pages).
 JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.py",
              "analysis-compare": "app_pages/entropy.py", "train": "app_pages/speculate.py",
-             "bench": "app_pages/speculate.py", "study": "app_pages/speculate.py"}
+             "bench": "app_pages/speculate.py", "study": "app_pages/speculate.py", "probe": "app_pages/layer_sets.py"}
 
 
 def render(s: Session) -> None:

@@ -14,7 +14,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from layerscope import workflow
+from layerscope import probe, workflow
 from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.bench import BenchOptions, Tally
 from layerscope.capture import CaptureOptions
@@ -251,6 +251,26 @@ def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
             continue
         out.append({**draft_entry(d, meta), "saved": meta.get("saved")})
     return sorted(out, key=lambda r: r.get("saved") or "", reverse=True)
+
+
+# ---------------------------------------------------------------------------- the probe
+
+@job_task
+def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
+    """probe.score_sets on the capture: each set's held-out agreement of a closed-form ridge map (no training;
+    cached in the store per set). Result: {"capture_key", "sets": [{"layers", "agreement", "explained_variance"}]}."""
+
+    def run(job):
+        target = load_in_job(job, model, store)
+        job.update(0.05, "reading the capture")
+        cap = store.open_capture(capture_key)
+        report = probe.score_sets(cap, target, [list(x) for x in sets], store=store,
+                                  progress=lambda frac, msg="": job.update(0.05 + 0.95 * float(frac), msg or None))
+        return {"capture_key": capture_key, "seconds": report.seconds, "cached": report.cached,
+                "sets": [{"layers": list(x.layers), "agreement": x.agreement, "explained_variance": x.explained_variance}
+                         for x in report.sets]}
+
+    return run
 
 
 # ---------------------------------------------------------------------------- benchmark
