@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pandas as pd
 import streamlit as st
 
-from layerscope import plots
+from layerscope import fmt, plots
 from layerscope.analysis import AnalysisOptions
-from layerscope.ui import compare
+from layerscope.ui import apply, compare
+from layerscope.ui.apply import draft_labels, run_label
 from layerscope.ui.state import bind_view
 from layerscope.ui.views import live_job, page_header
 from layerscope.ui.widgets import chart, guard, job_status, md_text, table, wait_briefly
@@ -117,6 +119,38 @@ with guard("captures"):
                                                 final_state=st_.get("final_state", "post-norm")),
                               key=f"ls_cmp_cka_{k}", filename=f"cka-{k}")
 
+st.header("Benchmark runs side by side")
+with guard("run comparison"):
+    runs = list(range(len(s.bench_results)))[::-1]
+    if len(runs) < 2:
+        st.caption("Two or more benchmark runs of this session are compared here: their options side by side and "
+                   "each contender's τ and speedup overlaid, run by run.")
+    else:
+        picked = st.multiselect("Runs", runs, key="ls_w_cmp_bench_runs", format_func=lambda i: run_label(s.bench_results[i], i),
+                                on_change=bind_view(s, "cmp_bench_runs", "ls_w_cmp_bench_runs", runs[:3], options=runs),
+                                placeholder="choose two or more runs")
+        chosen = [(f"#{i + 1}", s.bench_results[i]) for i in sorted(picked)]
+        if chosen:
+            table(compare.run_options(chosen), key="ls_cmp_run_options", filename="benchmark-run-options")
+            m1, m2 = st.columns(2)
+            with m1:
+                chart(plots.runs_comparison(compare.run_contenders(chosen), metric="tau"), key="ls_cmp_runs_tau",
+                      filename="benchmark-runs-tau")
+            with m2:
+                chart(plots.runs_comparison(compare.run_contenders(chosen), metric="speedup"), key="ls_cmp_runs_speedup",
+                      filename="benchmark-runs-speedup")
+names = draft_labels(s.drafts)
+curves = {names[d["path"]]: d["curve"] for d in s.drafts if d.get("curve")}
+if curves:
+    st.subheader("Learning curves of the session's drafts")
+    chart(plots.learning_curves(curves, layers={names[d["path"]]: d["layers"] for d in s.drafts}, colors=apply.colors(s)),
+          key="ls_cmp_learning", filename="learning-curves-all")
+    table(pd.DataFrame([{"draft": names[d["path"]], "steps": d.get("steps"),
+                         "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
+                         "held-out agreement per step": ", ".join(fmt.percent(a) for a in d.get("val_accuracy") or []),
+                         "capture": d.get("capture_key"), "stored as": d["path"].rsplit("/", 1)[-1]}
+                        for d in s.drafts if d.get("curve")]), key="ls_cmp_learning_options", filename="draft-options")
+
 st.header("Runs of this session")
 with guard("runs"):
     rows = compare.runs_table(s, by_key)
@@ -127,13 +161,15 @@ with guard("runs"):
         labels = {k: compare.capture_label(by_key.get(k), k) for k in present if k}
         f1, f2 = st.columns([2, 1])
         pick = f1.selectbox("Capture", ["all"] + present, key="ls_w_cmp_runs_capture",
+                            on_change=bind_view(s, "cmp_runs_capture", "ls_w_cmp_runs_capture", "all",
+                                                options=["all"] + present),
                             format_func=lambda k: "every capture" if k == "all" else
                             ("no capture recorded (older entries)" if k is None else labels[k]))
-        kinds = f2.multiselect("Kinds", ["study", "bench", "draft"], default=["study", "bench", "draft"],
-                               key="ls_w_cmp_runs_kinds")
+        kinds = f2.multiselect("Kinds", ["study", "bench", "draft"], key="ls_w_cmp_runs_kinds",
+                               on_change=bind_view(s, "cmp_runs_kinds", "ls_w_cmp_runs_kinds", ["study", "bench", "draft"],
+                                                   options=["study", "bench", "draft"]))
         shown = compare.filter_runs(rows, capture=pick, kinds=kinds)
-        table(compare.runs_frame(shown), key="ls_cmp_runs", filename="runs",
-              column_config={"layers": st.column_config.ListColumn("layers")})
+        table(compare.runs_frame(shown), key="ls_cmp_runs", filename="runs")
         st.caption("A benchmark's draft row names the capture its draft was trained on; plain decoding and the HF "
                    "peers the capture the session had when the benchmark ran. Entries saved before runs recorded "
                    "their capture show —.")

@@ -449,6 +449,42 @@ def bench_comparison(
     return fig
 
 
+def runs_comparison(
+    runs: Mapping[str, Sequence[Mapping]],
+    *,
+    metric: str = "tau",
+    title: str | None = None,
+) -> go.Figure:
+    """One metric ("tau" or "speedup") of several benchmark runs overlaid: one group per contender (name and
+    layers), one bar per run with its interval as an error bar. runs: {run label: result rows}."""
+    if not runs:
+        raise ValueError("runs_comparison needs at least one run")
+    form = fmt.tau if metric == "tau" else fmt.speedup
+    names = list(dict.fromkeys(str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else "")
+                               for rows in runs.values() for r in rows))
+    fig = go.Figure()
+    for i, (label, rows) in enumerate(runs.items()):
+        by = {str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else ""): r for r in rows}
+        ys = [None if by.get(n, {}).get(metric) is None else float(by[n][metric]) for n in names]
+        cis = [by.get(n, {}).get(f"{metric}_ci") for n in names]
+        has = [bool(c) and None not in c and y is not None for c, y in zip(cis, ys)]
+        fig.add_trace(go.Bar(
+            x=names, y=ys, name=str(label), marker=dict(color=CURVE_COLORS[i % len(CURVE_COLORS)] if i < 2
+                                                       else SET_COLORS[i % len(SET_COLORS)]),
+            text=[None if y is None else form(y) for y in ys], textposition="inside", insidetextanchor="end",
+            textfont=dict(size=10, color="white"),
+            error_y=dict(type="data", symmetric=False, color="#444444", thickness=1.2, width=4,
+                         array=[(c[1] - y) if h else 0 for c, y, h in zip(cis, ys, has)],
+                         arrayminus=[(y - c[0]) if h else 0 for c, y, h in zip(cis, ys, has)]) if any(has) else None))
+    _base_layout(fig, title or ("τ of each contender, run by run" if metric == "tau" else "Speedup of each contender, run by run"),
+                 barmode="group", height=420)
+    fig.update_xaxes(tickangle=-90, automargin=True, tickfont=dict(size=11))
+    fig.update_yaxes(title="tokens per target forward" if metric == "tau" else "× plain decoding", rangemode="tozero")
+    if metric == "speedup":
+        fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"))
+    return fig
+
+
 def cost_curve(
     points: Sequence[Mapping],
     *,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from layerscope import fmt
 from layerscope import session as sessions
 from layerscope.ui import recommend, sanity
@@ -227,3 +229,27 @@ def test_the_probe_scores_the_sets_and_then_ranks_them(app_store, copy_of):
     text = plain(next(m.value for m in at.markdown if plain(m.value).startswith("Recommended: ")))
     assert "probe agreement" in text and "confirm it with drafts" in text
     assert at.button(key="ls_sets_probe").disabled                  # every set has its score
+
+
+def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):
+    s = sessions.load(app_store, copy_of)
+    for i, (k, tau) in enumerate([(2, 1.21), (3, 1.34)]):
+        s.bench_results.append({"prompts": 8, "prompt_set": "builtin", "max_new_tokens": 48, "k": k, "device": "cpu",
+                                "created": f"2026-12-0{i + 1}T10:00:00+0000",
+                                "results": [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
+                                            {"name": "d", "layers": [1, 2], "tau": tau, "tau_ci": [tau - 0.05, tau + 0.05],
+                                             "speedup": 0.8, "speedup_ci": [0.7, 0.9]}]})
+    sessions.save(s, app_store)
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/compare.py").run()
+    no_exception(at)
+    options = frame_with(at, "option")
+    assert list(options.columns) == ["option", "#1", "#2"]
+    row = dict(zip(options["option"], zip(options["#1"], options["#2"])))
+    assert row["draft depth K"] == ("2", "3") and row["prompts"] == ("8", "8") and "T" not in row["when"][0]
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    tau = next(f for f in specs if f["layout"]["title"]["text"].startswith("τ of each contender"))
+    assert [t["name"] for t in tau["data"]] == ["#1", "#2"] and tau["data"][1]["y"] == [1.0, 1.34]
+    assert tau["data"][1]["error_y"]["array"][1] == pytest.approx(0.05)
+    runs = frame_with(at, "τ [95% interval]")
+    assert "1.340 [1.290, 1.390]" in list(runs["τ [95% interval]"])

@@ -116,13 +116,13 @@ def test_runs_table_names_each_runs_capture_and_tolerates_old_entries():
     rows = compare.runs_table(s, caps)
     assert len(rows) == 2 + 2 + 2 + 3          # study rows, both benchmarks' contenders, drafts
     by = {(r["run"], r["name"]): r for r in rows}
-    assert by[("study #1", "greedy")]["capture"] == A_KEY and by[("study #1", "greedy")]["tau_ci"] == "1.400–1.600"
+    assert by[("study #1", "greedy")]["capture"] == A_KEY and by[("study #1", "greedy")]["tau_ci"] == [1.4, 1.6]
     # the old benchmark: its draft's row names the draft's capture; plain decoding has none recorded
     assert by[("bench #1", "greedy")]["capture"] == B_KEY and by[("bench #1", "greedy")]["model"] == "tiny-llama:layers=6"
     assert by[("bench #1", "autoregressive")]["capture"] is None
     # the new one: the draft has no capture key, so the capture the session had when the benchmark ran
     assert by[("bench #2", "nokey")]["capture"] == A_KEY and by[("bench #2", "nokey")]["accept1"] == 0.5
-    assert by[("bench #2", "nokey")]["tau_ci"] == "1.500–1.700" and by[("bench #2", "nokey")]["speedup_ci"] == "1.100–1.300"
+    assert by[("bench #2", "nokey")]["tau_ci"] == [1.5, 1.7] and by[("bench #2", "nokey")]["speedup_ci"] == [1.1, 1.3]
     assert by[("bench #1", "greedy")]["tau_ci"] is None         # a benchmark from before intervals
     assert by[("draft", "old")]["capture"] == GONE and by[("draft", "old")]["model"] is None
     assert by[("draft", "old")]["val_acc1"] == 0.3 and by[("draft", "greedy")]["val_acc1"] == 0.4
@@ -136,6 +136,7 @@ def test_runs_table_names_each_runs_capture_and_tolerates_old_entries():
     assert all(r["kind"] == "draft" for r in compare.filter_runs(rows, kinds=["draft"]))
     frame = compare.runs_frame(rows)
     assert list(frame.columns)[:3] == ["kind", "run", "capture"] and len(frame) == len(rows)
+    assert list(frame["τ [95% interval]"])[0] == "1.500 [1.400, 1.600]"        # intervals one way, as everywhere
 
 
 def test_new_benchmarks_and_study_drafts_record_their_capture():

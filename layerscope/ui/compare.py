@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from layerscope import fmt
 from layerscope.session import Session
 from layerscope.ui import tasks
 from layerscope.ui.jobs import CANCELLED, FAILED, StatsTag, get_manager
@@ -162,9 +163,9 @@ def _first(v):
     return v
 
 
-def _ci(v) -> str | None:
-    """A [lo, hi] interval (study rows; benchmarks since they bootstrap over prompts) as "lo–hi"."""
-    return f"{v[0]:.3f}–{v[1]:.3f}" if isinstance(v, (list, tuple)) and len(v) == 2 and None not in v else None
+def _ci(v) -> list | None:
+    """A [lo, hi] interval (study rows; benchmarks since they bootstrap over prompts), or None."""
+    return list(v) if isinstance(v, (list, tuple)) and len(v) == 2 and None not in v else None
 
 
 def runs_table(s: Session, captures: Mapping[str, Mapping]) -> list[dict]:
@@ -226,13 +227,42 @@ def filter_runs(rows: Sequence[dict], *, capture: str | None = "all", kinds: Seq
     return [r for r in rows if (capture == "all" or r["capture"] == capture) and (kinds is None or r["kind"] in kinds)]
 
 
-COLUMNS = {"kind": "kind", "run": "run", "capture": "capture", "model": "model", "prompt set": "prompt set",
-           "name": "set / contender", "layers": "layers", "tau": "τ", "tau_ci": "τ 95% CI", "speedup": "speedup",
-           "speedup_ci": "speedup 95% CI",
-           "tokens_per_s": "tokens/s", "accept1": "acceptance@1", "val_acc1": "held-out acc@1",
-           "lossless": "lossless", "prompts": "prompts", "created": "created", "device": "device"}
+COLUMNS = ["kind", "run", "capture", "model", "prompt set", "set / contender", "layers", "τ [95% interval]",
+           "speedup [95% interval]", "tokens/s", "acceptance@1", "held-out agreement @1", "lossless", "prompts",
+           "created", "device"]
 
 
 def runs_frame(rows: Sequence[dict]):
-    """The rows as a DataFrame with readable column names (missing values stay None: tables show "—")."""
-    return pd.DataFrame([{label: r.get(k) for k, label in COLUMNS.items()} for r in rows], columns=list(COLUMNS.values()))
+    """The rows as a DataFrame for the screen: every number in the one form (layerscope.fmt), intervals as
+    "value [lo, hi]", times to the minute (missing values stay None: tables show "—")."""
+    def shown(r):
+        return [r["kind"], r["run"], r["capture"], r.get("model"), r.get("prompt set"), r.get("name"),
+                fmt.layers(r["layers"]) if r.get("layers") else None,
+                None if r.get("tau") is None else fmt.interval(r["tau"], r.get("tau_ci"), "tau"),
+                None if r.get("speedup") is None else fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
+                r.get("tokens_per_s"), None if r.get("accept1") is None else fmt.percent(r["accept1"]),
+                None if r.get("val_acc1") is None else fmt.percent(r["val_acc1"]), r.get("lossless"), r.get("prompts"),
+                fmt.when(r["created"]) if r.get("created") else None, r.get("device")]
+
+    return pd.DataFrame([shown(r) for r in rows], columns=COLUMNS)
+
+
+# ---------------------------------------------------------------------------- benchmark runs side by side
+
+def run_options(runs: Sequence[tuple[str, Mapping]]) -> pd.DataFrame:
+    """The options of benchmark runs side by side: one row per option, one column per run (label, result)."""
+    def machine(b):
+        m = b.get("machine") or {}
+        return None if not m else ("quiet" if m.get("quiet") else "busy")
+
+    options = {"prompt set": lambda b: b.get("prompt_set"), "prompts": lambda b: b.get("prompts"),
+               "new tokens": lambda b: b.get("max_new_tokens"), "draft depth K": lambda b: b.get("k"),
+               "contenders": lambda b: ", ".join(str(r.get("name")) for r in b.get("results") or []),
+               "device": lambda b: b.get("device"), "machine": machine,
+               "capture": lambda b: b.get("capture_key"), "when": lambda b: fmt.when(b.get("created"))}
+    return pd.DataFrame({"option": list(options)} | {label: [f(b) for f in options.values()] for label, b in runs})
+
+
+def run_contenders(runs: Sequence[tuple[str, Mapping]]) -> dict[str, list[dict]]:
+    """{run label: its contenders' result rows} for plots.runs_comparison."""
+    return {label: list(b.get("results") or []) for label, b in runs}
