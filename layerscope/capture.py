@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from layerscope import distributed
+from layerscope import distributed, preflight
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
 from layerscope.prompts import PromptSet, chat_ids
@@ -125,6 +125,10 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
             raise CaptureError("No prompt fits the model's context", "Lower --max-new-tokens or choose shorter prompts")
     else:
         _check_lengths(encoded, prompts, opts, loaded.context_length)
+    preflight.writable(store)              # a read-only or full store fails before the first batch is computed
+    preflight.need_space(store.root, preflight.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
+                                                            opts.batch_size, loaded.num_layers, loaded.hidden_size,
+                                                            store.partial_capture_dir(key)), f"capture {key}")
     if distributed.active():     # under torchrun every rank writes its range of the batches: layerscope/distributed.py
         return distributed.capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
 

@@ -3,7 +3,8 @@
 Each command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
 Every command takes `--store DIR` (else $LAYERSCOPE_STORE, else ./cache under the working directory)
 and most take `--json`. The steps themselves are in layerscope/workflow.py; a command parses and prints.
-A `LayerScopeError` prints its message and exits 2; nothing else is caught.
+A `LayerScopeError` prints its message and exits 2, and so does an OSError of a full or read-only disk
+(store.as_write_error); nothing else is caught.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import importlib
 import sys
 
 from layerscope.commands.common import STORE_HELP
+from safetensors import SafetensorError
+
 from layerscope.errors import LayerScopeError
+from layerscope.store import as_write_error
 from layerscope.validate import OneLineParser
 
 COMMAND_MODULES = [
@@ -50,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except LayerScopeError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, SafetensorError) as e:     # the last resort for a write that met a full or read-only disk
+        error = as_write_error(e)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -5,6 +5,8 @@
     layer_list(text, flag)               "--layers 2,15,27" parsed; an empty or malformed list is one line
     prompt_spec(spec)                    a prompt set that exists and can be opened (builtin, sharegpt, a file)
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
+    output(path)                         a directory about to be written whole (--out): the path rule, writable
+    capture_need(...)                    what a capture may still write, for need_space
     train_draft(args, store)             every check of `layerscope train-draft` (the CLI calls it first)
     bench_drafts(paths)                  every --draft of a benchmark
 
@@ -15,6 +17,7 @@ the de-quantized copy of a GGUF in the store); None when it cannot, and then onl
     draft       its parameter count x 4 (float32 at most)
     checkpoint  the drafts' parameters x 4 x 3 (weights and Adam's two moments); online training holds two
                 for a moment when it replaces one, so it needs twice that
+    responses   online training's regenerated answers: conversations x max_new_tokens x 8 (JSON token ids)
 Every failure is a LayerScopeError (one line, exit 2 in the CLI) and nothing has been written.
 """
 
@@ -198,6 +201,27 @@ def draft_dir(path, *, agree: bool = True) -> Path:
     return real
 
 
+def output(path, what: str = "--out") -> Path:
+    """A directory about to be written whole (--out): the path rule (paths.output_dir) and a real write probe
+    where it will be made. Returns its real path."""
+    where = paths.output_dir(path, what, DraftError)
+    directory_writable(where.parent)
+    return where
+
+
+def capture_need(encoded, max_new_tokens: int, max_tokens: int | None, batch_size: int, num_layers: int,
+                 hidden_size: int, partial: Path | None = None) -> int:
+    """Bytes a capture of the prompts `encoded` (token ids) may still write: every prompt with a full-length
+    response (an upper bound: answers may end early), cut at max_tokens plus one batch, less the chunks
+    already in `partial`."""
+    lengths = [len(ids) + int(max_new_tokens) for ids in encoded]
+    tokens = sum(lengths)
+    if max_tokens is not None:
+        tokens = min(tokens, int(max_tokens) + sum(sorted(lengths)[-int(batch_size):]))
+    done = sum(f.stat().st_size for f in Path(partial).glob("chunk-*.safetensors")) if partial and Path(partial).is_dir() else 0
+    return max(0, capture_bytes(tokens, num_layers, hidden_size) - done)
+
+
 def bench_drafts(drafts) -> None:
     """Every draft directory of a benchmark, checked before the target loads."""
     for d in drafts:
@@ -214,17 +238,20 @@ def train_draft(args, store: Store) -> None:
         writable(store)
         prompt_spec(args.prompts)
         shape = target_shape(args.model, store)
+        responses = responses_bytes(args, store) if getattr(args, "responses", None) == "regenerate" else 0
         if shape is not None and sets:
             layers_in_range(sets, int(shape.num_hidden_layers), error=DraftError)
-            need = 2 * checkpoint_bytes(shape, sets, draft_vocab)
-            need_space(store.root, need, f"online training of {len(sets)} draft(s) on {args.model} (two checkpoints "
-                                         f"of {_mib(need // 2)} at the moment one replaces the other, then the drafts)")
+            ckpt = checkpoint_bytes(shape, sets, draft_vocab)
+            need_space(store.root, 2 * ckpt + responses,
+                       f"online training of {len(sets)} draft(s) on {args.model} (two checkpoints of {_mib(ckpt)} at "
+                       f"the moment one replaces the other, then the drafts; {_mib(responses)} of generated responses)")
+        else:
+            need_space(store.root, responses, "the generated responses of online training")
         return
     if args.key is None:
         return
     if args.out is not None:            # from a capture, into --out
-        where = paths.output_dir(args.out, "--out", DraftError)
-        directory_writable(where.parent)
+        where = output(args.out)
     else:                               # from a capture, into the store's drafts/
         where = store.root
         writable(store)
@@ -234,6 +261,24 @@ def train_draft(args, store: Store) -> None:
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
             need_space(where, draft_bytes(shape, sets[0], draft_vocab), "the draft")
+
+
+RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a comma and a space
+
+
+def responses_bytes(args, store: Store) -> int:
+    """What online training's regenerated responses take (at most max_new_tokens per conversation), from the
+    number of conversations: --limit, else the prompt set's size (ShareGPT: its index, cached in the store)."""
+    from layerscope.prompts import load_prompts, sharegpt_index, sharegpt_path
+
+    n = args.limit
+    if n is None:
+        spec = str(args.prompts).strip()
+        if spec in ("sharegpt", "sharegpt-heldout"):
+            n = int(sharegpt_index(sharegpt_path(), cache=store.root / "prompts")["usable"])
+        else:
+            n = len(load_prompts(spec))
+    return int(n) * int(args.max_new_tokens) * RESPONSE_TOKEN_BYTES
 
 
 def directory_writable(directory: Path) -> None:

@@ -96,18 +96,21 @@ class StoreWriteError(StoreError):
 RESUME = "run the same command again: what was finished is kept (capture chunks, the last training checkpoint) and it resumes"
 
 
-def write_error(e: OSError, path: Path) -> StoreError:
-    """An OSError met while writing `path`, as one clear line: full disk, read-only store, or other."""
-    where = Path(path).parent
+def write_error(e: OSError, path: Path | None) -> StoreError:
+    """An OSError met while writing `path` (None: not known), as one clear line: full disk, read-only store, or other."""
+    reason = e.strerror or os.strerror(e.errno or 0)
+    disk = f"the disk holding {Path(path).parent}" if path is not None else "the disk"
+    writing = f" (while writing {Path(path).name}: {reason})" if path is not None else f" ({reason})"
     if e.errno in NO_SPACE:
-        return StoreWriteError(f"No space left on the disk holding {where} (while writing {Path(path).name}: "
-                               f"{e.strerror or os.strerror(e.errno)})",
+        return StoreWriteError(f"No space left on {disk}{writing}",
                                f"Free disk space or pass --store on a larger disk, then {RESUME}")
     if e.errno in READ_ONLY:
-        return StoreWriteError(f"The store at {where} is read-only ({e.strerror or os.strerror(e.errno)})",
+        where = f"The store at {Path(path).parent}" if path is not None else "The store"
+        return StoreWriteError(f"{where} is read-only ({reason})",
                                "Pass --store (or set LAYERSCOPE_STORE) to a writable directory; reading and listing "
                                "still work here")
-    return StoreWriteError(f"Cannot write {path}: {e.strerror or e}", "Check the disk and the store directory")
+    return StoreWriteError(f"Cannot write {path if path is not None else 'a file'}: {reason}",
+                           "Check the disk and the store directory")
 
 
 def os_error_of(e: BaseException) -> OSError | None:
@@ -129,7 +132,8 @@ def as_write_error(e: BaseException, path=None) -> StoreWriteError | None:
     err = os_error_of(e)
     if err is None or err.errno not in NO_SPACE + READ_ONLY:
         return None
-    return write_error(err, Path(path or err.filename or err.filename2 or "the store/file"))
+    where = path or err.filename or err.filename2
+    return write_error(err, Path(os.fsdecode(where)) if where else None)
 
 
 def _write_via_temp(path: Path, write) -> None:

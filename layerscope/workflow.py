@@ -21,7 +21,7 @@ import torch
 
 from layerscope import bench as bench_mod
 from layerscope import capture as capture_mod
-from layerscope import costmodel
+from layerscope import costmodel, preflight
 from layerscope import probe as probe_mod
 from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
@@ -184,6 +184,8 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
           load: Loader = load_target, progress: Callable[[bench_mod.BenchProgress], None] | None = None) -> Benchmarked:
     """Decode the same prompts with each (name, draft directory) and the baselines; see layerscope/bench.py."""
     options.validate()
+    preflight.bench_drafts([path for _, path in drafts])   # missing, looping or self-contradicting drafts: before the load
+    preflight.prompt_spec(options.prompts)
     spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
     target = load(spec, store)
     heads = bench_mod.load_drafts(target, drafts)
@@ -211,6 +213,8 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
           progress: Callable | None = None) -> Studied:
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study.py."""
     cap = store.open_capture(capture_key)
+    preflight.writable(store)                               # the drafts go into the store: before the model loads
+    preflight.prompt_spec(options.prompts)
     target = load(model or cap.manifest["model"], store)
     train = dict(options.train)
     if train.get("steps") is None and train.get("tokens") is None and train.get("time_s") is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from layerscope import machine, workflow
+from layerscope import machine, preflight, workflow
 from layerscope.bench import BenchOptions, folder_names, format_table
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.errors import LayerScopeError
@@ -81,6 +81,7 @@ def options_from_args(args) -> BenchOptions:
 
 
 def run(args) -> int:
+    preflight.bench_drafts(args.draft)      # a missing or looping --draft: one line before the model loads
     options = options_from_args(args)
     shown = 0.0
     with Progress("bench", unit="run") as bar:

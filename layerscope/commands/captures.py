@@ -1,11 +1,11 @@
-"""`layerscope captures`: list stored captures."""
+"""`layerscope captures`: list stored captures, with the damaged and unfinished ones marked and their fix."""
 
 from __future__ import annotations
 
 from layerscope.commands.common import open_store, print_json
 
 NAME = "captures"
-HELP = "list stored captures (key, model, prompts, tokens, size, date)"
+HELP = "list stored captures (key, model, prompts, tokens, size, date, state; damaged and unfinished ones with their fix)"
 
 
 def add_arguments(p) -> None:
@@ -13,15 +13,27 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    rows = open_store(args).list_captures()
+    rows = open_store(args).list_captures(incomplete=True)
     if args.json:
         print_json(rows)
         return 0
     if not rows:
         print("no captures yet: run `layerscope capture`")
         return 0
-    print(f"{'key':<24}  {'model':<16} {'prompts':<16} {'conv':>5} {'tokens':>8} {'size':>9}  created")
+    print(f"{'key':<24}  {'state':<10} {'model':<16} {'prompts':<16} {'conv':>5} {'tokens':>8} {'size':>9}  created")
     for r in rows:
-        print(f"{r['key']:<24}  {str(r['model'])[:16]:<16} {str(r['prompt_set'])[:16]:<16} {r['conversations']:>5} "
-              f"{r['tokens']:>8} {r['size_bytes'] / 2**20:>7.1f}MB  {r['created']}")
+        state = "ok" if r["state"] == "ok" else r["state"].upper()
+        print(f"{r['key']:<24}  {state:<10} {_cell(r['model'])[:16]:<16} {_cell(r['prompt_set'])[:16]:<16} "
+              f"{_cell(r['conversations']):>5} {_cell(r['tokens']):>8} {r['size_bytes'] / 2**20:>7.1f}MB  "
+              f"{r['created'] or '-'}")
+        if r["state"] != "ok":
+            print(f"{'':<26}{r['problem']}. {r['fix']}")
+    bad = {s: sum(r["state"] == s for r in rows) for s in ("damaged", "incomplete")}
+    if any(bad.values()):
+        print(f"\n{len(rows) - sum(bad.values())} usable, " + ", ".join(f"{n} {s}" for s, n in bad.items() if n)
+              + ": only usable captures can be analysed (the line under each other one says what to do)")
     return 0
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)

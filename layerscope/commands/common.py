@@ -7,8 +7,8 @@ import sys
 
 from tqdm import tqdm
 
+from layerscope import preflight
 from layerscope.draft.online import parse_duration
-from layerscope.errors import LayerScopeError
 from layerscope.machine import WAIT_S, MachineOptions
 from layerscope.store import Store
 
@@ -26,12 +26,8 @@ def print_json(obj) -> None:
 
 
 def parse_layers(text: str) -> list[int]:
-    """'2,15,27' -> [2, 15, 27]; a clear error for anything else."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise LayerScopeError(f"--layers {text!r} is not a comma-separated list of integers",
-                              "Write it like --layers 2,15,27") from None
+    """'2,15,27' -> [2, 15, 27]; a clear error for anything else, an empty list included (preflight.layer_list)."""
+    return preflight.layer_list(text)
 
 
 def add_wait_quiet(p) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from layerscope import costmodel, machine, workflow
+from layerscope import costmodel, machine, preflight, workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.draft.export import load_draft
 from layerscope.models import DEFAULT_MODEL
@@ -30,6 +30,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.draft:
+        preflight.draft_dir(args.draft)     # before the model loads
     store = open_store(args)
     target = workflow.load_target(args.model, store)
     draft = load_draft(args.draft, target) if args.draft else None

@@ -48,6 +48,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from layerscope.errors import LayerScopeError
+from layerscope.store import as_write_error
 from layerscope.ui import models
 
 DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
@@ -141,6 +142,9 @@ def run_job(fn: Callable, job, title: str) -> Outcome:
     except LayerScopeError as e:
         return Outcome(CANCELLED if job.should_stop() else FAILED, error=e.problem, fix=e.fix)
     except Exception as e:  # a bug, not a user error: one line for the user, the traceback for the log
+        full = as_write_error(e)      # ... unless it is a write that met a full or read-only disk
+        if full is not None:
+            return Outcome(FAILED, error=full.problem, fix=full.fix)
         return Outcome(FAILED, error=f"Unexpected error in {title}: {type(e).__name__}: {e}",
                        fix="This is a bug in LayerScope; the server log has the details",
                        traceback=traceback.format_exc())

@@ -1,0 +1,410 @@
+"""Hostile-user faults, each with real files: a full disk (a small tmpfs), a read-only store (a read-only bind
+mount: chmod does not stop root), symbolic links (outside the store, loops), drafts whose files disagree,
+deeply nested JSON, arguments that only fail late, and listings of damaged or unfinished captures.
+
+Every class ends in one line (exit 2 from the CLI, no traceback), loses nothing that was on disk, and leaves
+nothing half-written that a listing shows as complete. Mounting needs root with CAP_SYS_ADMIN; the tests that
+mount skip with the reason where that is not allowed."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import diskcache
+import pytest
+from safetensors import safe_open
+
+from layerscope import cli, preflight
+from layerscope.draft.export import load_draft, save_draft
+from layerscope.errors import DraftError, PromptSetError, SessionError, StoreError
+from layerscope.prompts import load_prompts
+from layerscope.session import import_bytes, list_sessions, load
+from layerscope.store import Store, StoreWarning, StoreWriteError, atomic_write_json
+from layerscope.ui.worker import FAILED, run_job
+from tests.helpers import untrained_draft
+
+DEEP = 5000                                     # far past what json (about 1000 levels) can parse
+
+
+# ---------------------------------------------------------------------------- real mounts
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` (skips the test when mounting is not permitted)."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def read_only(src: Path, dst: Path):
+    """`src` also visible at `dst`, read-only for everyone, root included (a bind mount remounted ro)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here ({r.stderr.strip() or r.returncode})")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,bind,ro", str(dst)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only here ({r.stderr.strip()})")
+        yield dst
+    finally:
+        subprocess.run(["umount", "-l", str(dst)], capture_output=True)
+
+
+def fill(directory: Path) -> Path:
+    """Write one file in `directory` until its disk is full (ENOSPC); returns the file."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for block in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * block)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    return filler
+
+
+def cli_line(capsys, *argv) -> tuple[int, str]:
+    """Run the CLI in this process: (exit code, the one stderr line starting 'error:'), no traceback."""
+    code = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    return code, lines[0]
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under root (relative path -> sha256): what 'loses nothing' compares."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+def test_full_disk_is_one_line_everywhere_and_the_index_is_never_quarantined(tmp_path, tiny):
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        store = Store(disk / "store")
+        store.put_json("analysis", "kept", {"x": 1})
+        old = save_draft(store.path("drafts", "old"), untrained_draft(tiny.model, (1, 2, 3)), target=tiny)
+        store.close()
+        before = tree(old)
+        fill(disk)
+
+        with pytest.raises(StoreWriteError, match="No space left") as e:
+            atomic_write_json(disk / "store" / "result.json", {"rows": list(range(10000))})
+        assert "run the same command again" in e.value.fix
+        assert not list((disk / "store").glob(".*.tmp"))
+
+        fresh = Store(disk / "store")                 # opening the index writes: it fails, and is not damage
+        with pytest.warns(StoreWarning):
+            assert fresh.get_json("analysis", "kept") == {"x": 1}
+            fresh.put_json("analysis", "new", {"x": 2})        # not cached, not an error
+        assert not list(fresh.root.glob(".index.damaged-*")) and (fresh.root / "index" / "cache.db").is_file()
+        fresh.close()
+
+        with pytest.raises(StoreWriteError, match="No space left"):
+            save_draft(old, untrained_draft(tiny.model, (1, 2, 3), seed=7), target=tiny)
+        assert tree(old) == before and load_draft(old).aux_layers == [1, 2, 3]     # the old draft stands whole
+        assert not (old.parent / ".layerscope-staging").exists()
+
+        with pytest.raises(StoreWriteError, match="Not enough free space"):
+            preflight.need_space(disk, 10 * 2**20, "a capture")
+
+        # the app's worker: an OSError of a full disk is the same one line, not "a bug in LayerScope"
+        out = run_job(lambda job: (disk / "more").write_bytes(b"x" * 2**20), SimpleNamespace(should_stop=lambda: False),
+                      "a job")
+        assert out.state == FAILED and "No space left" in out.error and out.traceback is None
+        assert Store(disk / "store").get_json("analysis", "kept") == {"x": 1}
+
+
+def test_train_draft_on_a_disk_that_fills_keeps_its_checkpoint_and_the_index(tmp_path):
+    """A real process: online training checkpoints every 0.3 s; the disk fills while it runs; the next
+    checkpoint meets ENOSPC. One line (exit 2) that says how to resume, the last checkpoint whole, the index
+    intact and not moved aside, no draft listed."""
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        root = disk / "store"
+        marker = Store(root)
+        marker.put_json("analysis", "marker", {"kept": True})
+        marker.close()
+        argv = [sys.executable, "-m", "layerscope.cli", "train-draft", "--model", "tiny-llama", "--prompts", "builtin",
+                "--limit", "6", "--max-new-tokens", "4", "--val-conversations", "1", "--layers", "1,2,3",
+                "--steps", "1000000", "--checkpoint-every", "0.3s", "--threads", "1", "--store", str(root)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        with open(tmp_path / "stderr", "w") as err:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+            try:
+                deadline = time.monotonic() + 240
+                while not list(root.glob("runs/*/ckpt-*/state.json")):
+                    assert proc.poll() is None, (tmp_path / "stderr").read_text()
+                    assert time.monotonic() < deadline, "no checkpoint within 4 minutes"
+                    time.sleep(0.2)
+                fill(disk)
+                code = proc.wait(timeout=180)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        stderr = (tmp_path / "stderr").read_text()
+        lines = [x for x in stderr.splitlines() if x.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+        assert "No space left" in lines[0] and "run the same command again" in lines[0]
+        assert "damaged" not in lines[0]
+        [run] = list((root / "runs").iterdir())
+        ckpts = sorted(run.glob("ckpt-*"))
+        assert ckpts and not list(run.glob(".ckpt-tmp-*"))            # the last one whole, no half-written one
+        state = json.loads((ckpts[-1] / "state.json").read_text())
+        with safe_open(str(ckpts[-1] / "tensors.safetensors"), framework="pt") as f:
+            assert "rng" in f.keys() and any(k.startswith("head0.") for k in f.keys())
+        assert state["step"] >= 1
+        (disk / "filler").unlink()
+        store = Store(root)
+        assert store.get_json("analysis", "marker") == {"kept": True}
+        assert not list(root.glob(".index.damaged-*"))
+        assert not (root / "drafts").exists() or not [p for p in (root / "drafts").iterdir() if p.name[0] != "."]
+        store.close()
+
+
+def test_train_draft_that_cannot_fit_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A draft for a d=256 target: about a million parameters, two checkpoints of 12 MiB; the disk has 16 MiB."""
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        Store(disk / "store").close()
+        code, line = cli_line(capsys, "train-draft", "--model", "tiny-llama:hidden=256", "--prompts", "builtin",
+                              "--limit", "4", "--layers", "1,2,3", "--steps", "5", "--store", disk / "store")
+        assert code == 2 and "Not enough free space for online training" in line and "nothing was written" in line
+        assert not (disk / "store" / "runs").exists()
+
+
+# ---------------------------------------------------------------------------- a read-only store
+
+def test_read_only_store_reads_and_lists_and_every_write_is_one_line(tmp_path, tiny, tiny_capture, capsys):
+    src = tmp_path / "src"
+    store = Store(src)
+    shutil.copytree(tiny_capture.path, store.path("captures", tiny_capture.key))
+    store.put_json("analysis", "kept", {"x": 1})
+    store.close()
+    before = tree(src)
+    with read_only(src, tmp_path / "ro") as ro:
+        with pytest.warns(StoreWarning, match="read-only"):
+            s = Store(ro)
+            assert [r["key"] for r in s.list_captures()] == [tiny_capture.key]
+            assert s.get_json("analysis", "kept") == {"x": 1}
+            assert s.open_capture(tiny_capture.key[:8]).num_tokens == tiny_capture.num_tokens
+        with pytest.raises(StoreWriteError, match="read-only"):
+            preflight.writable(s)
+        with pytest.raises(StoreWriteError, match="read-only"):
+            save_draft(s.path("drafts", "new"), untrained_draft(tiny.model, (1, 2, 3)), target=tiny)
+        s.close()
+        code, line = cli_line(capsys, "train-draft", "--model", "tiny-llama", "--layers", "1,2,3", "--steps", "2",
+                              "--store", ro)
+        assert code == 2 and "read-only" in line
+        code, line = cli_line(capsys, "train-draft", tiny_capture.key, "--layers", "1,2", "--steps", "1", "--store", ro)
+        assert code == 2 and "read-only" in line
+        assert cli.main(["captures", "--store", str(ro)]) == 0 and tiny_capture.key in capsys.readouterr().out
+    assert tree(src) == before and not list(src.glob(".index.damaged-*"))
+
+
+# ---------------------------------------------------------------------------- symbolic links
+
+def test_a_capture_linked_from_outside_is_listed_verified_and_refused_alike(tmp_path, tiny_capture, capsys):
+    store = Store(tmp_path / "store")
+    outside = tmp_path / "elsewhere" / tiny_capture.key
+    shutil.copytree(tiny_capture.path, outside)
+    (store.root / "captures").mkdir(parents=True)
+    store.path("captures", tiny_capture.key).symlink_to(outside)
+    loop = "ab" * 12
+    store.path("captures", loop).symlink_to(store.path("captures", loop))
+    rows = {r["key"]: r for r in store.list_captures()}
+    assert rows[tiny_capture.key]["state"] == "damaged" and "outside the store" in rows[tiny_capture.key]["problem"]
+    assert rows[loop]["state"] == "damaged" and "symbolic link loop" in rows[loop]["problem"]
+    assert "outside the store" in store.verify_capture(tiny_capture.key)[0]
+    with pytest.raises(StoreError, match="outside the store"):
+        store.open_capture(tiny_capture.key)
+    code, line = cli_line(capsys, "analyze", tiny_capture.key[:8], "--store", store.root)
+    assert code == 2 and "outside the store" in line
+    assert cli.main(["verify", "--store", str(store.root)]) == 1
+    out = capsys.readouterr().out
+    assert f"{tiny_capture.key}  DAMAGED" in out and "outside the store" in out
+    assert cli.main(["captures", "--store", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "outside the store" in out and "symbolic link loop" in out
+    assert outside.is_dir() and tree(outside) == tree(tiny_capture.path)          # nothing followed or removed
+    # a link inside the kind directory is followed: listed, verified and opened like the directory itself
+    store.path("captures", tiny_capture.key).unlink()
+    inside = store.root / "captures" / ".moved" / tiny_capture.key
+    shutil.copytree(outside, inside)
+    store.path("captures", tiny_capture.key).symlink_to(inside)
+    assert {r["key"]: r["state"] for r in store.list_captures()}[tiny_capture.key] == "ok"
+    assert store.verify_capture(tiny_capture.key) == [] and store.open_capture(tiny_capture.key).num_tokens > 0
+    store.close()
+
+
+def test_a_draft_or_out_path_through_a_symlink_loop_is_one_line_before_any_work(tmp_path, tiny_capture,
+                                                                                session_store, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    # the model spec is bogus: had the draft not been checked first, the error would be about the model
+    code, line = cli_line(capsys, "bench", "--draft", loop, "--model", "no-such-model", "--store", tmp_path / "s")
+    assert code == 2 and "symbolic link loop" in line
+    code, line = cli_line(capsys, "bench", "--draft", tmp_path / "missing", "--model", "no-such-model",
+                          "--store", tmp_path / "s")
+    assert code == 2 and "does not exist" in line
+    code, line = cli_line(capsys, "train-draft", tiny_capture.key, "--layers", "1,2", "--steps", "1",
+                          "--out", loop / "draft", "--store", session_store.root)
+    assert code == 2 and "symbolic link loop" in line
+
+
+# ---------------------------------------------------------------------------- a draft's metadata
+
+EDITS = {
+    "config.json vLLM key": ("config.json", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4])),
+    "config.json SGLang key": ("config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])),
+    "layers.json": ("layers.json", lambda c: c.update(hf_hidden_states=[2, 3, 4])),
+    "layerscope.json": ("layerscope.json", lambda c: c.update(aux_layers=[0, 1, 2])),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_a_draft_whose_files_disagree_is_refused_naming_each(tmp_path, tiny, edit, capsys):
+    path = save_draft(tmp_path / "draft", untrained_draft(tiny.model, (1, 2, 3)), {"target_model": "tiny-llama"},
+                      target=tiny)
+    assert load_draft(path).aux_layers == [1, 2, 3]            # as written, every file agrees
+    name, change = EDITS[edit]
+    doc = json.loads((path / name).read_text())
+    change(doc)
+    (path / name).write_text(json.dumps(doc))
+    with pytest.raises(DraftError, match="disagree on the layers") as e:
+        load_draft(path)
+    assert name in e.value.problem and "says layers [1, 2, 3]" in e.value.problem
+    assert "check-draft" in e.value.fix and "export" in e.value.fix
+    code, line = cli_line(capsys, "bench", "--draft", path, "--model", "no-such-model", "--store", tmp_path / "s")
+    assert code == 2 and "disagree on the layers" in line
+
+
+def test_a_draft_without_a_known_target_agrees_with_itself(tmp_path, tiny):
+    path = save_draft(tmp_path / "d", untrained_draft(tiny.model, (1, 3)))      # SGLang ids by the Llama rule
+    assert load_draft(path).aux_layers == [1, 3]
+
+
+# ---------------------------------------------------------------------------- deeply nested JSON
+
+def deep(n: int = DEEP) -> str:
+    return "[" * n + "]" * n
+
+
+def test_deep_json_in_a_session_is_one_line_on_import_list_and_load(store):
+    doc = '{"layerscope_session": 1, "session": {"id": "0123456789ab", "notes": ' + deep() + "}}"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("session.json", doc)
+    with pytest.raises(SessionError, match=r"nested \d+ levels deep"):
+        import_bytes(buf.getvalue(), store)
+    planted = store.path("sessions", "0123456789ab") / "session.zip"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(buf.getvalue())
+    [row] = list_sessions(store)
+    assert "levels deep, more than the 64" in row["error"]
+    with pytest.raises(SessionError, match="nested"):
+        load(store, "0123456789ab")
+
+
+def test_deep_json_in_store_files_reads_as_damage_or_a_miss(tmp_path, tiny_capture, tiny, capsys):
+    store = Store(tmp_path / "store")
+    cap = store.path("captures", tiny_capture.key)
+    shutil.copytree(tiny_capture.path, cap)
+    (cap / "manifest.json").write_text(deep())
+    [row] = store.list_captures()
+    assert row["state"] == "damaged" and "nested" in row["problem"] and "verify" in row["fix"]
+    # an index value planted under a key LayerScope reads: compressed as diskcache's JSON disk writes it
+    store.put_json("analysis", "abc", {"ok": True})
+    store.close()
+    raw = diskcache.Cache(str(store.root / "index"), disk=diskcache.Disk)
+    raw.set(zlib.compress(json.dumps("analysis/abc").encode(), 1), zlib.compress(deep().encode(), 1))
+    raw.close()
+    fresh = Store(store.root)
+    with pytest.warns(StoreWarning, match="damaged value"):
+        assert fresh.get_json("analysis", "abc") is None        # a miss: recomputed, never a RecursionError
+    fresh.close()
+    draft = save_draft(tmp_path / "draft", untrained_draft(tiny.model, (1, 2, 3)), target=tiny)
+    (draft / "layers.json").write_text(deep())
+    with pytest.raises(DraftError, match="nested"):
+        load_draft(draft)
+
+
+def test_deep_json_in_prompt_files_is_a_warning_or_one_line(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join([json.dumps({"prompt": "one"}), '{"prompt": ' + deep() + "}",
+                                json.dumps({"prompt": "three"})]))
+    s = load_prompts(str(jsonl))
+    assert [p.text for p in s] == ["one", "three"] and s.warnings[0].startswith("line 2: nested")
+    array = tmp_path / "p.json"
+    array.write_text('[{"prompt": "one"}, {"prompt": ' + deep() + "}]")
+    with pytest.raises(PromptSetError, match="nested more than 64 levels"):
+        load_prompts(str(array))
+
+
+# ---------------------------------------------------------------------------- arguments checked first
+
+def test_arguments_are_checked_before_the_model_loads(tmp_path, tiny_capture, session_store, capsys):
+    code, line = cli_line(capsys, "select", tiny_capture.key[:8], "--layers", "", "--store", session_store.root)
+    assert code == 2 and "names no layer" in line
+    code, line = cli_line(capsys, "select", tiny_capture.key[:8], "--layers", "1,99", "--store", session_store.root)
+    assert code == 2 and "[99]" in line
+    code, line = cli_line(capsys, "train-draft", "--model", "no-such-model", "--layers", "", "--steps", "1",
+                          "--store", tmp_path / "s")
+    assert code == 2 and "names no layer" in line
+    code, line = cli_line(capsys, "train-draft", "--model", "no-such-model", "--layers", "1,2",
+                          "--prompts", tmp_path / "missing.jsonl", "--steps", "1", "--store", tmp_path / "s")
+    assert code == 2 and "missing.jsonl" in line
+    code, line = cli_line(capsys, "train-draft", "--model", "tiny-llama", "--layers", "1,9", "--steps", "1",
+                          "--store", tmp_path / "s")
+    assert code == 2 and "[9] are outside 0..3" in line
+    assert not (tmp_path / "s" / "runs").exists()
+
+
+# ---------------------------------------------------------------------------- listings show state
+
+def test_captures_marks_damaged_and_unfinished_captures_with_their_fix(tmp_path, tiny_capture, capsys):
+    store = Store(tmp_path / "store")
+    good = store.path("captures", tiny_capture.key)
+    shutil.copytree(tiny_capture.path, good)
+    bad_key = "cd" * 12
+    bad = store.path("captures", bad_key)
+    shutil.copytree(tiny_capture.path, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "key": bad_key, "tokens": 1}))
+    partial = store.partial_capture_dir("ef" * 12)
+    partial.mkdir()
+    first = tiny_capture.manifest["chunks"][0]["file"]
+    shutil.copy(tiny_capture.path / first, partial / first)
+    assert cli.main(["captures", "--store", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    row = next(i for i, x in enumerate(lines) if x.startswith(bad_key))
+    assert "DAMAGED" in lines[row] and "verify" in lines[row + 1] and "--delete" in lines[row + 1]
+    row = next(i for i, x in enumerate(lines) if x.startswith("ef" * 12))
+    assert "INCOMPLETE" in lines[row] and "resume" in lines[row + 1]
+    assert "1 usable, 1 damaged, 1 incomplete" in out
+    assert cli.main(["captures", "--json", "--store", str(store.root)]) == 0
+    states = {r["key"]: r["state"] for r in json.loads(capsys.readouterr().out)}
+    assert states == {tiny_capture.key: "ok", bad_key: "damaged", "ef" * 12: "incomplete"}
+    assert [r["key"] for r in store.list_captures() if r["state"] == "ok"] == [tiny_capture.key]
+    store.close()
