@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
-from layerscope.commands.common import STORE_HELP
 from safetensors import SafetensorError
 
+from layerscope.commands.common import STORE_HELP
 from layerscope.errors import LayerScopeError
-from layerscope.store import as_write_error
+from layerscope.store import as_write_error, default_root
 from layerscope.validate import OneLineParser
 
 COMMAND_MODULES = [
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (OSError, SafetensorError) as e:     # the last resort for a write that met a full or read-only disk
-        error = as_write_error(e)
+        error = as_write_error(e, where=Path(args.store).expanduser() if args.store else default_root())
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr)

@@ -96,17 +96,18 @@ class StoreWriteError(StoreError):
 RESUME = "run the same command again: what was finished is kept (capture chunks, the last training checkpoint) and it resumes"
 
 
-def write_error(e: OSError, path: Path | None) -> StoreError:
-    """An OSError met while writing `path` (None: not known), as one clear line: full disk, read-only store, or other."""
+def write_error(e: OSError, path: Path | None, where: Path | None = None) -> StoreError:
+    """An OSError met while writing `path` (None: not known; then `where`, the store, names the disk), as one
+    clear line: full disk, read-only store, or other."""
     reason = e.strerror or os.strerror(e.errno or 0)
-    disk = f"the disk holding {Path(path).parent}" if path is not None else "the disk"
+    disk = f"the disk holding {Path(path).parent if path is not None else where}" if (path or where) else "the disk"
     writing = f" (while writing {Path(path).name}: {reason})" if path is not None else f" ({reason})"
     if e.errno in NO_SPACE:
         return StoreWriteError(f"No space left on {disk}{writing}",
                                f"Free disk space or pass --store on a larger disk, then {RESUME}")
     if e.errno in READ_ONLY:
-        where = f"The store at {Path(path).parent}" if path is not None else "The store"
-        return StoreWriteError(f"{where} is read-only ({reason})",
+        store = f"The store at {Path(path).parent if path is not None else where}" if (path or where) else "The store"
+        return StoreWriteError(f"{store} is read-only ({reason})",
                                "Pass --store (or set LAYERSCOPE_STORE) to a writable directory; reading and listing "
                                "still work here")
     return StoreWriteError(f"Cannot write {path if path is not None else 'a file'}: {reason}",
@@ -124,7 +125,7 @@ def os_error_of(e: BaseException) -> OSError | None:
     return None
 
 
-def as_write_error(e: BaseException, path=None) -> StoreWriteError | None:
+def as_write_error(e: BaseException, path=None, where=None) -> StoreWriteError | None:
     """The one rule for a write that failed: an OSError (or SafetensorError) with errno ENOSPC, EDQUOT, EFBIG,
     EROFS, EACCES or EPERM is a StoreWriteError (one line, never 'damaged'); anything else is None."""
     if isinstance(e, StoreWriteError):
@@ -132,8 +133,8 @@ def as_write_error(e: BaseException, path=None) -> StoreWriteError | None:
     err = os_error_of(e)
     if err is None or err.errno not in NO_SPACE + READ_ONLY:
         return None
-    where = path or err.filename or err.filename2
-    return write_error(err, Path(os.fsdecode(where)) if where else None)
+    name = path or err.filename or err.filename2
+    return write_error(err, Path(os.fsdecode(name)) if name else None, where)
 
 
 def _write_via_temp(path: Path, write) -> None:

@@ -166,7 +166,8 @@ def test_train_draft_on_a_disk_that_fills_keeps_its_checkpoint_and_the_index(tmp
         stderr = (tmp_path / "stderr").read_text()
         lines = [x for x in stderr.splitlines() if x.startswith("error:")]
         assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
-        assert "No space left" in lines[0] and "run the same command again" in lines[0]
+        assert "No space left on the disk holding" in lines[0] and str(root) in lines[0]
+        assert "run the same command again" in lines[0]
         assert "damaged" not in lines[0]
         [run] = list((root / "runs").iterdir())
         ckpts = sorted(run.glob("ckpt-*"))
@@ -400,6 +401,7 @@ def test_captures_marks_damaged_and_unfinished_captures_with_their_fix(tmp_path,
     lines = out.splitlines()
     row = next(i for i, x in enumerate(lines) if x.startswith(bad_key))
     assert "DAMAGED" in lines[row] and "verify" in lines[row + 1] and "--delete" in lines[row + 1]
+    assert lines[row].split()[4:6] == ["-", "-"]                 # no counts from a manifest that cannot be trusted
     row = next(i for i, x in enumerate(lines) if x.startswith("ef" * 12))
     assert "INCOMPLETE" in lines[row] and "resume" in lines[row + 1]
     assert "1 usable, 1 damaged, 1 incomplete" in out

@@ -23,6 +23,8 @@ def run(args) -> int:
     print(f"{'key':<24}  {'state':<10} {'model':<16} {'prompts':<16} {'conv':>5} {'tokens':>8} {'size':>9}  created")
     for r in rows:
         state = "ok" if r["state"] == "ok" else r["state"].upper()
+        if r["state"] == "damaged":          # its manifest cannot be trusted: no counts shown
+            r = {**r, "conversations": None, "tokens": None}
         print(f"{r['key']:<24}  {state:<10} {_cell(r['model'])[:16]:<16} {_cell(r['prompt_set'])[:16]:<16} "
               f"{_cell(r['conversations']):>5} {_cell(r['tokens']):>8} {r['size_bytes'] / 2**20:>7.1f}MB  "
               f"{r['created'] or '-'}")
