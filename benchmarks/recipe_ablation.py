@@ -2,6 +2,7 @@
 
     LAYERSCOPE_STORE=$HOME/layerscope-store .venv/bin/python benchmarks/recipe_ablation.py \
         --cpu-minutes 8 --out docs/ablation.json [--cells base,own,feature1] [--threads 1]
+    .venv/bin/python benchmarks/recipe_ablation.py --table a.json [b.json ...]     # the finished cells as Markdown
 
 Every cell trains one draft on the default set [2, 15, 27] of SmolLM2-135M, online (the target in the loop:
 its forward is part of the cell's CPU time), through the one training loop (layerscope.draft.fit) with a CPU
@@ -164,7 +165,22 @@ def solve(x, y, lam):
     return torch.linalg.solve(g + lam * float(g.diagonal().mean()) * torch.eye(g.shape[0], dtype=g.dtype), x.T @ y)
 
 
+def table(paths: list[str]) -> str:
+    """The finished cells of one or more --out files as a Markdown table, best position-1 agreement first."""
+    cells = {}
+    for path in paths:
+        cells.update(json.loads(Path(path).read_text())["cells"])
+    lines = ["| cell | what | agreement @1 / @2 / @3 | tokens seen | CPU s | wall s |", "|---|---|---|---|---|---|"]
+    for c in sorted(cells.values(), key=lambda c: -c["agreement"][0]):
+        acc = " / ".join(f"{a:.3f}" for a in c["agreement"])
+        lines.append(f"| {c['cell']} | {c['what']} | {acc} | {c['tokens_seen']:,} | {c['cpu_s']:.0f} | {c['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--table"]:
+        print(table(sys.argv[2:]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", default=",".join(CELLS))
     p.add_argument("--cpu-minutes", type=float, default=8.0)
