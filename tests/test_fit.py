@@ -138,3 +138,16 @@ def test_the_schedule_warms_up_then_decays_over_the_budget():
     for bad in ({"clock": "sundial"}, {"feature_loss": -1.0}, {"noise_std": float("nan")}, {"warm_start": -2}):
         with pytest.raises(DraftError):
             TrainOptions(steps=1, **bad).validate()
+
+
+def test_a_deeply_nested_checkpoint_state_is_one_clear_line(tiny, tmp_path, one_thread):
+    """A planted state.json nested far deeper than LayerScope writes is refused by name, never a RecursionError."""
+    store, calls = Store(tmp_path / "d"), []
+    o = OnlineOptions(steps=6, checkpoint_every_s=1e-9, **SMALL)
+    with pytest.raises(TrainingCancelled):
+        train_online(tiny, [[1, 3]], store, options=o, progress=calls.append,
+                     should_stop=lambda: sum(1 for p in calls if p.get("phase") == "train") >= 2)
+    ckpt = complete_checkpoints(next((store.root / "runs").iterdir()))[-1]
+    (ckpt / "state.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DraftError, match="cannot be read.*nested"):
+        train_online(tiny, [[1, 3]], store, options=o)

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 import torch.distributed as dist
 
-from layerscope import distributed
+from layerscope import distributed, jsonsafe
 from layerscope.capture import CaptureOptions, generate_responses
 from layerscope.draft.data import split_of, target_argmax, trainable, windows_of, make_batch
 from layerscope.draft.export import save_draft
@@ -253,8 +253,8 @@ def read_part(root: Path, start: int, batch) -> list[list[int]] | None:
     """The stored responses of `batch` (a list of (Prompt, ids)), or None when missing or made for other prompts."""
     path = root / part_name(start, start + len(batch))
     try:
-        rows = json.loads(path.read_text())["responses"]
-    except (OSError, ValueError, KeyError, TypeError):
+        rows = jsonsafe.loads(path.read_bytes(), what=f"Response part {path}", error=DraftError)["responses"]
+    except (OSError, ValueError, KeyError, TypeError, DraftError):
         return None
     if len(rows) != len(batch) or any(r.get("id") != p.id or r.get("prompt_hash") != prompt_hash(ids)
                                       for r, (p, ids) in zip(rows, batch)):
@@ -382,7 +382,8 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 def load_checkpoint(path: Path, drafters: list) -> FitState:
     """The state saved in `path`; the drafters' heads, optimizers and torch's RNG are restored from it."""
-    state = json.loads((path / "state.json").read_text())
+    state = jsonsafe.loads((path / "state.json").read_bytes(), what=f"Checkpoint state {path / 'state.json'}",
+                           error=DraftError)
     with safe_open(str(path / "tensors.safetensors"), framework="pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}
     assert len(state["param_groups"]) == len(drafters), "checkpoint holds another number of layer sets"
@@ -484,7 +485,8 @@ def interrupt_flag():
 
 
 def cached_result(result_file: Path, key: str, conversations: int, data_tokens: int) -> OnlineResult | None:
-    r = json.loads(result_file.read_text())
+    r = jsonsafe.loads(result_file.read_bytes(), what=f"Run result {result_file}", error=DraftError,
+                       fix=f"Remove {result_file} and run the same command again")
     drafts = [DraftResult(**d) for d in r["drafts"]]
     if not all((Path(d.path) / "layerscope.json").is_file() for d in drafts):
         return None                      # a draft was evicted or removed: train again
@@ -556,7 +558,7 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     if ckpts:
         try:
             state = load_checkpoint(ckpts[-1], drafters)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError, RuntimeError, SafetensorError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AssertionError, RuntimeError, SafetensorError, DraftError) as e:
             raise DraftError(f"Checkpoint {ckpts[-1]} cannot be read ({str(e)[:200]})",
                              f"Remove that folder to resume from scratch (or the whole {run_dir} to start over)") from None
 
