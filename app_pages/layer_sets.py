@@ -73,23 +73,33 @@ if stats is not None:
                 live_job(s.id, "probe", key="sets_probe")
 
         def row_of(r):
+            """One set's row: the evidence first (short headers: the table fits 1024 px), then the proxies."""
+            tau = fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None
+            if tau and r.tau_source != rec.source:
+                tau += f" ({r.tau_source})"          # measured elsewhere than the ranking's source
             return {"rank": r.rank, "role": " · ".join(x for x in ("★ recommended" if r is rec.best else "",
-                                                                    "◆ default rule" if r.is_default else "") if x),
-                    "set": r.name, "layers": fmt.layers(r.layers),
-                    "τ [95% interval]": fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None,
-                    "measured in": r.tau_source, "held-out agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
-                    "probe agreement": fmt.percent(r.probe) if r.probe is not None else None,
-                    "aggregate entropy (nats)": r.aggregate_entropy, "mean entropy": r.mean_entropy,
+                                                                    "◆ default" if r.is_default else "") if x),
+                    "set": r.name.replace(" = ", ", "), "layers": fmt.layers(r.layers), "τ [95% CI]": tau,
+                    "agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
+                    "probe": fmt.percent(r.probe) if r.probe is not None else None,
+                    "aggr. entropy": r.aggregate_entropy, "mean entropy": r.mean_entropy,
                     "mean CKA": r.mean_cka, "flags": "; ".join(f.split(":")[0] for f in r.flags)}
 
         st.markdown(f"**Sets of {int(k)} layers**, ranked by "
                     + (f"{rec.basis} ({md_text(rec.source)})" if rec.basis else "nothing yet: no evidence tells them apart"))
         table(pd.DataFrame([row_of(r) for r in rec.ranked]), key="ls_sets_table",
               filename=f"layer-sets-{s.capture_key or 'session'}", na={"mean CKA": fmt.NOT_APPLICABLE},
-              column_config={"aggregate entropy (nats)": st.column_config.TextColumn(
-                  "aggregate entropy (nats)", alignment="right",
-                  help="Describes the set (α = 2 entropy of its layers together); the aggregate strategy maximises "
-                       "it, so it does not rank")})
+              column_config={
+                  "τ [95% CI]": st.column_config.TextColumn("τ [95% CI]", alignment="right",
+                                                            help="Measured τ with its 95% interval"),
+                  "agreement": st.column_config.TextColumn("agreement", alignment="right",
+                                                           help="A trained draft's held-out agreement at position 1"),
+                  "probe": st.column_config.TextColumn("probe", alignment="right",
+                                                       help="The closed-form probe's held-out agreement"),
+                  "aggr. entropy": st.column_config.TextColumn(
+                      "aggr. entropy", alignment="right",
+                      help="Aggregate entropy (nats): describes the set (α = 2 entropy of its layers together); the "
+                           "aggregate strategy maximises it, so it does not rank")})
         if rec.other_sizes:
             with st.expander(f"{len(rec.other_sizes)} set(s) of another size (not ranked with sets of {int(k)} layers)"):
                 table(pd.DataFrame([row_of(r) for r in rec.other_sizes]).drop(columns=["rank"]), key="ls_sets_other",

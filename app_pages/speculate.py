@@ -42,7 +42,7 @@ st.header("1 · Drafts")
 sets = [(x["name"], x["layers"], x["strategy"]) for x in s.layer_sets]
 if n and not any(tuple(x[1]) == tuple(default_layers(n)[0]) for x in sets):
     sets.append(("default", default_layers(n)[0], "default"))
-train_col, list_col = st.columns([1, 1.2], gap="large")
+train_col, list_col = st.container(), st.container()     # one above the other: side by side, the tables were cut
 with train_col:
     st.subheader("Train drafts")
     labels = [f"{name} {layers}" for name, layers, _ in sets]
@@ -53,8 +53,7 @@ with train_col:
                     help="From the capture: quick, one set at a time, as much data as the capture holds. Online: the "
                          "target runs inside the training loop on as many conversations as you like, every chosen set "
                          "trains from the same target pass, and a stopped run resumes (docs/training.md).")
-    c1, c2 = st.columns(2)         # two a row: three labels a row wrapped mid-word at 1024 px
-    c3, _ = st.columns(2)
+    c1, c2, c3 = st.columns(3)
     ttt = number_field(c2, "TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
                           on_change=bind_view(s, "spec_ttt", "ls_w_spec_ttt", tasks.train_defaults().ttt_steps, clamp=(1, 7)),
                           help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
@@ -234,7 +233,7 @@ else:
                       on_change=bind_view(s, "bench_prompts", "ls_w_spec_bench_src", "sharegpt-heldout",
                                           options=["sharegpt-heldout", "builtin"]),
                       help="sharegpt-heldout: conversations no capture for training ever uses")
-    b3, b4, b5, b6 = st.columns(4)
+    b3, b4, b5, b6 = st.columns([1, 1, 1.3, 1.3])
     n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
                                 on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
     new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
@@ -244,9 +243,10 @@ else:
                             "of each draft (shown as progress) and the machine's cost curve; off: the depth below")
     depth = b5.number_input("Draft depth K", min_value=1, max_value=16, value=specdec.DEFAULT_K, step=1,
                             key="ls_w_spec_bench_k", disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
-    peers = b6.toggle("Also HF generate / prompt lookup", key="ls_w_spec_bench_peers",
+    peers = b6.toggle("Also HF decoders", key="ls_w_spec_bench_peers",
                       on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
-                      help="The decoders a user has without LayerScope, measured in the same run (slower)")
+                      help="HF generate and prompt lookup: the decoders a user has without LayerScope, measured in "
+                           "the same run (slower)")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
                  disabled=not chosen or bench_running):
@@ -338,18 +338,19 @@ else:
         if bad:
             st.error(f"**Outputs differ from plain greedy decoding for {', '.join(bad)}.** This is a bug in the decoder; "
                      "please report it with the session file.")
+        # τ and speedup span the page (two panels of contender names: at half width they were cramped)
+        chart(plots.bench_comparison(rows, colors=colors), key="ls_spec_bench_cmp",
+              filename=f"benchmark-{pick_run + 1}-tau-speedup")
         g1, g2 = st.columns(2)
         with g1:
-            chart(plots.bench_comparison(rows, colors=colors), key="ls_spec_bench_cmp",
-                  filename=f"benchmark-{pick_run + 1}-tau-speedup")
-        with g2:
             acc = {r["name"]: r["acceptance_by_position"] for r in rows if r.get("acceptance_by_position")}
             if acc:
                 chart(plots.acceptance_bars(acc, layers={r["name"]: r.get("layers") for r in rows}, colors=colors),
                       key="ls_spec_bench_acc", filename=f"benchmark-{pick_run + 1}-acceptance")
-        if res.get("cost_curve"):
-            chart(plots.cost_curve(res["cost_curve"], draft_step_seconds=res.get("draft_step_seconds")),
-                  key="ls_spec_bench_cost", filename=f"benchmark-{pick_run + 1}-cost-curve")
+        with g2:
+            if res.get("cost_curve"):
+                chart(plots.cost_curve(res["cost_curve"], draft_step_seconds=res.get("draft_step_seconds")),
+                      key="ls_spec_bench_cost", filename=f"benchmark-{pick_run + 1}-cost-curve")
         cats = sorted({c for r in rows for c in (r.get("by_category") or {})})
         if len(cats) > 1:
             with st.expander("Per prompt category"):
@@ -369,7 +370,8 @@ stats = stats_or_progress(s, store, key="study") if have_capture else None
 if not (have_capture and stats):
     st.caption("The study needs this session's capture in the store and its layer statistics.")
 else:
-    q1, q2, q3, q4, q5 = st.columns(5)
+    q1, q2, q3 = st.columns(3)         # two rows: five labels a row wrapped at 1024 px
+    q4, q5, _ = st.columns(3)
     st_k = number_field(q1, "Layers per set (k)", min_value=1, max_value=max(1, n), step=1, key="ls_w_study_k",
                            on_change=bind_view(s, "study_k", "ls_w_study_k", min(3, max(1, n)), clamp=(1, max(1, n))))
     st_steps = number_field(q2, "Steps (each)", min_value=1, max_value=1_000_000, step=50, key="ls_w_study_steps",
@@ -379,9 +381,9 @@ else:
     st_src = q3.selectbox("Prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src",
                           on_change=bind_view(s, "study_prompts", "ls_w_study_src", "sharegpt-heldout",
                                               options=["sharegpt-heldout", "builtin"]))
-    st_n = number_field(q4, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_study_n",
+    st_n = number_field(q4, "Study prompts", min_value=1, max_value=500, step=1, key="ls_w_study_n",
                            on_change=bind_view(s, "study_n", "ls_w_study_n", 8, clamp=(1, 500)))
-    st_new = number_field(q5, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_study_new",
+    st_new = number_field(q5, "Study new tokens", min_value=1, max_value=2048, step=8, key="ls_w_study_new",
                              on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
     with guard("study sets"):
         options = tasks.study_options(s.layer_sets, k=int(st_k),

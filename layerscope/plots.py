@@ -420,7 +420,7 @@ def bench_comparison(
 
     if not results:
         raise ValueError("bench_comparison needs at least one result")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain decoding)"], horizontal_spacing=0.12)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain)"], horizontal_spacing=0.12)
     names = [str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else "") for r in results]
     bar_colors = [set_color(str(r.get("name", "")), i, r.get("layers"), colors) for i, r in enumerate(results)]
     tops = []

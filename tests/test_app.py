@@ -491,16 +491,16 @@ def test_layer_sets_page_ranks_sets_of_one_size_and_recommends_from_evidence(app
     no_exception(at)
     k = at.number_input(key="ls_w_sets_k").value
     assert k == 2                                          # the default rule's size: tiny-llama's rule reads [1, 2]
-    ranked = frame_with(at, "τ [95% interval]")
+    ranked = frame_with(at, "τ [95% CI]")
     assert all(len(json.loads(l)) == k for l in ranked["layers"])          # one set size per ranking
     assert "objective" not in ranked.columns and "mRMR" not in ranked.columns
     assert set(ranked["rank"]) == {"—"}                    # nothing measured: no proxy ranks the strategies
     roles = list(ranked["role"])
-    assert roles.count("★ recommended · ◆ default rule") == 1          # the prior: the default rule
+    assert roles.count("★ recommended · ◆ default") == 1          # the prior: the default rule
     text = plain(next(m.value for m in at.markdown if plain(m.value).startswith("Recommended: ")))
     assert "the default rule [1, 2]" in text and "nothing measured" in text and "held-out agreement" in text
     at.multiselect(key="ls_sets_manual").set_value([0, 1]).run()
-    manual = frame_with(at, "τ [95% interval]")
+    manual = frame_with(at, "τ [95% CI]")
     row = manual[manual["set"].str.startswith("hand-picked")].iloc[0]
     assert "layer 0" in row["flags"]
     # a set of another size is listed apart, never ranked with these

@@ -112,12 +112,13 @@ def set_number(page, label: str, value) -> None:
 
 
 def open_app(browser, server: str, *, timeout_ms: int):
-    """A new tab on the app's first page (Capture), idle and ready."""
+    """A new tab on the Capture page, by its own URL (/capture: the bare URL is the Home page), idle and ready."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(timeout_ms)
-    page.goto(server + "/")
+    page.goto(server + "/capture")
     page.get_by_text("Capture hidden states").wait_for()
     wait_idle(page)
+    assert page.get_by_text("Page not found").count() == 0
     return page
 
 
@@ -175,6 +176,39 @@ def drag_box(page, start: tuple[int, int], end: tuple[int, int]) -> None:
     page.mouse.up()
 
 
+def choose(page, multiselect, option: str, tries: int = 4) -> None:
+    """Pick `option` in a multiselect: type it to filter the list, click it. A click that lands while the page is
+    still being redrawn closes the list again, so the list is opened again until the option shows."""
+    for attempt in range(tries):
+        box = multiselect.locator("input")
+        box.click()
+        box.fill(option)
+        try:
+            page.get_by_role("option", name=option, exact=True).click(timeout=5_000)
+            break
+        except PlaywrightError:
+            if attempt == tries - 1:
+                raise
+            page.keyboard.press("Escape")
+            wait_idle(page)
+    page.keyboard.press("Escape")
+    wait_idle(page)
+
+
+def shown_choice(page, label: str) -> str:
+    """The value a selectbox labelled `label` shows ("" while it is being redrawn)."""
+    try:
+        return page.evaluate("""(label) => {
+            const box = [...document.querySelectorAll('[data-testid="stSelectbox"]')].find(b => b.innerText.includes(label));
+            if (!box) return "";
+            const input = box.querySelector('input');
+            const text = box.innerText.replace(label, '').trim();
+            return (input && input.value) || text;
+        }""", label)
+    except PlaywrightError:
+        return ""
+
+
 def download(page, button) -> bytes:
     """Click a download button and return the downloaded file's bytes."""
     with page.expect_download(timeout=120_000) as d:
@@ -207,19 +241,43 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(page)
     shot(page, "1-capture")
 
-    # --- entropy page
+    # --- entropy page: one download per chart, in the format chosen in the sidebar
     goto_page(page, "Entropy")
     page.locator(".js-plotly-plot").first.wait_for()
     assert page.get_by_text("Tokens kept").count() >= 1
-    png = download(page, page.get_by_role("button", name="PNG").first)
+    assert page.get_by_role("button", name="Download SVG").count() == 0
+    png = download(page, page.get_by_role("button", name="Download PNG").first)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
-    svg = download(page, page.get_by_role("button", name="SVG").first).decode()
+    page.locator("[data-testid='stSidebar']").get_by_text("SVG", exact=True).click()
+    wait_idle(page)
+    assert page.get_by_role("button", name="Download PNG").count() == 0
+    svg = download(page, page.get_by_role("button", name="Download SVG").first).decode()
     assert svg.startswith("<svg") and "Matrix entropy per layer" in svg
+    page.locator("[data-testid='stSidebar']").get_by_text("PNG", exact=True).click()
+    wait_idle(page)
+    # --- the option controls keep their values on a return to the page; applying needs a review and a confirm
+    set_number(page, "Max tokens", 4096)
+    page.get_by_text("cosine", exact=True).click()
+    wait_idle(page)
+    goto_page(page, "CKA heatmap")
+    goto_page(page, "Entropy")
+    assert page.get_by_role("spinbutton", name="Max tokens", exact=True).input_value() == "4096"
+    assert page.get_by_role("radio", name="cosine").is_checked()
+    page.get_by_role("button", name="Review and apply…").click()
+    wait_idle(page)
+    for change in ("max tokens 8192 → 4096", "kernel linear → cosine"):
+        page.get_by_text(change).first.wait_for()
+    shot(page, "2-entropy-review")
+    page.get_by_role("button", name="Apply and recompute").click()
+    page.get_by_text(re.compile(r"This session's statistics were recomputed")).wait_for()
+    wait_idle(page)
     shot(page, "2-entropy")
 
     # --- the CKA heatmap: one cell per pair of layers 0..N, compartments outlined
     goto_page(page, "CKA heatmap")
     page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(g => g.data && g.data[0].type === 'heatmap')")
+    assert "cosine kernel" in page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                                            "g.data[0].type === 'heatmap').layout.title.text")
     info = heatmap_info(page)
     assert (info["rows"], info["cols"], info["cells"]) == (N + 1, N + 1, (N + 1) ** 2)
     assert info["rects"] >= 1
@@ -246,10 +304,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page.get_by_text("Sets to test in this session").wait_for()
     assert page.locator("[data-testid='stMultiSelect']").first.get_by_text("1", exact=True).count() == 1
     adder = page.locator("[data-testid='stMultiSelect']").filter(has_text="Add to the session's sets to test")
-    adder.click()
-    page.get_by_role("option", name="manual [1, 3]").click()
-    page.keyboard.press("Escape")
-    wait_idle(page)
+    choose(page, adder, "manual [1, 3]")
     page.get_by_role("button", name="Add", exact=True).click()
     wait_idle(page)
     page.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
@@ -259,6 +314,9 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     # --- speculative decoding: train a draft for the set, then a benchmark with live numbers
     goto_page(page, "Speculative decoding")
     set_number(page, "Training steps", 3)
+    goto_page(page, "Entropy")                     # the training steps stay after leaving the page
+    goto_page(page, "Speculative decoding")
+    assert page.get_by_role("spinbutton", name="Training steps", exact=True).input_value() == "3"
     page.get_by_role("button", name="Train draft").click()
     page.get_by_text(re.compile(r"Draft for hand-picked \[1, 3\]: done in")).wait_for(timeout=180_000)
     wait_idle(page)
@@ -291,6 +349,15 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page.get_by_text(re.compile(r"Benchmark of 1 draft\(s\): done in")).wait_for(timeout=420_000)   # a busy machine
     wait_idle(page)
     page.get_by_text("Results").wait_for()
+    assert shown_choice(page, "Benchmark run").startswith("#1 · ")
+    # --- a second benchmark is the one shown as soon as it is done
+    set_number(page, "Prompts", 2)
+    page.get_by_role("button", name="Run benchmark").click()
+    deadline = time.time() + 420
+    while not shown_choice(page, "Benchmark run").startswith("#2 · 2 builtin prompts"):
+        assert time.time() < deadline, f"still shown: {shown_choice(page, 'Benchmark run')}"
+        page.wait_for_timeout(500)
+    wait_idle(page)
     shot(page, "6-speculate-results")
 
     # --- sessions: save under a name, read the share link
@@ -303,7 +370,10 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page.get_by_text("Saved as “browser test”").wait_for()
     link = page.locator("[data-testid='stCode']").first.inner_text().strip()
     assert link.endswith(f"/cka?session={session_id}"), link
-    report = download(page, page.get_by_role("button", name="Download report (HTML)")).decode()
+    with page.expect_download(timeout=120_000) as d:
+        page.get_by_role("button", name="Download report (HTML)").click()
+    assert d.value.suggested_filename == "layerscope-report-browser_test.html"     # from the name, made safe
+    report = Path(d.value.path()).read_text()
     assert report.startswith("<!DOCTYPE html>") and "browser test" in report and "Recommended: " in report
     shot(page, "7-sessions")
 
@@ -320,19 +390,28 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     other.locator("[data-testid='stSidebar']").get_by_text("browser test").wait_for()
     shot(other, "8-shared-link")
     other.close()
+    # --- a new capture keeps the session's sets that still fit (these do: the same model)
+    goto_page(page, "Capture")
+    set_number(page, "Prompts (limit)", 4)
+    page.get_by_role("button", name="Start capture").click()
+    page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
+    wait_idle(page)
+    page.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
+    page.locator("[data-testid='stSidebar']").get_by_text(re.compile(r"tokens · 4 prompts")).wait_for(timeout=180_000)
     page.close()
 
     # --- every page of the session at a desktop and a small laptop width, for a reviewer to look at
     for width in (1440, 1024):
         tab = browser.new_page(viewport={"width": width, "height": 900})
         tab.set_default_timeout(120_000)
-        for path in ("", "entropy", "cka", "layer_sets", "speculate", "compare", "sessions"):   # "": Capture (default)
+        for path in ("", "capture", "entropy", "cka", "layer_sets", "speculate", "compare", "sessions"):   # "": Home
             tab.goto(f"{server}/{path}?session={session_id}")
             tab.locator("h1").first.wait_for()
             wait_idle(tab)
-            if path not in ("", "sessions", "compare"):      # compare: one capture here, so a note, no chart
+            assert tab.get_by_text("Page not found").count() == 0
+            if path not in ("", "capture", "sessions", "compare"):      # compare: one capture per model here
                 tab.locator(".js-plotly-plot").first.wait_for()
-            shot(tab, f"page-{path or 'capture'}-{width}")
+            shot(tab, f"page-{path or 'home'}-{width}")
         tab.close()
 
 
