@@ -47,6 +47,9 @@ if even:
     st.markdown(f"**Break-even τ on this machine** ({md_text(even['device'] or '?')}, from the cost curve of "
                 f"{even['source']}, {fmt.when(even['when'])}): "
                 + " · ".join(f"K = {k}: {fmt.tau(t)}" for k, t in zip(even["k"], even["tau"])))
+    if even["busy"]:
+        st.caption("That benchmark ran while other work loaded this machine, so its cost curve (and these τ) are "
+                   "rough; a benchmark on a quiet machine measures them again.")
 else:
     st.caption("Break-even τ on this machine: not measured yet. A benchmark measures this machine's cost curve once "
                "(Speculative decoding page; or `layerscope profile`), and this page then shows the τ each draft depth "

@@ -25,8 +25,8 @@ if stats is not None:
     n = int(stats["num_layers"])
     layer_stats = apply.layer_stats(stats)
     colors = apply.colors(s)
-    c1, c2, c3 = st.columns([1, 1, 2.5])
-    k = number_field(c1, "Layers per set (k)", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
+    c1, c2, c3 = st.columns([1.1, 1.1, 2.3])
+    k = number_field(c1, "Set size k", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
                         on_change=bind_view(s, "sets_k", "ls_w_sets_k", len(sel.default_layers(n)[0]), clamp=(1, n)),
                         help="Sets are ranked against sets of the same size only; the default is the default rule's size")
     lam = c2.slider("Redundancy weight λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",
@@ -77,9 +77,8 @@ if stats is not None:
             tau = fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None
             if tau and r.tau_source != rec.source:
                 tau += f" ({r.tau_source})"          # measured elsewhere than the ranking's source
-            return {"rank": r.rank, "role": " · ".join(x for x in ("★ recommended" if r is rec.best else "",
-                                                                    "◆ default" if r.is_default else "") if x),
-                    "set": r.name.replace(" = ", ", "), "layers": fmt.layers(r.layers), "τ [95% CI]": tau,
+            marks = ("★ " if r is rec.best else "") + r.name.replace(" = ", ", ") + (" ◆" if r.is_default else "")
+            return {"rank": r.rank, "set": marks, "layers": fmt.layers(r.layers), "τ [95% CI]": tau,
                     "agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
                     "probe": fmt.percent(r.probe) if r.probe is not None else None,
                     "aggr. entropy": r.aggregate_entropy, "mean entropy": r.mean_entropy,
@@ -100,6 +99,8 @@ if stats is not None:
                       "aggr. entropy", alignment="right",
                       help="Aggregate entropy (nats): describes the set (α = 2 entropy of its layers together); the "
                            "aggregate strategy maximises it, so it does not rank")})
+        st.caption("★ recommended · ◆ the default rule [2, N//2, N−3] · rank: by the evidence named above; — where "
+                   "that evidence did not measure the set.")
         if rec.other_sizes:
             with st.expander(f"{len(rec.other_sizes)} set(s) of another size (not ranked with sets of {int(k)} layers)"):
                 table(pd.DataFrame([row_of(r) for r in rec.other_sizes]).drop(columns=["rank"]), key="ls_sets_other",
@@ -129,12 +130,12 @@ if stats is not None:
                     "mRMR (λ)": x.explanation.get("mrmr"), "note": x.explanation.get("note") or ""} for x in selections]
             table(pd.DataFrame(own), key="ls_sets_own", filename="layer-sets-objectives")
 
-        a1, a2, a3 = st.columns([2, 1.2, 1])
+        a1, a2, a3 = st.columns([1.8, 1.5, 0.8])
         labels = [f"{x.strategy} {fmt.layers(x.layers)}" for x in selections]
         by_label = {label: (x.strategy, list(x.layers)) for label, x in zip(labels, selections)}
         to_add = a1.multiselect("Add to the session's sets to test", labels, key="ls_sets_to_add",
                                 placeholder="choose one or more sets")
-        a2.text_input("Name for the hand-picked set", key="ls_w_sets_name", max_chars=60, on_change=name_changed)
+        a2.text_input("Hand-picked set's name", key="ls_w_sets_name", max_chars=60, on_change=name_changed)
 
         def _add(chosen=tuple(to_add), by_label=by_label, name=manual_name):
             for label in chosen:
@@ -173,11 +174,11 @@ if stats is not None:
             try:
                 e = sel.score_set(layer_stats, x["layers"], lam=float(lam))
                 scored.append({"name": x["name"], "strategy": x["strategy"], "layers": fmt.layers(x["layers"]),
-                               "aggregate entropy (nats)": e["aggregate_entropy"], "mean entropy": e["mean_entropy"],
+                               "aggr. entropy": e["aggregate_entropy"], "mean entropy": e["mean_entropy"],
                                "mean CKA": e["mean_cka"] if len(x["layers"]) > 1 else None, "problem": ""})
             except Exception as err:  # a set that does not fit this capture: say so in the row
                 scored.append({"name": x["name"], "strategy": x["strategy"], "layers": fmt.layers(x["layers"]),
-                               "aggregate entropy (nats)": None, "mean entropy": None, "mean CKA": None,
+                               "aggr. entropy": None, "mean entropy": None, "mean CKA": None,
                                "problem": str(err)})
         table(pd.DataFrame(scored), key="ls_sets_session", filename="session-layer-sets",
               na={"mean CKA": fmt.NOT_APPLICABLE})

@@ -43,7 +43,7 @@ with left:
     summary.markdown(f"**{md_text(session_title(s))}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
-    st.code(share_link(s.id), language=None)
+    st.code(share_link(s.id), language=None, wrap_lines=True)     # the whole link, even in a narrow column
     with_drafts = st.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
                               help="Put each draft's files (weights and JSON) into the archive, so the session's "
                                    "benchmarks and exports work on another server; without it drafts stay paths")
@@ -98,11 +98,11 @@ with guard("list sessions"):
     if not rows:
         st.caption("No saved sessions yet.")
     else:
-        df = pd.DataFrame([{"name": r.get("name") or "(unnamed)", "id": r["id"], "model": r.get("model"),
-                            "prompt set": r.get("prompt_set"), "tokens": r.get("tokens"),
-                            "layer sets": ", ".join(str(x) for x in r.get("layer_sets", [])),
-                            "drafts": r.get("drafts"), "updated": fmt.when(r.get("updated")),
-                            "problem": r.get("error", "")} for r in rows])
+        df = pd.DataFrame([{"name": r.get("name") or "(unnamed)", "updated": fmt.when(r.get("updated")),
+                            "model": r.get("model"), "prompt set": r.get("prompt_set"), "tokens": r.get("tokens"),
+                            "layer sets": ", ".join(fmt.layers(x) if isinstance(x, list) else str(x)
+                                                    for x in r.get("layer_sets", [])),
+                            "drafts": r.get("drafts"), "id": r["id"], "problem": r.get("error", "")} for r in rows])
         table(df, key="ls_sess_table", filename="sessions")
         ids = [r["id"] for r in rows if not r.get("error")]
         labels = {r["id"]: f"{r.get('name') or '(unnamed)'} · {r['id']}" for r in rows}

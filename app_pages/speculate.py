@@ -243,7 +243,7 @@ else:
                             "of each draft (shown as progress) and the machine's cost curve; off: the depth below")
     depth = b5.number_input("Draft depth K", min_value=1, max_value=16, value=specdec.DEFAULT_K, step=1,
                             key="ls_w_spec_bench_k", disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
-    peers = b6.toggle("Also HF decoders", key="ls_w_spec_bench_peers",
+    peers = b6.toggle("HF peers", key="ls_w_spec_bench_peers",
                       on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
                       help="HF generate and prompt lookup: the decoders a user has without LayerScope, measured in "
                            "the same run (slower)")
@@ -306,11 +306,11 @@ else:
         flags = sanity.collapse_reasons(measured)
         df = pd.DataFrame([{
             "contender": r["name"], "layers": fmt.layers(r["layers"]) if r.get("layers") else "",
-            "decoding": r.get("decoding", ""), "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+            "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+            "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),     # what was measured first
             **{f"acc@{i + 1}": fmt.percent(((r.get("acceptance_by_position") or []) + [None] * depth_max)[i])
                for i in range(depth_max)},
-            "tokens/s": fmt.number(r.get("tokens_per_s"), 1),
-            "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),
+            "tokens/s": fmt.number(r.get("tokens_per_s"), 1), "decoding": r.get("decoding", ""),
             **({"chosen K": (r.get("chosen") or {}).get("k"),
                 "calibration predicted": fmt.speedup((r.get("calibrated") or {}).get("speedup"))}
                if any(x.get("chosen") for x in rows) else {}),

@@ -156,6 +156,8 @@ def entropy_curve(
             hovertemplate="%{customdata[1]}: layer %{customdata[0]}<br>%{y:.4f}<extra></extra>",
         ))
     _base_layout(fig, title)
+    # the legend under the plot: above it, beside the title, it ran into the title at 1024 px
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0.0))
     fig.update_xaxes(title="layer (hidden_states index)", dtick=1 if n_points <= 40 else 5,
                      range=[-0.5, n_points - 0.5])
     fig.update_yaxes(title=y_title)
@@ -434,7 +436,7 @@ def bench_comparison(
                          arrayminus=[(y - c[0]) if c and y is not None else 0 for c, y in zip(cis, ys)])
         fig.add_trace(go.Bar(x=names, y=ys, marker=dict(color=bar_colors), name=fmt.name(metric), error_y=error,
                              text=[None if y is None else form(y) for y in ys], textposition="inside",
-                             insidetextanchor="end", textfont=dict(size=10, color="white")), row=1, col=col)
+                             insidetextanchor="start", textfont=dict(size=10, color="white")), row=1, col=col)
         tops.append(max([c[1] for c in cis if c] + [y for y in ys if y is not None] + [1.0]))
     fig.add_hline(y=1.0, line=dict(color="#7f7f7f", dash="dot"), row=1, col=2)
     _base_layout(fig, title, showlegend=False, height=460)
@@ -471,7 +473,7 @@ def runs_comparison(
         fig.add_trace(go.Bar(
             x=names, y=ys, name=str(label), marker=dict(color=CURVE_COLORS[i % len(CURVE_COLORS)] if i < 2
                                                        else SET_COLORS[i % len(SET_COLORS)]),
-            text=[None if y is None else form(y) for y in ys], textposition="inside", insidetextanchor="end",
+            text=[None if y is None else form(y) for y in ys], textposition="inside", insidetextanchor="start",
             textfont=dict(size=10, color="white"),
             error_y=dict(type="data", symmetric=False, color="#444444", thickness=1.2, width=4,
                          array=[(c[1] - y) if h else 0 for c, y, h in zip(cis, ys, has)],
@@ -489,7 +491,7 @@ def cost_curve(
     points: Sequence[Mapping],
     *,
     draft_step_seconds: float | None = None,
-    title: str | None = "What verifying T tokens costs on this machine",
+    title: str | None = "Cost of verifying T tokens here",
 ) -> go.Figure:
     """A cost curve ([{tokens, seconds}], layerscope profile / bench JSON) as multiples of a one-token forward."""
     if not points:

@@ -495,8 +495,7 @@ def test_layer_sets_page_ranks_sets_of_one_size_and_recommends_from_evidence(app
     assert all(len(json.loads(l)) == k for l in ranked["layers"])          # one set size per ranking
     assert "objective" not in ranked.columns and "mRMR" not in ranked.columns
     assert set(ranked["rank"]) == {"—"}                    # nothing measured: no proxy ranks the strategies
-    roles = list(ranked["role"])
-    assert roles.count("★ recommended · ◆ default") == 1          # the prior: the default rule
+    assert list(ranked["set"]).count("★ default ◆") == 1          # recommended, the default rule: the prior
     text = plain(next(m.value for m in at.markdown if plain(m.value).startswith("Recommended: ")))
     assert "the default rule [1, 2]" in text and "nothing measured" in text and "held-out agreement" in text
     at.multiselect(key="ls_sets_manual").set_value([0, 1]).run()
@@ -505,7 +504,7 @@ def test_layer_sets_page_ranks_sets_of_one_size_and_recommends_from_evidence(app
     assert "layer 0" in row["flags"]
     # a set of another size is listed apart, never ranked with these
     at.multiselect(key="ls_sets_manual").set_value([1, 2, 3]).run()
-    other = next(d.value for d in at.dataframe if "role" in d.value.columns and "rank" not in d.value.columns)
+    other = next(d.value for d in at.dataframe if "τ [95% CI]" in d.value.columns and "rank" not in d.value.columns)
     assert "[1, 2, 3]" in list(other["layers"])
 
 

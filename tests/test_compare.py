@@ -135,7 +135,7 @@ def test_runs_table_names_each_runs_capture_and_tolerates_old_entries():
     assert [r["name"] for r in compare.filter_runs(rows, capture=None)] == ["autoregressive", "nokey"]
     assert all(r["kind"] == "draft" for r in compare.filter_runs(rows, kinds=["draft"]))
     frame = compare.runs_frame(rows)
-    assert list(frame.columns)[:3] == ["kind", "run", "capture"] and len(frame) == len(rows)
+    assert list(frame.columns)[:3] == ["kind", "run", "set / contender"] and len(frame) == len(rows)
     assert list(frame["τ [95% interval]"])[0] == "1.500 [1.400, 1.600]"        # intervals one way, as everywhere
 
 

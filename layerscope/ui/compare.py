@@ -227,21 +227,21 @@ def filter_runs(rows: Sequence[dict], *, capture: str | None = "all", kinds: Seq
     return [r for r in rows if (capture == "all" or r["capture"] == capture) and (kinds is None or r["kind"] in kinds)]
 
 
-COLUMNS = ["kind", "run", "capture", "model", "prompt set", "set / contender", "layers", "τ [95% interval]",
-           "speedup [95% interval]", "tokens/s", "acceptance@1", "held-out agreement @1", "lossless", "prompts",
-           "created", "device"]
+COLUMNS = ["kind", "run", "set / contender", "layers", "τ [95% interval]", "speedup [95% interval]", "tokens/s",
+           "acceptance@1", "held-out agreement @1", "lossless", "prompts", "capture", "model", "prompt set",
+           "created", "device"]         # what was measured first: at 1024 px the first seven columns show
 
 
 def runs_frame(rows: Sequence[dict]):
     """The rows as a DataFrame for the screen: every number in the one form (layerscope.fmt), intervals as
     "value [lo, hi]", times to the minute (missing values stay None: tables show "—")."""
     def shown(r):
-        return [r["kind"], r["run"], r["capture"], r.get("model"), r.get("prompt set"), r.get("name"),
-                fmt.layers(r["layers"]) if r.get("layers") else None,
+        return [r["kind"], r["run"], r.get("name"), fmt.layers(r["layers"]) if r.get("layers") else None,
                 None if r.get("tau") is None else fmt.interval(r["tau"], r.get("tau_ci"), "tau"),
                 None if r.get("speedup") is None else fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
                 r.get("tokens_per_s"), None if r.get("accept1") is None else fmt.percent(r["accept1"]),
                 None if r.get("val_acc1") is None else fmt.percent(r["val_acc1"]), r.get("lossless"), r.get("prompts"),
+                r["capture"], r.get("model"), r.get("prompt set"),
                 fmt.when(r["created"]) if r.get("created") else None, r.get("device")]
 
     return pd.DataFrame([shown(r) for r in rows], columns=COLUMNS)

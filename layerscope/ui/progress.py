@@ -91,5 +91,6 @@ def break_even(s) -> dict | None:
         except (KeyError, TypeError, ValueError):
             continue
         return {"k": list(KS), "tau": [taus[f"chain k={k}"] for k in KS], "source": f"benchmark #{i + 1}",
-                "device": b.get("device"), "when": b.get("created")}
+                "device": b.get("device"), "when": b.get("created"),
+                "busy": (b.get("machine") or {}).get("quiet") is False}
     return None
