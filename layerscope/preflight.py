@@ -174,8 +174,8 @@ def layers_in_range(sets, num_layers: int, flag: str = "--layers",
     for s in sets:
         bad = [l for l in s if not 0 <= l < num_layers]
         if bad:
-            raise error(f"{flag} {','.join(map(str, s))}: layers {bad} are outside 0..{num_layers - 1} of "
-                        f"this target ({num_layers} decoder layers)", "A draft reads hidden_states 0..N-1")
+            raise error(f"{flag} {','.join(map(str, s))}: layers {bad} are out of range: outside 0..{num_layers - 1} "
+                        f"of this target ({num_layers} decoder layers)", "A draft reads hidden_states 0..N-1")
 
 
 def prompt_spec(spec: str) -> None:
