@@ -253,3 +253,47 @@ def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):
     assert tau["data"][1]["error_y"]["array"][1] == pytest.approx(0.05)
     runs = frame_with(at, "τ [95% interval]")
     assert "1.340 [1.290, 1.390]" in list(runs["τ [95% interval]"])
+
+
+def test_a_new_study_becomes_the_shown_one(app_store, copy_of):
+    from layerscope.ui import apply
+
+    s = sessions.load(app_store, copy_of)
+    s.study = [tiny_study(s, {(1, 2): (1.30, 0.0, [0.0, 0.0]), (2, 3): (1.31, 0.01, [-0.02, 0.04])}),
+               tiny_study(s, {(1, 2): (1.32, 0.0, [0.0, 0.0]), (1, 3): (1.33, 0.01, [-0.02, 0.04])})]
+    s.view["study_run"] = 0                     # the user was looking at the first one
+    apply._apply_study(s, tiny_study(s, {(1, 2): (1.40, 0.0, [0.0, 0.0]), (2, 3): (1.50, 0.10, [0.05, 0.15])}))
+    assert s.view["study_run"] == 2
+    sessions.save(s, app_store)
+    at = new_app(copy_of).run()
+    at.switch_page(SPEC).run()
+    no_exception(at)
+    assert at.selectbox(key="ls_spec_study_run").value == 2
+    assert any(plain(m.value).startswith("Latest study: 2 sets") for m in at.markdown)
+    assert "1.500 [1.480, 1.520]" in list(frame_with(at, "Δτ vs default")["τ"])
+
+
+def test_a_set_keeps_its_colour_from_one_chart_to_the_next(app_store, copy_of):
+    s = sessions.load(app_store, copy_of)
+    s.add_layer_set("mine", [1, 3])
+    s.add_layer_set("theirs", [2, 3])
+    sessions.save(s, app_store)
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/entropy.py").run()
+    settle(at)
+
+    def colours(chart):
+        out = {}
+        for trace in json.loads(chart.proto.spec)["data"]:
+            marker = trace.get("marker") or {}
+            colour = (marker.get("line") or {}).get("color") if marker.get("color") == "rgba(0,0,0,0)" else marker.get("color")
+            if trace.get("name", "").startswith(("mine", "theirs", "default")):
+                out[trace["name"].split(" ")[0]] = colour
+        return out
+
+    on_curve = colours(at.get("plotly_chart")[0])
+    at.switch_page(CKA).run()
+    on_heatmap = colours(at.get("plotly_chart")[0])
+    assert on_heatmap == {k: on_curve[k] for k in ("mine", "theirs")}, (on_curve, on_heatmap)
+    assert len(set(on_curve.values())) == 3
+    assert on_curve["default"] == "#555555"              # the default rule is grey everywhere
