@@ -62,7 +62,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerscope.draft.train import TrainOptions, split_conversations, split_of, target_argmax, target_weights
+from layerscope.draft.data import split_conversations, split_of, target_argmax
+from layerscope.draft.fit import TrainOptions
+from layerscope.draft.train import target_weights
 from layerscope.errors import LayerScopeError
 from layerscope.select import check_layers
 from layerscope.store import make_key
