@@ -29,7 +29,7 @@ if stats is not None:
     k = number_field(c1, "Set size k", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
                         on_change=bind_view(s, "sets_k", "ls_w_sets_k", len(sel.default_layers(n)[0]), clamp=(1, n)),
                         help="Sets are ranked against sets of the same size only; the default is the default rule's size")
-    lam = c2.slider("Redundancy weight λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",
+    lam = c2.slider("Redundancy λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",
                     on_change=bind_view(s, "sets_lam", "ls_w_sets_lam", 0.5, clamp=(0.0, 2.0)),
                     help="greedy (mRMR) maximises normalized entropy − λ · mean CKA to the layers already chosen")
 
@@ -75,7 +75,7 @@ if stats is not None:
         def row_of(r):
             """One set's row: the evidence first (short headers: the table fits 1024 px), then the proxies."""
             tau = fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None
-            if tau and r.tau_source != rec.source:
+            if tau and rec.basis == "τ" and r.tau_source != rec.source:
                 tau += f" ({r.tau_source})"          # measured elsewhere than the ranking's source
             marks = ("★ " if r is rec.best else "") + r.name.replace(" = ", ", ") + (" ◆" if r.is_default else "")
             return {"rank": r.rank, "set": marks, "layers": fmt.layers(r.layers), "τ [95% CI]": tau,
@@ -99,8 +99,10 @@ if stats is not None:
                       "aggr. entropy", alignment="right",
                       help="Aggregate entropy (nats): describes the set (α = 2 entropy of its layers together); the "
                            "aggregate strategy maximises it, so it does not rank")})
+        sources = sorted({r.tau_source for r in rec.ranked if r.tau_source})
         st.caption("★ recommended · ◆ the default rule [2, N//2, N−3] · rank: by the evidence named above; — where "
-                   "that evidence did not measure the set.")
+                   "that evidence did not measure the set"
+                   + (f" · τ measured in {', '.join(sources)}" if sources and rec.basis != "τ" else "") + ".")
         if rec.other_sizes:
             with st.expander(f"{len(rec.other_sizes)} set(s) of another size (not ranked with sets of {int(k)} layers)"):
                 table(pd.DataFrame([row_of(r) for r in rec.other_sizes]).drop(columns=["rank"]), key="ls_sets_other",

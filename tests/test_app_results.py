@@ -82,6 +82,10 @@ def test_the_recommendation_follows_measurements_within_one_size_and_says_why():
     rec = recommend.recommend(rows(), 3, ev)
     assert rec.basis == "held-out agreement" and rec.best.name == "greedy" and "36.0%" in rec.text
     assert "not a measurement of τ" in rec.text
+    # evidence from drafts that did not learn is said to be doubtful
+    ev = Evidence(agreement={(1, 14, 27): 0.004, (1, 9, 20): 0.36})
+    rec = recommend.recommend(rows(), 3, ev)
+    assert "Caution: the drafts behind aggregate [1, 14, 27] may not have learned" in rec.text
     # the probe alone ranks when nothing else does
     ev = Evidence(probe={(2, 15, 27): 0.12, (1, 14, 27): 0.10})
     assert recommend.recommend(rows(), 3, ev).best.name == "default"

@@ -32,6 +32,7 @@ from layerscope import fmt
 from layerscope import select as sel
 from layerscope.analysis import LayerStats
 from layerscope.select import default_layers, score_set
+from layerscope.ui import sanity
 
 BASES = ("τ", "held-out agreement", "probe agreement")
 
@@ -260,6 +261,13 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
                         f"has the highest aggregate entropy of these sets (the proxy the `aggregate` strategy maximises), "
                         f"but measured lower: {numbers}. The recommendation follows the measurement.")
         text += " " + disagreement
+    if basis in ("τ", "held-out agreement"):
+        reasons = sanity.collapse_reasons([{"layers": r.layers, "tau": r.tau if basis == "τ" else None,
+                                            "val_accuracy": r.agreement} for r in measured])
+        doubtful = [f"{r.name} {fmt.layers(r.layers)}" for r, why in zip(measured, reasons) if why]
+        if doubtful:
+            text += (f" Caution: the drafts behind {', '.join(doubtful)} may not have learned ("
+                     + next(why for why in reasons if why) + "), so their numbers say little about their layers.")
     if basis != "τ" and ev.measured:
         text += f" (No measured τ covers two or more sets of {k} layers yet.)"
     return Recommendation(k, ranked, best, basis, where, text, disagreement, other,
