@@ -36,6 +36,7 @@ from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.online import (Conversations, OnlineOptions, OnlineSource, held_out_splits, load_conversations,
                                      split_for, target_features)
 from layerscope.models import load_model
+from layerscope.probe import agreement, explained_variance
 from layerscope.store import Store, atomic_write_json
 
 LAYERS = [2, 15, 27]
@@ -155,9 +156,7 @@ def ridge_floor(target, convs, train_idx, val_split, o, cpu_budget_s):
     xv, yv, pv = pairs(val_split.aux.float(), val_split.final.float(), val_split.token_id, val_split.position,
                        val_split.counted)
     pred = xv @ w
-    agree = float(((pred.float() @ lm_head.T).argmax(-1) == val_split.target_next[pv]).float().mean())
-    ev = 1 - float(((pred - yv) ** 2).sum() / ((yv - yv.mean(0)) ** 2).sum())
-    return [round(agree, 4)], round(ev, 4), seen
+    return [round(agreement(pred, val_split.target_next[pv], lm_head), 4)], round(explained_variance(pred, yv), 4), seen
 
 
 def solve(x, y, lam):

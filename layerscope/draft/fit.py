@@ -322,7 +322,6 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
     start = (state.tokens, state.elapsed, fraction(o, state.step, state.tokens, state.elapsed))
     clock = CLOCKS[o.clock]
     last_ckpt = time.perf_counter()
-    val_latest = [c[-1][1] if c else None for c in state.curves]
     while agree(fraction(o, state.step, state.tokens, state.elapsed) < 1.0):
         if agree(bool(should_stop and should_stop())):
             in_warm = state.step < o.warm_start
@@ -360,7 +359,6 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
             state.last_eval = [list(e) for e in evaluate()]
             for i, (acc, _, _, cov) in enumerate(state.last_eval):
                 state.curves[i].append([state.tokens, [round(a, 5) for a in acc], round(cov, 5)])
-                val_latest[i] = state.curves[i][-1][1]
         if due > state.evals_done:
             state.evals_done = due
         spent = state.elapsed - start[1]
@@ -368,7 +366,8 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
         say({"phase": "train", "step": state.step, "steps": planned_steps, "tokens": state.tokens, "fraction": f,
              "tokens_per_s": (state.tokens - start[0]) / max(spent, 1e-9),
              "eta_s": spent / (f - start[2]) * (1 - f) if f > start[2] else None,
-             "loss": [l for l in losses if l is not None], "acc": accs, "val": list(val_latest),
+             "loss": [l for l in losses if l is not None], "acc": accs,
+             "val": [c[-1][1] if c else None for c in state.curves],
              "elapsed_s": state.elapsed})
         if (checkpoint is not None and rank == 0 and state.step >= o.warm_start
                 and time.perf_counter() - last_ckpt >= checkpoint_every_s):
