@@ -377,7 +377,7 @@ def test_arguments_are_checked_before_the_model_loads(tmp_path, tiny_capture, se
     assert code == 2 and "missing.jsonl" in line
     code, line = cli_line(capsys, "train-draft", "--model", "tiny-llama", "--layers", "1,9", "--steps", "1",
                           "--store", tmp_path / "s")
-    assert code == 2 and "[9] are outside 0..3" in line
+    assert code == 2 and "[9] are out of range" in line and "outside 0..3" in line
     assert not (tmp_path / "s" / "runs").exists()
 
 
