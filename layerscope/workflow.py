@@ -27,6 +27,7 @@ from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.analysis import analyze as analyze_capture
 from layerscope.capture import CaptureOptions, CaptureResult
+from layerscope.draft import builtin
 from layerscope.draft import online as online_mod
 from layerscope.draft.export import read_meta, save_draft
 from layerscope.draft.train import TrainOptions, draft_for, train_capture_draft
@@ -184,6 +185,7 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
           load: Loader = load_target, progress: Callable[[bench_mod.BenchProgress], None] | None = None) -> Benchmarked:
     """Decode the same prompts with each (name, draft directory) and the baselines; see layerscope/bench.py."""
     options.validate()
+    drafts = [(name, builtin.resolve(path, options.model, store)) for name, path in drafts]   # 'builtin' too
     preflight.bench_drafts([path for _, path in drafts])   # missing, looping or self-contradicting drafts: before the load
     preflight.prompt_spec(options.prompts)
     spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL

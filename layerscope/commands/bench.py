@@ -8,6 +8,7 @@ import time
 from layerscope import machine, preflight, workflow
 from layerscope.bench import BenchOptions, folder_names, format_table
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
+from layerscope.draft import builtin
 from layerscope.errors import LayerScopeError
 from layerscope.specdec import TreeSpec
 
@@ -19,7 +20,8 @@ HELP = ("decode the same prompts with each draft, plain decoding, HF generate an
 def add_arguments(p) -> None:
     d, t = BenchOptions(), TreeSpec()
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
-                   help="draft directory (repeat for several); none: only the baselines run")
+                   help="draft directory, store key, or `builtin` (the draft shipped for the default model); repeat for "
+                        "several; none: only the baselines run")
     p.add_argument("--model", default=d.model,
                    help="target model spec (default: the one the first draft was trained for, else smollm2-135m)")
     p.add_argument("--prompts", default=d.prompts,
@@ -81,7 +83,9 @@ def options_from_args(args) -> BenchOptions:
 
 
 def run(args) -> int:
-    preflight.bench_drafts(args.draft)      # a missing or looping --draft: one line before the model loads
+    store = open_store(args)
+    paths = [builtin.resolve(d, args.model, store) for d in args.draft]
+    preflight.bench_drafts(paths)           # a missing or looping --draft: one line before the model loads
     options = options_from_args(args)
     shown = 0.0
     with Progress("bench", unit="run") as bar:
@@ -98,7 +102,7 @@ def run(args) -> int:
                 bar.update(p.runs_done, p.runs_total, on=p.contender, prompt=p.prompt_index + 1,
                            tau=p.tau if p.tau is not None else "-",
                            tok_s=p.tokens_per_s if p.tokens_per_s is not None else "-")
-        done = workflow.bench(list(zip(folder_names(args.draft), args.draft)), options, open_store(args), progress=show)
+        done = workflow.bench(list(zip(folder_names(args.draft), paths)), options, store, progress=show)
     for w in done.prompt_set.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if args.json:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from layerscope import engines, preflight
 from layerscope.commands.common import open_store, print_json
+from layerscope.draft import builtin
 from layerscope.errors import DraftError
 
 NAME = "export"
@@ -14,7 +15,8 @@ HELP = ("write a draft the way one engine takes it (sglang | vllm | specforge | 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("draft", help="draft directory (or the key of a draft in the store, drafts/<key>)")
+    p.add_argument("draft", help="draft directory, the key of a draft in the store (drafts/<key>), or `builtin` (the draft "
+                                       "shipped for the default model)")
     p.add_argument("--for", dest="engine", required=True, choices=engines.ENGINES, help="the engine to export for")
     p.add_argument("--out", required=True, help="directory to write (replaced whole; the old one stays until the new is complete)")
     p.add_argument("--target", default=None,
@@ -28,13 +30,10 @@ def add_arguments(p) -> None:
 
 
 def resolve_draft(spec: str, args) -> Path:
-    """A draft directory from a path or a store key."""
-    path = Path(spec).expanduser()
+    """A draft directory from a path, a store key or `builtin` (the draft shipped for --target, else the default model)."""
+    path = builtin.resolve(spec, args.target, open_store(args))
     if path.is_dir():
         return path
-    candidate = Path(open_store(args).path("drafts", spec))
-    if candidate.is_dir():
-        return candidate
     raise DraftError(f"{spec} is neither a draft directory nor a draft in the store",
                      "Give the directory `layerscope train-draft --out` wrote")
 

@@ -6,6 +6,7 @@ import sys
 
 from layerscope import costmodel, machine, preflight, workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
+from layerscope.draft import builtin
 from layerscope.draft.export import load_draft
 from layerscope.models import DEFAULT_MODEL
 from layerscope.specdec import DEFAULT_K
@@ -18,7 +19,8 @@ HELP = ("measure the target's cost curve (seconds of a forward over T = 1..32 ne
 def add_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model spec (default %(default)s)")
     p.add_argument("--draft", default=None, metavar="DIR",
-                   help="draft directory (default: an untrained draft of the default shape: it costs the same)")
+                   help="draft directory, store key or `builtin` (default: an untrained draft of the default shape: it "
+                        "costs the same)")
     p.add_argument("--max-tokens", type=int, default=costmodel.MAX_TOKENS,
                    help="longest verification forward measured (default %(default)s)")
     p.add_argument("--repeats", type=int, default=costmodel.REPEATS, help="timings per point (default %(default)s)")
@@ -30,11 +32,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if args.draft:
-        preflight.draft_dir(args.draft)     # before the model loads
     store = open_store(args)
+    path = builtin.resolve(args.draft, args.model, store) if args.draft else None
+    if path:
+        preflight.draft_dir(path)           # before the model loads
     target = workflow.load_target(args.model, store)
-    draft = load_draft(args.draft, target) if args.draft else None
+    draft = load_draft(path, target) if path else None
     options = machine_options(args)
     with Progress("profile", unit="") as bar:
         curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=max(args.max_tokens, 2),

@@ -1,0 +1,124 @@
+"""The drafts that ship inside the package: `--draft builtin` for the default model.
+
+A new user should see speculative decoding pay before training anything, so the package carries one trained
+EAGLE-3 draft for SmolLM2-135M reading the default layer set [2, 15, 27] (bfloat16, no embedding: it shares
+the target's). It is an ordinary draft directory (layerscope/draft/export.py) plus TRAINED.md, the command
+that trained it and its learning curve, written by `ship` (scripts/ship_draft.py).
+
+    SHIPPED                          model alias -> folder under layerscope/data/drafts/
+    builtin_path(model)              the shipped draft for `model` (DraftError when none ships)
+    resolve(spec, model, store)      'builtin' | a draft directory | a store key (drafts/<key>) -> a directory
+    ship(src, model, command, root)  write the draft at `src` into the package in bfloat16
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layerscope.draft.export import load_draft, read_meta, save_draft
+from layerscope.errors import DraftError
+from layerscope.models import DEFAULT_MODEL
+
+BUILTIN = "builtin"
+ROOT = Path(__file__).resolve().parent.parent / "data" / "drafts"
+SHIPPED = {DEFAULT_MODEL: "smollm2-135m-2-15-27"}
+SHIP_DTYPE = "bfloat16"
+
+
+def builtin_path(model: str | None = None, root: Path | None = None) -> Path:
+    """The shipped draft directory for `model` (None: the default model) under `root` (default ROOT)."""
+    model = model or DEFAULT_MODEL
+    if model not in SHIPPED:
+        raise DraftError(f"--draft builtin: no draft ships for {model} (the package carries one for "
+                         f"{', '.join(SHIPPED)} only)",
+                         f"Train one with `layerscope train-draft --model {model} --layers ...`, or use --model {DEFAULT_MODEL}")
+    path = Path(root or ROOT) / SHIPPED[model]
+    if not (path / "model.safetensors").is_file():
+        raise DraftError(f"--draft builtin: the shipped draft for {model} is missing from {path}",
+                         "Reinstall LayerScope (`pip install .` carries layerscope/data/drafts/), or train one with "
+                         "`layerscope train-draft`")
+    return path
+
+
+def is_builtin(spec) -> bool:
+    return str(spec).strip().lower() == BUILTIN
+
+
+def resolve(spec, model: str | None = None, store=None) -> Path:
+    """A draft directory from 'builtin' (the draft shipped for `model`), a directory, or the key of a draft in
+    `store` (drafts/<key>). Anything else is returned as a Path for the caller's checks to name."""
+    if is_builtin(spec):
+        return builtin_path(model)
+    path = Path(str(spec)).expanduser()
+    if path.is_dir() or store is None:
+        return path
+    candidate = Path(store.path("drafts", str(spec)))
+    return candidate if candidate.is_dir() else path
+
+
+def ship(src, model: str, command: str, *, root: Path | None = None, target=None) -> Path:
+    """Copy the trained draft at `src` into the package as the builtin draft for `model`, in bfloat16, with
+    TRAINED.md (the command, budget, tokens seen, held-out agreement and learning curve). `target` (a
+    LoadedModel of `model`) checks that the draft fits it first. Returns the shipped directory."""
+    if model not in SHIPPED:
+        raise DraftError(f"No builtin slot for {model}", f"Ship drafts for {', '.join(SHIPPED)}")
+    src = Path(src)
+    meta = read_meta(src)
+    head = load_draft(src, target)
+    layers = [int(x) for x in meta.get("layers") or head.aux_layers]
+    written = {"format", "saved", "dtype", "aux_layers", "draft_vocab_size", "serving_notes"}   # save_draft's own
+    record = {**{k: v for k, v in meta.items() if k not in written}, "shipped": {"from": str(src.name), "command": command, "dtype": SHIP_DTYPE}}
+    out = save_draft(Path(root or ROOT) / SHIPPED[model], head.cpu(), record, target=target, dtype=SHIP_DTYPE)
+    (out / "TRAINED.md").write_text(trained_md(model, layers, record, command))
+    return out
+
+
+def trained_md(model: str, layers: list[int], meta: dict, command: str) -> str:
+    """What a user reads about the shipped draft: how it was trained and how well it agrees with the target."""
+    acc = meta.get("val_accuracy") or []
+    curve = meta.get("curve") or []
+    rows = "\n".join(f"| {int(tokens):,} | {float(by_step[0]):.3f} |" for tokens, by_step in curve)   # [tokens, [acc per step]]
+    online = meta.get("online") or {}
+    lines = [
+        f"# The builtin draft for {model}: layers {layers}",
+        "",
+        "Trained by LayerScope with:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- data: {online.get('conversations', '?')} {online.get('prompts', '')} conversations, "
+        f"{online.get('responses', '')} answers, {online.get('data_tokens', 0):,} tokens",
+        f"- tokens seen: {int(meta.get('tokens_seen') or 0):,} in {float(meta.get('seconds') or 0) / 60:.0f} min of training",
+        "- held-out agreement with the target's greedy token per draft position: "
+        + ", ".join(f"{a:.3f}" for a in acc),
+        f"- saved in {SHIP_DTYPE} without the embedding (it uses the target's)",
+        "",
+        "Learning curve (held-out agreement at the first draft position):",
+        "",
+        "| tokens seen | agreement |",
+        "|---:|---:|",
+        rows,
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def shipped_meta(model: str | None = None) -> dict:
+    """layerscope.json of the builtin draft for `model` ({} when none ships)."""
+    try:
+        return read_meta(builtin_path(model))
+    except DraftError:
+        return {}
+
+
+def describe(model: str | None = None) -> str:
+    """One line about the builtin draft, for listings and the app."""
+    meta = shipped_meta(model)
+    if not meta:
+        return "no builtin draft"
+    acc = meta.get("val_accuracy") or [None]
+    return (f"builtin draft {meta.get('layers')} · {int(meta.get('tokens_seen') or 0):,} tokens seen · held-out "
+            f"agreement {acc[0]:.2f}" if acc[0] is not None else f"builtin draft {meta.get('layers')}")
+

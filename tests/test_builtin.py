@@ -1,0 +1,99 @@
+"""The draft that ships inside the package: shipping in bfloat16, `--draft builtin` resolution, the real one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerscope import cli
+from layerscope.draft import builtin
+from layerscope.draft.export import load_draft, read_meta, save_draft
+from layerscope.draft.train import target_weights, train_draft
+from layerscope.errors import DraftError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny, tiny_capture, tmp_path_factory):
+    head, report = train_draft(tiny_capture, [1, 2, 3], *target_weights(tiny), steps=3, batch_size=2, seq_len=32,
+                               draft_vocab=100, target=tiny, strategy="manual")
+    return save_draft(tmp_path_factory.mktemp("drafts") / "d", head, report.meta, target=tiny)
+
+
+@pytest.fixture
+def tiny_slot(monkeypatch, tmp_path):
+    """A builtin slot for tiny-llama under tmp_path (the package's own folder is left alone)."""
+    monkeypatch.setitem(builtin.SHIPPED, "tiny-llama", "tiny-1-2-3")
+    monkeypatch.setattr(builtin, "ROOT", tmp_path / "shipped")
+    return tmp_path / "shipped" / "tiny-1-2-3"
+
+
+def test_ship_writes_bfloat16_weights_that_load_and_a_trained_md(tiny, tiny_draft, tiny_slot):
+    out = builtin.ship(tiny_draft, "tiny-llama", "layerscope train-draft --model tiny-llama --layers 1,2,3", target=tiny)
+    assert out == tiny_slot and builtin.builtin_path("tiny-llama") == tiny_slot
+    meta = read_meta(out)
+    assert meta["dtype"] == "bfloat16" and meta["layers"] == [1, 2, 3]
+    assert meta["shipped"]["command"].startswith("layerscope train-draft")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    original, shipped = load_draft(tiny_draft, tiny), load_draft(out, tiny)
+    for (name, a), (_, b) in zip(original.state_dict().items(), shipped.state_dict().items()):
+        want = a.to(torch.bfloat16).float() if a.is_floating_point() else a
+        assert torch.equal(want, b), name                # exactly the bf16 rounding of the trained weights
+    text = (out / "TRAINED.md").read_text()
+    assert "layerscope train-draft --model tiny-llama" in text and "tokens seen" in text
+    assert (out / "model.safetensors").stat().st_size < (Path(tiny_draft) / "model.safetensors").stat().st_size
+
+
+def test_builtin_for_a_model_without_one_names_the_model_and_what_to_do():
+    with pytest.raises(DraftError) as e:
+        builtin.resolve("builtin", "tiny-llama")
+    assert "no draft ships for tiny-llama" in str(e.value) and "train-draft" in str(e.value)
+
+
+def test_resolve_reads_store_keys_and_leaves_paths_alone(tiny_draft, store, tmp_path):
+    assert builtin.resolve(tiny_draft) == Path(tiny_draft)
+    key_dir = Path(store.path("drafts", "abc123"))
+    key_dir.mkdir(parents=True)
+    assert builtin.resolve("abc123", store=store) == key_dir
+    assert builtin.resolve(tmp_path / "nowhere", store=store) == tmp_path / "nowhere"   # the caller's check names it
+
+
+def test_bench_with_draft_builtin_decodes_losslessly_under_that_name(tiny, tiny_draft, tiny_slot, tmp_path, capsys):
+    builtin.ship(tiny_draft, "tiny-llama", "layerscope train-draft ...", target=tiny)
+    code = cli.main(["bench", "--draft", "builtin", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "1",
+                     "--max-new-tokens", "6", "--k", "1", "--no-peers", "--store", str(tmp_path / "s"), "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in doc["results"]}
+    assert any(name.startswith("builtin") for name in rows)
+    assert all(r["lossless"] in (True, None) for r in rows.values())
+
+
+def test_the_package_carries_the_shipped_draft(tmp_path):
+    """`pip install .` (a wheel) holds every file of the builtin draft."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+    wheel = next(tmp_path.glob("layerscope-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    slot = f"layerscope/data/drafts/{builtin.SHIPPED['smollm2-135m']}/"
+    for f in ("config.json", "model.safetensors", "layers.json", "layerscope.json", "TRAINED.md"):
+        assert slot + f in names
+
+
+@pytest.mark.smollm2
+def test_the_shipped_smollm2_draft_loads_against_smollm2_and_says_how_it_was_trained(smollm2):
+    path = builtin.builtin_path("smollm2-135m")
+    head = load_draft(path, smollm2)
+    meta = read_meta(path)
+    assert list(head.aux_layers) == [2, 15, 27] and meta["dtype"] == "bfloat16"
+    assert meta["shipped"]["command"].startswith("layerscope train-draft --model smollm2-135m")
+    assert meta["val_accuracy"][0] > 0.2 and meta["curve"]
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size < 32 * 2**20                            # small enough to ship: no embedding, bfloat16
