@@ -2,7 +2,6 @@
 
     writable(store)                      the store takes a new file (a real probe: root and a read-only mount)
     need_space(directory, nbytes, what)  the disk holding `directory` has room for an estimated output
-    layer_list(text, flag)               "--layers 2,15,27" parsed; an empty or malformed list is one line
     prompt_spec(spec)                    a prompt set that exists and can be opened (builtin, sharegpt, a file)
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
     output(path)                         a directory about to be written whole (--out): the path rule, writable
@@ -30,8 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from layerscope import jsonsafe, paths
-from layerscope.errors import DraftError, LayerScopeError, SelectionError
+from layerscope import jsonsafe, layerset, paths
+from layerscope.errors import DraftError, LayerScopeError
 from layerscope.store import Store, StoreWriteError, write_error
 
 MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
@@ -150,34 +149,6 @@ def _gguf_config(spec: str, store: Store) -> Path | None:
 
 # ---------------------------------------------------------------------------- options and paths
 
-def layer_list(text, flag: str = "--layers", error: type[LayerScopeError] = SelectionError) -> list[int]:
-    """'2,15,27' -> [2, 15, 27]: integers >= 0, each once, at least one; `error` naming `flag` otherwise."""
-    parts = [x.strip() for x in str(text).split(",")]
-    if not any(parts):
-        raise error(f"{flag} {text!r} names no layer", f"List the layers, e.g. {flag} 2,15,27")
-    try:
-        layers = [int(x) for x in parts if x]
-    except ValueError:
-        raise error(f"{flag} {text!r} is not a comma-separated list of integers",
-                    f"Write it like {flag} 2,15,27") from None
-    if min(layers) < 0:
-        raise error(f"{flag} {text!r} has a negative layer", "Layers are hidden_states indices 0..N-1")
-    dupes = sorted({l for l in layers if layers.count(l) > 1})
-    if dupes:
-        raise error(f"{flag} {text!r} repeats {dupes}", "List each layer once")
-    return layers
-
-
-def layers_in_range(sets, num_layers: int, flag: str = "--layers",
-                    error: type[LayerScopeError] = SelectionError) -> None:
-    """Every layer of every set is a hidden_states index a draft can read, 0..N-1."""
-    for s in sets:
-        bad = [l for l in s if not 0 <= l < num_layers]
-        if bad:
-            raise error(f"{flag} {','.join(map(str, s))}: layers {bad} are out of range: outside 0..{num_layers - 1} "
-                        f"of this target ({num_layers} decoder layers)", "A draft reads hidden_states 0..N-1")
-
-
 def prompt_spec(spec: str) -> None:
     """The prompt set exists and opens (the cheap part of load_prompts: no file is read through)."""
     from layerscope.prompts import check_spec
@@ -232,7 +203,7 @@ def bench_drafts(drafts) -> None:
 
 def train_draft(args, store: Store) -> None:
     """`layerscope train-draft`: the layer sets, the prompt set, --out, the store and its free space."""
-    sets = [layer_list(s, "--layers", DraftError) for s in (args.layers or [])]
+    sets = [layerset.parse(s, "--layers", DraftError) for s in (args.layers or [])]
     draft_vocab = int(args.draft_vocab)
     if args.model is not None:          # online: runs/ and drafts/ in the store
         writable(store)
@@ -240,7 +211,7 @@ def train_draft(args, store: Store) -> None:
         shape = target_shape(args.model, store)
         responses = responses_bytes(args, store) if getattr(args, "responses", None) == "regenerate" else 0
         if shape is not None and sets:
-            layers_in_range(sets, int(shape.num_hidden_layers), error=DraftError)
+            layerset.check_sets(sets, int(shape.num_hidden_layers), "--layers", DraftError)
             ckpt = checkpoint_bytes(shape, sets, draft_vocab)
             need_space(store.root, 2 * ckpt + responses,
                        f"online training of {len(sets)} draft(s) on {args.model} (two checkpoints of {_mib(ckpt)} at "
@@ -257,7 +228,7 @@ def train_draft(args, store: Store) -> None:
         writable(store)
     cap = store.open_capture(args.key)
     if sets:
-        layers_in_range(sets, cap.num_layers, error=DraftError)
+        layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
             need_space(where, draft_bytes(shape, sets[0], draft_vocab), "the draft")

@@ -62,11 +62,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from layerscope import layerset
 from layerscope.draft.data import split_conversations, split_of, target_argmax
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.train import target_weights
 from layerscope.errors import LayerScopeError
-from layerscope.select import check_layers
 from layerscope.store import make_key
 from layerscope.validate import check_number
 
@@ -366,7 +366,7 @@ class Probe:
         o.validate()
         check_target(cap, w)
         self.cap, self.o, self.d = cap, o, cap.hidden_size
-        self.layers = check_layers(list(layers), cap.num_layers)
+        self.layers = layerset.check(list(layers), cap.num_layers)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.embed_block = len(self.layers)                   # the block after the layers
         self.pos = positions(cap, o)
@@ -569,10 +569,10 @@ def _report(cap, pos: Positions, sets, t0, scored, o: ProbeOptions, search_recor
 
 
 def _sets(cap, sets) -> list[list[int]]:
-    """Each set checked and sorted (select.check_layers); repeats dropped, the first order kept."""
+    """Each set checked and sorted (layerset.check); a set given twice is kept once, the first order kept."""
     out = []
     for s in sets:
-        s = check_layers(list(s), cap.num_layers)
+        s = layerset.check(list(s), cap.num_layers)
         if s not in out:
             out.append(s)
     return out
@@ -611,7 +611,7 @@ def search(cap, target, k: int = 3, options: ProbeOptions | None = None, *, sets
     o, w = options or ProbeOptions(), weights_of(target)
     o.validate()
     given = _sets(cap, sets)
-    candidates = check_layers(list(o.candidates), cap.num_layers) if o.candidates is not None \
+    candidates = layerset.check(list(o.candidates), cap.num_layers, "--candidates") if o.candidates is not None \
         else list(range(cap.num_layers))
     check_k(k, len(candidates))
     key = _cache_key(cap, w, {"search": asdict(o), "k": k, "sets": given})

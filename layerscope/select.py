@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from layerscope import layerset
 from layerscope.errors import SelectionError
 from layerscope.metrics.compartments import compartment_objective, compartments
 from layerscope.metrics.entropy import aggregate_entropy2
@@ -65,21 +66,6 @@ def _check_k(k: int, n: int) -> None:
                              f"Ask for at most {n} layers")
 
 
-def check_layers(layers, n: int) -> list[int]:
-    """A user's layer set -> sorted list; clear errors for duplicates and layers outside 0..N-1."""
-    if layers is None or len(layers) == 0:
-        raise SelectionError("No layers given for a manual set", "Name them, e.g. --layers 2,15,27")
-    layers = [int(l) for l in layers]
-    dupes = sorted({l for l in layers if layers.count(l) > 1})
-    if dupes:
-        raise SelectionError(f"Layer set repeats {dupes}", "List each layer once")
-    bad = [l for l in layers if not 0 <= l < n]
-    if bad:
-        raise SelectionError(f"Layers {bad} are outside 0..{n - 1}",
-                             f"Drafts read hidden states 0..{n - 1}; {n} is the model's final state")
-    return sorted(layers)
-
-
 # ---- one score for any set -----------------------------------------------------------------------
 
 def score_set(stats, layers, lam: float = 0.5) -> dict:
@@ -91,7 +77,7 @@ def score_set(stats, layers, lam: float = 0.5) -> dict:
     mrmr: mean normalized entropy - λ · mean CKA.
     """
     n, h, hn, h2, c = _tensors(stats)
-    layers = check_layers(layers, n)
+    layers = layerset.check(layers, n)
     idx = torch.tensor(layers)
     sub = c[idx][:, idx]
     k = len(layers)
@@ -194,7 +180,7 @@ class Request:
 
 
 def _manual(stats, r: Request) -> Selection:
-    return _selection(stats, "manual", check_layers(r.layers, stats.num_layers), r.lam,
+    return _selection(stats, "manual", layerset.check(r.layers, stats.num_layers), r.lam,
                       {"name": "aggregate_entropy", "value": None})
 
 

@@ -21,7 +21,7 @@ import torch
 
 from layerscope import bench as bench_mod
 from layerscope import capture as capture_mod
-from layerscope import costmodel, preflight
+from layerscope import costmodel, layerset, preflight
 from layerscope import probe as probe_mod
 from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
@@ -137,7 +137,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     and options); with `out` it is trained and written there. No budget: default_train_steps.
     """
     cap = store.open_capture(capture_key)
-    layers = select_mod.check_layers(list(layers), cap.num_layers)
+    layers = layerset.check(list(layers), cap.num_layers)
     target = load(model or cap.manifest["model"], store)
     if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
         raise DraftError(f"Model {target.spec} now loads with fingerprint {target.fingerprint}, but capture "

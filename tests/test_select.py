@@ -148,7 +148,7 @@ def test_compare_runs_every_strategy_and_is_json():
     (dict(strategy="manual", layers=[1, 2, 2]), "repeats"),
     (dict(strategy="manual", layers=[1, 7]), "outside 0..6"),
     (dict(strategy="manual", layers=[-1, 2]), "outside 0..6"),
-    (dict(strategy="manual", layers=[]), "No layers"),
+    (dict(strategy="manual", layers=[]), "names no layer"),
     (dict(strategy="best"), "Unknown strategy"),
 ])
 def test_errors(kwargs, match):

@@ -7,7 +7,7 @@ import sys
 
 from tqdm import tqdm
 
-from layerscope import preflight
+from layerscope import layerset
 from layerscope.draft.online import parse_duration
 from layerscope.machine import WAIT_S, MachineOptions
 from layerscope.store import Store
@@ -26,8 +26,8 @@ def print_json(obj) -> None:
 
 
 def parse_layers(text: str) -> list[int]:
-    """'2,15,27' -> [2, 15, 27]; a clear error for anything else, an empty list included (preflight.layer_list)."""
-    return preflight.layer_list(text)
+    """'2,15,27' -> [2, 15, 27]; a clear error for anything else, an empty list included (layerset.parse)."""
+    return layerset.parse(text)
 
 
 def add_wait_quiet(p) -> None:

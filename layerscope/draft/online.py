@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 import torch.distributed as dist
 
-from layerscope import distributed, jsonsafe
+from layerscope import distributed, jsonsafe, layerset
 from layerscope.capture import CaptureOptions, generate_responses
 from layerscope.draft.data import split_of, target_argmax, trainable, windows_of, make_batch
 from layerscope.draft.export import save_draft
@@ -409,21 +409,6 @@ def run_key(target: LoadedModel, convs: Conversations, sets: list[list[int]], o:
                      "format": FORMAT})
 
 
-def normalise_sets(layer_sets, num_layers: int) -> list[list[int]]:
-    sets = []
-    for s in layer_sets:
-        s = sorted({int(l) for l in s})
-        if not s or s[0] < 0 or s[-1] >= num_layers:
-            raise DraftError(f"Layer set {s} is out of range 0..{num_layers - 1}",
-                             "A draft reads hidden_states 0..N-1 of the target, e.g. --layers 2,15,27")
-        if s in sets:
-            raise DraftError(f"Layer set {s} is given twice", "Give each --layers once")
-        sets.append(s)
-    if not sets:
-        raise DraftError("No layer set given", "Pass --layers 2,15,27 (repeat --layers for more sets)")
-    return sets
-
-
 def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Callable[[dict], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, strategy: list[str] | None = None,
                  options: OnlineOptions | None = None, **fields) -> OnlineResult:
@@ -434,7 +419,7 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Cal
     latest agreement per TTT step or None]."""
     o = options if options is not None else OnlineOptions(**fields)
     o.validate()
-    sets = normalise_sets(layer_sets, target.num_layers)
+    sets = layerset.check_sets(layer_sets, target.num_layers, "Layer set", DraftError)
     say = progress or (lambda p: None)
     convs = load_conversations(target, o, store, progress=say, should_stop=should_stop)
     key = run_key(target, convs, sets, o)
