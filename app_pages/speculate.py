@@ -28,13 +28,18 @@ s, store = page_header("Speculative decoding",
                        "target alone writes; only the speed changes.")
 manager = get_manager()
 
-if not s.capture_key:
+# The draft shipped for the default model is in every new session's list, preselected for the benchmark, so
+# speculative decoding can be seen to pay before anything is trained (removed by hand, it stays away).
+with guard("builtin draft"):
+    if tasks.offer_builtin(s):
+        commit(s)
+if not s.capture_key and not s.drafts:
     st.info("This session has no capture yet: the drafts train on a capture's hidden states. Start on the **Capture** page.",
             icon=":material/info:")
     st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
     st.stop()
 
-have_capture = store.has_capture(s.capture_key)
+have_capture = bool(s.capture_key) and store.has_capture(s.capture_key)
 n = s.num_layers or 0
 
 # ---------------------------------------------------------------------------- drafts
@@ -45,78 +50,83 @@ if n and not any(tuple(x[1]) == tuple(default_layers(n)[0]) for x in sets):
 train_col, list_col = st.container(), st.container()     # one above the other: side by side, the tables were cut
 with train_col:
     st.subheader("Train drafts")
-    labels = [f"{name} {layers}" for name, layers, _ in sets]
-    train_running = any(j.kind == "train" for j in manager.active(s.id))
-    mode = st.radio("Training data", ["capture", "online"], horizontal=True, key="ls_w_spec_mode",
-                    on_change=bind_view(s, "spec_mode", "ls_w_spec_mode", "capture", options=["capture", "online"]),
-                    format_func={"capture": "from this capture", "online": "online: the target in the loop"}.get,
-                    help="From the capture: quick, one set at a time, as much data as the capture holds. Online: the "
-                         "target runs inside the training loop on as many conversations as you like, every chosen set "
-                         "trains from the same target pass, and a stopped run resumes (docs/training.md).")
-    c1, c2, c3 = st.columns(3)
-    ttt = number_field(c2, "TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
-                          on_change=bind_view(s, "spec_ttt", "ls_w_spec_ttt", tasks.train_defaults().ttt_steps, clamp=(1, 7)),
-                          help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
-    seed = number_field(c3, "Seed", min_value=0, step=1, key="ls_w_spec_seed",
-                           on_change=bind_view(s, "spec_seed", "ls_w_spec_seed", 0, clamp=(0, 2**31 - 1)))
-    if mode == "capture":
-        if not have_capture:
-            st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained from it here. "
-                       "Run the same capture on the Capture page, train online, or use drafts already in the store.")
-        cap_tokens = int((s.capture or {}).get("tokens") or 0)
-        if have_capture and cap_tokens < SMALL_CAPTURE_TOKENS:
-            st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn "
-                       f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
-                       f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.", icon=":material/warning:")
-        steps = number_field(c1, "Training steps", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_steps",
-                                on_change=bind_view(s, "spec_steps", "ls_w_spec_steps", tasks.train_defaults().steps,
-                                                    clamp=(1, 1_000_000)),
-                                help="The same budget for every set keeps the comparison fair")
-        pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
-                            on_change=bind_view(s, "spec_set", "ls_w_spec_set", labels[0] if labels else None, options=labels),
-                            help="The session's sets to test (Layer sets page) and the default rule")
-        if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
-                     disabled=not (have_capture and labels) or train_running):
-            name, layers, strategy = sets[labels.index(pick)]
-            with guard("start training"):
-                manager.submit(s.id, "train", tasks.train_job(
-                    store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
-                    name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed)}),
-                    title=f"Draft for {name} {list(layers)}")
-                st.rerun()
+    if not s.capture_key:
+        st.info("Training a draft needs a capture (its hidden states) or the target in the loop: start on the "
+                "**Capture** page. The builtin draft below is ready to benchmark now.", icon=":material/info:")
+        st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
     else:
-        kilo = number_field(c1, "Budget (k tokens)", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_online_tokens",
-                               on_change=bind_view(s, "spec_online_tokens", "ls_w_spec_online_tokens", 200,
-                                                   clamp=(1, 1_000_000)),
-                               help="Tokens through each draft; every set gets the same. On a 2-core CPU about 100-300 "
-                                    "tokens/s for three sets; on a GPU thousands")
-        picks = st.multiselect("Layer sets (one draft each, same batches)", labels, key="ls_w_spec_online_sets",
-                               on_change=bind_view(s, "spec_online_sets", "ls_w_spec_online_sets", labels[:3],
-                                                   options=labels))
-        d1, d2, d3 = st.columns(3)
-        prompts = d1.selectbox("Conversations", ["sharegpt", "builtin"], key="ls_w_spec_online_prompts",
-                               on_change=bind_view(s, "spec_online_prompts", "ls_w_spec_online_prompts", "sharegpt",
-                                                   options=["sharegpt", "builtin"]),
-                               help="sharegpt: its training split (benchmarks use the held-out split)")
-        limit = number_field(d2, "Conversations drawn", min_value=8, max_value=20_000, step=100, key="ls_w_spec_online_limit",
-                                on_change=bind_view(s, "spec_online_limit", "ls_w_spec_online_limit", 1000,
-                                                    clamp=(8, 20_000)))
-        responses = d3.selectbox("Responses", ["regenerate", "own"], key="ls_w_spec_online_responses",
-                                 on_change=bind_view(s, "spec_online_responses", "ls_w_spec_online_responses",
-                                                     "regenerate", options=["regenerate", "own"]),
-                                 help="regenerate: the target's own answers, generated once and kept (EAGLE-3's "
-                                      "choice; costs a generation pass); own: the conversations' own answers "
-                                      "(ShareGPT only; no generation)")
-        if st.button("Train online", type="primary", key="ls_spec_train_online", icon=":material/model_training:",
-                     disabled=not picks or train_running):
-            chosen = [sets[labels.index(p)] for p in picks]
-            with guard("start online training"):
-                manager.submit(s.id, "train", tasks.online_train_job(
-                    store=store, model=s.model, sets=[(name, list(layers), strategy) for name, layers, strategy in chosen],
-                    options={"prompts": prompts, "limit": int(limit), "responses": responses,
-                             "tokens": int(kilo) * 1000, "ttt_steps": int(ttt), "seed": int(seed)}),
-                    title=f"Online drafts for {len(chosen)} set(s)")
-                st.rerun()
+        labels = [f"{name} {layers}" for name, layers, _ in sets]
+        train_running = any(j.kind == "train" for j in manager.active(s.id))
+        mode = st.radio("Training data", ["capture", "online"], horizontal=True, key="ls_w_spec_mode",
+                        on_change=bind_view(s, "spec_mode", "ls_w_spec_mode", "capture", options=["capture", "online"]),
+                        format_func={"capture": "from this capture", "online": "online: the target in the loop"}.get,
+                        help="From the capture: quick, one set at a time, as much data as the capture holds. Online: the "
+                             "target runs inside the training loop on as many conversations as you like, every chosen set "
+                             "trains from the same target pass, and a stopped run resumes (docs/training.md).")
+        c1, c2, c3 = st.columns(3)
+        ttt = number_field(c2, "TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
+                              on_change=bind_view(s, "spec_ttt", "ls_w_spec_ttt", tasks.train_defaults().ttt_steps, clamp=(1, 7)),
+                              help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
+        seed = number_field(c3, "Seed", min_value=0, step=1, key="ls_w_spec_seed",
+                               on_change=bind_view(s, "spec_seed", "ls_w_spec_seed", 0, clamp=(0, 2**31 - 1)))
+        if mode == "capture":
+            if not have_capture:
+                st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained from it here. "
+                           "Run the same capture on the Capture page, train online, or use drafts already in the store.")
+            cap_tokens = int((s.capture or {}).get("tokens") or 0)
+            if have_capture and cap_tokens < SMALL_CAPTURE_TOKENS:
+                st.warning(f"This capture holds {cap_tokens:,} tokens: far too few to train a useful draft (it will learn "
+                           f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
+                           f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.", icon=":material/warning:")
+            steps = number_field(c1, "Training steps", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_steps",
+                                    on_change=bind_view(s, "spec_steps", "ls_w_spec_steps", tasks.train_defaults().steps,
+                                                        clamp=(1, 1_000_000)),
+                                    help="The same budget for every set keeps the comparison fair")
+            pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
+                                on_change=bind_view(s, "spec_set", "ls_w_spec_set", labels[0] if labels else None, options=labels),
+                                help="The session's sets to test (Layer sets page) and the default rule")
+            if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
+                         disabled=not (have_capture and labels) or train_running):
+                name, layers, strategy = sets[labels.index(pick)]
+                with guard("start training"):
+                    manager.submit(s.id, "train", tasks.train_job(
+                        store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
+                        name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed)}),
+                        title=f"Draft for {name} {list(layers)}")
+                    st.rerun()
+        else:
+            kilo = number_field(c1, "Budget (k tokens)", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_online_tokens",
+                                   on_change=bind_view(s, "spec_online_tokens", "ls_w_spec_online_tokens", 200,
+                                                       clamp=(1, 1_000_000)),
+                                   help="Tokens through each draft; every set gets the same. On a 2-core CPU about 100-300 "
+                                        "tokens/s for three sets; on a GPU thousands")
+            picks = st.multiselect("Layer sets (one draft each, same batches)", labels, key="ls_w_spec_online_sets",
+                                   on_change=bind_view(s, "spec_online_sets", "ls_w_spec_online_sets", labels[:3],
+                                                       options=labels))
+            d1, d2, d3 = st.columns(3)
+            prompts = d1.selectbox("Conversations", ["sharegpt", "builtin"], key="ls_w_spec_online_prompts",
+                                   on_change=bind_view(s, "spec_online_prompts", "ls_w_spec_online_prompts", "sharegpt",
+                                                       options=["sharegpt", "builtin"]),
+                                   help="sharegpt: its training split (benchmarks use the held-out split)")
+            limit = number_field(d2, "Conversations drawn", min_value=8, max_value=20_000, step=100, key="ls_w_spec_online_limit",
+                                    on_change=bind_view(s, "spec_online_limit", "ls_w_spec_online_limit", 1000,
+                                                        clamp=(8, 20_000)))
+            responses = d3.selectbox("Responses", ["regenerate", "own"], key="ls_w_spec_online_responses",
+                                     on_change=bind_view(s, "spec_online_responses", "ls_w_spec_online_responses",
+                                                         "regenerate", options=["regenerate", "own"]),
+                                     help="regenerate: the target's own answers, generated once and kept (EAGLE-3's "
+                                          "choice; costs a generation pass); own: the conversations' own answers "
+                                          "(ShareGPT only; no generation)")
+            if st.button("Train online", type="primary", key="ls_spec_train_online", icon=":material/model_training:",
+                         disabled=not picks or train_running):
+                chosen = [sets[labels.index(p)] for p in picks]
+                with guard("start online training"):
+                    manager.submit(s.id, "train", tasks.online_train_job(
+                        store=store, model=s.model, sets=[(name, list(layers), strategy) for name, layers, strategy in chosen],
+                        options={"prompts": prompts, "limit": int(limit), "responses": responses,
+                                 "tokens": int(kilo) * 1000, "ttt_steps": int(ttt), "seed": int(seed)}),
+                        title=f"Online drafts for {len(chosen)} set(s)")
+                    st.rerun()
 
     def _train_details(v):
         m = v.metrics
@@ -238,11 +248,13 @@ else:
                                 on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
     new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
                                  on_change=bind_view(s, "bench_new", "ls_w_spec_bench_new", 48, clamp=(1, 2048)))
-    auto_k = b5.toggle("K = auto", value=True, key="ls_w_spec_bench_auto",
+    auto_k = b5.toggle("K = auto", key="ls_w_spec_bench_auto",
+                       on_change=bind_view(s, "bench_auto", "ls_w_spec_bench_auto", True, options=[True, False]),
                        help="The depth with the best speedup predicted for this machine, from a short calibration "
                             "of each draft (shown as progress) and the machine's cost curve; off: the depth below")
-    depth = b5.number_input("Draft depth K", min_value=1, max_value=16, value=specdec.DEFAULT_K, step=1,
-                            key="ls_w_spec_bench_k", disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
+    depth = number_field(b5, "Draft depth K", min_value=1, max_value=16, step=1, key="ls_w_spec_bench_k",
+                         on_change=bind_view(s, "bench_k", "ls_w_spec_bench_k", specdec.DEFAULT_K, clamp=(1, 16)),
+                         disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
     peers = b6.toggle("HF peers", key="ls_w_spec_bench_peers",
                       on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
                       help="HF generate and prompt lookup: the decoders a user has without LayerScope, measured in "
@@ -253,7 +265,7 @@ else:
         with guard("start benchmark"):
             manager.submit(s.id, "bench", tasks.bench_job(
                 store=store, model=s.model, drafts=[by_path[c] for c in chosen], prompts=source,
-                limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth), peers=bool(peers),
+                limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth or specdec.DEFAULT_K), peers=bool(peers),
                 capture_key=s.capture_key),
                 title=f"Benchmark of {len(chosen)} draft(s)")
             st.rerun()
@@ -389,7 +401,7 @@ else:
         options = tasks.study_options(s.layer_sets, k=int(st_k),
                                       train={"steps": int(st_steps), "ttt_steps": int(ttt), "seed": int(seed)},
                                       prompts=st_src, limit=int(st_n), max_new_tokens=int(st_new),
-                                      depth=int(st.session_state.get("ls_w_spec_bench_k", specdec.DEFAULT_K)))
+                                      depth=int(st.session_state.get("ls_w_spec_bench_k") or specdec.DEFAULT_K))
         plan = tasks.study_plan(stats, options)
         st.markdown("Sets in the study: " + " · ".join(
             f"**{md_text(set_label(names, layers, s.layer_sets))}** `{fmt.layers(layers)}`" for layers, names in plan))

@@ -158,3 +158,38 @@ def test_letters_in_a_number_field_are_refused_not_turned_into_its_minimum(app_s
     assert at.number_input(key="ls_ent_max_tokens").value == 8192
     assert at.button(key="ls_ent_recompute").disabled                  # nothing changed, nothing to apply
     assert any("Max tokens: that was not a number" in plain(w.value) for w in at.warning)
+
+
+def test_a_new_session_meets_the_builtin_draft_preselected_and_its_k_choice_sticks(app_store):
+    from layerscope.draft import builtin
+
+    at = new_app().run()
+    at.switch_page(SPEC).run()
+    no_exception(at)
+    path = str(builtin.builtin_path())
+    s = at.session_state["ls_session"]
+    assert [(d["name"], d["path"]) for d in s.drafts] == [("builtin", path)]
+    assert at.multiselect(key="ls_spec_bench_drafts").value == [path]            # preselected for the benchmark
+    assert any("needs a capture" in plain(i.value) for i in at.info)             # and training says what it needs
+    assert at.toggle(key="ls_w_spec_bench_auto").value is True                   # the benchmark's default is auto
+    at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()
+    at.number_input(key="ls_w_spec_bench_k").set_value(3).run()
+    at.switch_page(CAPTURE).run()
+    at.switch_page(SPEC).run()
+    no_exception(at)
+    assert at.toggle(key="ls_w_spec_bench_auto").value is False
+    assert at.number_input(key="ls_w_spec_bench_k").value == 3                   # not reset to the default K
+    at.number_input(key="ls_w_spec_bench_k").set_value(None).run()               # what letters become
+    assert at.number_input(key="ls_w_spec_bench_k").value in (None, 3)
+    assert any("was refused" in plain(w.value) for w in at.warning)
+    at.switch_page(CAPTURE).run()
+    at.switch_page(SPEC).run()
+    assert at.number_input(key="ls_w_spec_bench_k").value == 3                   # the last good value stayed
+    # taken out of the session, the builtin draft does not come back
+    s = at.session_state["ls_session"]
+    s.drafts = []
+    sessions.save(s, app_store)
+    again = new_app(s.id).run()
+    again.switch_page(SPEC).run()
+    no_exception(again)
+    assert again.session_state["ls_session"].drafts == []

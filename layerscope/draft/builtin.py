@@ -70,6 +70,9 @@ def ship(src, model: str, command: str, *, root: Path | None = None, target=None
     record = {**{k: v for k, v in meta.items() if k not in written}, "shipped": {"from": str(src.name), "command": command, "dtype": SHIP_DTYPE}}
     out = save_draft(Path(root or ROOT) / SHIPPED[model], head.cpu(), record, target=target, dtype=SHIP_DTYPE)
     (out / "TRAINED.md").write_text(trained_md(model, layers, record, command))
+    out.chmod(0o755)                       # staged folders are private (mkdtemp); a shipped one is read by everyone
+    for f in out.iterdir():
+        f.chmod(0o644)
     return out
 
 

@@ -18,10 +18,11 @@ from layerscope import probe, workflow
 from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.bench import BenchOptions, Tally
 from layerscope.capture import CaptureOptions
+from layerscope.draft import builtin
 from layerscope.draft.export import read_meta
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.train import TrainOptions
-from layerscope.errors import LayerScopeError, PromptSetError
+from layerscope.errors import DraftError, LayerScopeError, PromptSetError
 from layerscope.models import default_device
 from layerscope.prompts import load_prompts
 from layerscope.store import atomic_write_bytes
@@ -251,6 +252,29 @@ def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
             continue
         out.append({**draft_entry(d, meta), "saved": meta.get("saved")})
     return sorted(out, key=lambda r: r.get("saved") or "", reverse=True)
+
+
+def builtin_entry(model: str | None) -> dict | None:
+    """The draft shipped for `model` (None: the default model) as a session draft entry; None when none ships."""
+    try:
+        path = builtin.builtin_path(model)
+    except DraftError:
+        return None
+    return draft_entry(path, read_meta(path), name="builtin")
+
+
+def offer_builtin(s) -> bool:
+    """Put the shipped draft into session `s` once, when one ships for its model (s.model, or the default model
+    while the session has none); True when `s` changed. A user who removes it does not get it back."""
+    if s.view.get("builtin_offered"):
+        return False
+    entry = builtin_entry(s.model)
+    if entry is None:
+        return False
+    s.view["builtin_offered"] = True
+    if entry["path"] not in {d["path"] for d in s.drafts}:
+        s.drafts.append(entry)
+    return True
 
 
 # ---------------------------------------------------------------------------- the probe
