@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from layerscope import machine, specdec, study_stats
+from layerscope import fmt, machine, specdec, study_stats
 from layerscope.draft.export import load_draft
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions
@@ -435,8 +435,8 @@ def format_table(report: BenchReport) -> str:
     rows = [head]
     for r in report.results:
         acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
-        rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", with_ci(r["tau"], r.get("tau_ci")),
-                     *acc, _f(r["tokens_per_s"], 1), with_ci(r["speedup"], r.get("speedup_ci"), unit="x"),
+        rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", fmt.interval(r["tau"], r.get("tau_ci"), "tau"),
+                     *acc, _f(r["tokens_per_s"], 1), fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
@@ -447,8 +447,8 @@ def format_table(report: BenchReport) -> str:
         paired = [r for r in report.results if r.get("paired")]
         if paired:
             rows = [["contender", f"tau - {report.intervals['reference']}", f"speedup - {report.intervals['reference']}"]]
-            rows += [[r["name"], with_ci(r["paired"]["tau"]["delta"], r["paired"]["tau"]["ci"], sign=True),
-                      with_ci(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], sign=True)] for r in paired]
+            rows += [[r["name"], fmt.interval(r["paired"]["tau"]["delta"], r["paired"]["tau"]["ci"], "delta"),
+                      fmt.interval(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], "delta")] for r in paired]
             lines += ["", _grid(rows)]
     cats = sorted({c for r in report.results for c in r["by_category"]})
     if len(cats) > 1:
@@ -482,15 +482,6 @@ def auto_note(entry: dict) -> str:
 
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
-
-
-def with_ci(x, ci, digits: int = 2, unit: str = "", sign: bool = False) -> str:
-    """A number with its interval, e.g. "1.13 [1.09, 1.16]" (or "1.42x [1.30, 1.55]"); "-" when there is no number."""
-    if x is None:
-        return "-"
-    f = f"{{:{'+' if sign else ''}.{digits}f}}"
-    text = f.format(x) + unit
-    return text + (f" [{f.format(ci[0])}, {f.format(ci[1])}]" if ci and None not in ci else "")
 
 
 def interval_note(intervals: dict) -> str:

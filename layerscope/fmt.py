@@ -81,14 +81,25 @@ def percent(x, digits: int = 1) -> str:
 KINDS = {"tau": tau, "delta": delta, "speedup": speedup, "percent": percent, "number": number, "count": count}
 
 
-def interval(x, ci, kind: str = "tau") -> str:
-    """A value with its interval, both in the form of `kind`: "1.133 [1.091, 1.160]"; the value alone without one."""
+def has_ci(ci) -> bool:
+    return bool(ci) and len(ci) == 2 and not any(missing(c) for c in ci)
+
+
+def ci(bounds, kind: str = "tau") -> str:
+    """An interval alone, in the form of `kind` without its unit: "[1.091, 1.160]"; "[n/a]" without one."""
+    if not has_ci(bounds):
+        return f"[{NOT_APPLICABLE}]"
+    f = KINDS[kind]
+    return f"[{f(bounds[0]).rstrip('×')}, {f(bounds[1]).rstrip('×')}]"
+
+
+def interval(x, bounds, kind: str = "tau") -> str:
+    """A value with its interval, both in the form of `kind`: "1.133 [1.091, 1.160]"; the value alone without one.
+    The one interval format of the app, the command line's tables and the study's verdict."""
     f = KINDS[kind]
     if missing(x):
         return MISSING
-    if not ci or len(ci) != 2 or any(missing(c) for c in ci):
-        return f(x)
-    return f"{f(x)} [{f(ci[0]).rstrip('×')}, {f(ci[1]).rstrip('×')}]"     # the unit once, on the value
+    return f"{f(x)} {ci(bounds, kind)}" if has_ci(bounds) else f(x)     # the unit once, on the value
 
 
 def layers(ls) -> str:

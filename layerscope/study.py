@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import bench, machine, select, specdec, study_stats
+from layerscope import bench, fmt, machine, select, specdec, study_stats
 from layerscope import probe as probe_mod
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
@@ -364,13 +364,12 @@ def format_study(report: StudyReport) -> str:
             "vs default", "diff 95% CI", "seed range", "speedup", "lossless"]
     rows = [head]
     f3 = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
-    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]" if c else "-"  # noqa: E731
     for r in report.rows:
         rows.append([",".join(map(str, r.layers)), "/".join(r.strategies), f"{r.mean_entropy:.3f}", f"{r.mean_cka:.3f}",
                      f"{r.aggregate_entropy:.3f}", f"{r.val_accuracy[0]:.3f}" if r.val_accuracy else "-",
                      f3(r.probe["agreement"]) if r.probe else "-",
-                     f3(r.tau), ci(r.tau_ci), f"{r.delta_vs_default:+.3f}" if r.delta_vs_default is not None else "-",
-                     ci(r.delta_ci), f3(r.tau_seed_range) if len(r.seeds) > 1 else "-",
+                     f3(r.tau), fmt.ci(r.tau_ci, "tau"), f"{r.delta_vs_default:+.3f}" if r.delta_vs_default is not None else "-",
+                     fmt.ci(r.delta_ci, "delta"), f3(r.tau_seed_range) if len(r.seeds) > 1 else "-",
                      f"{r.speedup:.2f}x" if r.speedup else "-", "yes" if r.lossless else "NO"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]

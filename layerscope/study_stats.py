@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from layerscope import fmt
 from layerscope.metrics import bootstrap as B
 from layerscope.metrics.correlation import spearman
 
@@ -164,12 +165,6 @@ def _set_name(row: dict) -> str:
     return f"{'/'.join(row['strategies'])} {row['layers']}"
 
 
-def _ci(ci, sign: bool = True) -> str:
-    """An interval as text: signed for differences and correlations, plain for τ."""
-    f = "{:+.3f}" if sign else "{:.3f}"
-    return f"[{f.format(ci[0])}, {f.format(ci[1])}]" if ci else "[n/a]"
-
-
 def verdict(rows: list[dict], reference: int, correlations: list[dict], *, prompts: int, seeds: int,
             level: float = B.LEVEL) -> str:
     """A few plain sentences: which set won and by how much, whether that beats the default rule
@@ -190,16 +185,16 @@ def verdict(rows: list[dict], reference: int, correlations: list[dict], *, promp
     if best is ref or best["delta_vs_default"] is None or best["delta_vs_default"] <= 0:
         others = [r for r in scored if r is not ref]
         runner = max(others, key=lambda r: r["tau"]) if others else None
-        text = f"No set beat the default rule {ref['layers']} (τ {ref['tau']:.3f}, {pct} interval {_ci(ref['tau_ci'], sign=False)})"
+        text = f"No set beat the default rule {ref['layers']} (τ {ref['tau']:.3f}, {pct} interval {fmt.ci(ref['tau_ci'], 'tau')})"
         if runner is not None:
             text += (f"; the closest, {_set_name(runner)}, was {abs(runner['delta_vs_default']):.3f} lower "
-                     f"(difference {runner['delta_vs_default']:+.3f}, interval {_ci(runner['delta_ci'])})")
+                     f"(difference {runner['delta_vs_default']:+.3f}, interval {fmt.ci(runner['delta_ci'], 'delta')})")
         lines.append(text + f" ({basis}).")
     elif significant(best["delta_ci"]):
         tied = [r for r in scored if r is not best and r["tau"] == best["tau"]]
         won = f"{_set_name(best)} won" + (f" (tied with {', '.join(_set_name(r) for r in tied)})" if tied else "")
-        text = (f"{won}: τ {best['tau']:.3f} {_ci(best['tau_ci'], sign=False)}, {best['delta_vs_default']:+.3f} "
-                f"{_ci(best['delta_ci'])} against the default rule {ref['layers']} (τ {ref['tau']:.3f}); "
+        text = (f"{won}: τ {best['tau']:.3f} {fmt.ci(best['tau_ci'], 'tau')}, {best['delta_vs_default']:+.3f} "
+                f"{fmt.ci(best['delta_ci'], 'delta')} against the default rule {ref['layers']} (τ {ref['tau']:.3f}); "
                 f"the difference is significant ({basis})")
         if seeds > 1 and spread >= abs(best["delta_vs_default"]):
             text += (f", but retraining with another seed moves a set's τ by up to {spread:.3f}, as much as the "
@@ -209,7 +204,7 @@ def verdict(rows: list[dict], reference: int, correlations: list[dict], *, promp
         lines.append(text + ".")
     else:
         lines.append(f"No difference at this budget: the best set, {_set_name(best)} (τ {best['tau']:.3f}), is "
-                     f"{best['delta_vs_default']:+.3f} {_ci(best['delta_ci'])} against the default rule "
+                     f"{best['delta_vs_default']:+.3f} {fmt.ci(best['delta_ci'], 'delta')} against the default rule "
                      f"{ref['layers']}, an interval that includes 0 ({basis}).")
     better = [r for r in scored if r is not ref and r is not best and r["delta_ci"] and r["delta_ci"][0] > 0]
     if better and significant(best["delta_ci"]):
@@ -233,7 +228,7 @@ def proxy_verdict(correlations: list[dict], level: float = B.LEVEL) -> list[str]
     if not usable:
         return ["Too few distinct sets to correlate the proxies with τ."]
     sign = lambda c: PROXY_SIGN.get(c["proxy"], 1)  # noqa: E731
-    what = lambda c: f"{c['proxy']} ({c['version']}): ρ = {c['rho']:+.2f}, interval {_ci(c['ci'])}"  # noqa: E731
+    what = lambda c: f"{c['proxy']} ({c['version']}): ρ = {c['rho']:+.2f}, interval {fmt.ci(c['ci'], 'delta')}"  # noqa: E731
     side = lambda c: sorted(sign(c) * x for x in c["ci"])  # noqa: E731  (the interval, expected direction > 0)
     reliable = [c for c in usable if c["ci"] is not None and side(c)[0] > 0]
     against = [c for c in usable if c["ci"] is not None and side(c)[1] < 0]

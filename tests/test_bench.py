@@ -152,7 +152,7 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "on tiny-llama" in out
     assert "low chain k=3" in out and "low tree" in out and "hf-generate" not in out
-    assert re.search(r"low chain k=3 .* \d\.\d\d \[\d\.\d\d, \d\.\d\d\]", out)     # τ with its interval
+    assert re.search(r"low chain k=3 .* \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]", out)     # τ with its interval (fmt.interval)
 
 
 def test_bench_refuses_a_draft_for_another_target(tmp_path, capsys):

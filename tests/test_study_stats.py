@@ -191,3 +191,24 @@ def test_study_figures_show_intervals_seeds_and_proxies():
     fig = plots.study_proxies(rows, "linear, H≥0.5").to_dict()
     assert [list(d["x"]) for d in fig["data"]] == [[3.0, 2.5], [0.4, 0.5], [4.0, 3.5]]
     assert all(list(d["y"]) == [1.30, 1.25] for d in fig["data"])
+
+
+def test_one_interval_format_for_the_app_the_tables_and_the_verdict():
+    """fmt.interval / fmt.ci are the only interval formatter: the bench table, the study table and the verdict
+    print exactly what the app shows."""
+    from layerscope import fmt
+
+    assert fmt.interval(1.1333, [1.0912, 1.16], "tau") == "1.133 [1.091, 1.160]"
+    assert fmt.interval(1.42, [1.3, 1.55], "speedup") == "1.42× [1.30, 1.55]"       # the unit once, on the value
+    assert fmt.interval(0.007, [-0.01, 0.02], "delta") == "+0.007 [-0.010, +0.020]"
+    assert fmt.interval(1.2, None) == "1.200" and fmt.interval(None, [1, 2]) == fmt.MISSING
+    assert fmt.ci(None) == "[n/a]" and fmt.ci([1.0, None]) == "[n/a]"
+    rows = [{"strategies": ["default"], "layers": [2, 15, 27], "tau": 1.3, "tau_ci": [1.27, 1.33],
+             "delta_vs_default": 0.0, "delta_ci": [0.0, 0.0], "tau_seed_range": None},
+            {"strategies": ["spread"], "layers": [1, 2, 3], "tau": 1.31, "tau_ci": [1.25, 1.36],
+             "delta_vs_default": 0.01, "delta_ci": [-0.02, 0.04], "tau_seed_range": None}]
+    text = verdict(rows, 0, [], prompts=8, seeds=1)
+    assert fmt.ci([-0.02, 0.04], "delta") in text                             # the difference's interval
+    lost = verdict([rows[0], {**rows[1], "tau": 1.2, "delta_vs_default": -0.1, "delta_ci": [-0.2, -0.01]}], 0, [],
+                   prompts=8, seeds=1)
+    assert fmt.ci([1.27, 1.33], "tau") in lost                                  # the default's own τ interval
