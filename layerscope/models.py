@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from layerscope.errors import ModelSpecError
-from layerscope.store import atomic_write_bytes, default_root
+from layerscope.store import StoreWriteError, atomic_write_bytes, default_root
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,10 @@ def _cached_file_hash(path: Path, store_root: Path) -> str:
         memo = {}
     if ident not in memo:
         memo[ident] = file_sha256(path)[:24]
-        atomic_write_bytes(memo_path, json.dumps(memo).encode())
+        try:
+            atomic_write_bytes(memo_path, json.dumps(memo).encode())
+        except (OSError, StoreWriteError):     # a read-only or full store: the hash is not remembered
+            pass
     return memo[ident]
 
 

@@ -223,6 +223,22 @@ def test_read_only_store_reads_and_lists_and_every_write_is_one_line(tmp_path, t
     assert tree(src) == before and not list(src.glob(".index.damaged-*"))
 
 
+
+def test_a_gguf_model_opens_from_a_read_only_store_whose_hash_memo_it_cannot_write(tmp_path):
+    """The GGUF fingerprint's memo (file-hashes.json) is a cache: a read-only store still gives the hash, every time."""
+    from layerscope.models import _cached_file_hash
+    from layerscope.store import file_sha256
+
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    src = tmp_path / "src"
+    src.mkdir()
+    with read_only(src, tmp_path / "ro") as ro:
+        assert _cached_file_hash(weights, ro) == file_sha256(weights)[:24]
+        assert _cached_file_hash(weights, ro) == file_sha256(weights)[:24]
+        assert not (ro / "file-hashes.json").exists()
+    assert _cached_file_hash(weights, src) == file_sha256(weights)[:24] and (src / "file-hashes.json").is_file()
+
 # ---------------------------------------------------------------------------- symbolic links
 
 def test_a_capture_linked_from_outside_is_listed_verified_and_refused_alike(tmp_path, tiny_capture, capsys):
