@@ -7,7 +7,9 @@ set gets the same one line wherever it is typed.
 
     parse(text, name, error)        '2,15,27' -> [2, 15, 27]: integers >= 0, each once, at least one
     check(layers, n, name, error)   -> the set sorted; one line for an empty set, a repeat, a layer outside 0..N-1
+                                    (n None: the depth is not known yet, only layers >= 0)
     check_sets(sets, n, name, error) every set checked and sorted; a set given twice is refused
+    is_valid(layers, bound)         the same rule as a yes/no, for files being validated (sessions)
 
 `name` is how the message names the set ("--layers" on the command line, "Layer set" elsewhere); `error`
 the LayerScopeError subclass the caller raises (SelectionError, DraftError).
@@ -38,7 +40,7 @@ def parse(text, name: str = "--layers", error: type[LayerScopeError] = Selection
     return layers
 
 
-def check(layers: Sequence[int] | None, n: int, name: str = "Layer set",
+def check(layers: Sequence[int] | None, n: int | None, name: str = "Layer set",
           error: type[LayerScopeError] = SelectionError) -> list[int]:
     """A set for a target of `n` decoder layers -> sorted list of ints."""
     if layers is None or len(layers) == 0:
@@ -46,7 +48,9 @@ def check(layers: Sequence[int] | None, n: int, name: str = "Layer set",
     layers = [int(x) for x in layers]
     shown = f"{name} {','.join(map(str, layers))}"
     _no_repeats(layers, shown, error)
-    bad = [x for x in layers if not 0 <= x < n]
+    bad = [x for x in layers if x < 0 or (n is not None and x >= n)]
+    if bad and n is None:
+        raise error(f"{shown}: layers {bad} are negative", "Layers are hidden_states indices 0..N-1")
     if bad:
         raise error(f"{shown}: layers {bad} are out of range: outside 0..{n - 1} of this target ({n} decoder layers)",
                     f"A draft reads hidden_states 0..{n - 1}; {n} is the model's final state, which the draft predicts")
@@ -65,6 +69,13 @@ def check_sets(sets: Iterable[Sequence[int]], n: int, name: str = "Layer set",
     if not out:
         raise error("No layer set given", f"Name one, e.g. --layers {EXAMPLE} (repeat --layers for more sets)")
     return out
+
+
+def is_valid(layers, bound: int | None = None) -> bool:
+    """A list of distinct integers in 0..bound-1 (any >= 0 when bound is None), at least one."""
+    if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        return False
+    return len(set(layers)) == len(layers) and all(0 <= x and (bound is None or x < bound) for x in layers)
 
 
 def _no_repeats(layers: list[int], shown: str, error) -> None:

@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from layerscope import jsonsafe
+from layerscope import jsonsafe, layerset
 from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 from layerscope.analysis import AnalysisOptions
 from layerscope.draft.export import FILES as DRAFT_FILES
@@ -149,9 +149,7 @@ class Session:
 
     def add_layer_set(self, name: str, layers, strategy: str = "manual") -> dict:
         """Add a set to test (or rename the existing entry with the same layers). Returns the entry."""
-        layers = sorted({int(x) for x in layers})
-        if not layers:
-            raise SessionError("A layer set needs at least one layer", "Pick one or more layers first")
+        layers = layerset.check(sorted({int(x) for x in layers}), self.num_layers, "Layer set", SessionError)  # repeats merged
         for s in self.layer_sets:
             if s["layers"] == layers:
                 s["name"], s["strategy"] = name, strategy
@@ -320,11 +318,9 @@ def _opt_str(d: dict, key: str, source: str, max_len: int = 4096) -> None:
 
 
 def _layers_ok(layers, n: int | None) -> bool:
-    if not isinstance(layers, list) or not layers or not all(_is_int(x) for x in layers):
-        return False
-    if len(set(layers)) != len(layers):
-        return False
-    return all(0 <= x <= (n if n is not None else 10_000) for x in layers)
+    """layerset.is_valid against a capture of n layers; a set may name up to the final state n (files written
+    before sets were limited to 0..N-1 did), and at most index 10,000 when the capture is unknown."""
+    return layerset.is_valid(layers, (n if n is not None else 10_000) + 1)
 
 
 # The schema. A spec is a type name ("int", "num", "bool", "str", "name", "key", "json"), ("opt", spec) for a

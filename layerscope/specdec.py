@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from layerscope import layerset
 from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
 
@@ -233,11 +234,7 @@ class _Draft:
 
 
 def _check_draft(model, draft) -> None:
-    n = model.config.num_hidden_layers
-    bad = [l for l in draft.aux_layers if not 0 <= l < n]
-    if bad:
-        raise DraftError(f"the draft reads layers {bad}, but the target has hidden states 0..{n - 1} to offer",
-                         "Use a draft trained for this target")
+    layerset.check(list(draft.aux_layers), model.config.num_hidden_layers, "The draft's layers", DraftError)
     if int(draft.t2d.numel()) != model.config.vocab_size:
         raise DraftError(f"the draft maps a vocabulary of {draft.t2d.numel()} tokens, the target has "
                          f"{model.config.vocab_size}", "Use a draft trained for this target")

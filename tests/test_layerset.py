@@ -57,3 +57,21 @@ def tiny_capture_stats(cap):
     from layerscope.analysis import analyze
 
     return analyze(cap)
+
+
+def test_is_valid_is_the_same_rule_as_a_yes_or_no():
+    assert layerset.is_valid([0, 3], 4) and layerset.is_valid([7]) and not layerset.is_valid([4], 4)
+    assert not layerset.is_valid([1, 1], 4) and not layerset.is_valid([], 4) and not layerset.is_valid([-1])
+    assert not layerset.is_valid([True, 2], 4) and not layerset.is_valid("1,2", 4)
+
+
+def test_a_session_refuses_a_bad_set_in_the_same_words(tiny_capture):
+    from layerscope.errors import SessionError
+    from layerscope.session import Session
+
+    s = Session(capture={"num_layers": 4})
+    assert s.add_layer_set("mine", [3, 1])["layers"] == [1, 3]
+    with pytest.raises(SessionError, match="layers \\[9\\] are out of range: outside 0..3"):
+        s.add_layer_set("bad", [1, 9])
+    with pytest.raises(SessionError, match="names no layer"):
+        s.add_layer_set("empty", [])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from layerscope import fmt, plots
+from layerscope import fmt, layerset, plots
 from layerscope.select import default_layers
 from layerscope.session import Session
 from layerscope.ui import tasks
@@ -35,7 +35,7 @@ def _fit_sets_to(s: Session, num_layers: int | None) -> None:
     if num_layers is None:
         return
     n = int(num_layers)
-    fits = [x for x in s.layer_sets if all(0 <= l < n for l in x["layers"])]
+    fits = [x for x in s.layer_sets if layerset.is_valid(x["layers"], n)]
     gone = [x for x in s.layer_sets if x not in fits]
     s.layer_sets = fits
     if gone:
@@ -44,7 +44,7 @@ def _fit_sets_to(s: Session, num_layers: int | None) -> None:
                        "these layer sets did not fit and were removed: ")
                     + "; ".join(f"{x['name']} {fmt.layers(x['layers'])}" for x in gone)
                     + (f". Kept: {'; '.join(x['name'] + ' ' + fmt.layers(x['layers']) for x in fits)}." if fits else "."))
-    if any(not 0 <= l < n for l in s.manual_picks):
+    if s.manual_picks and not layerset.is_valid(sorted(set(s.manual_picks)), n):
         add_note(s, f"Your hand-picked layers {fmt.layers(sorted(s.manual_picks))} do not fit the new capture "
                     f"(layers 0..{n - 1}): they were cleared, not cut down; pick again on the CKA heatmap.")
         s.manual_picks = []
