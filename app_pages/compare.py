@@ -159,7 +159,7 @@ with guard("runs"):
     else:
         present = list(dict.fromkeys(r["capture"] for r in rows))
         labels = {k: compare.capture_label(by_key.get(k), k) for k in present if k}
-        f1, f2 = st.columns([2, 1])
+        f1, f2 = st.columns([3, 2])        # the three Kinds chips side by side at 1024 px (at 1/3 they wrapped)
         pick = f1.selectbox("Capture", ["all"] + present, key="ls_w_cmp_runs_capture",
                             on_change=bind_view(s, "cmp_runs_capture", "ls_w_cmp_runs_capture", "all",
                                                 options=["all"] + present),

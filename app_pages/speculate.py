@@ -286,16 +286,14 @@ else:
         c[4].metric("Speedup vs plain", "—" if m.get("speedup") is None else f"{m['speedup']:.2f}×")
         acc = {name: [a / d if d else 0.0 for a, d in zip(x["accepted"], x["drafted"])]
                for name, x in (m.get("acceptance") or {}).items() if x["drafted"]}
-        g1, g2 = st.columns(2)
-        with g1:
-            if acc:
-                st.plotly_chart(plots.acceptance_bars(acc, title="Acceptance per draft position (live)"),
-                                key="ls_spec_live_acc", config=plots.figure_config("acceptance-live"))
-        with g2:
-            taus = v.series.get(f"tau:{cur}", [])
-            if taus:
-                st.plotly_chart(plots.tau_over_time(taus[-400:], title=f"τ per step: {cur} (live)"),
-                                key="ls_spec_live_tau", config=plots.figure_config("tau-live"))
+        # one above the other, full width: side by side at 1024 px each had ~350 px and its labels were cut
+        if acc:
+            st.plotly_chart(plots.acceptance_bars(acc, title="Acceptance per draft position (live)"),
+                            key="ls_spec_live_acc", config=plots.figure_config("acceptance-live"))
+        taus = v.series.get(f"tau:{cur}", [])
+        if taus:
+            st.plotly_chart(plots.tau_over_time(taus[-400:], title=f"τ per step: {cur} (live)"),
+                            key="ls_spec_live_tau", config=plots.figure_config("tau-live"))
         if m.get("text"):
             st.markdown(f"**Generating** ({html.escape(str(m.get('text_of')))}): " + legend_html(), unsafe_allow_html=True)
             st.markdown(highlighted_tokens(m["text"]), unsafe_allow_html=True)

@@ -148,8 +148,11 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
         assert r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] and len(r["per_prompt"]["tokens"]) == 3
     assert doc["results"][1]["layers"] == [1, 2] and all(r["lossless"] for r in doc["results"])
     without_model = [a for a in args if a not in ("--model", "tiny-llama")]    # taken from the draft's meta
-    assert main(without_model + ["--no-peers", "--tree"]) == 0
+    saved = tmp_path / "runs" / "bench.json"
+    assert main(without_model + ["--no-peers", "--tree", "--save-json", str(saved)]) == 0
     out = capsys.readouterr().out
+    kept = json.loads(saved.read_text())                  # the table printed, the JSON kept beside it
+    assert [r["name"] for r in kept["results"]][0] == "autoregressive" and kept["prompts"] == 3
     assert "on tiny-llama" in out
     assert "low chain k=3" in out and "low tree" in out and "hf-generate" not in out
     assert re.search(r"low chain k=3 .* \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]", out)     # τ with its interval (fmt.interval)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from layerscope import machine, preflight, workflow
 from layerscope.bench import BenchOptions, folder_names, format_table
@@ -11,6 +12,7 @@ from layerscope.commands.common import Progress, add_wait_quiet, machine_options
 from layerscope.draft import builtin
 from layerscope.errors import LayerScopeError
 from layerscope.specdec import TreeSpec
+from layerscope.store import atomic_write_json
 
 NAME = "bench"
 HELP = ("decode the same prompts with each draft, plain decoding, HF generate and HF prompt lookup; "
@@ -46,6 +48,8 @@ def add_arguments(p) -> None:
                    help="prompt_lookup_num_tokens for the HF peer (default %(default)s)")
     add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--save-json", default=None, metavar="FILE",
+                   help="also write the JSON object to FILE (replaced whole), whatever is printed")
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -86,6 +90,8 @@ def run(args) -> int:
     store = open_store(args)
     paths = [builtin.resolve(d, args.model, store) for d in args.draft]
     preflight.bench_drafts(paths)           # a missing or looping --draft: one line before the model loads
+    if args.save_json:
+        preflight.directory_writable(Path(args.save_json).expanduser().parent)   # before the model loads
     options = options_from_args(args)
     shown = 0.0
     with Progress("bench", unit="run") as bar:
@@ -103,6 +109,10 @@ def run(args) -> int:
                            tau=p.tau if p.tau is not None else "-",
                            tok_s=p.tokens_per_s if p.tokens_per_s is not None else "-")
         done = workflow.bench(list(zip(folder_names(args.draft), paths)), options, store, progress=show)
+    if args.save_json:
+        out = Path(args.save_json).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out, done.report.to_json())
     for w in done.prompt_set.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if args.json:
