@@ -395,6 +395,6 @@ def format_study(report: StudyReport) -> str:
         for proxy, cs in by_proxy.items():
             best = report.best_proxies.get(proxy, {}).get("version")
             lines.append(f"  {proxy}: " + "; ".join(
-                f"{c['version']} {c['rho']:+.2f} {ci(c['ci'])}{'*' if c['version'] == best else ''}"
+                f"{c['version']} {c['rho']:+.2f} {fmt.ci(c['ci'], 'delta')}{'*' if c['version'] == best else ''}"
                 if c["rho"] is not None else f"{c['version']} n/a" for c in cs))
     return "\n".join(lines)
