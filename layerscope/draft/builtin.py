@@ -106,22 +106,3 @@ def trained_md(model: str, layers: list[int], meta: dict, command: str) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def shipped_meta(model: str | None = None) -> dict:
-    """layerscope.json of the builtin draft for `model` ({} when none ships)."""
-    try:
-        return read_meta(builtin_path(model))
-    except DraftError:
-        return {}
-
-
-def describe(model: str | None = None) -> str:
-    """One line about the builtin draft, for listings and the app."""
-    meta = shipped_meta(model)
-    if not meta:
-        return "no builtin draft"
-    acc = meta.get("val_accuracy") or [None]
-    return (f"builtin draft {meta.get('layers')} · {int(meta.get('tokens_seen') or 0):,} tokens seen · held-out "
-            f"agreement {acc[0]:.2f}" if acc[0] is not None else f"builtin draft {meta.get('layers')}")
-
