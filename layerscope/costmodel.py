@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from layerscope import bench, machine, specdec
+from layerscope import bench, blas, machine, specdec
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
@@ -188,14 +188,15 @@ def default_draft(loaded) -> DraftHead:
 
 
 def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
-    """Store key of a cost curve: the target's weights, device, dtype and threads, the draft's shape, and
-    whether the machine was quiet while it was measured (lookups ask for quiet=True only)."""
+    """Store key of a cost curve: the target's weights, device, dtype and threads, the matrix library's code
+    path (blas.path), the draft's shape, and whether the machine was quiet while it was measured
+    (lookups ask for quiet=True only)."""
     shape = None
     if draft is not None:
         c = draft.config
         shape = [c.hidden_size, c.draft_vocab_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads]
     return make_key({"fingerprint": loaded.fingerprint, "device": str(loaded.device), "dtype": str(loaded.dtype),
-                     "threads": torch.get_num_threads(), "draft": shape, "quiet": bool(quiet), "format": FORMAT})
+                     "threads": torch.get_num_threads(), "blas": blas.path(), "draft": shape, "quiet": bool(quiet), "format": FORMAT})
 
 
 def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,

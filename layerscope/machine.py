@@ -30,11 +30,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from layerscope import blas
 from layerscope.errors import LayerScopeError
 
 PROC = Path("/proc")
@@ -88,6 +89,7 @@ class MachineState:
     measured: bool = True            # False: no /proc here (not Linux), nothing was measured
     waited_s: float | None = None    # wait_quiet: how long it waited
     before: MachineState | None = None   # a run's state: the sample taken just before it
+    blas: str = field(default_factory=blas.describe)   # the matrix library's code path (layerscope.blas)
 
     @property
     def free_cores(self) -> float:
@@ -107,6 +109,8 @@ class MachineState:
             out["waited_s"] = round(self.waited_s, 1)
         if self.before is not None:
             out["before"] = self.before.to_json()
+        if self.blas:
+            out["blas"] = self.blas
         return out
 
     @classmethod
@@ -116,7 +120,8 @@ class MachineState:
         return cls(bool(obj["quiet"]), float(obj["others_cpu"]), float(obj.get("others_cpu_max", obj["others_cpu"])),
                    float(obj["load"]), int(obj["cores"]), int(obj["threads"]), float(obj["window_s"]),
                    int(obj.get("samples", 1)), tuple(obj.get("reasons", ())), bool(obj.get("measured", True)),
-                   obj.get("waited_s"), cls.from_json(obj["before"]) if obj.get("before") else None)
+                   obj.get("waited_s"), cls.from_json(obj["before"]) if obj.get("before") else None,
+                   str(obj.get("blas", "")))
 
 
 # ----------------------------------------------------------------------------- reading /proc
@@ -335,13 +340,15 @@ def merge(states: Iterable[MachineState | dict | None]) -> MachineState | None:
     reasons = tuple(dict.fromkeys(r for s in ss for r in s.reasons))
     return MachineState(all(s.quiet for s in ss), max(s.others_cpu for s in ss), max(s.others_cpu_max for s in ss),
                         max(s.load for s in ss), min(s.cores for s in ss), max(s.threads for s in ss),
-                        sum(s.window_s for s in ss), sum(s.samples for s in ss), reasons, all(s.measured for s in ss))
+                        sum(s.window_s for s in ss), sum(s.samples for s in ss), reasons, all(s.measured for s in ss),
+                        blas=" / ".join(dict.fromkeys(s.blas for s in ss if s.blas)))
 
 
 def details(s: MachineState) -> str:
     """'other processes used 0.04 of 2 cores (up to 0.10), load 1.9, 2 torch threads'."""
     peak = f" (up to {s.others_cpu_max:.2f})" if s.samples > 1 else ""
-    return f"other processes used {s.others_cpu:.2f} of {s.cores} cores{peak}, load {s.load:.1f}, torch {_threads(s.threads)}"
+    return (f"other processes used {s.others_cpu:.2f} of {s.cores} cores{peak}, load {s.load:.1f}, "
+            f"torch {_threads(s.threads)}" + (f", {s.blas}" if s.blas else ""))
 
 
 def line(obj: MachineState | dict | None, what: str = "speeds") -> str:
