@@ -135,8 +135,9 @@ with guard("stored captures"):
         keys = [c["key"] for c in caps if c.get("state") != "incomplete"]
         pick = st.selectbox("Capture to open", keys, key="ls_cap_pick",
                             index=keys.index(s.capture_key) if s.capture_key in keys else 0,
-                            format_func=lambda k: next(("" if c.get("state", "ok") == "ok" else "DAMAGED · ")
-                                                       + f"{k} · {c.get('model')} · {c.get('prompt_set')} · {c.get('tokens')} tokens"
+                            format_func=lambda k: next(f"{k} · {c.get('model')} · {c.get('prompt_set')} · "
+                                                       f"{fmt.count(c.get('tokens'))} tokens" if c.get("state", "ok") == "ok"
+                                                       else f"DAMAGED · {k} · {c.get('problem')}"
                                                        for c in caps if c["key"] == k))
         if st.button("Open this capture", key="ls_cap_open", icon=":material/folder_open:"):
             with guard("open capture"):

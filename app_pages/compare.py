@@ -25,6 +25,10 @@ by_key = {}
 with guard("captures"):
     by_key = {c["key"]: c for c in compare.capture_choices(s, store)}
     keys = list(by_key)
+    damaged = compare.damaged_captures(store)
+    if damaged:           # left out, and said: a listing never hides damage (plain text: keys and problems)
+        st.text(f"Left out, damaged ({len(damaged)}):\n"
+                + "\n".join(f"  {c['key']}: {c['problem']}. {c.get('fix') or ''}" for c in damaged))
     if len(keys) < 2:
         st.info(f"Comparing needs two captures; this store holds {len(keys)}. Run another capture on the **Capture** "
                 "page (another model, prompt set or seed), then come back.", icon=":material/info:")
@@ -159,15 +163,16 @@ with guard("runs"):
     else:
         present = list(dict.fromkeys(r["capture"] for r in rows))
         labels = {k: compare.capture_label(by_key.get(k), k) for k in present if k}
-        f1, f2 = st.columns([3, 2])        # the three Kinds chips side by side at 1024 px (at 1/3 they wrapped)
+        f1, f2 = st.columns([3, 2])        # Kinds as pills: each a short button, none cut at 1024 px (a multiselect's
+                                           # chips and clear button did not fit)
         pick = f1.selectbox("Capture", ["all"] + present, key="ls_w_cmp_runs_capture",
                             on_change=bind_view(s, "cmp_runs_capture", "ls_w_cmp_runs_capture", "all",
                                                 options=["all"] + present),
                             format_func=lambda k: "every capture" if k == "all" else
                             ("no capture recorded (older entries)" if k is None else labels[k]))
-        kinds = f2.multiselect("Kinds", ["study", "bench", "draft"], key="ls_w_cmp_runs_kinds",
-                               on_change=bind_view(s, "cmp_runs_kinds", "ls_w_cmp_runs_kinds", ["study", "bench", "draft"],
-                                                   options=["study", "bench", "draft"]))
+        kinds = f2.pills("Kinds", ["study", "bench", "draft"], selection_mode="multi", key="ls_w_cmp_runs_kinds",
+                         on_change=bind_view(s, "cmp_runs_kinds", "ls_w_cmp_runs_kinds", ["study", "bench", "draft"],
+                                             options=["study", "bench", "draft"])) or []
         shown = compare.filter_runs(rows, capture=pick, kinds=kinds)
         table(compare.runs_frame(shown), key="ls_cmp_runs", filename="runs")
         st.caption("A benchmark's draft row names the capture its draft was trained on; plain decoding and the HF "

@@ -216,6 +216,10 @@ with list_col:
                 s.drafts.append(next(d for d in stored if d["path"] == p))
                 commit(s)
                 st.rerun()
+        broken = tasks.broken_drafts(store)
+        if broken:      # listed, not hidden: what is wrong and the fix (plain text: keys and paths are not Markdown)
+            st.text(f"{len(broken)} draft(s) in the store cannot be used:\n"
+                    + "\n".join(f"  {b['key']}: {b['problem']}. {b['fix']}" for b in broken))
 
 live_job(s.id, "train", key="spec_train", details=_train_details)    # full width: curves stay readable at 1024 px
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from layerscope.errors import ModelSpecError
+from layerscope import jsonsafe
+from layerscope.errors import LayerScopeError, ModelSpecError
 from layerscope.store import StoreWriteError, atomic_write_bytes, default_root
 
 
@@ -147,14 +148,19 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
     return loaded
 
 
+MEMO_BYTES = 4 * 2**20          # file-hashes.json: ~100 bytes per file hashed
+
+
 def _cached_file_hash(path: Path, store_root: Path) -> str:
     """sha256 of a file, remembered keyed by (path, size, mtime) in a small JSON file in the store."""
     st = path.stat()
     memo_path = store_root / "file-hashes.json"
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
+    try:      # a cache: unreadable, damaged or planted (too deep, too large) reads as empty
+        memo = jsonsafe.loads(memo_path.read_bytes(), what=str(memo_path), max_bytes=MEMO_BYTES)
+    except (OSError, LayerScopeError):
+        memo = {}
+    if not isinstance(memo, dict):
         memo = {}
     if ident not in memo:
         memo[ident] = file_sha256(path)[:24]
@@ -194,16 +200,24 @@ def complete_config(config: dict) -> dict:
 
 
 def _repair_config(cache_dir: Path) -> None:
-    """Complete the config.json of a copy de-quantized before complete_config existed (architectures null)."""
+    """Complete the config.json of a copy de-quantized before complete_config existed (architectures null).
+    On a read-only or full store the copy stays as it is (it loads all the same; only other tools need the
+    completed file) until a load on a writable store completes it."""
     path = cache_dir / "config.json"
+    fix = f"Delete {cache_dir}; the next load de-quantizes the GGUF file again"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelSpecError(f"The stored model {cache_dir} has an unreadable config.json ({e})",
-                             f"Delete {cache_dir}; the next load de-quantizes the GGUF file again") from e
+        config = jsonsafe.loads(path.read_bytes(), what=f"the stored model's {path}", error=ModelSpecError,
+                                max_bytes=2**20, fix=fix)
+    except OSError as e:
+        raise ModelSpecError(f"The stored model {cache_dir} has an unreadable config.json ({e})", fix) from e
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"The stored model's {path} is not a JSON object", fix)
     fixed = complete_config(config)
     if fixed != config:
-        atomic_write_bytes(path, json.dumps(fixed, indent=2).encode())
+        try:
+            atomic_write_bytes(path, json.dumps(fixed, indent=2).encode())
+        except (OSError, StoreWriteError):     # read-only or full: completed on a later load
+            pass
 
 
 def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:

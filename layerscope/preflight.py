@@ -6,7 +6,8 @@
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
     output(path)                         a directory about to be written whole (--out): the path rule, writable
     capture_need(...)                    what a capture may still write, for need_space
-    train_draft(args, store)             every check of `layerscope train-draft` (the CLI calls it first)
+    train_online(store, model, sets, o)  every check of online training (workflow.train_online calls it first)
+    train_capture(store, key, sets, ...) every check of training from a capture (workflow.train calls it first)
     bench_drafts(paths)                  every --draft of a benchmark
 
 Estimates of what a step writes (bytes), from the target's shape when it can be read without loading
@@ -201,55 +202,56 @@ def bench_drafts(drafts) -> None:
 
 # ---------------------------------------------------------------------------- commands
 
-def train_draft(args, store: Store) -> None:
-    """`layerscope train-draft`: the layer sets, the prompt set, --out, the store and its free space."""
-    sets = [layerset.parse(s, "--layers", DraftError) for s in (args.layers or [])]
-    draft_vocab = int(args.draft_vocab)
-    if args.model is not None:          # online: runs/ and drafts/ in the store
-        writable(store)
-        prompt_spec(args.prompts)
-        shape = target_shape(args.model, store)
-        responses = responses_bytes(args, store) if getattr(args, "responses", None) == "regenerate" else 0
-        if shape is not None and sets:
-            layerset.check_sets(sets, int(shape.num_hidden_layers), "--layers", DraftError)
-            ckpt = checkpoint_bytes(shape, sets, draft_vocab)
-            need_space(store.root, 2 * ckpt + responses,
-                       f"online training of {len(sets)} draft(s) on {args.model} (two checkpoints of {_mib(ckpt)} at "
-                       f"the moment one replaces the other, then the drafts; {_mib(responses)} of generated responses)")
-        else:
-            need_space(store.root, responses, "the generated responses of online training")
-        return
-    if args.key is None:
-        return
-    if args.out is not None:            # from a capture, into --out
-        where = output(args.out)
-    else:                               # from a capture, into the store's drafts/
+def train_online(store: Store, model: str, sets, options) -> None:
+    """Online training (workflow.train_online, so the CLI and the app alike): the prompt set, the layer sets
+    against the target's depth, the store writable, room for two checkpoints and the generated responses.
+    options: an OnlineOptions (its draft_vocab, prompts, limit, responses, max_new_tokens)."""
+    writable(store)
+    prompt_spec(options.prompts)
+    shape = target_shape(model, store)
+    responses = responses_bytes(options, store) if options.responses == "regenerate" else 0
+    if shape is not None and sets:
+        layerset.check_sets(sets, int(shape.num_hidden_layers), "--layers", DraftError)
+        ckpt = checkpoint_bytes(shape, sets, int(options.draft_vocab))
+        need_space(store.root, 2 * ckpt + responses,
+                   f"online training of {len(sets)} draft(s) on {model} (two checkpoints of {_mib(ckpt)} at "
+                   f"the moment one replaces the other, then the drafts; {_mib(responses)} of generated responses)")
+    else:
+        need_space(store.root, responses, "the generated responses of online training")
+
+
+def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None) -> None:
+    """Training from a capture (workflow.train; the CLI also before a --strategy's analysis): --out or the
+    store writable, the capture opens, the layer sets fit it, room for the draft."""
+    if out is not None:                 # into --out
+        where = output(out)
+    else:                               # into the store's drafts/
         where = store.root
         writable(store)
-    cap = store.open_capture(args.key)
+    cap = store.open_capture(capture_key)
     if sets:
         layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
-            need_space(where, draft_bytes(shape, sets[0], draft_vocab), "the draft")
+            need_space(where, draft_bytes(shape, sets[0], int(draft_vocab)), "the draft")
 
 
 RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a comma and a space
 
 
-def responses_bytes(args, store: Store) -> int:
+def responses_bytes(options, store: Store) -> int:
     """What online training's regenerated responses take (at most max_new_tokens per conversation), from the
-    number of conversations: --limit, else the prompt set's size (ShareGPT: its index, cached in the store)."""
+    number of conversations: options.limit, else the prompt set's size (ShareGPT: its index, cached in the store)."""
     from layerscope.prompts import load_prompts, sharegpt_index, sharegpt_path
 
-    n = args.limit
+    n = options.limit
     if n is None:
-        spec = str(args.prompts).strip()
+        spec = str(options.prompts).strip()
         if spec in ("sharegpt", "sharegpt-heldout"):
             n = int(sharegpt_index(sharegpt_path(), cache=store.root / "prompts")["usable"])
         else:
             n = len(load_prompts(spec))
-    return int(n) * int(args.max_new_tokens) * RESPONSE_TOKEN_BYTES
+    return int(n) * int(options.max_new_tokens) * RESPONSE_TOKEN_BYTES
 
 
 def directory_writable(directory: Path) -> None:

@@ -580,7 +580,7 @@ class Store:
                 check_chunk_files(p, manifest)
                 summary = summarize_manifest(manifest) | {"state": "ok", "problem": None, "fix": None}
             except StoreError as e:
-                summary = {k: None for k in SUMMARY_KEYS} | {"key": p.name, "conversations": 0, "tokens": 0,
+                summary = {k: None for k in SUMMARY_KEYS} | {"key": p.name, "conversations": None, "tokens": None,
                                                             "created": "", "state": "damaged",
                                                             "problem": e.problem, "fix": e.fix}
             summary["size_bytes"] = self.entry_size("captures", p.name) if link is None else 0

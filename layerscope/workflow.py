@@ -21,7 +21,7 @@ import torch
 
 from layerscope import bench as bench_mod
 from layerscope import capture as capture_mod
-from layerscope import costmodel, layerset, preflight
+from layerscope import costmodel, layerset, paths, preflight
 from layerscope import probe as probe_mod
 from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
@@ -136,6 +136,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     Without `out` it lives in the store under drafts/<key> (trained once per capture, target, layers
     and options); with `out` it is trained and written there. No budget: default_train_steps.
     """
+    preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out)   # before the model loads
     cap = store.open_capture(capture_key)
     layers = layerset.check(list(layers), cap.num_layers)
     target = load(model or cap.manifest["model"], store)
@@ -149,7 +150,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     else:
         head, report = train_capture_draft(cap, layers, target, options=o, strategy=strategy, progress=progress,
                                            should_stop=should_stop)
-        path = save_draft(out, head, report.meta, target=target)
+        path = save_draft(paths.real(out, "--out", DraftError), head, report.meta, target=target)   # links followed
     return Trained(Path(path), read_meta(path))
 
 
@@ -167,6 +168,7 @@ def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], 
     """One draft per layer set, trained online with `model` in the loop (draft/online.py): resumable, and
     served from the store when the same run has finished."""
     options.validate()                                      # bad options fail before the model loads
+    preflight.train_online(store, model, [list(s) for s in layer_sets], options)
     target = load(model, store)
     return online_mod.train_online(target, [list(s) for s in layer_sets], store, progress=progress,
                                    should_stop=should_stop, strategy=strategy, options=options)

@@ -63,7 +63,10 @@ case "$cmd" in
     setup_python requirements-test.txt
     setup_chromium
     say "running the test suite"
-    exec "$PY" -m pytest -q "$@"
+    # The test extra was installed above: its tests fail instead of skipping if it does not import.
+    # -rs prints every skip with its reason.
+    export LAYERSCOPE_REQUIRE_SPECULATORS=1
+    exec "$PY" -m pytest -q -rs "$@"
     ;;
   setup)
     setup_python requirements-test.txt

@@ -246,5 +246,5 @@ def test_compare_page_runs_table_filters_by_capture(app_store, three_captures):
     runs = at.dataframe[-1].value
     assert list(runs["set / contender"]) == ["greedy", "greedy"] and set(runs["capture"]) == {b}
     at.selectbox(key="ls_w_cmp_runs_capture").set_value("all").run()
-    at.multiselect(key="ls_w_cmp_runs_kinds").set_value(["study"]).run()
+    at.pills(key="ls_w_cmp_runs_kinds").set_value(["study"]).run()
     assert list(at.dataframe[-1].value["run"]) == ["study #1", "study #1"]

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,8 @@ import pytest
 from safetensors import safe_open
 
 from layerscope import cli, preflight
-from layerscope.draft.export import load_draft, save_draft
+from layerscope.draft.export import check_draft, load_draft, save_draft
+from layerscope.engines import target_facts
 from layerscope.errors import DraftError, PromptSetError, SessionError, StoreError
 from layerscope.prompts import load_prompts
 from layerscope.session import import_bytes, list_sessions, load
@@ -121,10 +123,14 @@ def test_full_disk_is_one_line_everywhere_and_the_index_is_never_quarantined(tmp
         assert not list(fresh.root.glob(".index.damaged-*")) and (fresh.root / "index" / "cache.db").is_file()
         fresh.close()
 
-        with pytest.raises(StoreWriteError, match="No space left"):
+        with pytest.raises(StoreWriteError, match="No space left") as e:
             save_draft(old, untrained_draft(tiny.model, (1, 2, 3), seed=7), target=tiny)
         assert tree(old) == before and load_draft(old).aux_layers == [1, 2, 3]     # the old draft stands whole
         assert not (old.parent / ".layerscope-staging").exists()
+        kept = Path(re.search(r"written to (\S+) instead", e.value.fix)[1])       # the new one is not lost
+        assert not kept.is_relative_to(disk) and f"--draft {kept}" in e.value.fix
+        assert load_draft(kept).aux_layers == [1, 2, 3]
+        shutil.rmtree(kept)
 
         with pytest.raises(StoreWriteError, match="Not enough free space"):
             preflight.need_space(disk, 10 * 2**20, "a capture")
@@ -239,6 +245,64 @@ def test_a_gguf_model_opens_from_a_read_only_store_whose_hash_memo_it_cannot_wri
         assert not (ro / "file-hashes.json").exists()
     assert _cached_file_hash(weights, src) == file_sha256(weights)[:24] and (src / "file-hashes.json").is_file()
 
+def test_a_planted_deep_or_huge_hash_memo_reads_as_empty_and_is_rewritten(tmp_path):
+    """file-hashes.json is read at every GGUF load: a planted one never gives a RecursionError."""
+    from layerscope.models import MEMO_BYTES, _cached_file_hash
+    from layerscope.store import file_sha256
+
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    memo = tmp_path / "file-hashes.json"
+    for planted in ("[" * 100_000 + "]" * 100_000, '{"a": "' + "x" * MEMO_BYTES + '"}', "[1, 2]", "not json"):
+        memo.write_text(planted)
+        assert _cached_file_hash(weights, tmp_path) == file_sha256(weights)[:24]
+        assert list(json.loads(memo.read_text()).values()) == [file_sha256(weights)[:24]]
+
+
+def test_an_old_stored_model_config_is_completed_where_it_can_be_and_still_loads_where_it_cannot(tmp_path):
+    """A copy de-quantized before complete_config (architectures null) is repaired on a writable store; on a
+    read-only one it is left as it is and nothing fails. A planted deep config is one line."""
+    from layerscope.errors import ModelSpecError
+    from layerscope.models import _repair_config, complete_config
+
+    old = {"model_type": "llama", "architectures": None, "hidden_size": 8}
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(old))
+    with read_only(src, tmp_path / "ro") as ro:
+        _repair_config(ro)
+        assert json.loads((ro / "config.json").read_text()) == old
+    _repair_config(src)
+    assert json.loads((src / "config.json").read_text()) == complete_config(old)
+    assert json.loads((src / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    (src / "config.json").write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ModelSpecError, match="nested 5000 levels deep"):
+        _repair_config(src)
+
+
+def test_the_apps_training_paths_check_the_store_before_the_model_loads(tmp_path, tiny_capture, session_store):
+    """workflow.train and workflow.train_online (what the app's jobs call) refuse a read-only store in one
+    line before loading anything: nothing is trained to be lost at the save."""
+    from layerscope import workflow
+    from layerscope.draft.online import OnlineOptions
+    from layerscope.draft.train import TrainOptions
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the store was checked")
+
+    with read_only(session_store.root, tmp_path / "ro") as ro:
+        store = Store(ro)
+        with pytest.raises(StoreWriteError, match="read-only"):
+            workflow.train(store, tiny_capture.key, [1, 2], TrainOptions(steps=1), load=no_load)
+        with pytest.raises(StoreWriteError, match="read-only"):
+            workflow.train_online(store, "tiny-llama", [[1, 2]], OnlineOptions(prompts="builtin", steps=1),
+                                  load=no_load)
+        with pytest.raises(DraftError, match="out of range"):      # and the sets against the depth, first too
+            workflow.train_online(Store(tmp_path / "rw"), "tiny-llama", [[1, 99]],
+                                  OnlineOptions(prompts="builtin", steps=1), load=no_load)
+        store.close()
+
+
 # ---------------------------------------------------------------------------- symbolic links
 
 def test_a_capture_linked_from_outside_is_listed_verified_and_refused_alike(tmp_path, tiny_capture, capsys):
@@ -289,6 +353,43 @@ def test_a_draft_or_out_path_through_a_symlink_loop_is_one_line_before_any_work(
     assert code == 2 and "symbolic link loop" in line
 
 
+def test_stored_drafts_and_out_paths_follow_the_one_link_rule(tmp_path, tiny, tiny_capture, session_store, capsys):
+    """A drafts/<key> link that leaves the store is refused by --draft KEY and listed as broken by the app
+    (never silently used or hidden); an --out that is a link to a directory is written through, link kept."""
+    from layerscope import workflow
+    from layerscope.draft import builtin
+    from layerscope.draft.train import TrainOptions
+    from layerscope.ui.tasks import broken_drafts, stored_drafts
+
+    store = Store(tmp_path / "store")
+    good = save_draft(store.path("drafts", "good"), untrained_draft(tiny.model, (1, 2)), {"target_model": "tiny-llama"},
+                      target=tiny)
+    outside = save_draft(tmp_path / "elsewhere", untrained_draft(tiny.model, (1, 3)), {"target_model": "tiny-llama"},
+                         target=tiny)
+    store.path("drafts", "linked").symlink_to(outside)
+    store.path("drafts", "half").mkdir()
+    (store.path("drafts", "half") / "layerscope.json").write_text("{}")
+    assert builtin.resolve("good", "tiny-llama", store) == good
+    with pytest.raises(DraftError, match="outside the store"):
+        builtin.resolve("linked", "tiny-llama", store)
+    code, line = cli_line(capsys, "bench", "--draft", "linked", "--model", "tiny-llama", "--store", store.root)
+    assert code == 2 and "outside the store" in line
+    assert [d["path"] for d in stored_drafts(store)] == [str(good)]
+    broken = {b["key"]: b for b in broken_drafts(store)}
+    assert set(broken) == {"linked", "half"}
+    assert "outside the store" in broken["linked"]["problem"] and "model.safetensors" in broken["half"]["problem"]
+    assert all("Remove" in b["fix"] for b in broken.values())
+    # --out through a link to a directory: the draft lands in the real directory, the link stays a link
+    real_dir = tmp_path / "real-out"
+    real_dir.mkdir()
+    link = tmp_path / "out-link"
+    link.symlink_to(real_dir)
+    trained = workflow.train(session_store, tiny_capture.key, [1, 2], TrainOptions(steps=1), out=link)
+    assert trained.path == real_dir.resolve() and link.is_symlink() and (real_dir / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".layerscope-staging/*"))
+    store.close()
+
+
 # ---------------------------------------------------------------------------- a draft's metadata
 
 EDITS = {
@@ -313,6 +414,11 @@ def test_a_draft_whose_files_disagree_is_refused_naming_each(tmp_path, tiny, edi
     assert name in e.value.problem and "says layers [1, 2, 3]" in e.value.problem
     assert "check-draft" in e.value.fix and "export" in e.value.fix
     code, line = cli_line(capsys, "bench", "--draft", path, "--model", "no-such-model", "--store", tmp_path / "s")
+    assert code == 2 and "disagree on the layers" in line
+    # check-draft sees it too, whichever file was edited (it reports instead of refusing)
+    report = check_draft(path, target_facts(tiny))
+    assert not report["ok"] and any("disagree on the layers" in p and name in p for p in report["problems"])
+    code, line = cli_line(capsys, "check-draft", path, "--target", "tiny-llama", "--store", tmp_path / "s")
     assert code == 2 and "disagree on the layers" in line
 
 

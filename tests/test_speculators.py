@@ -2,7 +2,8 @@
 
 speculators is a test extra: `scripts/dev.sh test` installs it with --no-deps plus the few packages its code
 imports (requirements-speculators.txt); its own requirements would bring a second torch. Where it cannot be
-imported, the tests that need it are skipped with that reason. What they hold, per target (a tiny Llama saved
+imported, the tests that need it are skipped with that reason; under `scripts/dev.sh test`, which installed it
+(LAYERSCOPE_REQUIRE_SPECULATORS=1), they fail instead. What they hold, per target (a tiny Llama saved
 as a model folder, and SmolLM2-135M from its stored de-quantization):
   - `SpeculatorModel.from_pretrained(export)` loads every weight of the checkpoint and needs nothing else from
     it (the verifier-owned verifier_lm_head/verifier_norm come from the verifier), the embedding included;
@@ -35,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from layerscope.cli import main as cli
-from layerscope.draft.export import check_draft, export_draft, export_zip, save_draft
+from layerscope.draft.export import check_draft, export_draft, export_zip, save_draft, target_name
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.engines import target_facts
 from layerscope.models import ALIASES, load_model, tiny_model
@@ -45,11 +46,22 @@ T = 128                  # tokens per test sequence: a whole flex-attention bloc
 VERIFIER_ONLY = {"verifier_lm_head.weight", "verifier_norm.weight"}   # speculators never saves these
 
 
+REQUIRE = "LAYERSCOPE_REQUIRE_SPECULATORS"   # set by `scripts/dev.sh test` (and so .ci/run), which installs it
+MISSING = ("speculators (or a package its model path imports) is not importable here: "
+           "`scripts/dev.sh setup` installs it with `pip install --no-deps -r requirements-speculators.txt`")
+
+
 @pytest.fixture(scope="module")
 def speculators():
-    return pytest.importorskip(
-        "speculators", reason="speculators (or a package its model path imports) is not importable here: "
-        "`scripts/dev.sh setup` installs it with `pip install --no-deps -r requirements-speculators.txt`")
+    """The library; skipped with the reason where it is not installed, a failure where the test command
+    installed it (a broken install must not pass CI as a skip)."""
+    if os.environ.get(REQUIRE) == "1":
+        try:
+            import speculators as module
+        except ImportError as e:
+            pytest.fail(f"{MISSING} ({type(e).__name__}: {e})")
+        return module
+    return pytest.importorskip("speculators", reason=MISSING)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +251,13 @@ def test_export_names_a_verifier_other_tools_resolve(tiny_target, tmp_path, caps
     assert report["ok"] and len(report["warnings"]) == 2
     assert "not in this machine's Hugging Face cache" in report["warnings"][0]
     assert "no embed_tokens.weight" in report["warnings"][1]
+
+
+def test_an_alias_is_exported_as_its_public_repository(tmp_path):
+    """Without speculators or SmolLM2 here: the default model's alias names the repository any machine resolves."""
+    name = target_name("smollm2-135m", None, tmp_path / "out")
+    assert name.verifier == name.commands == "HuggingFaceTB/SmolLM2-135M-Instruct" == ALIASES["smollm2-135m"].hf_id
+    assert not name.relative and "public repository" in name.note
 
 
 # ------------------------------------------------------------------ SmolLM2 from its stored de-quantization

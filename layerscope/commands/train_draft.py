@@ -87,8 +87,7 @@ def run(args) -> int:
         raise DraftError("Give a capture KEY to train from a capture, or --model to train online (one of them)",
                          "E.g. train-draft --model smollm2-135m --prompts sharegpt --layers 2,15,27 --tokens 2M")
     store = open_store(args)
-    preflight.train_draft(args, store)      # paths, options, the store and its free space, before any model loads
-    if args.model is not None:
+    if args.model is not None:              # workflow.train_online and workflow.train check the rest before any load
         return run_online(args, store)
     return run_capture(args, store)
 
@@ -170,6 +169,8 @@ def run_capture(args, store) -> int:
                          "Pass --model to train online, or run train-draft once per set")
     if (args.layers is None) == (args.strategy is None):
         raise DraftError("Give the layer set with --layers or --strategy (one of them)", "E.g. --layers 2,15,27")
+    if args.strategy is not None:           # the strategy's statistics are work: check the destination first
+        preflight.train_capture(store, args.key, [], args.draft_vocab, args.out)
     cap = store.open_capture(args.key)
     layers = parse_layers(args.layers[0]) if args.layers else workflow.layers_from_strategy(store, cap, args.strategy, args.k)
     options = TrainOptions(val_fraction=args.val_fraction, **recipe(args))

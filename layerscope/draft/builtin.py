@@ -18,6 +18,7 @@ from pathlib import Path
 from layerscope.draft.export import load_draft, read_meta, save_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL
+from layerscope.store import ENTRY_NAME_RE
 
 BUILTIN = "builtin"
 ROOT = Path(__file__).resolve().parent.parent / "data" / "drafts"
@@ -52,8 +53,16 @@ def resolve(spec, model: str | None = None, store=None) -> Path:
     path = Path(str(spec)).expanduser()
     if path.is_dir() or store is None:
         return path
+    if not ENTRY_NAME_RE.fullmatch(str(spec)):   # not a name the store could hold (a path, a glob): the caller names it
+        return path
     candidate = Path(store.path("drafts", str(spec)))
-    return candidate if candidate.is_dir() else path
+    if candidate.is_dir() or candidate.is_symlink():   # the store's path rule, as in every listing and open
+        problem = store.entry_problem("drafts", str(spec))
+        if problem is not None:
+            raise DraftError(f"The stored draft {spec} cannot be used: {problem}",
+                             f"Remove the link {candidate}, or move the draft itself into {candidate.parent}")
+        return candidate
+    return path
 
 
 def ship(src, model: str, command: str, *, root: Path | None = None, target=None) -> Path:

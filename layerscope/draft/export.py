@@ -138,8 +138,28 @@ def save_draft(path, head: DraftHead, meta: dict | None = None, *, target=None, 
                                "Give another directory; nothing was replaced")
         if error is None:
             raise
+        kept = rescue(head, meta, facts, dtype, path)
+        if kept is not None:                     # the training is not lost: say where it is
+            error = type(error)(error.problem, f"The trained draft was written to {kept} instead: benchmark it with "
+                                               f"--draft {kept}, or move it to {path} once there is room. {error.fix}")
         raise error from None
     return path
+
+
+def rescue(head: DraftHead, meta: dict | None, facts, dtype: str, path: Path) -> Path | None:
+    """After a save to `path` failed on a full or read-only disk: the same draft written whole into the
+    system's temporary directory (most often another disk), so the training is not lost. None when that
+    fails too (nothing half-written is left there either)."""
+    try:
+        where = Path(tempfile.mkdtemp(prefix=f"layerscope-unsaved-{Path(path).name}-"))
+    except OSError:
+        return None
+    try:
+        write_draft(where, head, meta, facts, dtype)
+    except (OSError, SafetensorError):
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+    return where
 
 
 # ----------------------------------------------------------------------------------------- placing a directory
@@ -762,8 +782,8 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
     elif engine == "speculators":
         convert = json.dumps({"eagle_aux_hidden_state_layer_ids": vllm})
         body = [f"`{out}` is already the converted checkpoint, with `eagle_aux_hidden_state_layer_ids` = {vllm} "
-                "and the target's input embedding. Load it in Python (from inside the folder when its verifier is "
-                "a relative path):", "",
+                "and the target's input embedding. Load it in Python (when its verifier is a relative path, run this "
+                "from inside the folder and pass `\".\"` for the folder):", "",
                 "```python",
                 "from speculators import SpeculatorModel",
                 f"draft = SpeculatorModel.from_pretrained(\"{out}\")   # target_layer_ids == {vllm}",
@@ -825,6 +845,10 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
     trained = [int(l) for l in trained]
     width = _fc_inputs(directory, cfg)
     problems = []
+    try:                           # every file's record of the layers, layers.json included (load_draft's rule)
+        draft_layers(directory, cfg, meta, read_layers_record(directory))
+    except DraftError as e:
+        problems.append(e.problem)
     if width is not None and width != len(trained):
         problems.append(f"fc reads {width} layers but layerscope.json records {len(trained)} ({trained})")
     converted = "speculators_model_type" in cfg

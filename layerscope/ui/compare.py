@@ -25,13 +25,19 @@ KIND_ORDER = {"study": 0, "bench": 1, "draft": 2}
 # ---------------------------------------------------------------------------- which captures
 
 def capture_choices(s: Session, store) -> list[dict]:
-    """The captures to compare, newest first: the store's finished ones (damaged ones left out), plus the
-    session's own capture when the store lacks it but the session holds its statistics."""
+    """The captures to compare, newest first: the store's finished ones (damaged ones left out: the page
+    says which, with damaged_captures), plus the session's own capture when the store lacks it but the
+    session holds its statistics."""
     caps = [c for c in store.list_captures() if not c.get("problem")]
     if s.capture_key and s.has_stats and all(c.get("key") != s.capture_key for c in caps):
         caps.append({**s.capture, "key": s.capture_key, "model": s.capture.get("model") or s.model,
                      "prompt_set": s.capture.get("prompt_set") or s.prompt_set, "saved_with_session": True})
     return caps
+
+
+def damaged_captures(store) -> list[dict]:
+    """The store's captures that cannot be compared, each with its problem and fix."""
+    return [c for c in store.list_captures() if c.get("problem")]
 
 
 def capture_label(c: Mapping | None, key: str | None = None) -> str:

@@ -236,22 +236,46 @@ def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
 
 
 def stored_drafts(store, *, fingerprint: str | None = None) -> list[dict]:
-    """Drafts in the store (drafts/<key>/ with layerscope.json), optionally only those for one target."""
-    root = Path(store.root) / "drafts"
+    """Drafts in the store (drafts/<key>/ with layerscope.json), optionally only those for one target. An
+    entry the store's path rule refuses, or whose files do not read, is left out here and listed by
+    broken_drafts (what can be used is exactly what is offered)."""
     out = []
-    if not root.is_dir():
-        return out
-    for d in sorted(root.iterdir()):
-        if not (d.is_dir() and (d / "model.safetensors").is_file() and (d / "layerscope.json").is_file()):
-            continue
-        try:
-            meta = read_meta(d)
-        except Exception:  # a broken draft directory is skipped, not fatal for the listing
+    for d, meta, problem in _draft_entries(store):
+        if problem is not None:
             continue
         if fingerprint is not None and meta.get("target_fingerprint") not in (None, fingerprint):
             continue
         out.append({**draft_entry(d, meta), "saved": meta.get("saved")})
     return sorted(out, key=lambda r: r.get("saved") or "", reverse=True)
+
+
+def broken_drafts(store) -> list[dict]:
+    """The store's draft entries that cannot be used, each {"key", "problem", "fix"}, for the page to say."""
+    return [{"key": d.name, "problem": problem,
+             "fix": f"Remove {d} (`rm -r` it), or train the draft again; other drafts are unaffected"}
+            for d, _, problem in _draft_entries(store) if problem is not None]
+
+
+def _draft_entries(store):
+    """(directory, layerscope.json or None, problem or None) for every entry under drafts/."""
+    root = Path(store.root) / "drafts"
+    if not root.is_dir():
+        return
+    for d in sorted(root.iterdir()):
+        if d.name.startswith("."):          # staging areas and temporary files
+            continue
+        problem = store.entry_problem("drafts", d.name)
+        if problem is None and not (d / "model.safetensors").is_file():
+            problem = "it has no model.safetensors (an unfinished or damaged draft)"
+        if problem is None and not (d / "layerscope.json").is_file():
+            continue                        # a draft made elsewhere: not LayerScope's to list
+        meta = None
+        if problem is None:
+            try:
+                meta = read_meta(d)
+            except LayerScopeError as e:
+                problem = f"its layerscope.json does not read ({e.problem})"
+        yield d, meta, problem
 
 
 def builtin_entry(model: str | None) -> dict | None:
