@@ -1,27 +1,37 @@
 #!/bin/bash
-# The long training runs of issue 20 on SmolLM2-135M, resumable: run the same line again after an interruption
-# (a kill, a reboot, the end of a session) and it continues from the newest checkpoint in the store.
+# The long runs of issues 20 and 21 on SmolLM2-135M, resumable: run the same line again after an interruption
+# (a kill, a reboot, the end of a session) and it continues from what the store holds.
 #
 #   benchmarks/long_run.sh default   # the default set [2,15,27] alone: the draft that ships as --draft builtin
-#   benchmarks/long_run.sh study     # the default set and the study's other eight sets in one pass
+#   benchmarks/long_run.sh study     # the study itself: its capture, then `layerscope study --online`, which
+#                                    # trains every proposed set (default rule, entropy/CKA strategies, last-k,
+#                                    # single, two seeded random controls) in one target pass per seed, seeds 0
+#                                    # and 1, and benchmarks them on 40 held-out prompts
 #
 # Keep the store outside the work tree (LAYERSCOPE_STORE, default $HOME/layerscope-store) so that it outlives
 # it, and run this alone on the machine: a second torch process on 2 cores slows both several times.
-# Log: $LAYERSCOPE_STORE/logs/long-<mode>.log. The regenerated answers (1,688 ShareGPT prompts, 185,768
-# response tokens) are generated once into the store (about an hour on 2 cores) and shared by both modes.
+# Logs: $LAYERSCOPE_STORE/logs/long-<mode>.log (progress) and .json (results). The regenerated answers of
+# seed 0 (1,688 ShareGPT prompts, 185,768 response tokens) are generated once into the store (about an hour
+# on 2 cores) and shared by both modes; seed 1 draws its own sample and generates its own (another hour).
+# Where each part stands: training checkpoints in runs/<key>/ (resumed from the newest), finished drafts in
+# drafts/, each draft's benchmark cached in the store (a rerun reads it back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-default}"
 export LAYERSCOPE_STORE="${LAYERSCOPE_STORE:-$HOME/layerscope-store}"
 mkdir -p "$LAYERSCOPE_STORE/logs"
+log="$LAYERSCOPE_STORE/logs/long-$mode"
 data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2)
 case "$mode" in
-  default) sets=(--layers 2,15,27); budget=(--time 100m) ;;
-  # the study's sets for SmolLM2 (docs/results.md): default, entropy-topk, aggregate, greedy, spread, last-k,
-  # single, two seeded random controls
-  study) sets=(--layers 2,15,27 --layers 0,10,27 --layers 2,27,29 --layers 18,26,27 --layers 2,10,27
-               --layers 27,28,29 --layers 29 --layers 13,14,23 --layers 4,6,25); budget=(--tokens 1M) ;;
+  default)
+    exec .venv/bin/layerscope train-draft "${data[@]}" --layers 2,15,27 --time 100m --json >> "$log.json" 2>> "$log.log" ;;
+  study)
+    # the study's capture: its statistics propose the sets and give the proxies (about 10 minutes, once)
+    key=$(.venv/bin/layerscope capture --model smollm2-135m --prompts sharegpt --limit 240 --max-new-tokens 96 \
+            --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+    echo "study capture: $key" >> "$log.log"
+    exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single \
+      --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
+      --seeds 0,1 --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
   *) echo "usage: $0 default|study" >&2; exit 2 ;;
 esac
-exec .venv/bin/layerscope train-draft "${data[@]}" "${sets[@]}" "${budget[@]}" --json \
-  >> "$LAYERSCOPE_STORE/logs/long-$mode.json" 2>> "$LAYERSCOPE_STORE/logs/long-$mode.log"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -247,11 +247,16 @@ def _sync(device) -> None:
 @dataclass(frozen=True)
 class AcceptanceProfile:
     """chain[i-1]: P(draft tokens 1..i of a chain all accepted); rank[j-1][r]: P(the target's token at
-    depth j is the draft's (r+1)-th choice | the path above matched). rows: positions measured."""
+    depth j is the draft's (r+1)-th choice | the path above matched). rows: positions measured.
+    sequences: per calibration prompt, the ranks of draft_ranks ([rows, depth] as lists), for `replay`:
+    decoding visits only some of those states (after k accepted tokens it jumps k + 1 ahead), so the
+    average over every state (chain, rank) overstates tau where easy tokens come in runs; a replay walks
+    the states decoding visits. Empty for a profile built from averages alone (from_chain)."""
 
     chain: tuple[float, ...]
     rank: tuple[tuple[float, ...], ...]
     rows: int = 0
+    sequences: tuple[tuple[tuple[int, ...], ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         if len(self.rank) != len(self.chain) or any(not r for r in self.rank):
@@ -334,7 +339,8 @@ def calibrate(model, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         ranks.append(draft_ranks(model, draft, list(ids) + out, len(ids), depth))
         if progress is not None:
             progress(i + 1, len(prompts))
-    return profile_from_ranks(torch.cat(ranks))
+    profile = profile_from_ranks(torch.cat(ranks))
+    return replace(profile, sequences=tuple(tuple(tuple(row) for row in r.tolist()) for r in ranks))
 
 
 # ----------------------------------------------------------------------------- prediction
@@ -361,18 +367,58 @@ def tree_label(t: TreeSpec) -> str:
     return f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}"
 
 
-def expected_tree_accepted(profile: AcceptanceProfile, spec: TreeSpec) -> float:
-    """Expected accepted nodes of the tree EAGLE-2 grows (specdec._grow_tree) when a node's value is the
-    product of rank acceptances along its path: level by level the top_k best nodes each get top_k children,
-    the `budget` best nodes of the whole tree are verified; a node is accepted with probability its value."""
+def tree_nodes(profile: AcceptanceProfile, spec: TreeSpec) -> list[tuple[tuple[int, ...], float]]:
+    """The nodes of the tree EAGLE-2 grows (specdec._grow_tree) when a node's value is the product of rank
+    acceptances along its path: level by level the top_k best nodes each get top_k children, the `budget`
+    best nodes of the whole tree are verified. Each node: (its rank path (r1, ..., rj), its value)."""
     K = spec.top_k
-    nodes = [profile.p(1, r) for r in range(K)]                 # values of all nodes so far
+    nodes = [((r,), profile.p(1, r)) for r in range(K)]          # every node so far
     front = list(nodes)
     for level in range(2, spec.depth + 1):
-        cand = [v * profile.p(level, r) for v in front for r in range(K)]
+        cand = [(path + (r,), v * profile.p(level, r)) for path, v in front for r in range(K)]
         nodes += cand
-        front = sorted(cand, reverse=True)[:K]
-    return sum(sorted(nodes, reverse=True)[:spec.budget])
+        front = sorted(cand, key=lambda n: -n[1])[:K]
+    return sorted(nodes, key=lambda n: -n[1])[:spec.budget]
+
+
+def expected_tree_accepted(profile: AcceptanceProfile, spec: TreeSpec) -> float:
+    """Expected accepted nodes of that tree, each accepted with probability its value."""
+    return sum(v for _, v in tree_nodes(profile, spec))
+
+
+def replay(sequences, accepted: Callable[[tuple[int, ...]], int]) -> float:
+    """Tokens per verification step of a decoding replayed along calibration sequences: from the first state,
+    a step at state t accepts a = accepted(ranks of t) draft tokens, emits a + 1 and moves to state t + a + 1
+    (what lossless greedy decoding does along the target's own continuation); a state with nothing left to
+    predict (rank -1 at depth 1) ends its sequence. Pooled over the sequences."""
+    tokens = steps = 0
+    for rows in sequences:
+        t = 0
+        while t < len(rows) and rows[t][0] >= 0:
+            a = accepted(rows[t])
+            tokens, steps, t = tokens + a + 1, steps + 1, t + a + 1
+    return tokens / steps if steps else 1.0
+
+
+def replayed_tau(profile: AcceptanceProfile, *, k: int | None = None, tree: TreeSpec | None = None) -> float:
+    """Tau of a chain of depth k, or of `tree`, replayed along the profile's sequences. A chain accepts the
+    first choices from depth 1 on, up to k; a tree accepts the deepest node of its rank paths that the
+    target's path follows (rank -1: past the end, never accepted)."""
+    if tree is not None:
+        paths = {path for path, _ in tree_nodes(profile, tree)}
+
+        def accepted(row):
+            a = 0
+            while a < tree.depth and row[:a + 1] in paths:
+                a += 1
+            return a
+    else:
+        def accepted(row):
+            a = 0
+            while a < min(k, len(row)) and row[a] == 0:
+                a += 1
+            return a
+    return replay(profile.sequences, accepted)
 
 
 def step_seconds(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None) -> float:
@@ -387,12 +433,17 @@ def step_seconds(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | Non
 def predict(curve: CostCurve, profile: AcceptanceProfile | None, *, k: int | None = None,
             tree: TreeSpec | None = None) -> Prediction:
     """Predicted tau, step time, tokens/s and speedup of plain decoding (no k, no tree), a chain or a tree
-    (`profile` None: nothing accepted, for the step time and break-even tau alone)."""
+    (`profile` None: nothing accepted, for the step time and break-even tau alone). Tau is replayed along the
+    profile's calibration sequences when it has them (replayed_tau), else the average over states."""
     base, seconds = curve.target_s(1), step_seconds(curve, k=k, tree=tree)
+    replayable = profile is not None and bool(profile.sequences)
     if tree is not None:                             # no profile: nothing is accepted
-        tau, label, k = 1.0 + (expected_tree_accepted(profile, tree) if profile else 0.0), tree_label(tree), None
+        tau = (replayed_tau(profile, tree=tree) if replayable else
+               1.0 + (expected_tree_accepted(profile, tree) if profile else 0.0))
+        label, k = tree_label(tree), None
     elif k is not None:                              # depths past the profile: never accepted
-        tau, label = 1.0 + (sum(profile.chain[:k]) if profile else 0.0), f"chain k={k}"
+        tau = replayed_tau(profile, k=k) if replayable else 1.0 + (sum(profile.chain[:k]) if profile else 0.0)
+        label = f"chain k={k}"
     else:
         tau, label = 1.0, "autoregressive"
     return Prediction(label, k, tree, tau, seconds, tau / seconds, tau * base / seconds, seconds / base)
@@ -425,7 +476,7 @@ def break_even_taus(curve: CostCurve, ks: Sequence[int] = AUTO_KS, trees: Sequen
 # ----------------------------------------------------------------------------- the benchmark
 
 
-CALIBRATION_PROMPTS = 4              # prompts of a calibration run, a seed apart from the benchmark's own sample
+CALIBRATION_PROMPTS = 8              # prompts of a calibration run, a seed apart from the benchmark's own sample
 
 
 def auto_contenders(target, drafts: Sequence[tuple[str, object]], options, curve: CostCurve,

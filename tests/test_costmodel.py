@@ -162,6 +162,45 @@ def test_expected_tree_acceptance_closed_form():
         assert cm.predict(_flat(), chain, tree=TreeSpec(d, 1, d)).tau == pytest.approx(cm.predict(_flat(), chain, k=d).tau)
 
 
+def test_replayed_tau_walks_the_states_decoding_visits():
+    """Two sequences of ranks [rows, depth]. A chain of depth 2 at row 0 of the first accepts 2 (emits 3) and
+    jumps to row 3; there it accepts 0 (emits 1), row 4: accepts 1 (its depth 2 is past the end). The second
+    sequence: 0 accepted twice. 3 + 1 + 2 + 1 + 1 = 8 tokens in 5 steps. The average over every state says more
+    (easy states come in a run, and decoding skips some of them)."""
+    seqs = (((0, 0), (0, 0), (0, 0), (3, 0), (0, -1)), ((1, 0), (2, -1)))
+    prof = cm.profile_from_ranks(torch.tensor([list(r) for s in seqs for r in s]), max_rank=4)
+    replayable = cm.replace(prof, sequences=seqs)
+    assert cm.replayed_tau(replayable, k=2) == pytest.approx(8 / 5)
+    assert cm.predict(_flat(), replayable, k=2).tau == pytest.approx(8 / 5)
+    averaged = cm.predict(_flat(), prof, k=2).tau
+    assert averaged == pytest.approx(1 + sum(prof.chain[:2])) and averaged > 8 / 5
+    # k = 1: rows 0, 2, 4 of the first (each accepts 1), rows 0, 1 of the second (0 each): 6 + 2 tokens, 5 steps
+    assert cm.replayed_tau(replayable, k=1) == pytest.approx(8 / 5)
+    # a top-2 tree of depth 2 with budget 6 holds every rank path in {0, 1}^2: the second sequence's row 0
+    # (ranks 1, 0) now accepts 2, which ends it; the first as with the chain: 3 + 1 + 2 + 3 = 9 tokens in 4 steps
+    tree = TreeSpec(6, 2, 2)
+    assert {p for p, _ in cm.tree_nodes(replayable, tree)} == {(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)}
+    assert cm.replayed_tau(replayable, tree=tree) == pytest.approx(9 / 4)
+    assert cm.predict(_flat(), replayable, tree=tree).tau == pytest.approx(9 / 4)
+
+
+def test_calibration_replays_every_prompt(tiny):
+    """calibrate keeps each prompt's ranks in order (7 states with a next token for 8 new tokens, then the
+    last state, past the end); replaying a chain over them equals the hand walk and never exceeds k + 1."""
+    draft = untrained_draft(tiny.model)
+    prof = cm.calibrate(tiny.model, draft, PROMPTS[:2], max_new_tokens=8, depth=3)
+    assert len(prof.sequences) == 2 and all(sum(r[0] >= 0 for r in s) == 7 for s in prof.sequences)
+    assert sum(r[0] >= 0 for s in prof.sequences for r in s) == prof.rows
+    for k in (1, 2, 3):
+        tokens = steps = 0
+        for rows in prof.sequences:
+            t = 0
+            while t < len(rows) and rows[t][0] >= 0:
+                a = next((i for i, r in enumerate(rows[t][:k]) if r != 0), min(k, len(rows[t])))
+                tokens, steps, t = tokens + a + 1, steps + 1, t + a + 1
+        assert cm.replayed_tau(prof, k=k) == pytest.approx(tokens / steps) and tokens / steps <= k + 1
+
+
 def _flat():
     return cm.CostCurve("cpu", "float32", 1, tuple(0.1 for _ in range(32)), (0.01,) * 8)
 
