@@ -17,6 +17,10 @@ stream entering decoder layer l (= the output of decoder layer l-1). Each engine
 Every reading rule below is reproduced from the engines' sources (paths in the comments; none of their code
 is copied). When the ids are missing, every engine silently falls back to a default set, so `read_layers`
 returns where the ids came from as well as the layers an engine will actually read.
+
+This module only knows the rules (it reads no draft). They are applied by layerscope/draft/checkpoint.py (the
+ids a draft directory records), engine_export.py and commands_md.py (each engine's folder and its commands)
+and check.py (what each engine would read from a directory).
 """
 
 from __future__ import annotations

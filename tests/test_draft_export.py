@@ -132,7 +132,7 @@ def test_serving_notes_flag_what_engines_cannot_load(tiny, tiny_capture, tmp_pat
 
 KILLED_SAVE = """
 import os, signal, sys, torch
-from layerscope.draft import export
+from layerscope.draft import checkpoint as export
 from layerscope.draft.model import DraftConfig, DraftHead
 path, when = sys.argv[1], sys.argv[2]
 cfg = DraftConfig(hidden_size=16, target_hidden_size=16, vocab_size=50, draft_vocab_size=50, aux_layers=[1, 2, 3],

@@ -1,0 +1,148 @@
+"""check-draft: which layers each engine would actually read from a draft directory, against the set the
+draft was trained on, before anything is served.
+
+    check_draft(directory, facts)   a row per engine (what it reads, from where, pass or fail), the problems
+                                    (a silent fallback to an engine's default set, other layers, files that
+                                    disagree, fc's width against the record) and, for a converted speculators
+                                    directory, whether its verifier resolves and it carries the embedding
+    verifier_problem(name, dir)     why speculators cannot resolve a converted draft's verifier (None if it can)
+
+Each engine's reading rule is layerscope/engines.py's read_layers; the directory's own agreement is
+layerscope/draft/checkpoint.py's draft_layers (the rule load_draft applies).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import try_to_load_from_cache
+from safetensors import safe_open
+
+from layerscope import engines
+from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
+from layerscope.engines import TargetFacts
+from layerscope.errors import DraftError
+
+
+def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) -> dict:
+    """Which layers each engine would read from `directory` for this target, against the set the draft was
+    trained on (layerscope.json, cross-checked with the width of fc). Returns {"trained", "rows", "ok",
+    "warnings", "speculators"}; a row fails when an engine that should load the directory reads another set or
+    cannot load it at all. For a converted (speculators) directory the speculators row also has the library's
+    own reading (library_reads), and "speculators" says whether its verifier resolves from the working
+    directory and whether the checkpoint carries the embedding; what it finds wrong there is a warning."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+        raise DraftError(f"{directory} is not a draft directory (config.json and model.safetensors are needed)",
+                         "Give a directory written by `layerscope train-draft` or `layerscope export`")
+    cfg = read_config(directory)
+    meta = read_meta(directory)
+    trained = meta.get("aux_layers") or meta.get("layers")
+    if not trained:
+        raise DraftError(f"{directory} has no record of the layers it was trained on (layerscope.json)",
+                         "Check a draft LayerScope trained or exported; for others the trained set is unknown")
+    trained = [int(l) for l in trained]
+    width = _fc_inputs(directory, cfg)
+    problems = []
+    if width is not None and width != len(trained):
+        problems.append(f"fc reads {width} layers but layerscope.json records {len(trained)} ({trained})")
+    converted = "speculators_model_type" in cfg
+    if only:
+        wanted = list(only)
+    elif meta.get("exported_for"):
+        wanted = [meta["exported_for"]]
+    else:
+        wanted = ["speculators"] if converted else ["vllm", "sglang", "specforge"]
+    rows = []
+    for engine in engines.ENGINES:
+        if converted != (engine == "speculators"):
+            if engine in wanted:
+                problems.append(f"{engine} does not load a {'speculators' if converted else 'LayerScope'}-format "
+                                "directory like this one")
+            continue
+        reads, source = engines.read_layers(engine, cfg, facts)
+        refused = engines.refusal(engine, trained, facts)
+        checked = engine in wanted
+        ok = refused is None and reads == trained
+        if refused:
+            status = f"cannot load it: {refused}"
+        elif reads == trained:
+            status = "reads the trained layers"
+        elif source.startswith("default"):
+            status = f"SILENT FALLBACK to {reads}: {source}"
+        else:
+            status = f"READS OTHER LAYERS {reads} than the trained {trained}"
+        row = {"engine": engine, "reads": reads, "source": source, "ok": ok, "checked": checked, "status": status}
+        rows.append(row)
+        if checked and not ok:
+            problems.append(f"{engine}: {status}")
+        if engine == "speculators":
+            row["library_reads"], row["library_source"] = engines.speculators_reads(cfg, facts)
+            if checked and row["library_reads"] != trained and not refused:
+                problems.append(f"speculators' own from_pretrained reads {row['library_reads']} "
+                                f"({row['library_source']}), not the trained {trained}")
+    if not problems:               # the engines read the trained set: do the draft's other files say it too?
+        try:                       # (layers.json included: load_draft's rule, which bench and export apply)
+            draft_layers(directory, cfg, meta, read_layers_record(directory))
+        except DraftError as e:
+            problems.append(e.problem)
+    warnings, spec = [], None
+    if converted:
+        verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        spec = {"verifier": verifier, "verifier_problem": verifier_problem(verifier, directory),
+                "embedding": "embed_tokens.weight" in _tensor_names(directory)}
+        if spec["verifier_problem"]:
+            warnings.append(spec["verifier_problem"])
+        if not spec["embedding"]:
+            warnings.append("model.safetensors has no embed_tokens.weight: speculators' own forward then embeds "
+                            "tokens with a weight from_pretrained initialized, not the target's (vLLM shares the "
+                            "target's, so serving is unaffected); export it again with `layerscope export --for "
+                            "speculators`")
+    return {"directory": str(directory), "trained": trained, "target": facts.to_dict(), "rows": rows,
+            "problems": problems, "ok": not problems, "warnings": warnings, "speculators": spec}
+
+
+def verifier_problem(name: str | None, directory: Path) -> str | None:
+    """Why speculators, run from the current directory, cannot resolve a converted draft's verifier (None
+    when it can: a model folder here, or a hub id in the local Hugging Face cache). SpeculatorModel.from_pretrained
+    reads the verifier's config and weights (src/speculators/utils/loading.py _resolve_file: a local directory
+    when Path(name).is_dir(), else hf_hub_download; models/utils.py get_verifier_config)."""
+    if not name:
+        return ("config.json names no verifier (speculators_config.verifier.name_or_path): speculators cannot "
+                "read the target's depth, output head and final norm")
+    if (Path(name).expanduser() / "config.json").is_file():
+        return None
+    if (Path(directory) / name / "config.json").is_file():
+        return (f"the verifier `{name}` is a folder relative to {directory}, but speculators resolves it from the "
+                f"working directory ({Path.cwd()}), where it does not exist: run from {directory}, or write its "
+                "absolute path in config.json")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+        return (f"the verifier `{name}` is not in this machine's Hugging Face cache: speculators downloads it from "
+                "the Hub, which needs network access (and a token for a gated model)")
+    return (f"the verifier `{name}` is neither a model folder here nor a Hugging Face id: speculators cannot load "
+            "this draft; put the target's folder or Hugging Face id in speculators_config.verifier.name_or_path")
+
+
+def _tensor_names(directory: Path) -> set[str]:
+    """The tensor names in a directory's model.safetensors, from its header (empty when unreadable)."""
+    try:
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            return set(f.keys())
+    except Exception:  # an unreadable checkpoint is load_draft's to report
+        return set()
+
+
+def _fc_inputs(directory: Path, cfg: dict) -> int | None:
+    """How many layers fc concatenates, from the checkpoint's header (None when it cannot tell)."""
+    hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size") or \
+        (cfg.get("transformer_layer_config") or {}).get("hidden_size")
+    try:
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            if "fc.weight" not in f.keys():
+                return None
+            cols = f.get_slice("fc.weight").get_shape()[1]
+    except Exception:  # an unreadable checkpoint is load_draft's to report
+        return None
+    return int(cols) // int(hidden) if hidden else None
