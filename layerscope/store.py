@@ -3,6 +3,7 @@
 Layout under the root (the `root` argument, else $LAYERSCOPE_STORE, else ./cache under the working directory):
     index/                    a diskcache.Cache holding JSON only (never pickle: a store can be shared)
     captures/<key>/           a finished capture: manifest.json + chunk-<start>-<end>.safetensors
+                              (the files, keys and shapes: layerscope/capture_format.py)
     captures/<key>.partial/   chunks of a capture in progress; renamed to captures/<key>/ when complete
     locks/<kind>/<key>.lock   one lock file per entry being written (fcntl.flock; never listed)
     models/<fingerprint>/     de-quantized model weights
@@ -32,7 +33,6 @@ import os
 import re
 import shutil
 import sqlite3
-import struct
 import tempfile
 import time
 import warnings
@@ -41,27 +41,29 @@ from pathlib import Path
 
 import diskcache
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from layerscope import jsonsafe
+from layerscope.capture_format import (SUMMARY_KEYS, CaptureReader, check_chunk_files, list_chunks, read_manifest,
+                                       summarize_manifest, validate_manifest, verify_capture_files)
+from layerscope.capture_format import (CHUNK_DTYPES, CHUNK_RE, MAX_HEADER_BYTES, MAX_MANIFEST_BYTES,  # noqa: F401
+                                       SHA256_RE, chunk_name, damaged, file_sha256, read_header)
 from layerscope.errors import StoreError
 from layerscope.paths import LINK_FIX, entry_problem
+
+# The second import re-exports the rest of the capture format from here, where it lived before
+# (capture.py, distributed.py, session.py and tests import those names from layerscope.store).
 
 ENTRY_KINDS = ("captures", "drafts", "models", "sessions")   # directory kinds the size limit evicts
 DEFAULT_SIZE_LIMIT = 50 * 2**30
 KEY_RE = re.compile(r"[0-9a-f]{24}")               # a capture key, in full
 PREFIX_RE = re.compile(r"[0-9a-f]{1,24}")          # what a user may type for one
 ENTRY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")   # any entry directory name (no dots: temp names have them)
-SHA256_RE = re.compile(r"[0-9a-f]{64}")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-MAX_MANIFEST_BYTES = 64 * 2**20
-MAX_HEADER_BYTES = 100 * 2**20
 MAX_INDEX_VALUE_BYTES = 256 * 2**20          # one decompressed index value (an analysis with its token table)
 INDEX_DAMAGE = ("not a database", "malformed", "no such table", "no such column", "corrupt")
-CHUNK_DTYPES = {"token_id": "I32", "position": "I32", "conversation": "I32", "is_response": "BOOL",
-                "entropy": "F32"}
 
 
 class StoreWarning(UserWarning):
@@ -80,11 +82,6 @@ def make_key(obj) -> str:
     """24 hex chars of sha256 over canonical JSON: the content address of whatever `obj` describes."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---------------------------------------------------------------------------- writes
@@ -264,6 +261,12 @@ class _MemoryIndex(dict):
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+# ---------------------------------------------------------------------------- the store
+
+class LockWaitCancelled(StoreError):
+    """should_stop() asked to give up waiting for another writer."""
 
 
 class Store:
@@ -522,7 +525,7 @@ class Store:
         raise StoreError(f"No capture with key {key!r} in {self.root}",
                          "Run `layerscope captures` to list the stored keys, or capture first")
 
-    def open_capture(self, key: str) -> "CaptureReader":
+    def open_capture(self, key: str) -> CaptureReader:
         """The finished capture `key` (or unique prefix), checked cheaply (schema, sizes, chunk headers)."""
         key = self.resolve_capture_key(key)
         self._check_entry("captures", key)
@@ -632,254 +635,4 @@ class Store:
         problem = self.entry_problem("captures", key)
         if problem is not None:
             return [problem]
-        try:
-            manifest = read_manifest(path)
-            check_chunk_files(path, manifest)
-        except StoreError as e:
-            return [e.problem]
-        problems = []
-        for c in manifest["chunks"]:
-            if "sha256" not in c:
-                problems.append(f"chunk {c['file']} has no checksum (captured before checksums were recorded)")
-            elif file_sha256(path / c["file"]) != c["sha256"]:
-                problems.append(f"chunk {c['file']} does not match its checksum (its bytes changed)")
-        return problems
-
-
-class LockWaitCancelled(StoreError):
-    """should_stop() asked to give up waiting for another writer."""
-
-
-SUMMARY_KEYS = ("key", "model", "num_layers", "hidden_size", "prompt_set", "tokens", "conversations", "created",
-                "seconds")
-
-
-def summarize_manifest(m: dict) -> dict:
-    return {k: m.get(k) for k in SUMMARY_KEYS}
-
-
-# ---------------------------------------------------------------------------- manifests
-
-def damaged(path: Path, problem: str) -> StoreError:
-    key = Path(path).name
-    return StoreError(f"Capture {key} is damaged: {problem}",
-                      f"Do not use it: run `layerscope verify {key} --delete` to remove it, then capture again")
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest of the capture directory `path`, parsed and validated; StoreError naming the key if not."""
-    f = Path(path) / "manifest.json"
-    try:
-        if f.stat().st_size > MAX_MANIFEST_BYTES:
-            raise damaged(path, f"manifest.json is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-        manifest = jsonsafe.loads(f.read_bytes(), what="manifest.json", error=StoreError)
-    except OSError as e:
-        raise damaged(path, f"manifest.json is unreadable ({e})") from None
-    except StoreError as e:
-        raise damaged(path, e.problem) from None
-    validate_manifest(manifest, Path(path).name)
-    return manifest
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def validate_manifest(m, key: str) -> None:
-    """The manifest schema: types, ranges, contiguous chunks named as chunk_name says (so inside the entry)."""
-    where = Path(key)
-
-    def need(cond, problem):
-        if not cond:
-            raise damaged(where, f"manifest.json: {problem}")
-
-    need(isinstance(m, dict), "not a JSON object")
-    need(m.get("key") == key, f"its key {m.get('key')!r} is not the directory's name")
-    need(_is_int(m.get("format")) and m["format"] >= 1, "'format' must be a positive integer")
-    for name, top in (("num_layers", 100_000), ("hidden_size", 1_000_000)):
-        need(_is_int(m.get(name)) and 1 <= m[name] <= top, f"{name!r} must be an integer in 1..{top}")
-    for name in ("model", "prompt_set", "created"):
-        need(m.get(name) is None or isinstance(m[name], str), f"{name!r} must be a string")
-    chunks = m.get("chunks")
-    need(isinstance(chunks, list) and chunks, "'chunks' must be a non-empty list")
-    start = 0
-    for i, c in enumerate(chunks):
-        need(isinstance(c, dict), f"chunk {i} is not an object")
-        need(_is_int(c.get("start")) and _is_int(c.get("end")) and c["start"] == start and c["end"] > start,
-             f"chunk {i} does not continue at conversation {start}")
-        need(c.get("file") == chunk_name(c["start"], c["end"]), f"chunk {i} file name {c.get('file')!r} is not "
-             f"{chunk_name(c['start'], c['end'])}")
-        need(_is_int(c.get("tokens")) and c["tokens"] >= 1, f"chunk {i} 'tokens' must be a positive integer")
-        need("bytes" not in c or (_is_int(c["bytes"]) and c["bytes"] > 8), f"chunk {i} 'bytes' must be an integer")
-        need("sha256" not in c or (isinstance(c["sha256"], str) and SHA256_RE.fullmatch(c["sha256"])),
-             f"chunk {i} 'sha256' must be 64 hex characters")
-        start = c["end"]
-    need(m.get("conversations") == start, f"'conversations' is {m.get('conversations')!r}, the chunks hold {start}")
-    need(m.get("tokens") == sum(c["tokens"] for c in chunks),
-         f"'tokens' is {m.get('tokens')!r}, the chunks hold {sum(c['tokens'] for c in chunks)}")
-    prompts = m.get("prompts", [])
-    need(isinstance(prompts, list) and all(isinstance(p, dict) for p in prompts), "'prompts' must be a list of objects")
-
-
-def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}}; ValueError when malformed."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError("header length runs past the file")
-        try:
-            header = jsonsafe.loads(f.read(n), what="its header", error=StoreError)
-        except StoreError as e:
-            raise ValueError(e.problem) from None
-    if not isinstance(header, dict):
-        raise ValueError("its header is not a JSON object")
-    header.pop("__metadata__", None)
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if 8 + n + end != size:
-        raise ValueError(f"{size} bytes where the header describes {8 + n + end}")
-    return header
-
-
-def check_chunk_files(path: Path, manifest: dict) -> None:
-    """The cheap check: every chunk is a regular file of its recorded size whose header has the tensors
-    and shapes the manifest implies ([tokens] and [tokens, hidden_size] for layers 0..num_layers)."""
-    N, d = manifest["num_layers"], manifest["hidden_size"]
-    for c in manifest["chunks"]:
-        f = Path(path) / c["file"]
-        if f.is_symlink() or not f.is_file():
-            raise damaged(path, f"chunk {c['file']} is missing")
-        if "bytes" in c and f.stat().st_size != c["bytes"]:
-            raise damaged(path, f"chunk {c['file']} is {f.stat().st_size} bytes, the manifest says {c['bytes']}")
-        try:
-            header = read_header(f)
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-            raise damaged(path, f"chunk {c['file']} is not a valid safetensors file ({e})") from None
-        n = c["tokens"]
-        want = {f"hidden.{l}": ([n, d], "F16") for l in range(N + 1)}
-        want |= {name: ([n], dtype) for name, dtype in CHUNK_DTYPES.items()}
-        if manifest.get("has_prenorm_final"):
-            want["prenorm_final"] = ([n, d], "F16")
-        for name, (shape, dtype) in want.items():
-            got = header.get(name)
-            if not isinstance(got, dict):
-                raise damaged(path, f"chunk {c['file']} has no tensor {name}")
-            if got.get("shape") != shape or got.get("dtype") != dtype:
-                raise damaged(path, f"chunk {c['file']} tensor {name} is {got.get('dtype')} {got.get('shape')}, "
-                              f"the manifest implies {dtype} {shape}")
-
-
-# ---------------------------------------------------------------------------- chunks and readers
-
-def chunk_name(start: int, end: int) -> str:
-    """File name of the chunk holding conversations [start, end)."""
-    return f"chunk-{start:07d}-{end:07d}.safetensors"
-
-
-CHUNK_RE = re.compile(r"chunk-(\d{7})-(\d{7})\.safetensors")
-
-
-def list_chunks(directory: Path) -> list[tuple[int, int, Path]]:
-    """(start, end, path) of every complete chunk in `directory`, by conversation range."""
-    out = []
-    if not Path(directory).is_dir():
-        return out
-    for p in Path(directory).iterdir():
-        m = CHUNK_RE.fullmatch(p.name)
-        if m and p.is_file() and not p.is_symlink():
-            out.append((int(m[1]), int(m[2]), p))
-    return sorted(out)
-
-
-class CaptureReader:
-    """Read a finished capture: token table, one layer or a token subset, without loading everything.
-
-    Chunk tensors: `hidden.<l>` [n, d] float16 for l in 0..N, `prenorm_final` [n, d] float16,
-    `token_id`, `position`, `conversation` int32 [n], `is_response` bool [n], `entropy` float32 [n].
-    Opening checks the manifest schema, chunk sizes and headers; the first read of each chunk checks
-    its sha256, so damaged bytes raise StoreError instead of reaching a result.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        check_chunk_files(self.path, self.manifest)
-        self.key = self.manifest["key"]
-        self.num_layers = int(self.manifest["num_layers"])
-        self.hidden_size = int(self.manifest["hidden_size"])
-        self.chunks = [(c["file"], int(c["tokens"])) for c in self.manifest["chunks"]]
-        self._sha = {c["file"]: c.get("sha256") for c in self.manifest["chunks"]}
-        self._verified: set[str] = set()
-        self.offsets = torch.tensor([0] + [n for _, n in self.chunks]).cumsum(0)
-        self.num_tokens = int(self.offsets[-1])
-        self._tokens = None
-
-    def __repr__(self) -> str:
-        return f"CaptureReader({self.key}, {self.num_tokens} tokens, layers 0..{self.num_layers})"
-
-    def _chunk(self, f: str) -> str:
-        """Path of chunk `f`, its checksum verified the first time this reader reads it."""
-        if f not in self._verified:
-            want = self._sha.get(f)
-            try:
-                got = file_sha256(self.path / f) if want else None
-            except OSError as e:
-                raise damaged(self.path, f"chunk {f} is unreadable ({e.strerror})") from None
-            if want and got != want:
-                raise damaged(self.path, f"chunk {f} does not match its checksum (its bytes changed)")
-            self._verified.add(f)
-        return str(self.path / f)
-
-    def tokens(self) -> dict[str, torch.Tensor]:
-        """The token table: token_id, position, conversation (int64), is_response (bool), entropy (float32)."""
-        if self._tokens is None:
-            parts = {name: [] for name in ("token_id", "position", "conversation", "is_response", "entropy")}
-            for f, _ in self.chunks:
-                with safe_open(self._chunk(f), framework="pt") as sf:
-                    for name in parts:
-                        parts[name].append(sf.get_tensor(name))
-            table = {name: torch.cat(v) for name, v in parts.items()}
-            for name in ("token_id", "position", "conversation"):
-                table[name] = table[name].long()
-            self._tokens = table
-        return self._tokens
-
-    def _read(self, name: str, index: torch.Tensor | None) -> torch.Tensor:
-        """Tensor `name` over all chunks, or at the global token indices `index` (any order)."""
-        if index is None:
-            out = []
-            for f, _ in self.chunks:
-                with safe_open(self._chunk(f), framework="pt") as sf:
-                    out.append(sf.get_tensor(name))
-            return torch.cat(out).float()
-        index = torch.as_tensor(index, dtype=torch.long)
-        if index.numel() and (index.min() < 0 or index.max() >= self.num_tokens):
-            raise StoreError(f"Token index out of range 0..{self.num_tokens - 1}", "Pass indices from this capture")
-        result = torch.empty(index.numel(), self.hidden_size, dtype=torch.float32)
-        chunk_of = torch.searchsorted(self.offsets[1:], index, right=True)
-        for c in chunk_of.unique().tolist():
-            where = (chunk_of == c).nonzero().squeeze(1)
-            f, _ = self.chunks[c]
-            with safe_open(self._chunk(f), framework="pt") as sf:
-                block = sf.get_tensor(name)
-            result[where] = block[index[where] - self.offsets[c]].float()
-        return result
-
-    def layer(self, l: int, index: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden_states[l] for the capture's tokens (or those at `index`): [n, d] float32."""
-        if not 0 <= l <= self.num_layers:
-            raise StoreError(f"Layer {l} is not in this capture (layers 0..{self.num_layers})", "Pick a layer in range")
-        return self._read(f"hidden.{l}", index)
-
-    def layers(self, ls, index: torch.Tensor | None = None) -> torch.Tensor:
-        """[len(ls), n, d] float32."""
-        return torch.stack([self.layer(l, index) for l in ls])
-
-    def prenorm_final(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """Output of the last decoder layer before the final norm: [n, d] float32."""
-        if not self.manifest.get("has_prenorm_final"):
-            raise StoreError(f"Capture {self.key} has no pre-norm final states", "Capture again with this version")
-        return self._read("prenorm_final", index)
+        return verify_capture_files(path)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from layerscope import prompts as P
+from layerscope import sharegpt
 from layerscope.errors import PromptSetError
 from layerscope.prompts import Prompt, chat_ids, content_hash, load_prompts, prompt_preview
 
@@ -149,7 +150,7 @@ def test_json_file_cut_off_mid_record(tmp_path):
 
 def test_json_scan_small_blocks_and_offsets(tmp_path, monkeypatch):
     path = cut_off_json(tmp_path)
-    monkeypatch.setattr(P, "BLOCK", 7)   # refills inside records and inside multi-byte characters
+    monkeypatch.setattr(sharegpt, "BLOCK", 7)   # refills inside records and inside multi-byte characters
     scan = P.JsonArrayScan(path)
     found = list(scan)
     assert [r["id"] for r, *_ in found] == [r["id"] for r in RECORDS]
