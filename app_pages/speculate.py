@@ -11,7 +11,9 @@ import streamlit as st
 from layerscope import engines, fmt, machine, plots, specdec
 from layerscope.bench import auto_note, interval_note
 from layerscope.draft.export import engine_verdict, export_zip
+from layerscope.draft.train import TrainOptions
 from layerscope.select import default_layers
+from layerscope.study import online_settings
 from layerscope.ui import sanity, tasks
 from layerscope.ui.apply import colors as palette_of
 from layerscope.ui.apply import draft_labels, run_label, set_label
@@ -401,7 +403,7 @@ else:
                              on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
     with guard("study sets"):
         options = tasks.study_options(s.layer_sets, k=int(st_k),
-                                      train={"steps": int(st_steps), "ttt_steps": int(ttt), "seed": int(seed)},
+                                      train=TrainOptions(steps=int(st_steps), ttt_steps=int(ttt), seed=int(seed)),
                                       prompts=st_src, limit=int(st_n), max_new_tokens=int(st_new),
                                       depth=int(st.session_state.get("ls_w_spec_bench_k") or specdec.DEFAULT_K))
         plan = tasks.study_plan(stats, options)
@@ -434,7 +436,7 @@ else:
             pick_study = 0
         res = s.study[pick_study]
         rows, o = res["rows"], res.get("options") or {}
-        budget = (f"online training, {md_text(', '.join(f'{k} {v}' for k, v in o['online'].items() if v is not None))}"
+        budget = (f"online training, {md_text(', '.join(f'{k} {v}' for k, v in online_settings(o['online']).items()))}"
                   if o.get("online") else f"{(o.get('train') or {}).get('steps')} training steps each")
         st.markdown(f"{'Latest study' if pick_study == len(s.study) - 1 else f'Study #{pick_study + 1}'}: {len(rows)} sets · "
                     f"{budget} · {res['prompts']} {md_text(o.get('prompts', ''))} prompts × {o.get('max_new_tokens')} "

@@ -27,8 +27,8 @@ def seconds_per_step(target, sets, steps: int) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as tmp:
         train_online(target, sets, Store(tmp), progress=seen.append, prompts="sharegpt", limit=96, responses="own",
                      steps=steps, eval_points=1, val_conversations=8)
-    train = [p for p in seen if p["phase"] == "train"]
-    return train[-1]["elapsed_s"] / len(train), train[-1]["tokens"]
+    train = [p for p in seen if p.phase == "train"]
+    return train[-1].elapsed_s / len(train), train[-1].tokens
 
 
 def main() -> int:

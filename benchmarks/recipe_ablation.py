@@ -106,9 +106,9 @@ def run_cell(name, target, regen, own, val_ids, args) -> dict:
                          drafters[0].teacher_w, o.batch_size, target.device)]
 
     def say(p):
-        if p["phase"] == "train" and p["step"] % 25 == 0:
-            print(f"  {name}: step {p['step']} {p['tokens']} tokens {100 * p['fraction']:.0f}% "
-                  f"val {p['val'][0]}", file=sys.stderr, flush=True)
+        if p.phase == "train" and p.step % 25 == 0:
+            print(f"  {name}: step {p.step} {p.tokens} tokens {100 * p.fraction:.0f}% "
+                  f"val {p.val[0]}", file=sys.stderr, flush=True)
 
     state = fit(drafters, OnlineSource(target, convs, train_idx, [LAYERS], o, t2d), o, state=FitState(1),
                 evaluate=run_eval, progress=say, device=target.device)

@@ -66,9 +66,9 @@ def main() -> int:
     last = [0.0]
 
     def say(p):
-        if p["phase"] != "train" or time.time() - last[0] > 60 or p["fraction"] >= 1:
+        if p.phase != "train" or time.time() - last[0] > 60 or p.fraction >= 1:
             last[0] = time.time()
-            keep = {k: v for k, v in p.items() if k not in ("sets",)}
+            keep = {"phase": p.phase} | {k: v for k, v in asdict(p).items() if k not in ("sets",)}
             print(time.strftime("%H:%M:%S"), json.dumps(keep, default=lambda x: round(x, 4)), flush=True)
 
     result = workflow.train_online(store, a.model, sets, o, progress=say)

@@ -15,17 +15,32 @@ Concurrency: the writing happens under the store's lock for the key. Any number 
 captures may start at once; one writes, the others wait (phase "waiting") and are then served the
 finished capture. A killed writer frees the lock at once and the next one resumes from its chunks.
 The manifest records every chunk's size and sha256 (checked when the capture is read).
+
+Across processes (`torchrun --nproc-per-node N -m layerscope capture ...`, process group: layerscope/distributed.py):
+the batches of conversations are split into N contiguous ranges, one per rank:
+
+    batches b = 0..B-1 (the one-process capture's batches, same size, same order)
+    rank r writes batches [r*B//N, (r+1)*B//N) as chunk files into the capture's one partial directory
+    rank 0 holds the store's write lock for the key throughout, and after every rank is done writes the
+    manifest and renames the capture into place, exactly as a one-process capture does
+
+Every chunk is computed from the same prompts, batch and model as in one process, so the finished capture
+is the same, chunk for chunk, as a one-process capture (greedy responses; sampled responses and a token
+budget depend on the order of batches and are refused across processes). A rank that fails makes every
+rank raise, with the failing rank's message, instead of leaving the others waiting.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from layerscope import distributed, preflight
@@ -129,8 +144,8 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     preflight.need_space(store.root, preflight.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
                                                             opts.batch_size, loaded.num_layers, loaded.hidden_size,
                                                             store.partial_capture_dir(key)), f"capture {key}")
-    if distributed.active():     # under torchrun every rank writes its range of the batches: layerscope/distributed.py
-        return distributed.capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
+    if distributed.active():     # under torchrun every rank writes its range of the batches (_capture_ranks)
+        return _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
 
     def waiting():
         if progress:
@@ -212,6 +227,101 @@ def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None
 def _chunk_tokens(path: Path) -> int:
     with safe_open(str(path), framework="pt") as sf:
         return sf.get_slice("token_id").get_shape()[0]
+
+
+# ----------------------------------------------------------------------------- under torchrun
+
+def _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop) -> CaptureResult:
+    """The capture of `key` written by every rank together (the module docstring's "Across processes");
+    returns the CaptureResult on every rank. Arguments as _write_capture takes them."""
+    if opts.temperature > 0:
+        raise CaptureError(f"Sampled responses (temperature {opts.temperature}) across {distributed.world()} processes "
+                           "would not match a one-process capture", "Capture with --temperature 0 or in one process")
+    if opts.max_tokens is not None:
+        raise CaptureError("--max-tokens stops after the batches that come first, which several processes do not "
+                           "write in order", "Use --limit to size the capture, or capture in one process")
+    lock = store.lock("captures", key) if distributed.rank() == 0 else nullcontext()
+    with lock:
+        stored = distributed.agree(store.has_capture(key) if distributed.rank() == 0 else None)
+        if stored:
+            cap = store.open_capture(key)
+            return CaptureResult(key, True, time.perf_counter() - t0, cap.num_tokens, cap.path, cap.manifest)
+        partial = store.partial_capture_dir(key)
+        if distributed.rank() == 0:
+            partial.mkdir(parents=True, exist_ok=True)
+            for p in partial.iterdir():        # temporary files of a killed writer (the lock is ours)
+                if not CHUNK_RE.fullmatch(p.name) and p.is_file():
+                    p.unlink(missing_ok=True)
+        dist.barrier()
+        batches = [(s, min(s + opts.batch_size, len(prompts))) for s in range(0, len(prompts), opts.batch_size)]
+        error = None
+        try:
+            _write_rank_batches(distributed.shard(batches, distributed.rank(), distributed.world()), loaded, encoded,
+                                opts, partial, t0, progress, should_stop)
+        except Exception as e:   # every rank must reach _all_ok, or the others would wait forever
+            error = e
+        _all_ok(error)
+        result = None
+        if distributed.rank() == 0:
+            try:
+                result = _finish_ranks(key, loaded, prompt_set, store, prompts, opts, partial, t0)
+            except Exception as e:
+                error = e
+        _all_ok(error)
+        done = distributed.agree(None if result is None else (str(result.path), result.tokens))
+    cap = store.open_capture(key)
+    return CaptureResult(key, False, time.perf_counter() - t0, done[1], cap.path, cap.manifest)
+
+
+def _all_ok(error: BaseException | None) -> None:
+    """Raise on every rank when any rank failed (the first failing rank's message), else return."""
+    messages = [None] * distributed.world()
+    dist.all_gather_object(messages, None if error is None else f"rank {distributed.rank()}: {error}")
+    failed = [m for m in messages if m]
+    if failed:
+        if error is not None:
+            raise error
+        raise CaptureError(f"Another process of the capture failed ({failed[0]})", "Fix that error and run it again; "
+                           "finished chunks are kept and the next run resumes from them")
+
+
+def _write_rank_batches(batches, loaded, encoded, opts, partial, t0, progress, should_stop) -> None:
+    """Write the chunk of each (start, end) batch of this rank that is not already complete in `partial`."""
+    torch.manual_seed(opts.seed)
+    tokens = 0
+    for start, end in batches:
+        path = partial / chunk_name(start, end)
+        if path.is_file():
+            try:
+                read_header(path)
+                tokens += _chunk_tokens(path)
+                continue
+            except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+                path.unlink(missing_ok=True)       # not a complete chunk (damaged on disk): write it again
+        if should_stop is not None and should_stop():
+            raise CaptureCancelled("Capture cancelled", "Finished chunks are saved; run it again to resume")
+        if progress:
+            progress(CaptureProgress("generate", start, len(encoded), tokens, 0.0, time.perf_counter() - t0))
+        responses = generate_responses(loaded, encoded[start:end], opts, should_stop=should_stop)
+        tensors = record(loaded, encoded[start:end], responses, first_conversation=start)
+        atomic_save_tensors(path, tensors)
+        tokens += tensors["token_id"].numel()
+
+
+def _finish_ranks(key, loaded, prompt_set, store, prompts, opts, partial, t0) -> CaptureResult:
+    """Rank 0, every chunk written: the manifest over the planned batches and the rename into place, as
+    _write_capture ends."""
+    have = {(s, e): p for s, e, p in list_chunks(partial)}
+    chunks = []
+    for start in range(0, len(prompts), opts.batch_size):
+        end = min(start + opts.batch_size, len(prompts))
+        if (start, end) not in have:
+            raise CaptureError(f"Chunk {chunk_name(start, end)} is missing after every process finished",
+                               "Run the capture again; it resumes from the chunks that are there")
+        chunks.append((start, end, have[(start, end)]))
+    manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
+    path = store.finish_capture(key, manifest)
+    return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
 
 
 # ----------------------------------------------------------------------------- the two passes

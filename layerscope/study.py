@@ -34,8 +34,9 @@ from layerscope import bench, fmt, machine, select, specdec, study_stats
 from layerscope import probe as probe_mod
 from layerscope.analysis import AnalysisOptions, analyze
 from layerscope.draft.export import read_meta
-from layerscope.draft.online import train_online
-from layerscope.draft.train import draft_for
+from layerscope.draft.online import OnlineOptions, train_online
+from layerscope.draft.progress import OnlineProgress
+from layerscope.draft.train import TrainOptions, draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
 from layerscope.metrics.correlation import spearman
@@ -55,18 +56,19 @@ class StudyOptions:
     extra_sets: tuple[tuple[int, ...], ...] = ()      # hand-picked sets (--layers), studied as "manual"
     k: int = 3
     lam: float = 0.5
-    train: dict = field(default_factory=dict)   # draft.train.TrainOptions fields; workflow.study adds the
-                                                 # device's default steps (workflow.default_train_steps) when none
+    train: TrainOptions = field(default_factory=TrainOptions)   # training from the capture (its seed: the seed when
+                                                                 # `seeds` is None); workflow.study gives it the
+                                                                 # device's default steps when it has no budget
     prompts: str = "sharegpt-heldout"
     limit: int = 20
     seed: int = 0
     max_new_tokens: int = 64
     max_prompt_tokens: int = bench.MAX_PROMPT_TOKENS
     depth: int = specdec.DEFAULT_K                     # chain draft depth K
-    seeds: tuple[int, ...] | None = None               # training seeds, each set trained once per seed; None: train["seed"]
+    seeds: tuple[int, ...] | None = None               # training seeds, each set trained once per seed; None: train.seed
     random_sets: int = 2                               # seeded random control sets the "random" strategy adds
-    online: dict | None = None                         # draft.online.OnlineOptions fields: train every set online,
-                                                       # all sets from one target pass per seed, instead of from the capture
+    online: OnlineOptions | None = None                # train every set online instead (all sets from one target pass
+                                                       # per seed), with these options; None: from the capture
     kernels: tuple[str, ...] = ("linear", "cosine")    # proxy versions: token preparation of entropy and CKA ...
     filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
     machine: MachineOptions = field(default_factory=MachineOptions)   # the benchmark's quiet rule and --wait-quiet
@@ -138,7 +140,8 @@ class StudyProgress:
     message: str
     set_index: int = 0               # which set is training (train phase)
     sets_total: int = 0
-    detail: object = None            # the train progress dict, or the bench.BenchProgress
+    detail: OnlineProgress | bench.BenchProgress | None = None   # "train": draft/progress.py's (from the capture:
+                                                                 # TrainProgress only); "bench": the benchmark's
 
 
 def propose_sets(stats, o: StudyOptions) -> list[tuple[list[int], list[str]]]:
@@ -184,7 +187,7 @@ def proxy_versions(analysis: AnalysisOptions, o: StudyOptions) -> dict[str, Anal
 
 
 def training_seeds(o: StudyOptions) -> tuple[int, ...]:
-    seeds = tuple(o.seeds) if o.seeds is not None else (int(o.train.get("seed", 0)),)
+    seeds = tuple(o.seeds) if o.seeds is not None else (o.train.seed,)
     if not seeds:
         raise SelectionError("The study has no training seeds", "Pass e.g. --seeds 0 or --seeds 0,1,2")
     return seeds
@@ -206,7 +209,7 @@ def train_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list]:
             say(StudyProgress("train", message, n, total))
             paths.append(draft_for(cap, layers, target, store, strategy=strategies[0],
                                    progress=lambda u, m=message, n=n: say(StudyProgress("train", m, n, total, u)),
-                                   **{**o.train, "seed": seed}))
+                                   options=replace(o.train, seed=seed)))
         drafts.append(paths)
     return drafts
 
@@ -218,7 +221,7 @@ def train_drafts_online(target, store, sets, o: StudyOptions, seeds, say) -> lis
         say(StudyProgress("train", message, j, len(seeds)))
         result = train_online(target, [layers for layers, _ in sets], store, strategy=[st[0] for _, st in sets],
                               progress=lambda u, m=message, j=j: say(StudyProgress("train", m, j, len(seeds), u)),
-                              **{**o.online, "seed": seed})
+                              options=replace(o.online, seed=seed))
         per_seed.append([d.path for d in result.drafts])
     return [[paths[i] for paths in per_seed] for i in range(len(sets))]
 
@@ -348,12 +351,26 @@ def _mean_lists(lists) -> list[float]:
     return [sum(v) / len(v) for v in zip(*lists)] if lists else []
 
 
+# what a study says first of its online options: the fields the study command sets, in its order
+ONLINE_SETTINGS = ("prompts", "limit", "responses", "ttt_steps", "lr", "seed", "steps", "tokens", "time_s")
+
+
+def online_settings(online: dict) -> dict:
+    """What a study says of its online training (StudyReport.options["online"], OnlineOptions' fields): the
+    fields the study command sets (ONLINE_SETTINGS, in that order), then any other away from its default;
+    None ones left out."""
+    defaults = asdict(OnlineOptions())
+    named = [k for k in ONLINE_SETTINGS if k in online] + [
+        k for k in online if k not in ONLINE_SETTINGS and (k not in defaults or online[k] != defaults[k])]
+    return {k: online[k] for k in named if online[k] is not None}
+
+
 def budget_text(options: dict) -> str:
     """The training budget of a study's drafts in words, from its options (StudyReport.options)."""
     online = options.get("online")
     if online:
-        return "online training (" + ", ".join(f"{k}={v}" for k, v in online.items()
-                                               if v is not None and k != "seed") + ")"   # seeds: said apart
+        return "online training (" + ", ".join(f"{k}={v}" for k, v in online_settings(online).items()
+                                               if k != "seed") + ")"   # seeds: said apart
     return f"{(options.get('train') or {}).get('steps')} training steps per draft"
 
 

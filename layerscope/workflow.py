@@ -4,8 +4,8 @@ The CLI (layerscope/commands/) and the app's background jobs (layerscope/ui/task
 nothing else for a step, so a step is written once. Each takes an options object (the one source of
 its defaults: capture.CaptureOptions, analysis.AnalysisOptions, SelectOptions here,
 draft.train.TrainOptions, bench.BenchOptions, study.StudyOptions), the store, and a progress callback
-(the step's own progress type: capture.CaptureProgress, a fraction and a message, a training dict,
-bench.BenchProgress, study.StudyProgress), and returns a typed result.
+(the step's own progress type: capture.CaptureProgress, a fraction and a message, draft.progress's
+TrainProgress (online: OnlineProgress), bench.BenchProgress, study.StudyProgress), and returns a typed result.
 
 Loading the target model is the caller's choice of `load(spec, store) -> LoadedModel`: the CLI loads
 it afresh (`load_target`), the app from its per-process cache (ui.models.get_model).
@@ -30,6 +30,7 @@ from layerscope.capture import CaptureOptions, CaptureResult
 from layerscope.draft import builtin
 from layerscope.draft import online as online_mod
 from layerscope.draft.export import read_meta, save_draft
+from layerscope.draft.progress import OnlineProgress, TrainProgress
 from layerscope.draft.train import TrainOptions, draft_for, train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL, LoadedModel, load_model
@@ -130,7 +131,8 @@ class Trained:
 
 def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainOptions, *, model: str | None = None,
           strategy: str | None = None, out: str | Path | None = None, load: Loader = load_target,
-          progress: Callable[[dict], None] | None = None, should_stop: Callable[[], bool] | None = None) -> Trained:
+          progress: Callable[[TrainProgress], None] | None = None,
+          should_stop: Callable[[], bool] | None = None) -> Trained:
     """A draft reading `layers`, trained on the capture with the target `model` (default: the capture's).
 
     Without `out` it lives in the store under drafts/<key> (trained once per capture, target, layers
@@ -163,7 +165,7 @@ def layers_from_strategy(store: Store, cap, strategy: str, k: int) -> list[int]:
 
 def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], options: online_mod.OnlineOptions, *,
                  strategy: list[str] | None = None, load: Loader = load_target,
-                 progress: Callable[[dict], None] | None = None,
+                 progress: Callable[[OnlineProgress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> online_mod.OnlineResult:
     """One draft per layer set, trained online with `model` in the loop (draft/online.py): resumable, and
     served from the store when the same run has finished."""
@@ -220,8 +222,6 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
     preflight.writable(store)                               # the drafts go into the store: before the model loads
     preflight.prompt_spec(options.prompts)
     target = load(model or cap.manifest["model"], store)
-    train = dict(options.train)
-    if train.get("steps") is None and train.get("tokens") is None and train.get("time_s") is None:
-        train["steps"] = default_train_steps(target.device)
-    report = run_study(cap, target, store, replace(options, train=train), analysis or AnalysisOptions(), progress)
+    o = replace(options, train=with_budget(options.train, target.device))
+    report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress)
     return Studied(report, target)

@@ -17,6 +17,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import session as sessions
+from layerscope.draft.train import TrainOptions
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
@@ -575,7 +576,7 @@ def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
     study = [{"layers": [i], "tau": t} for i, t in enumerate([1.1, 1.1, 1.2, 1.2, 1.1, 1.2])]
     assert any("2 distinct τ" in w for w in study_warnings(study, prompts=40))
     assert any("over 3 sets" in w for w in study_warnings(study[:3], prompts=40))
-    opts = SimpleNamespace(train={"steps": 300}, limit=8, max_new_tokens=48)
+    opts = SimpleNamespace(train=TrainOptions(steps=300), limit=8, max_new_tokens=48)
     plan = [([2, 15, 27], ["default"]), ([1, 9, 20], ["greedy", "manual"])]
     assert "no time estimate" in study_cost(plan, opts, [], [])
     cost = study_cost(plan, opts, [{"seconds": 600.0, "steps": 300}], [{"results": [{"name": "autoregressive",

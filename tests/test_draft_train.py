@@ -24,24 +24,24 @@ def train(tiny, cap, layers, **kw):
 
 def test_loss_falls_and_the_report_adds_up(tiny, tiny_capture):
     head, report, seen = train(tiny, tiny_capture, [1, 2, 3], steps=40)
-    losses = [p["loss"] for p in seen]
-    assert len(seen) == report.steps == 40 and seen[-1]["steps"] == 40
+    losses = [p.mean_loss for p in seen]
+    assert len(seen) == report.steps == 40 and seen[-1].steps == 40
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
     assert report.loss_first == losses[0] and report.loss_last == losses[-1]
     assert report.train_tokens + report.val_tokens == tiny_capture.num_tokens
     assert report.train_conversations + report.val_conversations == len(tiny_capture.manifest["prompts"])
     assert report.val_conversations >= 1 and report.val_positions > 0
     assert len(report.val_accuracy) == 3 and all(0 <= a <= 1 for a in report.val_accuracy)
-    assert report.tokens_seen == seen[-1]["tokens"] and len(seen[-1]["acc"]) == 3
+    assert report.tokens_seen == seen[-1].tokens and len(seen[-1].acc[0]) == 3
     assert head.aux_layers == [1, 2, 3] and not head.training
     # the draft's argmax agrees with the target's on the training positions better than chance (1/V)
-    assert max(p["acc"][0] for p in seen[-5:]) > 0.2
+    assert max(p.acc[0][0] for p in seen[-5:]) > 0.2
 
 
 def test_layer_sets_get_the_same_batches_and_the_seed_changes_them(tiny, tiny_capture):
     runs = {(tuple(layers), seed): train(tiny, tiny_capture, layers, steps=6, seed=seed)
             for layers, seed in (([1, 2, 3], 0), ([0, 3], 0), ([1, 2, 3], 1))}
-    rows = {k: [p["tokens"] for p in seen] for k, (_, _, seen) in runs.items()}
+    rows = {k: [p.tokens for p in seen] for k, (_, _, seen) in runs.items()}
     assert rows[((1, 2, 3), 0)] == rows[((0, 3), 0)]
     assert runs[((1, 2, 3), 0)][1].val_positions == runs[((0, 3), 0)][1].val_positions
     assert rows[((1, 2, 3), 0)] != rows[((1, 2, 3), 1)]
@@ -49,7 +49,7 @@ def test_layer_sets_get_the_same_batches_and_the_seed_changes_them(tiny, tiny_ca
 
 def test_a_token_budget_stops_at_the_first_step_reaching_it(tiny, tiny_capture):
     _, report, seen = train(tiny, tiny_capture, [2], tokens=700)
-    tokens = [p["tokens"] for p in seen]
+    tokens = [p.tokens for p in seen]
     assert tokens[-1] >= 700 > tokens[-2] and report.tokens_seen == tokens[-1]
 
 

@@ -5,7 +5,9 @@ the recipe equal to an uninterrupted run."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+import math
+import pickle
+from dataclasses import FrozenInstanceError, asdict, fields
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from layerscope.draft.fit import TrainingCancelled, TrainOptions, WarmStart, build_drafters, final_norm, lr_at
+from layerscope.draft.fit import TrainingCancelled, TrainOptions, WarmStart, build_drafters, final_norm, fit, lr_at
 from layerscope.draft.loss import LOSS_DECAY, ttt_loss
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.online import OnlineOptions, complete_checkpoints, train_online
+from layerscope.draft.progress import EvalProgress, TrainProgress
 from layerscope.draft.train import train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.store import Store
@@ -110,7 +113,7 @@ def test_resume_with_the_recipe_equals_an_uninterrupted_run(tiny, tmp_path, one_
     with pytest.raises(TrainingCancelled, match="saved"):
         train_online(tiny, sets, store, options=OnlineOptions(**{**asdict(o), "checkpoint_every_s": 1e-9}),
                      progress=calls.append,
-                     should_stop=lambda: sum(1 for p in calls if p.get("phase") == "train") >= 5)
+                     should_stop=lambda: sum(1 for p in calls if p.phase == "train") >= 5)
     run_dir = next((store.root / "runs").iterdir())
     assert [p.name for p in complete_checkpoints(run_dir)] == ["ckpt-000000005"]
     resumed = train_online(tiny, sets, store, options=o)
@@ -126,7 +129,7 @@ def test_a_stop_inside_the_warm_start_saves_nothing_and_says_so(tiny, tmp_path, 
     calls = []
     with pytest.raises(TrainingCancelled, match="Nothing was saved"):
         train_online(tiny, [[1, 3]], Store(tmp_path / "w"), options=o, progress=calls.append,
-                     should_stop=lambda: sum(1 for p in calls if p.get("phase") == "train") >= 2)
+                     should_stop=lambda: sum(1 for p in calls if p.phase == "train") >= 2)
     assert not complete_checkpoints(next((tmp_path / "w" / "runs").iterdir()))
 
 
@@ -146,8 +149,33 @@ def test_a_deeply_nested_checkpoint_state_is_one_clear_line(tiny, tmp_path, one_
     o = OnlineOptions(steps=6, checkpoint_every_s=1e-9, **SMALL)
     with pytest.raises(TrainingCancelled):
         train_online(tiny, [[1, 3]], store, options=o, progress=calls.append,
-                     should_stop=lambda: sum(1 for p in calls if p.get("phase") == "train") >= 2)
+                     should_stop=lambda: sum(1 for p in calls if p.phase == "train") >= 2)
     ckpt = complete_checkpoints(next((store.root / "runs").iterdir()))[-1]
     (ckpt / "state.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(DraftError, match="cannot be read.*nested"):
         train_online(tiny, [[1, 3]], store, options=o)
+
+
+def test_the_loop_reports_typed_progress_that_pickles(tiny):
+    """A TrainProgress per step (in the warm start: no loss, zero agreement) and an EvalProgress before each
+    evaluation; frozen, and picklable as the app's worker needs."""
+    o = TrainOptions(steps=3, ttt_steps=2, warm_start=1, warmup=1, eval_points=1)
+    drafters = drafters_for(tiny, [1, 3], o)
+    batch = synthetic_batch(tiny, 2)
+
+    class Source:
+        def next_batches(self, state):
+            return [batch], batch["rows"]
+
+    seen = []
+    fit(drafters, Source(), o, evaluate=lambda: [([0.5, 0.25], 1.0, 10, 0.9)], progress=seen.append, planned_steps=3)
+    assert [type(p) for p in seen] == [TrainProgress, TrainProgress, EvalProgress, TrainProgress]
+    assert [p.phase for p in seen] == ["train", "train", "eval", "train"]
+    warm, last = seen[0], seen[-1]
+    assert warm.loss == [] and warm.acc == [[0.0, 0.0]] and math.isnan(warm.mean_loss) and warm.val == [None]
+    assert seen[2] == EvalProgress(step=3, tokens=3 * batch["rows"])
+    assert (last.step, last.steps, last.tokens, last.fraction, last.sets) == (3, 3, 3 * batch["rows"], 1.0, [[1, 3]])
+    assert last.val == [[0.5, 0.25]] and len(last.acc[0]) == 2 and last.mean_loss == last.loss[0]
+    assert pickle.loads(pickle.dumps(last)) == last
+    with pytest.raises(FrozenInstanceError):
+        last.step = 0

@@ -290,10 +290,12 @@ def test_app_benchmark_defaults_to_auto_and_shows_the_calibration(tiny, draft_di
 def test_a_study_benchmarked_busy_says_so_in_its_verdict(tiny, tiny_capture, session_store):
     """The study's benchmark under a rule no machine passes (max_others_cpu 0): every stored benchmark entry
     carries the state, the report merges it, the verdict and the table say the speedups are not trustworthy."""
+    from layerscope.draft.train import TrainOptions
     from layerscope.study import StudyOptions, format_study, run_study
 
-    o = StudyOptions(strategies=("default",), extra_sets=((0, 3),), k=2, train={"steps": 2, "batch_size": 2,
-                     "seq_len": 32}, prompts="builtin", limit=2, max_new_tokens=5, depth=1, seed=7, machine=ALWAYS_BUSY)
+    o = StudyOptions(strategies=("default",), extra_sets=((0, 3),), k=2,
+                     train=TrainOptions(steps=2, batch_size=2, seq_len=32), prompts="builtin", limit=2, max_new_tokens=5,
+                     depth=1, seed=7, machine=ALWAYS_BUSY)
     report = run_study(tiny_capture, tiny, session_store, o)
     assert report.machine is not None and report.machine["quiet"] is False
     assert "busy machine" in report.verdict and "speedups and tokens/s are not trustworthy" in report.verdict

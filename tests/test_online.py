@@ -135,7 +135,7 @@ def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path
     calls = []
 
     def stop_after_4():
-        return sum(1 for p in calls if p.get("phase") == "train") >= 4
+        return sum(1 for p in calls if p.phase == "train") >= 4
 
     with pytest.raises(TrainingCancelled):              # a checkpoint after every step, the last at step 4
         train_online(tiny, sets, store, steps=8, progress=calls.append, should_stop=stop_after_4,
@@ -154,7 +154,7 @@ def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path
     other, seen = Store(tmp_path / "c"), []
     with pytest.raises(TrainingCancelled):
         train_online(tiny, [[1, 3]], other, steps=8, progress=seen.append,
-                     should_stop=lambda: any(p["phase"] == "train" for p in seen), **SMALL)
+                     should_stop=lambda: any(p.phase == "train" for p in seen), **SMALL)
     ckpt = complete_checkpoints(next((other.root / "runs").iterdir()))[-1]
     (ckpt / "tensors.safetensors").write_bytes(b"garbage")
     with pytest.raises(DraftError, match="cannot be read"):
@@ -196,8 +196,8 @@ def test_kill_9_during_checkpointing_leaves_a_usable_checkpoint(tiny, tmp_path, 
     calls = []
     with pytest.raises(TrainingCancelled):
         train_online(tiny, [[1, 3]], Store(store_dir), steps=400, checkpoint_every_s=1e9, progress=calls.append,
-                     should_stop=lambda: any(p.get("phase") == "train" for p in calls), **SMALL)
-    assert next(p for p in calls if p.get("phase") == "train")["step"] == state["step"] + 1
+                     should_stop=lambda: any(p.phase == "train" for p in calls), **SMALL)
+    assert next(p for p in calls if p.phase == "train").step == state["step"] + 1
 
 
 def test_own_responses_are_the_conversations_first_assistant_turns(tiny, tmp_path):
@@ -239,7 +239,7 @@ def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, c
 def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_store, one_thread):
     from layerscope.study import StudyOptions, format_study, run_study
 
-    online = {**SMALL, "steps": 3}
+    online = OnlineOptions(**SMALL, steps=3)
     options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2, online=online,
                            prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",), filters=(0.0,))
     report = run_study(tiny_capture, tiny, session_store, options)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from layerscope.draft.train import TrainOptions
 from layerscope.metrics.correlation import ranks, spearman
 
 
@@ -24,7 +25,7 @@ def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
     from layerscope.study import StudyOptions, format_study, run_study
 
     options = StudyOptions(strategies=("default", "greedy", "entropy-topk"), extra_sets=((0, 3),), k=2,
-                           train={"steps": 3, "batch_size": 2, "seq_len": 32}, prompts="builtin", limit=2,
+                           train=TrainOptions(steps=3, batch_size=2, seq_len=32), prompts="builtin", limit=2,
                            max_new_tokens=6, depth=2)
     phases = []
     report = run_study(tiny_capture, tiny, session_store, options, progress=lambda p: phases.append(p.phase))
@@ -51,7 +52,7 @@ def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
     assert benched == {"autoregressive", report2.rows[new_index].draft}
 
 
-STUDY_ALL = dict(k=2, train={"steps": 2, "batch_size": 2, "seq_len": 32}, prompts="builtin", limit=3,
+STUDY_ALL = dict(k=2, train=TrainOptions(steps=2, batch_size=2, seq_len=32), prompts="builtin", limit=3,
                  max_new_tokens=6, depth=2, seeds=(0, 1), random_sets=2)
 
 
@@ -149,3 +150,27 @@ def test_default_train_steps_is_the_cpu_and_gpu_budget():
 
     assert default_train_steps("cpu") == 300 and default_train_steps(torch.device("cpu")) == 300
     assert default_train_steps("cuda") == 2000 and default_train_steps("cuda:1") == 2000
+
+
+def test_typed_study_options_train_the_same_drafts_and_say_the_same_budget():
+    """The study command's options as objects: the drafts' options (so their store keys) are the ones its
+    dicts made, and the budget line of an online study reads as before."""
+    from dataclasses import asdict, replace
+
+    from layerscope.cli import build_parser
+    from layerscope.commands.study import options_from_args
+    from layerscope.draft.online import OnlineOptions
+    from layerscope.study import budget_text
+
+    parse = lambda *a: options_from_args(build_parser().parse_args(["study", "KEY", *a]))
+    capture = parse("--steps", "5", "--seed", "2")
+    was = {"ttt_steps": 3, "batch_size": 8, "seq_len": 512, "lr": 1e-3, "seed": 2, "steps": 5}   # `train`, as a dict
+    assert replace(capture.train, seed=1) == TrainOptions(**{**was, "seed": 1})
+    assert capture.online is None and budget_text(asdict(capture)) == "5 training steps per draft"
+    online = parse("--online", "--tokens", "2M", "--responses", "own")
+    before = {"prompts": "sharegpt", "limit": None, "responses": "own", "ttt_steps": 3, "lr": 1e-3, "seed": 0,
+              "steps": None, "tokens": 2_000_000, "time_s": None}        # what `online` was, as a dict
+    assert online.online == OnlineOptions(**before)
+    line = "online training (prompts=sharegpt, responses=own, ttt_steps=3, lr=0.001, tokens=2000000)"
+    assert budget_text(asdict(online)) == budget_text({"online": before}) == line
+    assert budget_text({"online": asdict(replace(online.online, batch_size=4))}) == line[:-1] + ", batch_size=4)"

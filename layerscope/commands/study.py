@@ -8,6 +8,7 @@ from layerscope import workflow
 from layerscope.analysis import AnalysisOptions
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, parse_layers, print_json
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
+from layerscope.draft.progress import DoneProgress, EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.study import StudyOptions, budget_text, format_study
@@ -67,17 +68,15 @@ def add_arguments(p) -> None:
 
 
 def options_from_args(args) -> StudyOptions:
-    train = {"ttt_steps": args.ttt_steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-             "seed": args.seed}
-    if args.steps is not None:
-        train["steps"] = args.steps
+    train = TrainOptions(steps=args.steps, ttt_steps=args.ttt_steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                         lr=args.lr, seed=args.seed)
     online = None
     if args.online:
-        budget = {"steps": args.steps, "tokens": parse_count(args.tokens) if args.tokens else None,
-                  "time_s": parse_duration(args.time) if args.time else None}
-        online = {"prompts": args.train_prompts, "limit": args.train_limit, "responses": args.responses,
-                  "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed, **budget}
-        OnlineOptions(**online).validate()
+        online = OnlineOptions(prompts=args.train_prompts, limit=args.train_limit, responses=args.responses,
+                               ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed, steps=args.steps,
+                               tokens=parse_count(args.tokens) if args.tokens else None,
+                               time_s=parse_duration(args.time) if args.time else None)
+        online.validate()
     elif args.tokens or args.time:
         raise LayerScopeError("--tokens and --time are budgets of online training", "Add --online, or pass --steps")
     return StudyOptions(strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
@@ -102,23 +101,20 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with Progress("study", unit="step") as bar:
         def show(p):
-            if p.phase == "train" and isinstance(p.detail, dict) and "fraction" in p.detail:      # online
-                loss = p.detail["loss"]
-                bar.update(round(100 * p.detail["fraction"]), 100, phase=p.message, tokens=p.detail["tokens"],
-                           loss=sum(loss) / len(loss) if loss else 0.0, tok_s=p.detail["tokens_per_s"],
-                           eta=f"{(p.detail['eta_s'] or 0) / 60:.0f}m")
-            elif p.phase == "train" and isinstance(p.detail, dict) and p.detail.get("phase") in ("responses", "features"):
-                bar.update(p.detail["done"], p.detail["total"], phase=f"{p.message}: {p.detail['phase']}")
-            elif p.phase == "train" and isinstance(p.detail, dict) and p.detail.get("phase") in ("eval", "done"):
-                bar.update(bar.bar.n, None, phase=f"{p.message}: held-out evaluation at {p.detail['tokens']:,} tokens")
-            elif p.phase == "train" and isinstance(p.detail, dict):
-                bar.update(p.detail.get("step", 0), p.detail.get("steps"), phase=p.message,
-                           loss=p.detail.get("loss", 0.0))
-            elif p.phase == "bench" and p.detail is not None and p.detail.phase != "decode":     # the wait
+            d = p.detail
+            if p.phase == "train" and isinstance(d, TrainProgress) and args.online:    # online: a share of the budget
+                bar.update(round(100 * d.fraction), 100, phase=p.message, tokens=d.tokens,
+                           loss=d.mean_loss if d.loss else 0.0, tok_s=d.tokens_per_s, eta=f"{(d.eta_s or 0) / 60:.0f}m")
+            elif p.phase == "train" and isinstance(d, (ResponsesProgress, FeaturesProgress)):
+                bar.update(d.done, d.total, phase=f"{p.message}: {d.phase}")
+            elif p.phase == "train" and isinstance(d, (EvalProgress, DoneProgress)):
+                bar.update(bar.bar.n, None, phase=f"{p.message}: held-out evaluation at {d.tokens:,} tokens")
+            elif p.phase == "train" and isinstance(d, TrainProgress):                  # from the capture: steps
+                bar.update(d.step, d.steps, phase=p.message, loss=d.mean_loss)
+            elif p.phase == "bench" and d is not None and d.phase != "decode":          # the wait
                 bar.update(bar.bar.n, None, phase=p.message)
-            elif p.phase == "bench" and p.detail is not None:
-                bar.update(p.detail.runs_done, p.detail.runs_total, phase=p.message,
-                           tau=p.detail.tau if p.detail.tau is not None else "-")
+            elif p.phase == "bench" and d is not None:
+                bar.update(d.runs_done, d.runs_total, phase=p.message, tau=d.tau if d.tau is not None else "-")
             else:
                 bar.update(0, None, phase=p.message)
         done = workflow.study(open_store(args), args.key, options_from_args(args), model=args.model,

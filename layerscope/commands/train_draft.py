@@ -18,6 +18,7 @@ import torch
 from layerscope import preflight, workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
+from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import DraftError
 
@@ -113,19 +114,17 @@ def run_online(args, store) -> int:
     bars = {}
 
     def on_progress(p):
-        phase = p["phase"]
-        if phase == "responses":
-            bar = bars.setdefault(phase, Progress("responses", unit="batch"))
-            bar.update(p["done"], p["total"], tok_s=p["tokens_per_s"], eta=fmt_s(p["eta_s"]))
-        elif phase == "features":
-            bar = bars.setdefault(phase, Progress("held-out features", unit="conv"))
-            bar.update(p["done"], p["total"])
-        elif phase == "train":
-            bar = bars.setdefault(phase, Progress("train", unit="%"))
-            best = [v[0] for v in p["val"] if v]
-            bar.update(round(100 * p["fraction"]), 100, step=p["step"], tokens=p["tokens"], tok_s=p["tokens_per_s"],
-                       loss=(sum(p["loss"]) / len(p["loss"])) if p["loss"] else float("nan"),
-                       val1=max(best) if best else "-", eta=fmt_s(p["eta_s"]))
+        if isinstance(p, ResponsesProgress):
+            bar = bars.setdefault(p.phase, Progress("responses", unit="batch"))
+            bar.update(p.done, p.total, tok_s=p.tokens_per_s, eta=fmt_s(p.eta_s))
+        elif isinstance(p, FeaturesProgress):
+            bar = bars.setdefault(p.phase, Progress("held-out features", unit="conv"))
+            bar.update(p.done, p.total)
+        elif isinstance(p, TrainProgress):
+            bar = bars.setdefault(p.phase, Progress("train", unit="%"))
+            best = [v[0] for v in p.val if v]
+            bar.update(round(100 * p.fraction), 100, step=p.step, tokens=p.tokens, tok_s=p.tokens_per_s,
+                       loss=p.mean_loss, val1=max(best) if best else "-", eta=fmt_s(p.eta_s))
 
     try:
         result = workflow.train_online(store, args.model, sets, options, progress=on_progress)
@@ -178,12 +177,12 @@ def run_capture(args, store) -> int:
         print(f"training a draft on layers {layers} of {cap.manifest['model']} (capture {cap.key}, "
               f"{cap.num_tokens} tokens)", file=sys.stderr)
     with Progress("train-draft", unit="step") as bar:
-        def on_progress(p):
-            if p["steps"] is not None:
-                bar.update(p["step"], p["steps"], loss=p["loss"], acc1=p["acc"][0], tok_s=p["tokens_per_s"])
+        def on_progress(p: TrainProgress):          # one set: its loss, its step-1 agreement on the batch
+            if p.steps is not None:
+                bar.update(p.step, p.steps, loss=p.mean_loss, acc1=p.acc[0][0], tok_s=p.tokens_per_s)
             else:
-                bar.update(round(100 * p["fraction"]), 100, step=p["step"], loss=p["loss"], acc1=p["acc"][0],
-                           tok_s=p["tokens_per_s"], eta=fmt_s(p["eta_s"]))
+                bar.update(round(100 * p.fraction), 100, step=p.step, loss=p.mean_loss, acc1=p.acc[0][0],
+                           tok_s=p.tokens_per_s, eta=fmt_s(p.eta_s))
         trained = workflow.train(store, cap.key, layers, options, strategy=args.strategy, out=args.out,
                                  progress=on_progress)
     meta = trained.meta

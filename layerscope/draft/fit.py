@@ -11,7 +11,8 @@ the cursor. Every drafter gets a batch of the same rows, read from its own layer
     AdamW step after clipping the gradient norm to grad_clip
 The budget is steps, tokens (rows through the draft) or seconds of training; `fraction` says how much is
 spent. Held-out evaluation runs `eval_points` times over the budget (the last at the end) and gives the
-learning curve [[tokens seen, [agreement per TTT step], coverage], ...] per set.
+learning curve [[tokens seen, [agreement per TTT step], coverage], ...] per set. Progress: a TrainProgress
+after every step, an EvalProgress before each evaluation (draft/progress.py).
 
 Warm start (`warm_start` > 0): the first `warm_start` steps' batches are not trained on but accumulated
 into the normal equations of a ridge regression from the auxiliary hidden states at row t to the target's
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from layerscope import distributed
 from layerscope.draft.loss import ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead
+from layerscope.draft.progress import EvalProgress, FitProgress, TrainProgress
 from layerscope.errors import DraftError
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -302,17 +304,15 @@ def train_step(d: Drafter, batch: dict | None, o: TrainOptions, lr: float, J: in
 # ----------------------------------------------------------------------------- the loop
 
 def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitState | None = None,
-        evaluate: Callable[[], list[tuple]] | None = None, progress: Callable[[dict], None] | None = None,
+        evaluate: Callable[[], list[tuple]] | None = None, progress: Callable[[FitProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None, checkpoint: Callable[[FitState], None] | None = None,
         checkpoint_every_s: float = float("inf"), planned_steps: int | None = None, device="cpu") -> FitState:
     """Train every drafter until the budget is spent; returns the final state (curves, last evaluation).
 
     evaluate() -> per set (agreement per TTT step, loss, positions, coverage), run on rank 0 at the eval
-    points. progress gets {"phase": "train", step, steps (planned, or None), tokens, fraction, tokens_per_s,
-    eta_s, loss [per set], acc [per set: this batch's agreement per TTT step], val [per set: newest held-out
-    agreement per TTT step, or None], elapsed_s} after every step and {"phase": "eval", step, tokens} before an
-    evaluation. checkpoint(state) is called every checkpoint_every_s seconds of training and on a stop
-    (never inside the warm start, whose sums are not saved: a stop there starts it again)."""
+    points. progress gets a TrainProgress after every step (steps = planned_steps) and an EvalProgress before
+    an evaluation (draft/progress.py). checkpoint(state) is called every checkpoint_every_s seconds of training
+    and on a stop (never inside the warm start, whose sums are not saved: a stop there starts it again)."""
     J = o.ttt_steps
     state = state or FitState(len(drafters))
     say = progress or (lambda p: None)
@@ -339,7 +339,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
         frac = fraction(o, state.step, state.tokens, state.elapsed)
         if warm is not None and state.step < o.warm_start:
             warm.add(drafters, batches)
-            losses, accs = [], []
+            losses, accs = [], [[0.0] * J for _ in drafters]
             if state.step + 1 == o.warm_start:
                 warm.apply(drafters)
         else:
@@ -355,7 +355,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
                     c.append([state.tokens, round(l, 5)])
         due = min(o.eval_points, math.floor(frac * o.eval_points + 1e-9))
         if due > state.evals_done and rank == 0 and evaluate is not None:
-            say({"phase": "eval", "step": state.step, "tokens": state.tokens})
+            say(EvalProgress(state.step, state.tokens))
             state.last_eval = [list(e) for e in evaluate()]
             for i, (acc, _, _, cov) in enumerate(state.last_eval):
                 state.curves[i].append([state.tokens, [round(a, 5) for a in acc], round(cov, 5)])
@@ -363,12 +363,12 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
             state.evals_done = due
         spent = state.elapsed - start[1]
         f = min(1.0, frac)
-        say({"phase": "train", "step": state.step, "steps": planned_steps, "tokens": state.tokens, "fraction": f,
-             "tokens_per_s": (state.tokens - start[0]) / max(spent, 1e-9),
-             "eta_s": spent / (f - start[2]) * (1 - f) if f > start[2] else None,
-             "loss": [l for l in losses if l is not None], "acc": accs,
-             "val": [c[-1][1] if c else None for c in state.curves],
-             "elapsed_s": state.elapsed})
+        say(TrainProgress(step=state.step, steps=planned_steps, tokens=state.tokens, fraction=f,
+                          tokens_per_s=(state.tokens - start[0]) / max(spent, 1e-9),
+                          eta_s=spent / (f - start[2]) * (1 - f) if f > start[2] else None,
+                          loss=[l for l in losses if l is not None], acc=accs,
+                          val=[c[-1][1] if c else None for c in state.curves], elapsed_s=state.elapsed,
+                          sets=[list(d.layers) for d in drafters]))
         if (checkpoint is not None and rank == 0 and state.step >= o.warm_start
                 and time.perf_counter() - last_ckpt >= checkpoint_every_s):
             checkpoint(state)

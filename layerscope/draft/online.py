@@ -53,6 +53,7 @@ from layerscope.draft.fit import (EpochSource, FitState, TrainingCancelled, Trai
                                   final_norm, fit)
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import DraftHead, build_draft_vocab
+from layerscope.draft.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
 from layerscope.errors import DraftError
 from layerscope.models import LoadedModel
 from layerscope.prompts import chat_ids, load_prompts, sharegpt_index, sharegpt_path
@@ -280,9 +281,9 @@ def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None
         made += sum(len(r) for r in responses)
         if progress is not None:
             elapsed = time.perf_counter() - t0
-            progress({"phase": "responses", "done": n + 1, "total": len(todo), "conversations": total,
-                      "tokens_per_s": made / max(elapsed, 1e-9),
-                      "eta_s": elapsed / (n + 1) * (len(todo) - n - 1)})
+            progress(ResponsesProgress(done=n + 1, total=len(todo), conversations=total,
+                                       tokens_per_s=made / max(elapsed, 1e-9),
+                                       eta_s=elapsed / (n + 1) * (len(todo) - n - 1)))
 
 
 def held_out(n: int, count: int, seed: int) -> torch.Tensor:
@@ -409,14 +410,15 @@ def run_key(target: LoadedModel, convs: Conversations, sets: list[list[int]], o:
                      "format": FORMAT})
 
 
-def train_online(target: LoadedModel, layer_sets, store: Store, *, progress: Callable[[dict], None] | None = None,
+def train_online(target: LoadedModel, layer_sets, store: Store, *,
+                 progress: Callable[[OnlineProgress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, strategy: list[str] | None = None,
                  options: OnlineOptions | None = None, **fields) -> OnlineResult:
     """Train one draft per layer set from one target pass per step; resumable; finished runs come from the store.
 
-    progress gets {"phase": "responses" | "features" | "train" | "eval" | "done", ...}; in "train":
-    step, tokens (rows seen), fraction (of the budget), tokens_per_s, eta_s, loss [per set], val [per set:
-    latest agreement per TTT step or None]."""
+    progress gets, in this order, ResponsesProgress (regenerated answers not yet stored), FeaturesProgress
+    (the held-out conversations), a TrainProgress per step and an EvalProgress per evaluation, DoneProgress
+    (draft/progress.py)."""
     o = options if options is not None else OnlineOptions(**fields)
     o.validate()
     sets = layerset.check_sets(layer_sets, target.num_layers, "Layer set", DraftError)
@@ -480,11 +482,11 @@ def cached_result(result_file: Path, key: str, conversations: int, data_tokens: 
 
 def held_out_splits(target, convs, val_idx, sets, union, o: OnlineOptions, say) -> list:
     N = target.num_layers
-    say({"phase": "features", "done": 0, "total": len(val_idx)})
+    say(FeaturesProgress(0, len(val_idx)))
     parts = []
     for i in range(0, len(val_idx), o.batch_size):
         parts.append(target_features(target, convs, val_idx[i: i + o.batch_size], union))
-        say({"phase": "features", "done": min(i + o.batch_size, len(val_idx)), "total": len(val_idx)})
+        say(FeaturesProgress(min(i + o.batch_size, len(val_idx)), len(val_idx)))
     rows = {k: torch.cat([r[k] for r, _ in parts]) for k in parts[0][0]}
     feats = {l: torch.cat([f[l] for _, f in parts]) for l in parts[0][1]}
     argmax = target_argmax(feats[N], target.model.get_output_embeddings().weight)
@@ -551,11 +553,8 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         return [evaluate(d.head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, d.teacher_w, o.batch_size, device)
                 for d, sp in zip(drafters, val_splits)]
 
-    def on_progress(p):
-        say({**p, "sets": sets} if p["phase"] == "train" else p)
-
     state = fit(drafters, OnlineSource(target, convs, train_idx, sets, o, t2d), o, state=state, evaluate=run_eval,
-                progress=on_progress, should_stop=should_stop, checkpoint=lambda st: save_checkpoint(run_dir, st, drafters),
+                progress=say, should_stop=should_stop, checkpoint=lambda st: save_checkpoint(run_dir, st, drafters),
                 checkpoint_every_s=o.checkpoint_every_s, planned_steps=o.steps, device=device)
 
     # the drafts, then result.json (the run counts as finished only once every draft is in place)
@@ -579,7 +578,7 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
                                                 "tokens_per_s": rate, "sets": sets})
     for old in complete_checkpoints(run_dir):
         shutil.rmtree(old, ignore_errors=True)
-    say({"phase": "done", "step": state.step, "tokens": state.tokens})
+    say(DoneProgress(state.step, state.tokens))
     if distributed.world() > 1:
         dist.barrier()
     return OnlineResult(drafts, state.elapsed, rate, resumed, False, key, len(train_idx), data_tokens)

@@ -25,6 +25,7 @@ from layerscope.draft.fit import (EpochSource, TrainingCancelled, TrainOptions, 
                                   fit)
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import build_draft_vocab
+from layerscope.draft.progress import TrainProgress
 from layerscope.errors import DraftError
 from layerscope.store import make_key
 
@@ -91,11 +92,11 @@ def target_weights(loaded):
 
 def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_lm_head: torch.Tensor, *,
                 final_norm_weight: torch.Tensor | None = None, options: TrainOptions | None = None,
-                progress: Callable[[dict], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                progress: Callable[[TrainProgress], None] | None = None, should_stop: Callable[[], bool] | None = None,
                 device=None, target=None, strategy: str | None = None, **fields) -> tuple:
     """Train a draft reading `layers` of the capture's target (options: a TrainOptions, or its fields).
-    progress gets {step, steps, loss, acc: [per TTT step, this batch], tokens (rows so far), tokens_per_s}
-    after every step. `target` (a LoadedModel), when given, names the target in the report's metadata."""
+    progress gets a TrainProgress (draft/progress.py: one set; steps = the planned steps, or None for a time
+    budget) after every step. `target` (a LoadedModel), when given, names the target in the report's metadata."""
     o = options if options is not None else TrainOptions(**fields)
     o.validate()
     t0 = time.perf_counter()
@@ -130,17 +131,15 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     curve, losses = [], []
 
     def on_step(p):
-        if p["phase"] != "train":
-            return
-        loss = p["loss"][0] if p["loss"] else float("nan")
+        if not isinstance(p, TrainProgress):
+            return                          # the held-out evaluations are not reported
+        loss = p.mean_loss                  # the one set's loss (nan in the warm start)
         losses.append(loss)
         every = max(1, (planned or 100) // 100)
-        if (p["step"] - 1) % every == 0 or p["fraction"] >= 1.0:
-            curve.append([p["step"], round(loss, 5)])
+        if (p.step - 1) % every == 0 or p.fraction >= 1.0:
+            curve.append([p.step, round(loss, 5)])
         if progress is not None:
-            progress({"step": p["step"], "steps": planned, "loss": loss, "acc": p["acc"][0] if p["acc"] else [0.0] * J,
-                      "tokens": p["tokens"], "tokens_per_s": p["tokens_per_s"], "fraction": p["fraction"],
-                      "eta_s": p["eta_s"]})
+            progress(p)
 
     def run_eval():
         return [evaluate(head, val, val_windows, J, drafters[0].teacher_w, o.batch_size, device)]

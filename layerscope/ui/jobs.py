@@ -53,6 +53,7 @@ __all__ = ["CANCELLED", "DONE", "FAILED", "FINISHED", "QUEUED", "RUNNING", "Job"
 
 
 CANCEL_GRACE_S = 10.0    # a job in the worker that has not stopped this long after Cancel has its worker stopped
+WORKER_IMPORTS = ("layerscope.ui.tasks",)   # what a worker imports before its first job: the job builders
 
 
 def worker_mode(value: str | None = None) -> str:
@@ -280,7 +281,7 @@ class JobManager:
         with self._lock:
             if self._idle or self._busy:
                 return
-        worker = Worker()
+        worker = Worker(WORKER_IMPORTS)
         with self._lock:
             self._idle.append(worker)
 
@@ -294,7 +295,7 @@ class JobManager:
             else:
                 worker = None
         if worker is None:
-            worker = Worker()
+            worker = Worker(WORKER_IMPORTS)
         if not worker.info:
             job.update(message="starting the worker process")
         with self._lock:

@@ -122,7 +122,7 @@ def study_warnings(rows, prompts: int) -> list[str]:
 def study_cost(plan, options, stored_drafts, bench_results) -> str:
     """One sentence: what the study will run and, from timings measured on this machine, about how long."""
     n = len(plan)
-    steps = int((options.train or {}).get("steps") or 0)
+    steps = int(options.train.steps or 0)
     contenders = n + 1
     work = (f"{n} drafts × {steps} training steps, then {options.limit} prompts × {options.max_new_tokens} tokens "
             f"× {contenders} decoders (plain decoding and one per draft)")

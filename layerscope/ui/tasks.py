@@ -21,6 +21,7 @@ from layerscope.capture import CaptureOptions
 from layerscope.draft import builtin
 from layerscope.draft.export import read_meta
 from layerscope.draft.online import OnlineOptions
+from layerscope.draft.progress import EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import DraftError, LayerScopeError, PromptSetError
 from layerscope.models import default_device
@@ -160,12 +161,12 @@ def train_job(*, store, capture_key: str, model: str, layers: list[int], strateg
     """workflow.train (or the draft from the store) for `layers`; live loss and per-step accuracy on the job."""
 
     def run(job):
-        def progress(p):
-            job.update(p["step"] / max(p["steps"], 1),
-                       f"step {p['step']}/{p['steps']} · loss {p['loss']:.3f} · acc@1 {p['acc'][0]:.0%}",
-                       step=p["step"], steps=p["steps"], loss=p["loss"], accuracy=list(p["acc"]),
-                       tokens_per_s=p["tokens_per_s"])
-            job.push("history", {"step": p["step"], "loss": p["loss"], "accuracy": list(p["acc"])})
+        def progress(p: TrainProgress):              # one set: its loss and this batch's agreement per TTT step
+            acc = list(p.acc[0])
+            job.update(p.step / max(p.steps, 1),
+                       f"step {p.step}/{p.steps} · loss {p.mean_loss:.3f} · acc@1 {acc[0]:.0%}",
+                       step=p.step, steps=p.steps, loss=p.mean_loss, accuracy=acc, tokens_per_s=p.tokens_per_s)
+            job.push("history", {"step": p.step, "loss": p.mean_loss, "accuracy": list(acc)})
 
         def load(spec, st):
             target = load_in_job(job, spec, st)
@@ -190,26 +191,24 @@ def online_train_job(*, store, model: str, sets: list[tuple[str, list[int], str 
         last = {}
 
         def progress(p):
-            phase = p["phase"]
-            if phase == "responses":
-                job.update(0.02 + 0.18 * p["done"] / max(p["total"], 1),
-                           f"the target answers the training prompts: batch {p['done']}/{p['total']} · "
-                           f"{p['tokens_per_s']:.0f} tok/s", phase=phase, eta_s=p["eta_s"])
-            elif phase == "features":
-                job.update(0.2, f"held-out conversations through the target: {p['done']}/{p['total']}", phase=phase)
-            elif phase == "eval":
-                job.update(None, f"held-out evaluation at {p['tokens']:,} tokens", phase=phase)
-            elif phase == "train":
-                val = p["val"]
-                job.update(0.2 + 0.8 * p["fraction"],
-                           f"{p['tokens']:,} tokens · {p['tokens_per_s']:.0f} tok/s" +
-                           (f" · ETA {p['eta_s'] / 60:.0f} min" if p.get("eta_s") else ""),
-                           phase=phase, tokens=p["tokens"], tokens_per_s=p["tokens_per_s"], eta_s=p.get("eta_s"),
-                           loss=dict(zip(names, p["loss"])), val=dict(zip(names, [v[0] if v else None for v in val])))
-                for name, v in zip(names, val):
+            if isinstance(p, ResponsesProgress):
+                job.update(0.02 + 0.18 * p.done / max(p.total, 1),
+                           f"the target answers the training prompts: batch {p.done}/{p.total} · "
+                           f"{p.tokens_per_s:.0f} tok/s", phase=p.phase, eta_s=p.eta_s)
+            elif isinstance(p, FeaturesProgress):
+                job.update(0.2, f"held-out conversations through the target: {p.done}/{p.total}", phase=p.phase)
+            elif isinstance(p, EvalProgress):
+                job.update(None, f"held-out evaluation at {p.tokens:,} tokens", phase=p.phase)
+            elif isinstance(p, TrainProgress):
+                job.update(0.2 + 0.8 * p.fraction,
+                           f"{p.tokens:,} tokens · {p.tokens_per_s:.0f} tok/s" +
+                           (f" · ETA {p.eta_s / 60:.0f} min" if p.eta_s else ""),
+                           phase=p.phase, tokens=p.tokens, tokens_per_s=p.tokens_per_s, eta_s=p.eta_s,
+                           loss=dict(zip(names, p.loss)), val=dict(zip(names, [v[0] if v else None for v in p.val])))
+                for name, v in zip(names, p.val):
                     if v and last.get(name) != v:
                         last[name] = v
-                        job.push("curve", {"set": name, "tokens": p["tokens"], "accuracy": list(v)})
+                        job.push("curve", {"set": name, "tokens": p.tokens, "accuracy": list(v)})
 
         def load(spec, st):
             return load_in_job(job, spec, st)
@@ -426,10 +425,11 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
 
 # ---------------------------------------------------------------------------- the study
 
-def study_options(session_sets: list[dict], *, k: int, train: dict, prompts: str, limit: int, max_new_tokens: int,
-                  depth: int, lam: float = 0.5) -> StudyOptions:
-    """StudyOptions for the session: every automatic strategy plus the session's own sets."""
-    return StudyOptions(extra_sets=tuple(tuple(x["layers"]) for x in session_sets), k=k, lam=lam, train=dict(train),
+def study_options(session_sets: list[dict], *, k: int, train: TrainOptions, prompts: str, limit: int,
+                  max_new_tokens: int, depth: int, lam: float = 0.5) -> StudyOptions:
+    """StudyOptions for the session: every automatic strategy plus the session's own sets, each draft trained
+    from the capture with `train`."""
+    return StudyOptions(extra_sets=tuple(tuple(x["layers"]) for x in session_sets), k=k, lam=lam, train=train,
                         prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, depth=depth)
 
 
@@ -449,10 +449,10 @@ def study_job(*, store, capture_key: str, model: str, options: StudyOptions, ana
             if p.phase == "analyze":
                 job.update(0.02, "layer statistics", phase=p.phase)
             elif p.phase == "train":
-                u = p.detail if isinstance(p.detail, dict) else None
-                within = u["step"] / max(u["steps"], 1) if u else 0.0
+                u = p.detail if isinstance(p.detail, TrainProgress) else None
+                within = u.step / max(u.steps, 1) if u else 0.0
                 frac = 0.05 + 0.7 * (p.set_index + within) / max(p.sets_total, 1)
-                job.update(frac, f"training {p.message}" + (f" · step {u['step']}/{u['steps']} · loss {u['loss']:.3f}"
+                job.update(frac, f"training {p.message}" + (f" · step {u.step}/{u.steps} · loss {u.mean_loss:.3f}"
                                                               if u else ""), phase=p.phase)
             elif p.phase == "bench":
                 b = p.detail

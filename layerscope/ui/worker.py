@@ -7,9 +7,11 @@ What runs where:
   sent to a `Worker`; the job's thread in the server pumps the worker's messages into the `Job`
   (progress, series, the outcome) and passes a cancel on.
 - worker: a fresh interpreter (`python -c "...worker.main()"`), never a fork of the server (which holds
-  torch's threads). It builds the job function from the task (`Task.build`) and runs it with a
-  `RemoteJob` that has the job side of the `Job` API (update, push, set_series, should_stop,
-  check_cancel). It keeps its own model cache (`ui.models`) between jobs: a model loads once per worker.
+  torch's threads). It builds the job function from the task (`Task.build`, which imports the builder's
+  module) and runs it with a `RemoteJob` that has the job side of the `Job` API (update, push, set_series,
+  should_stop, check_cancel). It keeps its own model cache (`ui.models`) between jobs: a model loads once
+  per worker. Which modules it imports before the first job is the server's to say (`Worker(imports=...)`:
+  jobs.WORKER_IMPORTS, the builders of ui.tasks); this module knows no job.
 
 The worker is started with `subprocess`, not multiprocessing's spawn context: Streamlit replaces
 `sys.modules["__main__"]` with a module whose `__file__` is app.py, and spawn re-runs the parent's main
@@ -48,7 +50,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from layerscope.errors import LayerScopeError
-from layerscope.store import as_write_error
+from layerscope.store import Store, as_write_error
 from layerscope.ui import models
 
 DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
@@ -107,13 +109,11 @@ def job_task(builder: Callable) -> Callable[..., Task]:
     return make
 
 
-_stores: dict[str, Any] = {}
+_stores: dict[str, Store] = {}
 
 
-def _store(root: str):
+def _store(root: str) -> Store:
     """One Store per root in this process (the worker's)."""
-    from layerscope.store import Store
-
     if root not in _stores:
         _stores[root] = Store(root)
     return _stores[root]
@@ -162,10 +162,13 @@ class WorkerDied(Exception):
 class Worker:
     """The server's handle on one worker process: start it, send it tasks, read its messages."""
 
-    def __init__(self):
+    def __init__(self, imports: tuple[str, ...] = ()):
+        """Start the process; it imports the modules `imports` (the job builders: jobs.WORKER_IMPORTS) before it
+        says it is ready, so the first job does not wait for them."""
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
-        self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, "--fd", str(fd)], pass_fds=(fd,),
+        preload = [arg for name in imports for arg in ("--import", name)]
+        self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, "--fd", str(fd), *preload], pass_fds=(fd,),
                                      start_new_session=True)     # Ctrl-C on the server's terminal is the server's
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -343,10 +346,13 @@ def main(argv=None) -> None:
     """The worker process: run tasks one after the other until the server says quit or goes away."""
     ap = argparse.ArgumentParser(prog="layerscope-worker")
     ap.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the server")
+    ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                    help="a module to import before the first job (repeatable)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = _Channel(Connection(args.fd))
-    importlib.import_module("layerscope.ui.tasks")      # the job builders and what they import, before the first job
+    for name in args.imports:                  # the job builders and what they import, before the first job
+        importlib.import_module(name)
     channel.send(("ready", {"pid": os.getpid(), "device": models.device_label(), "started": time.time()}))
     while True:
         msg = channel.requests.get()

@@ -1,0 +1,92 @@
+"""LayerScope's modules import each other without cycles: every import statement counts, at the top or inside
+a function, and so does importlib.import_module("a literal name")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the layerscope modules it imports (a name resolved to the deepest module that exists)."""
+    files = {}
+    for path in (ROOT / "layerscope").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets += [f"{base}.{a.name}" for a in node.names]      # a module, or a name in `base`
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+                  and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                targets.append(node.args[0].value)
+        graph[name] = {m for m in map(module_of, targets) if m is not None and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], 0
+    for start, edges in graph.items():
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges)))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_finder_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others():
+    graph = import_graph()
+    assert {"layerscope.capture", "layerscope.distributed", "layerscope.ui.tasks", "layerscope.ui.worker"} <= set(graph)
+    assert cycles(graph) == []
