@@ -9,8 +9,8 @@ from layerscope import fmt, plots
 from layerscope import select as sel
 from layerscope.ui import apply, recommend, tasks
 from layerscope.ui.apply import kernel_of
-from layerscope.ui.state import bind_view, commit
 from layerscope.ui.jobs import get_manager
+from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, guard, md_text, number_field, table
 

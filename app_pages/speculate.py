@@ -20,7 +20,17 @@ from layerscope.ui.apply import draft_labels, run_label, set_label
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, fmt_seconds, guard, highlighted_tokens, legend_html, md_text, number_field, show_error, table
+from layerscope.ui.widgets import (
+    chart,
+    fmt_seconds,
+    guard,
+    highlighted_tokens,
+    legend_html,
+    md_text,
+    number_field,
+    show_error,
+    table,
+)
 
 SMALL_CAPTURE_TOKENS = 20_000     # below this a draft memorises its training prompts (README: 63k tokens took 21 min)
 

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerscope.metrics import cka as C          # noqa: E402
-from layerscope.metrics.entropy import prepare   # noqa: E402
+from layerscope.metrics import cka as C  # noqa: E402
+from layerscope.metrics.entropy import prepare  # noqa: E402
 
 
 def synthetic_layers(L: int, n: int, d: int, seed: int = 0) -> list[torch.Tensor]:

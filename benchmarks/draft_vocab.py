@@ -18,9 +18,9 @@ import argparse
 
 import torch
 
+from layerscope.draft.data import target_argmax
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.online import OnlineOptions, load_conversations, target_features
-from layerscope.draft.data import target_argmax
 from layerscope.models import load_model
 from layerscope.store import Store
 

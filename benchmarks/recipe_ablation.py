@@ -33,8 +33,15 @@ from layerscope.draft.data import windows_of
 from layerscope.draft.fit import FitState, build_drafters, final_norm, fit
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import build_draft_vocab
-from layerscope.draft.online import (Conversations, OnlineOptions, OnlineSource, held_out_splits, load_conversations,
-                                     split_for, target_features)
+from layerscope.draft.online import (
+    Conversations,
+    OnlineOptions,
+    OnlineSource,
+    held_out_splits,
+    load_conversations,
+    split_for,
+    target_features,
+)
 from layerscope.models import load_model
 from layerscope.probe import agreement, explained_variance
 from layerscope.store import Store, atomic_write_json

@@ -28,10 +28,10 @@ import torch
 from layerscope.errors import LayerScopeError
 from layerscope.metrics import cka as C
 from layerscope.metrics import entropy as E
+from layerscope.metrics.compartments import compartments as segment
 from layerscope.metrics.tokens import OUTLIER_FACTOR, select_tokens
 from layerscope.store import make_key
 from layerscope.validate import check_number
-from layerscope.metrics.compartments import compartments as segment
 
 VERSION = 2                  # bump when the statistics change meaning: old cache entries are ignored
 MIN_TOKENS = 8               # fewer kept tokens than this is an error

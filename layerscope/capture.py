@@ -47,8 +47,17 @@ from layerscope import distributed, preflight
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
 from layerscope.prompts import PromptSet, chat_ids
-from layerscope.store import (CHUNK_RE, LockWaitCancelled, Store, atomic_save_tensors, chunk_name, file_sha256, list_chunks,
-                              make_key, read_header)
+from layerscope.store import (
+    CHUNK_RE,
+    LockWaitCancelled,
+    Store,
+    atomic_save_tensors,
+    chunk_name,
+    file_sha256,
+    list_chunks,
+    make_key,
+    read_header,
+)
 from layerscope.validate import check_number
 
 FORMAT_VERSION = 1

@@ -160,7 +160,7 @@ def prompt_spec(spec: str) -> None:
 def draft_dir(path, *, agree: bool = True) -> Path:
     """A draft directory the user named: no link loop, exists, has config.json and model.safetensors, and
     (with `agree`) its layer records agree (draft.export.draft_layers). Returns its real path."""
-    from layerscope.draft.export import draft_layers, read_layers_record, read_meta, read_config
+    from layerscope.draft.export import draft_layers, read_config, read_layers_record, read_meta
 
     real = paths.existing_dir(path, "The draft", DraftError,
                               "Give the directory `layerscope train-draft` or `layerscope export` wrote")

@@ -27,11 +27,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerscope.errors import PromptSetError
-from layerscope.prompt_files import (FILE_TYPES, FORMAT_HELP, MAX_FILE_BYTES, MAX_LINE_BYTES,  # noqa: F401
-                                     MAX_PROMPT_CHARS, file_lines, read_jsonl, user_file, user_path)
+from layerscope.prompt_files import (  # noqa: F401
+    FILE_TYPES,
+    FORMAT_HELP,
+    MAX_FILE_BYTES,
+    MAX_LINE_BYTES,
+    MAX_PROMPT_CHARS,
+    file_lines,
+    read_jsonl,
+    user_file,
+    user_path,
+)
 from layerscope.prompt_record import USER_ROLES, Prompt, record_category, user_turns  # noqa: F401
-from layerscope.sharegpt import (BLOCK, HELDOUT_PERCENT, INDEX_FORMAT, SEPARATORS, SHAREGPT_FILE,  # noqa: F401
-                                 JsonArrayScan, cache_dir, is_heldout, sharegpt_index, sharegpt_path)
+from layerscope.sharegpt import (  # noqa: F401
+    BLOCK,
+    HELDOUT_PERCENT,
+    INDEX_FORMAT,
+    SEPARATORS,
+    SHAREGPT_FILE,
+    JsonArrayScan,
+    cache_dir,
+    is_heldout,
+    sharegpt_index,
+    sharegpt_path,
+)
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
 PREVIEW_CHARS = 200

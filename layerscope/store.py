@@ -45,10 +45,25 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from layerscope import jsonsafe
-from layerscope.capture_format import (SUMMARY_KEYS, CaptureReader, check_chunk_files, list_chunks, read_manifest,
-                                       summarize_manifest, validate_manifest, verify_capture_files)
-from layerscope.capture_format import (CHUNK_DTYPES, CHUNK_RE, MAX_HEADER_BYTES, MAX_MANIFEST_BYTES,  # noqa: F401
-                                       SHA256_RE, chunk_name, damaged, file_sha256, read_header)
+from layerscope.capture_format import (  # noqa: F401
+    CHUNK_DTYPES,
+    CHUNK_RE,
+    MAX_HEADER_BYTES,
+    MAX_MANIFEST_BYTES,
+    SHA256_RE,
+    SUMMARY_KEYS,
+    CaptureReader,
+    check_chunk_files,
+    chunk_name,
+    damaged,
+    file_sha256,
+    list_chunks,
+    read_header,
+    read_manifest,
+    summarize_manifest,
+    validate_manifest,
+    verify_capture_files,
+)
 from layerscope.errors import StoreError
 from layerscope.paths import LINK_FIX, entry_problem
 

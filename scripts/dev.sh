@@ -65,7 +65,7 @@ case "$cmd" in
     say "running the test suite"
     # The test extra was installed above: its tests fail instead of skipping if it does not import.
     # -rs prints every skip with its reason.
-    export LAYERSCOPE_REQUIRE_SPECULATORS=1
+    export LAYERSCOPE_REQUIRE_EXTRAS=1
     exec "$PY" -m pytest -q -rs "$@"
     ;;
   setup)

@@ -7,8 +7,6 @@ that session through ``?session=ID``.
 
 from __future__ import annotations
 
-import pytest
-
 from layerscope import session as sessions
 from tests.test_app import captured, copy_of, new_app, no_exception, plain, settle, start_tiny_capture  # noqa: F401
 

@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from layerscope import bench
 from layerscope.cli import main

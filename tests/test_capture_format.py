@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerscope import capture_format, store as store_mod
+from layerscope import capture_format
+from layerscope import store as store_mod
 from layerscope.store import Store
 
 FIXTURE = Path(__file__).parent / "fixtures" / "capture-v1"

@@ -12,7 +12,6 @@ from layerscope.session import Session
 from layerscope.ui import apply, compare
 from tests.test_app import charts, new_app, no_exception, settle
 
-
 # ---------------------------------------------------------------------------- logic and figures
 
 def cka_like(n, seed):

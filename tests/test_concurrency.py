@@ -14,6 +14,7 @@ from layerscope.capture import CaptureOptions, capture, capture_key
 from layerscope.prompts import load_prompts
 from layerscope.store import Store
 
+
 def options(batch_size):
     return CaptureOptions(limit=8, batch_size=batch_size, max_new_tokens=4)
 

@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from layerscope import costmodel as cm
-from layerscope.cli import main
 from layerscope import specdec as sd
+from layerscope.cli import main
 from layerscope.specdec import TreeSpec
 from tests.test_specdec import PROMPTS, LookupDraft, greedy_reference, untrained_draft
 

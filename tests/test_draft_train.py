@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from layerscope.draft.export import load_draft, read_meta
 from layerscope.draft.data import batch_plan, split_conversations
+from layerscope.draft.export import load_draft, read_meta
 from layerscope.draft.train import TrainingCancelled, draft_for, target_weights, train_draft
 from layerscope.errors import DraftError
 

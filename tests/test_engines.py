@@ -36,7 +36,6 @@ from layerscope.engines import TargetFacts, target_facts
 from layerscope.errors import DraftError
 from layerscope.models import tiny_model
 
-
 # ------------------------------------------------------------------ the engines' reading rules, restated
 
 def vllm_reads(cfg: dict, n: int) -> list[int]:

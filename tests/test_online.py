@@ -16,13 +16,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
-from layerscope.draft.online import (Conversations, OnlineOptions, complete_checkpoints, epoch_batches,
-                                     first_reply, load_conversations, parse_count, parse_duration, split_for,
-                                     target_features, train_online)
 from layerscope.draft.data import make_batch, target_argmax, windows_of
 from layerscope.draft.fit import TrainingCancelled
 from layerscope.draft.loss import evaluate, ttt_loss
+from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+from layerscope.draft.online import (
+    Conversations,
+    OnlineOptions,
+    complete_checkpoints,
+    epoch_batches,
+    first_reply,
+    load_conversations,
+    parse_count,
+    parse_duration,
+    split_for,
+    target_features,
+    train_online,
+)
 from layerscope.draft.train import load_splits
 from layerscope.errors import DraftError
 from layerscope.store import Store

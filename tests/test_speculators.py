@@ -3,7 +3,7 @@
 speculators is a test extra: `scripts/dev.sh test` installs it with --no-deps plus the few packages its code
 imports (requirements-speculators.txt); its own requirements would bring a second torch. Where it cannot be
 imported, the tests that need it are skipped with that reason; under `scripts/dev.sh test`, which installed it
-(LAYERSCOPE_REQUIRE_SPECULATORS=1), they fail instead. What they hold, per target (a tiny Llama saved
+(LAYERSCOPE_REQUIRE_EXTRAS=1), they fail instead. What they hold, per target (a tiny Llama saved
 as a model folder, and SmolLM2-135M from its stored de-quantization):
   - `SpeculatorModel.from_pretrained(export)` loads every weight of the checkpoint and needs nothing else from
     it (the verifier-owned verifier_lm_head/verifier_norm come from the verifier), the embedding included;
@@ -46,7 +46,7 @@ T = 128                  # tokens per test sequence: a whole flex-attention bloc
 VERIFIER_ONLY = {"verifier_lm_head.weight", "verifier_norm.weight"}   # speculators never saves these
 
 
-REQUIRE = "LAYERSCOPE_REQUIRE_SPECULATORS"   # set by `scripts/dev.sh test` (and so .ci/run), which installs it
+REQUIRE = "LAYERSCOPE_REQUIRE_EXTRAS"   # set by `scripts/dev.sh test` (and so .ci/run), which installs it
 MISSING = ("speculators (or a package its model path imports) is not importable here: "
            "`scripts/dev.sh setup` installs it with `pip install --no-deps -r requirements-speculators.txt`")
 

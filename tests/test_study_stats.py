@@ -7,8 +7,7 @@ from layerscope.bench import Tally, per_prompt_totals, prompt_runs
 from layerscope.metrics import bootstrap as B
 from layerscope.metrics.correlation import spearman
 from layerscope.specdec import StepEvent
-from layerscope.study_stats import (PromptRuns, best_versions, compare_sets, correlate, significant,
-                                    verdict)
+from layerscope.study_stats import PromptRuns, best_versions, compare_sets, correlate, significant, verdict
 
 
 def gen(seed):

@@ -31,14 +31,25 @@ import torch
 from safetensors.torch import save_file
 
 from layerscope import engines, models
-from layerscope.draft.checkpoint import (FORMAT, TORCH_DTYPES, check_fits, draft_tensors, engine_config, layers_record,
-                                         load_draft, read_layers_record, read_meta, recorded_facts, serving_notes,
-                                         staged, write_draft)
+from layerscope.draft.checkpoint import (
+    FORMAT,
+    TORCH_DTYPES,
+    check_fits,
+    draft_tensors,
+    engine_config,
+    layers_record,
+    load_draft,
+    read_layers_record,
+    read_meta,
+    recorded_facts,
+    serving_notes,
+    staged,
+    write_draft,
+)
 from layerscope.draft.commands_md import commands_md
 from layerscope.draft.model import DraftHead
 from layerscope.engines import TargetFacts
 from layerscope.errors import DraftError
-
 
 # ----------------------------------------------------------------------------------------- exports for engines
 

@@ -20,15 +20,44 @@ A name is defined once, in its module; to replace one in a test (monkeypatch), r
 from __future__ import annotations
 
 from layerscope.draft.check import check_draft, verifier_problem
-from layerscope.draft.checkpoint import (FILES, FORMAT, MAX_JSON_BYTES, STAGING, TORCH_DTYPES, check_fits,
-                                         draft_layers, draft_tensors, engine_config, layers_record, load_draft,
-                                         read_config, read_layers_record, read_meta, recorded_facts,
-                                         recorded_facts_of, rescue, save_draft, serving_notes, staged,
-                                         swap_into_place, write_draft)
+from layerscope.draft.checkpoint import (
+                                         FILES,
+                                         FORMAT,
+                                         MAX_JSON_BYTES,
+                                         STAGING,
+                                         TORCH_DTYPES,
+                                         check_fits,
+                                         draft_layers,
+                                         draft_tensors,
+                                         engine_config,
+                                         layers_record,
+                                         load_draft,
+                                         read_config,
+                                         read_layers_record,
+                                         read_meta,
+                                         recorded_facts,
+                                         recorded_facts_of,
+                                         rescue,
+                                         save_draft,
+                                         serving_notes,
+                                         staged,
+                                         swap_into_place,
+                                         write_draft,
+)
 from layerscope.draft.commands_md import ENGINE_READS, commands_md
-from layerscope.draft.engine_export import (SPECFORGE_YAML, TargetName, engine_verdict, export_draft, export_zip,
-                                            model_folder, speculators_config, target_name, trained_target,
-                                            write_specforge, write_speculators)
+from layerscope.draft.engine_export import (
+                                         SPECFORGE_YAML,
+                                         TargetName,
+                                         engine_verdict,
+                                         export_draft,
+                                         export_zip,
+                                         model_folder,
+                                         speculators_config,
+                                         target_name,
+                                         trained_target,
+                                         write_specforge,
+                                         write_speculators,
+)
 
 __all__ = [
     # checkpoint

@@ -35,24 +35,31 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-import torch.distributed as dist
-
 from layerscope import distributed, jsonsafe, layerset
 from layerscope.capture import CaptureOptions, generate_responses
-from layerscope.draft.data import split_of, target_argmax, trainable, windows_of, make_batch
+from layerscope.draft.data import make_batch, split_of, target_argmax, trainable, windows_of
 from layerscope.draft.export import save_draft
-from layerscope.draft.fit import (EpochSource, FitState, TrainingCancelled, TrainOptions, build_drafters, draft_meta,
-                                  final_norm, fit)
+from layerscope.draft.fit import (
+    EpochSource,
+    FitState,
+    TrainingCancelled,
+    TrainOptions,
+    build_drafters,
+    draft_meta,
+    final_norm,
+    fit,
+)
 from layerscope.draft.loss import evaluate
-from layerscope.draft.model import DraftHead, build_draft_vocab
+from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
 from layerscope.errors import DraftError
 from layerscope.models import LoadedModel

@@ -18,16 +18,25 @@ from typing import Callable
 
 import torch
 
-from layerscope.draft.data import (Split, batch_plan, epoch_windows, make_batch, split_conversations, split_of,
-                                   target_argmax, trainable, windows_of)
+from layerscope.draft.data import (
+    Split,
+    batch_plan,
+    epoch_windows,
+    make_batch,
+    split_conversations,
+    split_of,
+    target_argmax,
+    trainable,
+    windows_of,
+)
 from layerscope.draft.export import save_draft
-from layerscope.draft.fit import (EpochSource, TrainingCancelled, TrainOptions, build_drafters, draft_meta, final_norm,
-                                  fit)
+from layerscope.draft.fit import EpochSource, TrainOptions, build_drafters, draft_meta, final_norm, fit
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.progress import TrainProgress
 from layerscope.errors import DraftError
 from layerscope.store import make_key
+
 
 @dataclass
 class TrainReport:

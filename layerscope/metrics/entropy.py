@@ -24,7 +24,6 @@ import math
 
 import torch
 
-
 KERNELS = ("linear", "cosine")   # token preparations; "linear" is standard linear CKA and the default
 
 

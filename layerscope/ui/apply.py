@@ -18,7 +18,6 @@ from layerscope.ui.jobs import StatsTag, get_manager
 from layerscope.ui.recommend import set_label  # noqa: F401  (pages name studied sets through apply)
 from layerscope.ui.state import add_note
 
-
 # ---------------------------------------------------------------------------- prompts
 
 @st.cache_resource(show_spinner="Reading the prompt set…", max_entries=16)
