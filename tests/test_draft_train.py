@@ -9,7 +9,8 @@ import torch
 
 from layerscope.draft.data import batch_plan, split_conversations
 from layerscope.draft.export import load_draft, read_meta
-from layerscope.draft.train import TrainingCancelled, draft_for, target_weights, train_draft
+from layerscope.draft.fit import TrainingCancelled
+from layerscope.draft.train import draft_for, target_weights, train_draft
 from layerscope.errors import DraftError
 
 SMALL = dict(batch_size=4, seq_len=64)
