@@ -136,13 +136,11 @@ with guard("run comparison"):
         chosen = [(f"#{i + 1}", s.bench_results[i]) for i in sorted(picked)]
         if chosen:
             table(compare.run_options(chosen), key="ls_cmp_run_options", filename="benchmark-run-options")
-            m1, m2 = st.columns(2)
-            with m1:
-                chart(plots.runs_comparison(compare.run_contenders(chosen), metric="tau"), key="ls_cmp_runs_tau",
-                      filename="benchmark-runs-tau")
-            with m2:
-                chart(plots.runs_comparison(compare.run_contenders(chosen), metric="speedup"), key="ls_cmp_runs_speedup",
-                      filename="benchmark-runs-speedup")
+            # one above the other at full width: side by side at 1024 px each title ran under its legend
+            chart(plots.runs_comparison(compare.run_contenders(chosen), metric="tau"), key="ls_cmp_runs_tau",
+                  filename="benchmark-runs-tau")
+            chart(plots.runs_comparison(compare.run_contenders(chosen), metric="speedup"), key="ls_cmp_runs_speedup",
+                  filename="benchmark-runs-speedup")
 names = draft_labels(s.drafts)
 curves = {names[d["path"]]: d["curve"] for d in s.drafts if d.get("curve")}
 if curves:
