@@ -217,8 +217,11 @@ def test_read_only_store_reads_and_lists_and_every_write_is_one_line(tmp_path, t
             assert s.open_capture(tiny_capture.key[:8]).num_tokens == tiny_capture.num_tokens
         with pytest.raises(StoreWriteError, match="read-only"):
             preflight.writable(s)
-        with pytest.raises(StoreWriteError, match="read-only"):
+        with pytest.raises(StoreWriteError, match="read-only") as e:
             save_draft(s.path("drafts", "new"), untrained_draft(tiny.model, (1, 2, 3)), target=tiny)
+        kept = Path(re.search(r"written to (\S+) instead", e.value.fix)[1])      # kept outside the store
+        assert load_draft(kept).aux_layers == [1, 2, 3]
+        shutil.rmtree(kept)
         s.close()
         code, line = cli_line(capsys, "train-draft", "--model", "tiny-llama", "--layers", "1,2,3", "--steps", "2",
                               "--store", ro)
