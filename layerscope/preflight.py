@@ -220,20 +220,21 @@ def train_online(store: Store, model: str, sets, options) -> None:
         need_space(store.root, responses, "the generated responses of online training")
 
 
-def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None) -> None:
+def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None):
     """Training from a capture (workflow.train; the CLI also before a --strategy's analysis): --out or the
-    store writable, the capture opens, the layer sets fit it, room for the draft."""
-    if out is not None:                 # into --out
-        where = output(out)
-    else:                               # into the store's drafts/
-        where = store.root
+    store writable, the capture opens, the layer sets fit it, room for the draft. Returns what it checked,
+    for the caller to use rather than open or resolve again: (the CaptureReader, the sets checked and
+    sorted, --out's real path or None)."""
+    real_out = output(out) if out is not None else None     # into --out, links followed
+    if real_out is None:                                     # into the store's drafts/
         writable(store)
     cap = store.open_capture(capture_key)
     if sets:
-        layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
+        sets = layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
-            need_space(where, draft_bytes(shape, sets[0], int(draft_vocab)), "the draft")
+            need_space(real_out or store.root, draft_bytes(shape, sets[0], int(draft_vocab)), "the draft")
+    return cap, list(sets), real_out
 
 
 RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a comma and a space

@@ -21,7 +21,7 @@ import torch
 
 from layerscope import bench as bench_mod
 from layerscope import capture as capture_mod
-from layerscope import costmodel, layerset, paths, preflight
+from layerscope import costmodel, preflight
 from layerscope import probe as probe_mod
 from layerscope import select as select_mod
 from layerscope.analysis import AnalysisOptions, LayerStats
@@ -138,9 +138,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     Without `out` it lives in the store under drafts/<key> (trained once per capture, target, layers
     and options); with `out` it is trained and written there. No budget: default_train_steps.
     """
-    preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out)   # before the model loads
-    cap = store.open_capture(capture_key)
-    layers = layerset.check(list(layers), cap.num_layers)
+    cap, (layers,), out = preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out)  # before the load
     target = load(model or cap.manifest["model"], store)
     if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
         raise DraftError(f"Model {target.spec} now loads with fingerprint {target.fingerprint}, but capture "
@@ -152,7 +150,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     else:
         head, report = train_capture_draft(cap, layers, target, options=o, strategy=strategy, progress=progress,
                                            should_stop=should_stop)
-        path = save_draft(paths.real(out, "--out", DraftError), head, report.meta, target=target)   # links followed
+        path = save_draft(out, head, report.meta, target=target)         # out: its real path (links followed)
     return Trained(Path(path), read_meta(path))
 
 
