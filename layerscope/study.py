@@ -215,13 +215,17 @@ def train_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list]:
 
 
 def train_drafts_online(target, store, sets, o: StudyOptions, seeds, say) -> list[list]:
+    """Every seed trains on the same conversations and held-out split (those of the online options' data_seed,
+    else of the first seed): a training seed moves the drafts' initialisation and batch order, not the data,
+    so the seed spread is the training's own noise (and the target's answers are regenerated once)."""
+    data_seed = o.online.sample_seed if o.online.data_seed is not None else seeds[0]
     per_seed = []
     for j, seed in enumerate(seeds):
         message = f"online training of {len(sets)} drafts" + (f", seed {seed}" if len(seeds) > 1 else "")
         say(StudyProgress("train", message, j, len(seeds)))
         result = train_online(target, [layers for layers, _ in sets], store, strategy=[st[0] for _, st in sets],
                               progress=lambda u, m=message, j=j: say(StudyProgress("train", m, j, len(seeds), u)),
-                              options=replace(o.online, seed=seed))
+                              options=replace(o.online, seed=seed, data_seed=data_seed))
         per_seed.append([d.path for d in result.drafts])
     return [[paths[i] for paths in per_seed] for i in range(len(sets))]
 

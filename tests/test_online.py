@@ -319,3 +319,22 @@ def test_two_process_ddp_training_equals_one_process(tiny, tmp_path, one_thread)
         wa, wb = weights(a.path), weights(b["path"])
         for k in wa:
             assert torch.allclose(wa[k].float(), wb[k].float(), atol=1e-4, rtol=1e-3), k
+
+
+def test_a_data_seed_keeps_the_conversations_while_the_seed_moves_the_draft(tiny, tmp_path, one_thread):
+    """data_seed draws the conversations (and held-out split); seed alone then moves init and order: the
+    study's seeds share one regenerated pool. data_seed == seed is the run it was before (same key)."""
+    store = Store(tmp_path / "store")
+    a = load_conversations(tiny, OnlineOptions(**SMALL, seed=0), store)
+    b = load_conversations(tiny, OnlineOptions(**SMALL, seed=1, data_seed=0), store)
+    c = load_conversations(tiny, OnlineOptions(**SMALL, seed=1), store)
+    assert a.ids == b.ids and a.key == b.key and a.response == b.response
+    assert c.ids != a.ids
+    assert OnlineOptions(seed=0).run_fields() == OnlineOptions(seed=0, data_seed=0).run_fields()
+    assert OnlineOptions(seed=1).run_fields() != OnlineOptions(seed=1, data_seed=0).run_fields()
+    with pytest.raises(DraftError, match="data_seed"):
+        OnlineOptions(steps=1, data_seed="0").validate()
+    ra = train_online(tiny, [[1, 3]], store, options=OnlineOptions(**SMALL, steps=2, seed=0))
+    rb = train_online(tiny, [[1, 3]], store, options=OnlineOptions(**SMALL, steps=2, seed=1, data_seed=0))
+    assert not same_weights(ra.drafts[0].path, rb.drafts[0].path)
+    assert ra.drafts[0].val_coverage == rb.drafts[0].val_coverage        # the same held-out conversations

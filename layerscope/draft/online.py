@@ -83,6 +83,8 @@ class OnlineOptions(TrainOptions):
     max_prompt_tokens: int = 256        # longer prompts are left out
     gen_batch_size: int = 32            # prompts per generate() call when regenerating
     val_conversations: int = 32         # held out, evaluated for the learning curve
+    data_seed: int | None = None        # draws the conversations and the held-out split; None: seed (which
+                                        # then also draws them); the draft's init and batch order follow seed
     checkpoint_every_s: float = 300.0   # seconds of training between checkpoints
 
     def validate(self) -> None:
@@ -94,6 +96,8 @@ class OnlineOptions(TrainOptions):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise DraftError(f"{name} must be a whole number >= 1 (got {getattr(self, name)!r})",
                                  f"Pass --{name.replace('_', '-')} 1 or more")
+        if self.data_seed is not None and (not isinstance(self.data_seed, int) or isinstance(self.data_seed, bool)):
+            raise DraftError(f"data_seed must be a whole number or None (got {self.data_seed!r})", "Use e.g. 0")
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s > 0):
             raise DraftError(f"checkpoint_every_s must be positive (got {self.checkpoint_every_s})", "Use e.g. 300")
 
@@ -101,7 +105,14 @@ class OnlineOptions(TrainOptions):
         """What decides the drafts: every field but where and how often progress is saved."""
         d = asdict(self)
         d.pop("checkpoint_every_s")
+        if d["data_seed"] is None or d["data_seed"] == d["seed"]:
+            d.pop("data_seed")          # the same run as before data_seed existed: its stored key stays
         return d
+
+    @property
+    def sample_seed(self) -> int:
+        """The seed that draws the conversations and the held-out split."""
+        return self.seed if self.data_seed is None else self.data_seed
 
 
 @dataclass
@@ -176,7 +187,7 @@ def parse_duration(text: str) -> float:
 def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, progress=None,
                        should_stop=None) -> Conversations:
     """The conversations of o.prompts (train split for ShareGPT) that fit, with o.responses answers."""
-    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.seed, cache=store.root / "prompts")
+    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.sample_seed, cache=store.root / "prompts")
     prompts = [(p, chat_ids(target.tokenizer, p)) for p in prompt_set.prompts]
     room = target.context_length - o.max_new_tokens
     prompts = [(p, ids) for p, ids in prompts if len(ids) <= min(o.max_prompt_tokens, room)]
@@ -231,7 +242,7 @@ def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, 
     prompts, written atomically, each row carrying its prompt id and a hash of its prompt's token ids. The key
     leaves out the limit, so a larger --limit of the same (prefix-stable) sample reuses every finished part;
     a part whose prompts differ is generated again."""
-    key = make_key({"target": target.fingerprint, "prompts": o.prompts, "seed": o.seed, "mode": "regenerate",
+    key = make_key({"target": target.fingerprint, "prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate",
                     "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
                     "batch": o.gen_batch_size, "format": RESPONSES_FORMAT})
     root = store.path("responses", key)
@@ -434,7 +445,7 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
     key = run_key(target, convs, sets, o)
     run_dir = store.path("runs", key)
     result_file = run_dir / "result.json"
-    val_mask = held_out(len(convs), o.val_conversations, o.seed)
+    val_mask = held_out(len(convs), o.val_conversations, o.sample_seed)
     train_idx = [i for i in range(len(convs)) if not val_mask[i]]
     val_idx = [i for i in range(len(convs)) if val_mask[i]]
     data_tokens = sum(len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx)
