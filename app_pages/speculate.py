@@ -484,6 +484,15 @@ else:
                                                        options=versions))
             chart(plots.study_proxies(rows, version, colors=colors), key="ls_spec_study_proxies",
                   filename="study-tau-vs-proxies")
+        curves = {set_label(r["strategies"], r["layers"], s.layer_sets): (r.get("seeds") or [{}])[0].get("curve")
+                  for r in rows}
+        curves = {name: c for name, c in curves.items() if c}
+        if curves:
+            chart(plots.learning_curves(curves, layers={set_label(r["strategies"], r["layers"], s.layer_sets): r["layers"]
+                                                        for r in rows}, colors=colors,
+                                        title="Study: held-out agreement per set as the drafts saw more tokens"),
+                  key="ls_spec_study_curves", filename="study-learning-curves")
+            st.caption("First training seed. Sets trained in one online pass saw the same data in the same order.")
         corr = res.get("spearman") or {}
         st.markdown("**Spearman correlation with τ** over the sets: " + " · ".join(
             f"{md_text(fmt.name(name))} {'n/a' if v is None else fmt.delta(v)}" for name, v in corr.items())

@@ -6,6 +6,7 @@
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
     output(path)                         a directory about to be written whole (--out): the path rule, writable
     capture_need(...)                    what a capture may still write, for need_space
+    starting_drafts(paths)               the drafts a training continues (--init-from)
     train_online(store, model, sets, o)  every check of online training (workflow.train_online calls it first)
     train_capture(store, key, sets, ...) every check of training from a capture (workflow.train calls it first)
     bench_drafts(paths)                  every --draft of a benchmark
@@ -194,6 +195,13 @@ def capture_need(encoded, max_new_tokens: int, max_tokens: int | None, batch_siz
     return max(0, capture_bytes(tokens, num_layers, hidden_size) - done)
 
 
+def starting_drafts(paths) -> None:
+    """Every draft a training continues (--init-from), checked before the target loads (draft/init_from.py
+    then matches them to the sets and to the target)."""
+    for p in paths:
+        draft_dir(p)
+
+
 def bench_drafts(drafts) -> None:
     """Every draft directory of a benchmark, checked before the target loads."""
     for d in drafts:
@@ -208,6 +216,7 @@ def train_online(store: Store, model: str, sets, options) -> None:
     options: an OnlineOptions (its draft_vocab, prompts, limit, responses, max_new_tokens)."""
     writable(store)
     prompt_spec(options.prompts)
+    starting_drafts(options.init_from)
     shape = target_shape(model, store)
     responses = responses_bytes(options, store) if options.responses == "regenerate" else 0
     if shape is not None and sets:
@@ -220,11 +229,12 @@ def train_online(store: Store, model: str, sets, options) -> None:
         need_space(store.root, responses, "the generated responses of online training")
 
 
-def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None):
+def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None, init_from=()):
     """Training from a capture (workflow.train; the CLI also before a --strategy's analysis): --out or the
     store writable, the capture opens, the layer sets fit it, room for the draft. Returns what it checked,
     for the caller to use rather than open or resolve again: (the CaptureReader, the sets checked and
     sorted, --out's real path or None)."""
+    starting_drafts(init_from)
     real_out = output(out) if out is not None else None     # into --out, links followed
     if real_out is None:                                     # into the store's drafts/
         writable(store)

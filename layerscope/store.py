@@ -192,6 +192,7 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
             if err is None:
                 raise
             raise err from None
+        os.chmod(tmp, 0o644)              # safetensors writes a file of its own, private like mkstemp's
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
     _write_via_temp(path, write)

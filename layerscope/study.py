@@ -312,7 +312,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
             sc = select.score_set(v, layers, o.lam)
             proxies[name] = {p: sc[p] for p in PROXIES}
         per_seed = [{"seed": seed, **c["seeds"][j], "val_accuracy": metas[j].get("val_accuracy", []),
-                     "draft": str(p)} for j, (seed, p) in enumerate(zip(seeds, paths))]
+                     "curve": metas[j].get("curve", []), "draft": str(p)} for j, (seed, p) in enumerate(zip(seeds, paths))]
         rows.append(StudyRow(
             layers, strategies, score["mean_entropy"], score["mean_cka"], score["aggregate_entropy"],
             _mean_lists([m.get("val_accuracy", []) for m in metas]), c["tau"], c["speedup"],

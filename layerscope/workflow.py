@@ -138,7 +138,8 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     Without `out` it lives in the store under drafts/<key> (trained once per capture, target, layers
     and options); with `out` it is trained and written there. No budget: default_train_steps.
     """
-    cap, (layers,), out = preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out)  # before the load
+    cap, (layers,), out = preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out,
+                                                   options.init_from)                                   # before the load
     target = load(model or cap.manifest["model"], store)
     if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
         raise DraftError(f"Model {target.spec} now loads with fingerprint {target.fingerprint}, but capture "

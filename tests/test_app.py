@@ -436,6 +436,8 @@ def test_study_trains_one_draft_per_set_and_correlates(app_store, copy_of):
     assert study["options"]["train"]["steps"] == 2 and study["options"]["k"] == 2
     assert {d["path"] for d in s.drafts} >= {r["draft"] for r in study["rows"]}
     assert any("Spearman correlation with τ" in m.value for m in at.markdown)
+    assert all(r["seeds"][0]["curve"] for r in study["rows"])                  # a learning curve per set, shown
+    assert any("First training seed" in c.value for c in at.caption)
 
 
 def test_view_state_survives_page_changes_and_share_links(app_store, copy_of):

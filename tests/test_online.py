@@ -257,6 +257,7 @@ def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_st
     assert len(metas) >= 2 and len({m["run_key"] for m in metas}) == 1          # one pass trained every set
     assert [m["layers"] for m in metas] == [r.layers for r in report.rows]
     assert all(m["online"]["responses"] == "regenerate" and r.tau is not None for m, r in zip(metas, report.rows))
+    assert all(r.seeds[0]["curve"] == m["curve"] and m["curve"] for m, r in zip(metas, report.rows))   # learning curves
     header = format_study(report).splitlines()[0]
     assert "online training (" in header and "steps=3" in header and "training steps per draft" not in header
 

@@ -277,3 +277,16 @@ def test_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(2**30), *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompts"] == 4 and store.verify_capture(json.loads(r.stdout)["key"]) == []
+
+
+def test_store_files_are_readable_by_the_group_and_others(tmp_path):
+    """A store may be shared: tensors (capture chunks, checkpoints) and JSON alike are written 0644, whatever
+    the temporary file they went through was made with."""
+    import stat
+
+    from layerscope.store import atomic_write_json
+
+    atomic_save_tensors(tmp_path / "chunk.safetensors", {"x": torch.zeros(3)})
+    atomic_write_json(tmp_path / "a.json", {"a": 1})
+    for f in ("chunk.safetensors", "a.json"):
+        assert stat.S_IMODE((tmp_path / f).stat().st_mode) == 0o644, f

@@ -17,6 +17,7 @@ import torch
 
 from layerscope import preflight, workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
+from layerscope.draft import builtin
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
 from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import TrainOptions
@@ -72,6 +73,9 @@ def add_arguments(p) -> None:
                    help="keep lm_head at the target's rows and the final norm at the target's (frozen)")
     p.add_argument("--warm-start", type=int, default=T["warm_start"],
                    help="steps of data for a closed-form (ridge) fc before gradient training (0 = off)")
+    p.add_argument("--init-from", action="append", default=None, metavar="DRAFT",
+                   help="continue training this draft (a directory, a stored draft's key, or builtin) instead of a "
+                        "fresh head; one per --layers set, matched by its layers; the budget is what is added")
     p.add_argument("--draft-vocab", type=int, default=T["draft_vocab"], help="draft vocabulary size (most frequent response tokens)")
     p.add_argument("--val-fraction", type=float, default=T["val_fraction"], help="capture training: held-out conversations")
     p.add_argument("--checkpoint-every", default="5m", help="online: training time between checkpoints (default 5m)")
@@ -88,6 +92,7 @@ def run(args) -> int:
         raise DraftError("Give a capture KEY to train from a capture, or --model to train online (one of them)",
                          "E.g. train-draft --model smollm2-135m --prompts sharegpt --layers 2,15,27 --tokens 2M")
     store = open_store(args)
+    args.init_from = tuple(str(builtin.resolve(d, args.model, store)) for d in (args.init_from or ()))
     if args.model is not None:              # workflow.train_online and workflow.train check the rest before any load
         return run_online(args, store)
     return run_capture(args, store)
@@ -140,7 +145,9 @@ def run_online(args, store) -> int:
     for d in result.drafts:
         acc = ", ".join(f"{a:.3f}" for a in d.val_accuracy)
         curve = "  ".join(f"{t}:{a[0]:.3f}" for t, a in d.curve)
-        print(f"  layers {d.layers}: {d.tokens_seen} tokens seen; held-out agreement per TTT step {acc} "
+        seen = f"{d.tokens_seen} tokens seen" + (f" ({d.tokens_seen_total} with the draft it continued)"
+                                                 if d.tokens_seen_total is not None else "")
+        print(f"  layers {d.layers}: {seen}; held-out agreement per TTT step {acc} "
               f"(draft vocabulary covers {d.val_coverage:.1%}); curve (tokens:step-1) {curve}")
         print(f"    {d.path}")
     return 0
@@ -152,7 +159,8 @@ def recipe(args) -> dict:
                 time_s=parse_duration(args.time) if args.time is not None else None, ttt_steps=args.ttt_steps,
                 seed=args.seed, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, warmup=args.warmup,
                 eval_points=args.eval_points, draft_vocab=args.draft_vocab, feature_loss=args.feature_loss,
-                noise_std=args.noise_std, freeze_lm_head=args.freeze_lm_head, warm_start=args.warm_start)
+                noise_std=args.noise_std, freeze_lm_head=args.freeze_lm_head, warm_start=args.warm_start,
+                init_from=args.init_from)
 
 
 def fmt_s(s) -> str:

@@ -64,6 +64,7 @@ class TrainOptions:
     noise_std: float = 0.0            # Gaussian noise on the auxiliary hidden states in training
     warm_start: int = 0               # steps of data for the closed-form fc before gradient training
     clock: str = "wall"               # what a time budget counts: "wall" seconds, or "cpu" seconds of this process
+    init_from: tuple[str, ...] = ()   # drafts to continue, one per layer set (draft/init_from.py); (): fresh heads
 
     def validate(self) -> None:
         budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
@@ -101,9 +102,23 @@ class TrainOptions:
         if self.clock not in CLOCKS:
             raise DraftError(f"clock must be one of {', '.join(CLOCKS)} (got {self.clock!r})",
                              "Use wall (seconds on the clock) or cpu (CPU seconds of this process: equal work on a busy machine)")
+        if not isinstance(self.init_from, (tuple, list)) or not all(isinstance(p, str) and p for p in self.init_from):
+            raise DraftError(f"init_from must be a list of draft directories (got {self.init_from!r})",
+                             "Pass --init-from DRAFT once per layer set")
+        if self.init_from and self.warm_start:
+            raise DraftError("--warm-start fits fc from scratch; a continued draft (--init-from) already has one",
+                             "Leave out --warm-start when continuing a draft")
         if self.freeze_lm_head and not self.init_lm_head:
             raise DraftError("freeze_lm_head keeps the target's lm_head rows, so it needs init_lm_head",
                              "Leave init_lm_head on, or do not freeze")
+
+
+    def key_fields(self) -> dict:
+        """The options as they enter a store key: every field but init_from (where the starting drafts lie);
+        a continued run's key adds their weights' identity instead (init_from.identity)."""
+        d = asdict(self)
+        d.pop("init_from")
+        return d
 
 
 class TrainingCancelled(DraftError):
@@ -126,17 +141,26 @@ class Drafter:
 
 
 def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None,
-                   sets: list[list[int]], d2t: torch.Tensor, t2d: torch.Tensor, o: TrainOptions, device) -> list[Drafter]:
-    """A fresh head per layer set, each seeded with o.seed (so a set's start does not depend on the others).
+                   sets: list[list[int]], d2t: torch.Tensor, t2d: torch.Tensor, o: TrainOptions, device,
+                   start: list[DraftHead] | None = None) -> list[Drafter]:
+    """A fresh head per layer set, each seeded with o.seed (so a set's start does not depend on the others),
+    or with `start` (one loaded draft per set, draft/init_from.py) that draft's weights.
     embed, lm_head [vocab, d]: the target's; final_norm [d]: its final RMSNorm weight (for freeze_lm_head)."""
     V, vocab = len(d2t), int(embed.shape[0])
     teacher_w = lm_head.detach()[(d2t + torch.arange(V)).to(lm_head.device)].float().to(device)   # [V, d]
     out = []
-    for s in sets:
+    for i, s in enumerate(sets):
         torch.manual_seed(o.seed)
         head = DraftHead(DraftConfig.from_target(target_config, s, V, vocab_size=vocab), embed.detach(), d2t, t2d).to(device)
         with torch.no_grad():
-            if o.init_lm_head:
+            if start is not None:
+                try:
+                    head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                          for k, v in start[i].state_dict().items()})
+                except RuntimeError as e:
+                    raise DraftError(f"The starting draft for layers {s} does not have this target's draft shape "
+                                     f"({str(e).splitlines()[0][:200]})", "Continue a draft LayerScope trained for this target") from None
+            elif o.init_lm_head:
                 head.lm_head.weight.copy_(teacher_w)
             if o.freeze_lm_head:
                 if final_norm is None:
@@ -379,9 +403,10 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
 # ----------------------------------------------------------------------------- what a draft records
 
 def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: int, *, target, strategy=None,
-               data: dict, vocab_size: int) -> dict:
+               data: dict, vocab_size: int, started: dict | None = None) -> dict:
     """layerscope.json of a trained draft (both sources). data: where the rows came from
-    ({"capture_key": ...} or {"online": {...}}) and train_tokens."""
+    ({"capture_key": ...} or {"online": {...}}) and train_tokens; started: the draft it continued
+    (init_from.StartingPoint.records[set_index]), recorded with the tokens seen over both runs."""
     acc, loss, positions, cov = state.last_eval[set_index] if state.last_eval else ([], None, None, None)
     return {"target_fingerprint": target.fingerprint, "target_model": target.spec,
             "capture_key": data.get("capture_key"), "layers": list(layers), "strategy": strategy,
@@ -392,4 +417,6 @@ def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: i
             "val_coverage": None if cov is None else round(cov, 5), "coverage": data.get("coverage"),
             "train_tokens": data["train_tokens"], "tokens_seen": state.tokens,
             "curve": [[c[0], c[1]] for c in state.curves[set_index]], "loss_curve": state.loss_curves[set_index],
-            "seconds": round(state.elapsed, 3), "draft_vocab_size": vocab_size, "train_format": TRAIN_FORMAT}
+            "seconds": round(state.elapsed, 3), "draft_vocab_size": vocab_size, "train_format": TRAIN_FORMAT,
+            **({"init_from": started, "tokens_seen_total": int(started.get("tokens_seen") or 0) + state.tokens}
+               if started else {})}

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +47,7 @@ from safetensors.torch import save_file
 
 from layerscope import distributed, jsonsafe, layerset
 from layerscope.capture import CaptureOptions, generate_responses
+from layerscope.draft import init_from
 from layerscope.draft.data import make_batch, split_of, target_argmax, trainable, windows_of
 from layerscope.draft.export import save_draft
 from layerscope.draft.fit import (
@@ -103,7 +105,7 @@ class OnlineOptions(TrainOptions):
 
     def run_fields(self) -> dict:
         """What decides the drafts: every field but where and how often progress is saved."""
-        d = asdict(self)
+        d = self.key_fields()
         d.pop("checkpoint_every_s")
         if d["data_seed"] is None or d["data_seed"] == d["seed"]:
             d.pop("data_seed")          # the same run as before data_seed existed: its stored key stays
@@ -139,6 +141,7 @@ class DraftResult:
     val_accuracy: list[float]
     val_coverage: float
     curve: list                          # [[tokens seen, [agreement per TTT step]], ...]
+    tokens_seen_total: int | None = None  # a continued draft (--init-from): its tokens before + tokens_seen
 
 
 @dataclass
@@ -425,7 +428,7 @@ def load_checkpoint(path: Path, drafters: list) -> FitState:
 
 def run_key(target: LoadedModel, convs: Conversations, sets: list[list[int]], o: OnlineOptions) -> str:
     return make_key({"target": target.fingerprint, "data": convs.key, "sets": sets, "options": o.run_fields(),
-                     "format": FORMAT})
+                     "format": FORMAT, **({"init": init_from.identity(o.init_from)} if o.init_from else {})})
 
 
 def train_online(target: LoadedModel, layer_sets, store: Store, *,
@@ -445,7 +448,11 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
     key = run_key(target, convs, sets, o)
     run_dir = store.path("runs", key)
     result_file = run_dir / "result.json"
-    val_mask = held_out(len(convs), o.val_conversations, o.sample_seed)
+    start = init_from.starting_point(o.init_from, sets, target, o.draft_vocab)
+    val_mask = continued_held_out(start, convs, target, store) if start else None
+    held_from = "init_from" if val_mask is not None else "own"
+    if val_mask is None:
+        val_mask = held_out(len(convs), o.val_conversations, o.sample_seed)
     train_idx = [i for i in range(len(convs)) if not val_mask[i]]
     val_idx = [i for i in range(len(convs)) if val_mask[i]]
     data_tokens = sum(len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx)
@@ -465,7 +472,7 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
         with interrupt_flag() as interrupted:
             stop = (lambda: interrupted() or bool(should_stop and should_stop()))
             return _train(target, convs, sets, o, store, key, run_dir, train_idx, val_idx, data_tokens, say,
-                          stop, strategy)
+                          stop, strategy, start, held_from)
 
 
 @contextlib.contextmanager
@@ -542,17 +549,42 @@ class OnlineSource(EpochSource):
         return out, n_rows
 
 
+def continued_held_out(start: init_from.StartingPoint, convs: Conversations, target, store: Store) -> torch.Tensor | None:
+    """Bool [len(convs)]: a continued run holds out what its starting drafts held out (so its learning curve
+    never scores a conversation they trained on): their recorded val_ids, or for an online draft from before
+    they were recorded, its held-out split recomputed from its options (its answers come from the store; the
+    same prompt set and seed make them a prefix of this run's). None when a starting draft was not trained
+    online, or none of those conversations is in this run's data: the run then uses its own split."""
+    ids: set[str] = set()
+    for rec in start.records:
+        val = rec.get("val_ids")
+        if val is None and rec.get("online_options"):
+            names = {f.name for f in dataclass_fields(OnlineOptions)}
+            then = OnlineOptions(**{k: v for k, v in rec["online_options"].items() if k in names})
+            before = load_conversations(target, then, store)
+            mask = held_out(len(before), then.val_conversations, then.sample_seed)
+            val = [before.ids[i] for i in range(len(before)) if mask[i]]
+        if val is None:
+            return None
+        ids |= set(val)
+    mask = torch.tensor([c in ids for c in convs.ids], dtype=torch.bool)
+    return mask if bool(mask.any()) else None
+
+
 def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx, val_idx, data_tokens, say,
-           should_stop, strategy) -> OnlineResult:
+           should_stop, strategy, start: init_from.StartingPoint | None = None, held_from: str = "own") -> OnlineResult:
     device = target.device
     J = o.ttt_steps
     embed = target.model.get_input_embeddings().weight
     lm_head = target.model.get_output_embeddings().weight
     vocab = int(embed.shape[0])
     resp_ids = torch.tensor([t for i in train_idx for t in convs.response[i]], dtype=torch.long)
-    d2t, t2d = build_draft_vocab(resp_ids, o.draft_vocab, vocab)
+    d2t, t2d = (start.d2t, start.t2d) if start else build_draft_vocab(resp_ids, o.draft_vocab, vocab)
     union = sorted({l for s in sets for l in s})
-    drafters = build_drafters(target.model.config, embed, lm_head, final_norm(target.model), sets, d2t, t2d, o, device)
+    drafters = build_drafters(target.model.config, embed, lm_head, final_norm(target.model), sets, d2t, t2d, o, device,
+                              start=start.heads if start else None)
+    if start:
+        start.heads.clear()                                 # their weights are the drafters' now
 
     # held-out features, once: one split per set over all held-out conversations (rank 0 evaluates)
     val_splits = held_out_splits(target, convs, val_idx, sets, union, o, say) if distributed.rank() == 0 else None
@@ -581,16 +613,20 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens)
     drafts = []
     data = {"online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
-                       "conversations": len(train_idx), "data_tokens": data_tokens}, "train_tokens": data_tokens}
+                       "conversations": len(train_idx), "data_tokens": data_tokens,
+                       "val_ids": [convs.ids[i] for i in val_idx], "held_out_from": held_from},
+            "train_tokens": data_tokens}
     for s_i, (d, s) in enumerate(zip(drafters, sets)):
         d.head.eval()
         dkey = make_key({"run": key, "layers": s})
         path = store.path("drafts", dkey)
         meta = {**draft_meta(s, o, state, s_i, target=target, strategy=strategy[s_i] if strategy else None, data=data,
-                             vocab_size=len(d2t)), "key": dkey, "run_key": key}
+                             vocab_size=len(d2t), started=start.summary(s_i) if start else None),
+                "key": dkey, "run_key": key}
         save_draft(path, d.head, meta, target=target)
         store.touch("drafts", dkey)
-        drafts.append(DraftResult(s, str(path), state.tokens, meta["val_accuracy"], meta["val_coverage"], meta["curve"]))
+        drafts.append(DraftResult(s, str(path), state.tokens, meta["val_accuracy"], meta["val_coverage"], meta["curve"],
+                                  meta.get("tokens_seen_total")))
     rate = state.tokens / max(state.elapsed, 1e-9)
     atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state.elapsed,
                                                 "tokens_per_s": rate, "sets": sets})

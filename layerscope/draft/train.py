@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from layerscope.draft import init_from
 from layerscope.draft.data import (
     Split,
     batch_plan,
@@ -124,7 +125,8 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     held_out = split_conversations(cap.tokens()["conversation"], o.val_fraction, o.seed)
     train, val = load_splits(cap, held_out, layers)
     val.target_next = target_argmax(val.final, target_lm_head)
-    d2t, t2d = build_draft_vocab(train.token_id[train.is_response], o.draft_vocab, vocab)
+    start = init_from.starting_point(o.init_from, [layers], target, o.draft_vocab) if o.init_from else None
+    d2t, t2d = (start.d2t, start.t2d) if start else build_draft_vocab(train.token_id[train.is_response], o.draft_vocab, vocab)
     train_ok = trainable(train, t2d)
     coverage = float(train_ok.sum()) / max(1, int(train.counted.sum()))
     train_windows = windows_of(train, o.seq_len, train_ok, J)
@@ -135,7 +137,8 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     planned = (o.steps if o.steps is not None else
                len(batch_plan(train_windows, o.batch_size, o.seed, tokens=o.tokens)) if o.tokens is not None else None)
 
-    drafters = build_drafters(target_config, target_embed, target_lm_head, final_norm_weight, [layers], d2t, t2d, o, device)
+    drafters = build_drafters(target_config, target_embed, target_lm_head, final_norm_weight, [layers], d2t, t2d, o, device,
+                              start=start.heads if start else None)
     head = drafters[0].head
     curve, losses = [], []
 
@@ -158,7 +161,8 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     head.eval()
     val_acc, val_loss, val_positions, val_coverage = state.last_eval[0]
     data = {"capture_key": cap.key, "train_tokens": len(train.token_id), "coverage": round(coverage, 5)}
-    meta = (draft_meta(layers, o, state, 0, target=target, strategy=strategy, data=data, vocab_size=len(d2t))
+    meta = (draft_meta(layers, o, state, 0, target=target, strategy=strategy, data=data, vocab_size=len(d2t),
+                       started=start.summary(0) if start else None)
             if target is not None else {})
     finite = [l for l in losses if l == l]
     report = TrainReport(
@@ -183,8 +187,8 @@ def draft_for(cap, layers, target, store, *, strategy: str | None = None, progre
     o = options if options is not None else TrainOptions(**fields)
     o.validate()
     layers = sorted(int(l) for l in layers)
-    key = make_key({"capture": cap.key, "target": target.fingerprint, "layers": layers, "options": asdict(o),
-                    "format": TRAIN_KEY_FORMAT})
+    key = make_key({"capture": cap.key, "target": target.fingerprint, "layers": layers, "options": o.key_fields(),
+                    "format": TRAIN_KEY_FORMAT, **({"init": init_from.identity(o.init_from)} if o.init_from else {})})
     path = store.path("drafts", key)
     if (path / "layerscope.json").is_file() and (path / "model.safetensors").is_file():
         store.touch("drafts", key)

@@ -1,0 +1,92 @@
+"""Continuing drafts: a training run that starts from drafts already trained instead of fresh heads.
+
+    start = starting_point(paths, sets, target, draft_vocab)     one stored draft per layer set, matched by layers
+    build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/fit.py)
+    identity(paths)                                                the weights' sha256, for the run's store key
+
+TrainOptions.init_from names the drafts (`train-draft --init-from DRAFT`, repeatable; `builtin` is the shipped
+one). Every set of the run needs exactly one of them reading its layers, and they must share one draft
+vocabulary (d2t), which the run keeps: a continued draft predicts the same tokens. The learning-rate schedule
+starts again (warm-up, then cosine over the new budget): a warm restart, so the budget is what is added.
+Held out: what the starting drafts held out (draft/online.py continued_held_out), so the new learning curve
+never scores conversations they trained on. The new draft's layerscope.json records where it started (init_from: path, sha256, tokens it had seen) and
+tokens_seen_total = those tokens + the new run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from layerscope.draft.checkpoint import load_draft, read_meta
+from layerscope.draft.model import DraftHead
+from layerscope.errors import DraftError
+
+
+@dataclass
+class StartingPoint:
+    heads: list[DraftHead]          # one per layer set, in the sets' order
+    d2t: torch.Tensor               # [V] int64: the shared draft vocabulary
+    t2d: torch.Tensor               # [vocab] bool
+    records: list[dict]             # per set: path, sha256, tokens_seen, val_accuracy (what it started from),
+                                    # and for an online draft its held-out ids and options (draft/online.py)
+
+    def summary(self, i: int) -> dict:
+        """What the i-th set's new draft records of where it started (its layerscope.json init_from)."""
+        return {k: self.records[i][k] for k in ("path", "sha256", "tokens_seen", "val_accuracy")}
+
+
+def weights_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(Path(path) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def identity(paths) -> list[str]:
+    """What decides a continued run besides its options: the starting weights (not where they lie)."""
+    return [weights_sha256(p) for p in paths]
+
+
+def starting_point(paths, sets: list[list[int]], target, draft_vocab: int) -> StartingPoint | None:
+    """The drafts `paths` loaded against `target` (a LoadedModel) and matched to `sets`, or None for no paths."""
+    if not paths:
+        return None
+    by_layers: dict[tuple, tuple[Path, DraftHead]] = {}
+    for p in paths:
+        head = load_draft(p, target)            # another target's draft, or a damaged one, fails here
+        layers = tuple(head.config.aux_layers)
+        if layers in by_layers:
+            raise DraftError(f"Two --init-from drafts read layers {list(layers)} ({by_layers[layers][0]} and {p})",
+                             "Give one starting draft per layer set")
+        by_layers[layers] = (Path(p), head)
+    wanted = [tuple(s) for s in sets]
+    missing = [list(s) for s in wanted if s not in by_layers]
+    unused = [list(s) for s in by_layers if s not in wanted]
+    if missing or unused:
+        raise DraftError(f"--init-from drafts read {[list(s) for s in by_layers]}, the run trains {[list(s) for s in wanted]}"
+                         + (f" (no starting draft for {missing})" if missing else "")
+                         + (f" ({unused} not trained)" if unused else ""),
+                         "Give one --init-from draft per --layers set, reading the same layers")
+    heads = [by_layers[s][1] for s in wanted]
+    d2t, t2d = heads[0].d2t.detach().cpu(), heads[0].t2d.detach().cpu()
+    if any(not torch.equal(h.d2t.detach().cpu(), d2t) for h in heads[1:]):
+        raise DraftError("The --init-from drafts have different draft vocabularies",
+                         "Continue drafts that were trained in one run together, or continue each in its own run")
+    if len(d2t) != int(draft_vocab):
+        raise DraftError(f"The --init-from draft's vocabulary has {len(d2t)} tokens, not --draft-vocab {draft_vocab}",
+                         f"Pass --draft-vocab {len(d2t)} (a continued draft keeps its vocabulary)")
+    records = []
+    for s in wanted:
+        path, _ = by_layers[s]
+        meta = read_meta(path)
+        online = meta.get("online") if isinstance(meta.get("online"), dict) else None
+        records.append({"path": str(path), "sha256": weights_sha256(path), "tokens_seen": meta.get("tokens_seen_total",
+                        meta.get("tokens_seen")), "val_accuracy": meta.get("val_accuracy"),
+                        "val_ids": online.get("val_ids") if online else None,
+                        "online_options": meta.get("options") if online else None})
+    return StartingPoint(heads, d2t, t2d, records)
