@@ -3,6 +3,9 @@
 # (a kill, a reboot, the end of a session) and it continues from what the store holds.
 #
 #   benchmarks/long_run.sh default   # the default set [2,15,27] alone: the draft that ships as --draft builtin
+#   benchmarks/long_run.sh continue  # the builtin draft trained on (--init-from builtin): 1.25M more tokens over
+#                                    # 4,000 drawn ShareGPT prompts (the first 2,000's answers are reused; it holds
+#                                    # out what the builtin held out); ship the result with scripts/ship_draft.py
 #   benchmarks/long_run.sh study     # the study itself: its capture, then `layerscope study --online`, which
 #                                    # trains every proposed set (default rule, entropy/CKA strategies, last-k,
 #                                    # single, two seeded random controls) in one target pass per seed, seeds 0
@@ -25,6 +28,11 @@ data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerat
 case "$mode" in
   default)
     exec .venv/bin/layerscope train-draft "${data[@]}" --layers 2,15,27 --time 100m --json >> "$log.json" 2>> "$log.log" ;;
+  continue)
+    more=("${data[@]}")
+    more[5]=4000                     # --limit: twice the distinct conversations
+    exec .venv/bin/layerscope train-draft "${more[@]}" --layers 2,15,27 --init-from builtin --tokens 1.25M --json \
+      >> "$log.json" 2>> "$log.log" ;;
   study)
     # the study's capture: its statistics propose the sets and give the proxies (about 10 minutes, once)
     key=$(.venv/bin/layerscope capture --model smollm2-135m --prompts sharegpt --limit 240 --max-new-tokens 96 \
@@ -33,5 +41,5 @@ case "$mode" in
     exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single \
       --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
       --seeds 0,1 --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
-  *) echo "usage: $0 default|study" >&2; exit 2 ;;
+  *) echo "usage: $0 default|continue|study" >&2; exit 2 ;;
 esac
