@@ -9,6 +9,7 @@
     starting_drafts(paths)               the drafts a training continues (--init-from)
     train_online(store, model, sets, o)  every check of online training (workflow.train_online calls it first)
     train_capture(store, key, sets, ...) every check of training from a capture (workflow.train calls it first)
+    study(store, model, options)         every check of a study: its prompts, room for all its drafts
     bench_drafts(paths)                  every --draft of a benchmark
 
 Estimates of what a step writes (bytes), from the target's shape when it can be read without loading
@@ -227,6 +228,35 @@ def train_online(store: Store, model: str, sets, options) -> None:
                    f"the moment one replaces the other, then the drafts; {_mib(responses)} of generated responses)")
     else:
         need_space(store.root, responses, "the generated responses of online training")
+
+
+def study(store: Store, model: str, options) -> None:
+    """A study (workflow.study, so the CLI and the app alike), before the target loads: the store writable,
+    its prompt sets, and room for every draft it may train (each strategy's set and the user's, the random
+    controls, per training seed: an upper bound, strategies that agree share one draft), with online
+    training two checkpoints of one seed's pass and the regenerated answers. options: a StudyOptions."""
+    writable(store)
+    prompt_spec(options.prompts)
+    if options.online is not None:
+        prompt_spec(options.online.prompts)
+    shape = target_shape(model, store)
+    if shape is None:
+        return
+    strategies = [x for x in options.strategies if x not in ("default", "random")]
+    sizes = [options.k] * (1 + len(strategies) + (options.random_sets if "random" in options.strategies else 0))
+    sizes += [len(set(s)) for s in options.extra_sets]
+    if "single" in strategies:
+        sizes[1 + strategies.index("single")] = 1
+    sizes = [min(n, int(shape.num_hidden_layers)) for n in sizes]
+    train = options.online if options.online is not None else options.train
+    seeds = len(options.seeds) if options.seeds else 1
+    one_pass = sum(draft_bytes(shape, list(range(n)), int(train.draft_vocab)) for n in sizes)
+    need, what = one_pass * seeds, f"up to {len(sizes)} drafts x {seeds} training seed(s)"
+    if options.online is not None:
+        responses = responses_bytes(options.online, store) if options.online.responses == "regenerate" else 0
+        need += 2 * 3 * one_pass + responses
+        what += f", two checkpoints of one pass, {_mib(responses)} of generated responses"
+    need_space(store.root, need, f"the study ({what})")
 
 
 def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None, init_from=()):

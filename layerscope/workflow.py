@@ -218,8 +218,7 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
           progress: Callable | None = None) -> Studied:
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study.py."""
     cap = store.open_capture(capture_key)
-    preflight.writable(store)                               # the drafts go into the store: before the model loads
-    preflight.prompt_spec(options.prompts)
+    preflight.study(store, model or cap.manifest["model"], options)     # before the model loads
     target = load(model or cap.manifest["model"], store)
     o = replace(options, train=with_budget(options.train, target.device))
     report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress)

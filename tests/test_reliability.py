@@ -538,3 +538,16 @@ def test_captures_marks_damaged_and_unfinished_captures_with_their_fix(tmp_path,
     assert states == {tiny_capture.key: "ok", bad_key: "damaged", "ef" * 12: "incomplete"}
     assert [r["key"] for r in store.list_captures() if r["state"] == "ok"] == [tiny_capture.key]
     store.close()
+
+
+def test_a_study_that_cannot_fit_is_refused_before_the_model_loads(tmp_path, tiny_capture, capsys):
+    """Nine online drafts of the tiny target (each set's, the random controls'), two checkpoints of the pass and
+    the generated answers do not fit in 4 MiB beside the capture: one line, nothing trained, no run started."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        store = Store(disk / "store")
+        shutil.copytree(tiny_capture.path, store.path("captures", tiny_capture.key))
+        store.close()
+        code, line = cli_line(capsys, "study", tiny_capture.key, "--online", "--train-prompts", "builtin",
+                              "--train-limit", "24", "--tokens", "2k", "--limit", "2", "--store", disk / "store")
+        assert code == 2 and "Not enough free space for the study (up to" in line and "nothing was written" in line
+        assert not (disk / "store" / "runs").exists() and not (disk / "store" / "drafts").exists()
