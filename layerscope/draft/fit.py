@@ -66,6 +66,10 @@ class TrainOptions:
     clock: str = "wall"               # what a time budget counts: "wall" seconds, or "cpu" seconds of this process
     init_from: tuple[str, ...] = ()   # drafts to continue, one per layer set (draft/init_from.py); (): fresh heads
 
+    def __post_init__(self):
+        if isinstance(self.init_from, list):        # read back from JSON (a draft's layerscope.json, the app)
+            self.init_from = tuple(self.init_from)
+
     def validate(self) -> None:
         budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
         if len(budgets) != 1:
