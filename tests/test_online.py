@@ -152,6 +152,8 @@ def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path
                      checkpoint_every_s=1e-9, **SMALL)
     run_dir = next((store.root / "runs").iterdir())
     assert [p.name for p in complete_checkpoints(run_dir)] == ["ckpt-000000004"]
+    ckpt = complete_checkpoints(run_dir)[0]                          # readable by a store's other users
+    assert [oct(p.stat().st_mode & 0o777) for p in (ckpt, *sorted(ckpt.iterdir()))] == ["0o755", "0o644", "0o644"]
     assert not (store.root / "drafts").exists() or not any((store.root / "drafts").iterdir())
     # debris of a checkpoint that was being written when the process died is never used
     (run_dir / ".ckpt-tmp-dead").mkdir()

@@ -383,8 +383,10 @@ def save_checkpoint(run_dir: Path, state: FitState, drafters: list) -> Path:
         (tmp / "state.json").write_text(json.dumps({**state.to_json(), "param_groups": groups, "format": FORMAT},
                                                    default=float))
         for f in tmp.iterdir():
+            f.chmod(0o644)                  # like every file of the store (mkdtemp and safetensors make them private)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        tmp.chmod(0o755)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
