@@ -119,7 +119,7 @@ class TrainOptions:
 
     def key_fields(self) -> dict:
         """The options as they enter a store key: every field but init_from (where the starting drafts lie);
-        a continued run's key adds their weights' identity instead (init_from.identity)."""
+        a continued run's key adds their weights' identity instead (init_from.key_part)."""
         d = asdict(self)
         d.pop("init_from")
         return d
@@ -159,8 +159,7 @@ def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, fi
         with torch.no_grad():
             if start is not None:
                 try:
-                    head.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                          for k, v in start[i].state_dict().items()})
+                    head.load_state_dict(start[i].state_dict())    # load_draft made them float32
                 except RuntimeError as e:
                     raise DraftError(f"The starting draft for layers {s} does not have this target's draft shape "
                                      f"({str(e).splitlines()[0][:200]})", "Continue a draft LayerScope trained for this target") from None

@@ -2,7 +2,7 @@
 
     start = starting_point(paths, sets, target, draft_vocab)     one stored draft per layer set, matched by layers
     build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/fit.py)
-    identity(paths)                                                the weights' sha256, for the run's store key
+    key_part(paths)                                                the weights' sha256, for the run's store key
 
 TrainOptions.init_from names the drafts (`train-draft --init-from DRAFT`, repeatable; `builtin` is the shipped
 one). Every set of the run needs exactly one of them reading its layers, and they must share one draft
@@ -47,9 +47,10 @@ def weights_sha256(path) -> str:
     return h.hexdigest()
 
 
-def identity(paths) -> list[str]:
-    """What decides a continued run besides its options: the starting weights (not where they lie)."""
-    return [weights_sha256(p) for p in paths]
+def key_part(paths) -> dict:
+    """What a continued run's store key adds to its options: the starting weights' sha256 (not where they
+    lie); {} for a fresh run, so its key is the one it had before init_from existed."""
+    return {"init": [weights_sha256(p) for p in paths]} if paths else {}
 
 
 def starting_point(paths, sets: list[list[int]], target, draft_vocab: int) -> StartingPoint | None:

@@ -430,7 +430,7 @@ def load_checkpoint(path: Path, drafters: list) -> FitState:
 
 def run_key(target: LoadedModel, convs: Conversations, sets: list[list[int]], o: OnlineOptions) -> str:
     return make_key({"target": target.fingerprint, "data": convs.key, "sets": sets, "options": o.run_fields(),
-                     "format": FORMAT, **({"init": init_from.identity(o.init_from)} if o.init_from else {})})
+                     "format": FORMAT, **init_from.key_part(o.init_from)})
 
 
 def train_online(target: LoadedModel, layer_sets, store: Store, *,

@@ -125,7 +125,7 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     held_out = split_conversations(cap.tokens()["conversation"], o.val_fraction, o.seed)
     train, val = load_splits(cap, held_out, layers)
     val.target_next = target_argmax(val.final, target_lm_head)
-    start = init_from.starting_point(o.init_from, [layers], target, o.draft_vocab) if o.init_from else None
+    start = init_from.starting_point(o.init_from, [layers], target, o.draft_vocab)
     d2t, t2d = (start.d2t, start.t2d) if start else build_draft_vocab(train.token_id[train.is_response], o.draft_vocab, vocab)
     train_ok = trainable(train, t2d)
     coverage = float(train_ok.sum()) / max(1, int(train.counted.sum()))
@@ -188,7 +188,7 @@ def draft_for(cap, layers, target, store, *, strategy: str | None = None, progre
     o.validate()
     layers = sorted(int(l) for l in layers)
     key = make_key({"capture": cap.key, "target": target.fingerprint, "layers": layers, "options": o.key_fields(),
-                    "format": TRAIN_KEY_FORMAT, **({"init": init_from.identity(o.init_from)} if o.init_from else {})})
+                    "format": TRAIN_KEY_FORMAT, **init_from.key_part(o.init_from)})
     path = store.path("drafts", key)
     if (path / "layerscope.json").is_file() and (path / "model.safetensors").is_file():
         store.touch("drafts", key)
