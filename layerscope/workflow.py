@@ -74,6 +74,7 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
             should_stop: Callable[[], bool] | None = None) -> Captured:
     """Every layer's hidden states of `model` over the prompt set `prompts`, stored under captures/<key>."""
     options.validate()                                      # bad options fail before the model loads
+    preflight.writable(store)                               # ... and so does a read-only store
     prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed, cache=store.root / "prompts")
     target = load(model, store)
     result = capture_mod.capture(target, prompt_set, store, progress=progress, should_stop=should_stop,

@@ -283,9 +283,10 @@ def test_an_old_stored_model_config_is_completed_where_it_can_be_and_still_loads
         _repair_config(src)
 
 
-def test_the_apps_training_paths_check_the_store_before_the_model_loads(tmp_path, tiny_capture, session_store):
-    """workflow.train and workflow.train_online (what the app's jobs call) refuse a read-only store in one
-    line before loading anything: nothing is trained to be lost at the save."""
+def test_the_apps_capture_and_training_paths_check_the_store_before_the_model_loads(tmp_path, tiny_capture,
+                                                                                   session_store):
+    """workflow.capture, workflow.train and workflow.train_online (what the CLI and the app's jobs call) refuse
+    a read-only store in one line before loading anything: nothing is computed to be lost at the save."""
     from layerscope import workflow
     from layerscope.draft.online import OnlineOptions
     from layerscope.draft.train import TrainOptions
@@ -295,6 +296,8 @@ def test_the_apps_training_paths_check_the_store_before_the_model_loads(tmp_path
 
     with read_only(session_store.root, tmp_path / "ro") as ro:
         store = Store(ro)
+        with pytest.raises(StoreWriteError, match="read-only"):
+            workflow.capture("tiny-llama", "builtin", workflow.CaptureOptions(limit=2), store, load=no_load)
         with pytest.raises(StoreWriteError, match="read-only"):
             workflow.train(store, tiny_capture.key, [1, 2], TrainOptions(steps=1), load=no_load)
         with pytest.raises(StoreWriteError, match="read-only"):
