@@ -172,6 +172,16 @@ class ProbeReport:
         """The search's result (the best searched set), else the first set."""
         return next((s for s in self.sets if s.source == "search"), self.sets[0])
 
+    def smaller_was_better(self) -> dict | None:
+        """The smallest set on the search's greedy path whose validation loss is below the best k-set's
+        ({move, layers, val_loss}), else None: then the k-th layer only added noise to the map at this data
+        size. Loss objective only (the path records losses)."""
+        r = self.search
+        if not r or r.get("objective") != "loss":
+            return None
+        best = self.best().val_loss
+        return next((m for m in r["path"] if len(m["layers"]) < r["k"] and m["val_loss"] < best), None)
+
     def to_json(self) -> dict:
         return {"sets": [s.to_json() for s in self.sets], "seconds": self.seconds, "tokens": self.tokens,
                 "scored": self.scored, "positions": self.positions, "conversations": self.conversations,

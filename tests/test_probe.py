@@ -228,6 +228,26 @@ def test_cli_probe_json(tiny_capture, session_store, capsys, one_thread):
     assert sel["explanation"]["objective"]["value"] == out["sets"][0]["agreement"]
 
 
+def test_a_smaller_set_with_lower_validation_loss_is_named():
+    from layerscope.commands.probe import format_report
+
+    def report(path, best_loss, objective="loss"):
+        score = P.SetScore([0, 21, 27], 0.25, 0.5, 1.0, 1e-4, best_loss, source="search")
+        return P.ProbeReport("c", [score], 1.0, 100, 3, {"fit": 1, "validation": 1, "held_out": 1},
+                             {"fit": 1, "validation": 1, "held_out": 1},
+                             {"method": "greedy", "k": 3, "objective": objective, "candidates": [0, 21, 27],
+                              "passes": 0, "path": path})
+    path = [{"move": "add", "layers": [27], "val_loss": 25.0}, {"move": "add", "layers": [0, 27], "val_loss": 23.11},
+            {"move": "add", "layers": [0, 21, 27], "val_loss": 23.43}]
+    worse = report(path, 23.43)
+    assert worse.smaller_was_better() == path[1]
+    assert "[0, 27] (2 layers) had a lower validation loss (23.11) than the best 3-layer set (23.43)" \
+        in format_report(worse)
+    assert report(path, 23.0).smaller_was_better() is None                    # the third layer helped
+    assert "note:" not in format_report(report(path, 23.0))
+    assert report(path, 23.43, objective="agreement").smaller_was_better() is None
+
+
 def test_verdict_names_a_proxy_only_when_its_interval_excludes_zero():
     from layerscope.study_stats import proxy_verdict
 

@@ -76,5 +76,10 @@ def format_report(report: probe_mod.ProbeReport) -> str:
         path = " -> ".join(f"{m['move']} {m['layers']}" for m in r["path"])
         lines.append(f"search: {r['method']} over {len(r['candidates'])} layers, k={r['k']}, objective {r['objective']}, "
                      f"{r['passes']} swap passes: {path}")
+        fewer = report.smaller_was_better()
+        if fewer is not None:
+            lines.append(f"note: {fewer['layers']} ({len(fewer['layers'])} layers) had a lower validation loss "
+                         f"({fewer['val_loss']:.4g}) than the best {r['k']}-layer set ({report.best().val_loss:.4g}): "
+                         f"on this capture more layers overfit the map (a bigger capture, or a smaller --k)")
     lines.append(f"{report.scored} sets fitted in {report.seconds:.1f} s" + (" (from the store)" if report.cached else ""))
     return "\n".join(lines)
