@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,40 @@ def test_ship_writes_bfloat16_weights_that_load_and_a_trained_md(tiny, tiny_draf
     text = (out / "TRAINED.md").read_text()
     assert "layerscope train-draft --model tiny-llama" in text and "tokens seen" in text
     assert (out / "model.safetensors").stat().st_size < (Path(tiny_draft) / "model.safetensors").stat().st_size
+
+
+def test_a_continued_draft_ships_with_the_history_of_the_draft_it_replaces(tiny, tiny_capture, tiny_slot, tmp_path):
+    """Shipping a draft trained on from the builtin (--init-from builtin) replaces the builtin; its TRAINED.md and
+    layerscope.json keep the starting draft's command, tokens and learning curve (found by the weights' sha256
+    in the slot, where the recorded path is gone), and the curve counts every token."""
+    from layerscope.draft.train import TrainOptions, draft_for
+    from layerscope.store import Store
+
+    store, o = Store(tmp_path / "s"), TrainOptions(steps=3, batch_size=2, seq_len=32, draft_vocab=64, eval_points=2)
+    first = draft_for(tiny_capture, [1, 2], tiny, store, options=o)
+    slot = builtin.ship(first, "tiny-llama", "layerscope train-draft --first", target=tiny)
+    moved = tmp_path / "elsewhere"                       # what the run recorded: a path that is gone by the ship
+    slot.rename(moved)
+    second = draft_for(tiny_capture, [1, 2], tiny, store, options=replace(o, init_from=(str(moved),)))
+    moved.rename(slot)
+    started = read_meta(slot)
+    builtin.ship(second, "tiny-llama", "layerscope train-draft --init-from builtin", target=tiny)
+    shipped = read_meta(slot)["shipped"]
+    start = shipped["continued_from"]
+    assert start["command"] == "layerscope train-draft --first" and start["curve"] == started["curve"]
+    assert start["tokens_seen"] == started["tokens_seen"] and start["run_tokens"] == started["tokens_seen"]
+    text = (slot / "TRAINED.md").read_text()
+    before, after = started["tokens_seen"], read_meta(slot)["tokens_seen"]
+    assert "layerscope train-draft --first" in text and start["sha256"] in text
+    assert f"continuing a draft that had seen {before:,} ({before + after:,} in all)" in text
+    rows = [int(line.split("|")[1].replace(",", "")) for line in text.splitlines() if re.match(r"\| [\d,]+ \|", line)]
+    assert rows == [t for t, _ in started["curve"]] + [t + before for t, _ in read_meta(slot)["curve"]]
+    # a starting draft that cannot be found any more: its sha256 and tokens, and the command said to be unknown
+    (slot / "model.safetensors").write_bytes(b"other weights")
+    gone = builtin.continued_from(read_meta(second), slot)
+    assert gone["command"] is None and gone["tokens_seen"] == before and gone["sha256"] == start["sha256"]
+    assert "whose command was not recorded" in builtin.trained_md("tiny-llama", [1, 2], {"shipped": {"continued_from": gone}}, "c")
+    assert builtin.continued_from(read_meta(first), slot) is None            # a fresh draft continued nothing
 
 
 def test_builtin_for_a_model_without_one_names_the_model_and_what_to_do():

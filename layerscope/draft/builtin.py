@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerscope.draft.export import load_draft, read_meta, save_draft
+from layerscope.draft.init_from import weights_sha256
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL
 from layerscope.store import ENTRY_NAME_RE
@@ -76,7 +77,11 @@ def ship(src, model: str, command: str, *, root: Path | None = None, target=None
     head = load_draft(src, target)
     layers = [int(x) for x in meta.get("layers") or head.aux_layers]
     written = {"format", "saved", "dtype", "aux_layers", "draft_vocab_size", "serving_notes"}   # save_draft's own
-    record = {**{k: v for k, v in meta.items() if k not in written}, "shipped": {"from": str(src.name), "command": command, "dtype": SHIP_DTYPE}}
+    shipped = {"from": str(src.name), "command": command, "dtype": SHIP_DTYPE}
+    start = continued_from(meta, Path(root or ROOT) / SHIPPED[model])     # read before the slot is replaced
+    if start is not None:
+        shipped["continued_from"] = start
+    record = {**{k: v for k, v in meta.items() if k not in written}, "shipped": shipped}
     out = save_draft(Path(root or ROOT) / SHIPPED[model], head.cpu(), record, target=target, dtype=SHIP_DTYPE)
     (out / "TRAINED.md").write_text(trained_md(model, layers, record, command))
     out.chmod(0o755)                       # staged folders are private (mkdtemp); a shipped one is read by everyone
@@ -85,12 +90,38 @@ def ship(src, model: str, command: str, *, root: Path | None = None, target=None
     return out
 
 
+def continued_from(meta: dict, slot: Path) -> dict | None:
+    """Where a continued draft (trained with --init-from) started, so that its history outlives the starting
+    draft: the starting weights' sha256, tokens seen and agreement (from `meta`'s init_from), and, when a draft
+    with those weights is found (at the recorded path, else in `slot`, the shipped draft this one replaces),
+    its shipping command, the tokens of its own run and its learning curve. None for a fresh draft."""
+    start = meta.get("init_from")
+    if not isinstance(start, dict):
+        return None
+    out = {"sha256": start.get("sha256"), "tokens_seen": start.get("tokens_seen"),
+           "val_accuracy": start.get("val_accuracy"), "command": None, "run_tokens": None, "curve": None}
+    for place in (start.get("path"), slot):
+        if place and (Path(place) / "model.safetensors").is_file() and weights_sha256(place) == start.get("sha256"):
+            found = read_meta(place)
+            out.update(command=(found.get("shipped") or {}).get("command"), run_tokens=found.get("tokens_seen"),
+                       curve=found.get("curve"))
+            break
+    return out
+
+
 def trained_md(model: str, layers: list[int], meta: dict, command: str) -> str:
     """What a user reads about the shipped draft: how it was trained and how well it agrees with the target."""
     acc = meta.get("val_accuracy") or []
-    curve = meta.get("curve") or []
-    rows = "\n".join(f"| {int(tokens):,} | {float(by_step[0]):.3f} |" for tokens, by_step in curve)   # [tokens, [acc per step]]
+    start = (meta.get("shipped") or {}).get("continued_from")
+    before = int(start["tokens_seen"] or 0) if start else 0           # tokens the starting draft had seen
+    curve = [(int(t) + before, by_step) for t, by_step in meta.get("curve") or []]   # [tokens, [acc per step]]
+    if start and start.get("curve") and start.get("run_tokens") is not None:        # the starting draft's own run
+        curve = [(int(t) + before - int(start["run_tokens"]), by_step) for t, by_step in start["curve"]] + curve
+    rows = "\n".join(f"| {tokens:,} | {float(by_step[0]):.3f} |" for tokens, by_step in curve)
     online = meta.get("online") or {}
+    seen = f"- tokens seen: {int(meta.get('tokens_seen') or 0):,} in {float(meta.get('seconds') or 0) / 60:.0f} min of training"
+    if start:
+        seen += f", continuing a draft that had seen {before:,} ({before + int(meta.get('tokens_seen') or 0):,} in all)"
     lines = [
         f"# The builtin draft for {model}: layers {layers}",
         "",
@@ -102,12 +133,22 @@ def trained_md(model: str, layers: list[int], meta: dict, command: str) -> str:
         "",
         f"- data: {online.get('conversations', '?')} {online.get('prompts', '')} conversations, "
         f"{online.get('responses', '')} answers, {online.get('data_tokens', 0):,} tokens",
-        f"- tokens seen: {int(meta.get('tokens_seen') or 0):,} in {float(meta.get('seconds') or 0) / 60:.0f} min of training",
+        seen,
         "- held-out agreement with the target's greedy token per draft position: "
         + ", ".join(f"{a:.3f}" for a in acc),
         f"- saved in {SHIP_DTYPE} without the embedding (it uses the target's)",
         "",
-        "Learning curve (held-out agreement at the first draft position):",
+    ]
+    if start:
+        agreement = ", ".join(f"{a:.3f}" for a in start.get("val_accuracy") or [])
+        lines += ["It continued (`--init-from`) the draft whose weights have sha256 "
+                  f"`{start['sha256']}` (held-out agreement {agreement or 'not recorded'} after {before:,} tokens), "
+                  + ("trained with:" if start.get("command") else "whose command was not recorded."), ""]
+        if start.get("command"):
+            lines += ["```", start["command"], "```", ""]
+    lines += [
+        "Learning curve (held-out agreement at the first draft position"
+        + (", tokens seen in all, the starting draft's run first" if start else "") + "):",
         "",
         "| tokens seen | agreement |",
         "|---:|---:|",
