@@ -162,6 +162,12 @@ def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path
     assert resumed.resumed
     for a, b in zip(resumed.drafts, whole.drafts):
         assert same_weights(a.path, b.path) and a.curve == b.curve
+    # each draft says how its training went: started twice, resumed once at step 4; the uninterrupted one once
+    went, straight = (json.loads((Path(d.path) / "layerscope.json").read_text())["history"]
+                      for d in (resumed.drafts[0], whole.drafts[0]))
+    assert (went["starts"], went["resumed"], [r["step"] for r in went["resumed_at"]]) == (2, 1, [4])
+    assert (straight["starts"], straight["resumed"], straight["resumed_at"]) == (1, 0, [])
+    assert went["wall_s"] >= 0 and went["first_start"] <= went["finished"]
     # a damaged checkpoint is one clear error naming it, never a traceback or a silent restart
     other, seen = Store(tmp_path / "c"), []
     with pytest.raises(TrainingCancelled):

@@ -218,6 +218,7 @@ class FitState:
     loss_curves: list = field(default_factory=list)   # per set [[tokens, loss], ...]
     evals_done: int = 0
     last_eval: list | None = None     # per set (agreement, loss, positions, coverage) of the newest evaluation
+    starts: list = field(default_factory=list)        # [unix time, step, tokens] each time fit() (re)started
 
     def __post_init__(self):
         self.curves = self.curves or [[] for _ in range(self.sets)]
@@ -347,6 +348,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
     agree = distributed.agree if world > 1 else (lambda v: v)
     warm = WarmStart(drafters) if state.step < o.warm_start else None
     start = (state.tokens, state.elapsed, fraction(o, state.step, state.tokens, state.elapsed))
+    state.starts.append([round(time.time(), 3), state.step, state.tokens])
     clock = CLOCKS[o.clock]
     last_ckpt = time.perf_counter()
     while agree(fraction(o, state.step, state.tokens, state.elapsed) < 1.0):
@@ -405,6 +407,19 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
 
 # ----------------------------------------------------------------------------- what a draft records
 
+def history(state: FitState) -> dict:
+    """How the training went in wall time: its starts (the first and every resume, each with the step and
+    tokens it started from), the wall seconds from the first start to now (pauses and the gaps between runs
+    included) beside `seconds` (training only). A state from before starts were recorded counts from its
+    oldest recorded start."""
+    now = time.time()
+    first = state.starts[0][0] if state.starts else now
+    return {"starts": len(state.starts), "resumed": max(len(state.starts) - 1, 0),
+            "resumed_at": [{"step": s, "tokens": t} for _, s, t in state.starts[1:]],
+            "first_start": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(first)),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)), "wall_s": round(now - first, 1)}
+
+
 def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: int, *, target, strategy=None,
                data: dict, vocab_size: int, started: dict | None = None) -> dict:
     """layerscope.json of a trained draft (both sources). data: where the rows came from
@@ -421,5 +436,6 @@ def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: i
             "train_tokens": data["train_tokens"], "tokens_seen": state.tokens,
             "curve": [[c[0], c[1]] for c in state.curves[set_index]], "loss_curve": state.loss_curves[set_index],
             "seconds": round(state.elapsed, 3), "draft_vocab_size": vocab_size, "train_format": TRAIN_FORMAT,
+            "history": history(state),
             **({"init_from": started, "tokens_seen_total": int(started.get("tokens_seen") or 0) + state.tokens}
                if started else {})}
