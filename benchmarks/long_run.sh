@@ -6,6 +6,8 @@
 #   benchmarks/long_run.sh continue  # the builtin draft trained on (--init-from builtin): 1.25M more tokens over
 #                                    # 4,000 drawn ShareGPT prompts (the first 2,000's answers are reused; it holds
 #                                    # out what the builtin held out); ship the result with scripts/ship_draft.py
+#   benchmarks/long_run.sh ship      # after `continue`: ship its draft as --draft builtin (scripts/ship_draft.py),
+#                                    # then the two benchmarks of the drafts issue (item 5), quiet, into docs/bench/
 #   benchmarks/long_run.sh study     # the study itself: its capture, then `layerscope study --online`, which
 #                                    # trains every proposed set (default rule, entropy/CKA strategies, last-k,
 #                                    # single, two seeded random controls) in one target pass per seed, seeds 0
@@ -33,6 +35,21 @@ case "$mode" in
     more[5]=4000                     # --limit: twice the distinct conversations
     exec .venv/bin/layerscope train-draft "${more[@]}" --layers 2,15,27 --init-from builtin --tokens 1.25M --json \
       >> "$log.json" 2>> "$log.log" ;;
+  ship)
+    # run it from the work tree you commit from: it writes layerscope/data/drafts/ and docs/bench/ there.
+    # The newest draft `continue` made (the last JSON line it printed), shipped with the command that made it
+    draft=$(tail -n 1 "$LAYERSCOPE_STORE/logs/long-continue.json" \
+            | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["drafts"][0]["path"])')
+    command="layerscope train-draft ${data[*]} --layers 2,15,27 --init-from builtin --tokens 1.25M   # benchmarks/long_run.sh continue"
+    command="${command/--limit 2000/--limit 4000}"
+    .venv/bin/python scripts/ship_draft.py "$draft" --command "$command" >> "$log.log" 2>&1
+    # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran)
+    for spec in "sharegpt-heldout 20 builtin-v2-sharegpt-heldout" "builtin 24 builtin-v2-builtin-prompts"; do
+      read -r prompts limit name <<< "$spec"
+      .venv/bin/layerscope bench --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto --wait-quiet 10m \
+        --prompts "$prompts" --limit "$limit" --save-json "docs/bench/$name.json" \
+        > "docs/bench/$name.txt" 2>> "$log.log"
+    done ;;
   study)
     # the study's capture: its statistics propose the sets and give the proxies (about 10 minutes, once)
     key=$(.venv/bin/layerscope capture --model smollm2-135m --prompts sharegpt --limit 240 --max-new-tokens 96 \
@@ -41,5 +58,5 @@ case "$mode" in
     exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single \
       --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
       --seeds 0,1 --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
-  *) echo "usage: $0 default|continue|study" >&2; exit 2 ;;
+  *) echo "usage: $0 default|continue|ship|study" >&2; exit 2 ;;
 esac
