@@ -37,9 +37,17 @@ case "$mode" in
       >> "$log.json" 2>> "$log.log" ;;
   ship)
     # run it from the work tree you commit from: it writes layerscope/data/drafts/ and docs/bench/ there.
-    # The newest draft `continue` made (the last JSON line it printed), shipped with the command that made it
-    draft=$(tail -n 1 "$LAYERSCOPE_STORE/logs/long-continue.json" \
-            | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["drafts"][0]["path"])')
+    # The newest draft `continue` made (the last JSON document it printed), shipped with the command that made it
+    draft=$(.venv/bin/python - "$LAYERSCOPE_STORE/logs/long-continue.json" <<'PY'
+import json, sys
+text, docs, i, dec = open(sys.argv[1]).read(), [], 0, json.JSONDecoder()
+while text[i:].strip():
+    i += len(text[i:]) - len(text[i:].lstrip())
+    doc, i = dec.raw_decode(text, i)
+    docs.append(doc)
+print(docs[-1]["drafts"][0]["path"])
+PY
+)
     command="layerscope train-draft ${data[*]} --layers 2,15,27 --init-from builtin --tokens 1.25M   # benchmarks/long_run.sh continue"
     command="${command/--limit 2000/--limit 4000}"
     .venv/bin/python scripts/ship_draft.py "$draft" --command "$command" >> "$log.log" 2>&1
