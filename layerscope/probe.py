@@ -16,7 +16,7 @@ Signatures (ProbeOptions is the one source of defaults; `target` is a TargetWeig
                  held_out}, conversations {...}, search {...} | None, options, cached;
                  .to_json() -> {"sets": [{"layers", "agreement", "explained_variance", "lambda", ...}], "seconds",
                  "tokens", "scored", ...}; .best() -> the search's result
-    SetScore: layers, agreement, explained_variance, lam (JSON "lambda"), lam_relative, val_loss, val_agreement,
+    SetScore: layers, agreement, explained_variance, lam (JSON "lambda"), val_loss, val_agreement,
               source ("given" | "search")
 With `store`, each given set's score and each search is cached (namespace "probe"); `cached` says so.
 
@@ -26,16 +26,21 @@ position p (draft.train's rule, `split_of(...).counted`: token p+1 exists and is
 conversation; and p−1 lies in that conversation too):
     x_p = [h_l[p−1] for l in S] ++ embed(token_p) ++ [1]     [(|S| + 1)·d + 1]
     y_p = h_N[p]                                               [d], post-norm: what lm_head reads (predicts p+1)
-    W(λ) = (XᵀX + λD)⁻¹ XᵀY                                    float64 normal equations, D = I without the bias
+    W(λ) = (XᵀX + λD)⁻¹ XᵀY                                    float64 normal equations, D = diag of the centred
+                                                               Gram (each column's own spread), 0 for the bias
     agreement          = share of held-out p with argmax lm_head(x_p W) == argmax lm_head(y_p)  (the target's)
     explained_variance = 1 − Σ‖y − ŷ‖² / Σ‖y − ȳ‖²             over held-out p, ȳ their mean
 Splits, by whole conversations: held-out = draft.train.split_conversations(conversation, val_fraction, seed),
 the draft's own split with TrainOptions' defaults, so the agreement reads like a draft's held-out agreement at
 position 1 (same conversations, same positions). Of the other conversations, `lambda_fraction` (the same
-function, seed + 1) is the validation split and the rest the fit split. λ = rel · mean centred diagonal of
-the fit Gram, rel from the `lambdas` grid, the one with the lowest validation loss: the mean squared logit
-error ‖(ŷ − y) lm_headᵀ‖² / vocab, computed as (ŷ − y) M (ŷ − y)ᵀ with M = lm_headᵀ lm_head / vocab (no logits
-formed). The reported map is refitted on fit + validation rows at that λ and scored on the held-out rows.
+function, seed + 1) is the validation split and the rest the fit split. The penalty of each column is λ
+times its centred sum of squares on the fit split (ridge on standardised features: the map, and the λ chosen,
+do not depend on the units of any block; one λ for all columns let the deep layers' massive activations set
+the penalty, which then erased the embedding block, ~10⁴ times smaller in scale). λ comes from the `lambdas`
+grid, the one with the best validation objective: for "loss" the mean squared logit error
+‖(ŷ − y) lm_headᵀ‖² / vocab, computed as (ŷ − y) M (ŷ − y)ᵀ with M = lm_headᵀ lm_head / vocab (no logits
+formed); for "agreement" the validation agreement (ties: the loss). The reported map is refitted on fit +
+validation rows at that λ and scored on the held-out rows.
 
 Streaming. One pass over the capture's chunks reads, per chunk, the candidate layers at the chunk's counted
 rows (memory: one chunk's rows × blocks × d floats) and adds the fit rows to Gram blocks G[a, b] = X_aᵀX_b
@@ -70,7 +75,7 @@ from layerscope.errors import LayerScopeError
 from layerscope.store import make_key
 from layerscope.validate import check_number
 
-FORMAT = 1                     # cache entries under the store's "probe" namespace
+FORMAT = 2                     # cache entries under the store's "probe" namespace (2: standardised penalty)
 SEARCHES = ("greedy", "swap")
 OBJECTIVES = ("loss", "agreement")
 F64 = torch.float64
@@ -85,7 +90,7 @@ class ProbeOptions:
     val_fraction: float = TrainOptions.val_fraction      # held-out conversations: draft training's split ...
     seed: int = TrainOptions.seed                         # ... and its seed, so the same conversations
     lambda_fraction: float = 0.2                          # of the other conversations, the share that chooses λ
-    lambdas: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)   # λ grid, × the mean centred Gram diagonal
+    lambdas: tuple[float, ...] = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)   # λ grid: × each column's centred sum of squares
     search: str = "swap"                                  # "greedy" | "swap" (greedy, then local swaps)
     objective: str = "loss"                               # what λ and the search minimise on validation:
                                                           # "loss" (squared logit error) | "agreement"
@@ -138,21 +143,20 @@ class SetScore:
     layers: list[int]
     agreement: float                  # held-out: argmax lm_head(ŷ) == the target's own argmax
     explained_variance: float         # held-out: 1 − SSE / SST of the final state
-    lam: float                        # λ chosen on the validation split
-    lam_relative: float               # ... in units of the mean centred Gram diagonal (a `lambdas` value)
+    lam: float                        # λ chosen on the validation split (a `lambdas` value)
     val_loss: float                   # validation mean squared logit error at that λ (fit split only)
     val_agreement: float | None = None   # validation agreement (objective "agreement" only)
     source: str = "given"             # "given" | "search"
 
     def to_json(self) -> dict:
         return {"layers": self.layers, "agreement": self.agreement, "explained_variance": self.explained_variance,
-                "lambda": self.lam, "lambda_relative": self.lam_relative, "val_loss": self.val_loss,
+                "lambda": self.lam, "val_loss": self.val_loss,
                 "val_agreement": self.val_agreement, "source": self.source}
 
     @classmethod
     def from_json(cls, d: dict) -> "SetScore":
-        return cls(list(d["layers"]), d["agreement"], d["explained_variance"], d["lambda"], d["lambda_relative"],
-                   d["val_loss"], d.get("val_agreement"), d.get("source", "given"))
+        return cls(list(d["layers"]), d["agreement"], d["explained_variance"], d["lambda"], d["val_loss"],
+                   d.get("val_agreement"), d.get("source", "given"))
 
 
 @dataclass
@@ -261,21 +265,22 @@ def with_bias(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.to(F64), torch.ones(x.shape[0], 1, dtype=F64)], dim=1)
 
 
+def penalty(A: torch.Tensor) -> torch.Tensor:
+    """D of a Gram A = XᵀX whose last column is the bias: each column's centred sum of squares
+    Σ x_j² − (Σ x_j)² / n (floored at 1e-9 of their mean, so a constant column stays solvable), 0 for the bias."""
+    n, s = A[-1, -1], A[-1, :-1]
+    spread = A.diagonal()[:-1] - s * s / n
+    spread = spread.clamp_min(1e-9 * float(spread.mean().clamp_min(1e-300)))
+    return torch.cat([spread, torch.zeros(1, dtype=A.dtype)])
+
+
 def ridge(A: torch.Tensor, B: torch.Tensor, lam: float) -> torch.Tensor | None:
-    """W = (A + λD)⁻¹ B by Cholesky, D = identity without its last (bias) entry; None if not positive definite."""
-    reg = torch.full((A.shape[0],), float(lam), dtype=A.dtype)
-    reg[-1] = 0.0
-    L, info = torch.linalg.cholesky_ex(A + torch.diag(reg))
+    """W = (A + λD)⁻¹ B by Cholesky, D = penalty(A) (standardised ridge: scaling a column of X by c scales its
+    row of W by 1/c and leaves X W unchanged); None if not positive definite."""
+    L, info = torch.linalg.cholesky_ex(A + torch.diag(float(lam) * penalty(A)))
     if int(info) != 0:
         return None
     return torch.cholesky_solve(B, L)
-
-
-def lambda_scale(A: torch.Tensor) -> float:
-    """The mean centred diagonal of a Gram with its bias last: mean_j (Σ x_j² − (Σ x_j)² / n), the unit of λ."""
-    n = A[-1, -1]
-    s = A[-1, :-1]
-    return float((A.diagonal()[:-1] - s * s / n).mean().clamp_min(1e-30))
 
 
 def logit_metric(lm_head: torch.Tensor, block: int = 8192) -> torch.Tensor:
@@ -362,7 +367,6 @@ class Rows:
 class Fit:
     """A set fitted on the fit split and judged on the validation split at its best λ of `rels`."""
     layers: list[int]
-    lam_relative: float
     lam: float
     val_loss: float
     val_agreement: float | None
@@ -445,30 +449,30 @@ class Probe:
             raise ProbeError(f"The normal equations of {list(layers)} at λ={lam:g} are singular", "Use a larger λ")
         return W
 
-    def validate(self, layers: Sequence[int], rels: Sequence[float]) -> Fit:
-        """The set fitted on the fit split at each rel·scale; the λ with the lowest validation loss (memoized)."""
+    def validate(self, layers: Sequence[int], lams: Sequence[float]) -> Fit:
+        """The set fitted on the fit split at each λ of `lams`; the one with the best validation objective
+        (memoized)."""
         layers = sorted(layers)
-        key = (tuple(layers), tuple(rels))
+        key = (tuple(layers), tuple(lams))
         if key in self.memo:
             return self.memo[key]
         idx = self._idx(layers)
         A, B = self.gram.system(idx)
-        scale = lambda_scale(A)
         X, Y = self.val.design(idx, self.d), self.val.y.to(F64)
-        best, best_W = None, None
-        for rel in rels:
-            W = ridge(A, B, rel * scale)
+        best = None
+        for lam in lams:
+            W = ridge(A, B, lam)
             self.fits += 1
             if W is None:
                 continue
-            loss = logit_loss(X @ W - Y, self.metric)
-            if best is None or loss < best.val_loss:
-                best, best_W = Fit(layers, float(rel), rel * scale, loss, None), W
+            pred = X @ W
+            fit = Fit(layers, float(lam), logit_loss(pred - Y, self.metric),
+                      agreement(pred, self.val.target, self.lm_head) if self.o.objective == "agreement" else None)
+            if best is None or self.objective(fit) < self.objective(best):
+                best = fit
         if best is None:
             raise ProbeError(f"The normal equations of {layers} are singular at every λ of the grid",
                              "Use larger --lambdas values")
-        if self.o.objective == "agreement":
-            best.val_agreement = agreement(X @ best_W, self.val.target, self.lm_head)
         self.memo[key] = best
         return best
 
@@ -487,8 +491,8 @@ class Probe:
         W = self.solve(fit.layers, fit.lam, refit=True)
         pred = self.held.design(self._idx(fit.layers), self.d) @ W
         return SetScore(fit.layers, agreement(pred, self.held.target, self.lm_head),
-                        explained_variance(pred, self.held.y.to(F64)), fit.lam, fit.lam_relative, fit.val_loss,
-                        fit.val_agreement, source)
+                        explained_variance(pred, self.held.y.to(F64)), fit.lam, fit.val_loss, fit.val_agreement,
+                        source)
 
     def search(self, k: int, candidates: Sequence[int]) -> tuple[list[Fit], dict]:
         """Greedy forward selection, then (search="swap") one-layer swaps while the validation objective improves.
@@ -498,8 +502,8 @@ class Probe:
         chosen, path = None, []
         for _ in range(k):
             have = chosen.layers if chosen else []
-            rels = o.lambdas if chosen is None else (chosen.lam_relative,)
-            trials = [self.validate(have + [l], rels) for l in cand if l not in have]
+            lams = o.lambdas if chosen is None else (chosen.lam,)
+            trials = [self.validate(have + [l], lams) for l in cand if l not in have]
             chosen = self.validate(min(trials, key=self.objective).layers, o.lambdas)
             path.append({"move": "add", "layers": chosen.layers, "val_loss": chosen.val_loss})
         passes = 0
@@ -508,7 +512,7 @@ class Probe:
             changed = False
             for i in range(k):
                 others = chosen.layers[:i] + chosen.layers[i + 1:]
-                trials = [self.validate(others + [l], (chosen.lam_relative,)) for l in cand if l not in chosen.layers]
+                trials = [self.validate(others + [l], (chosen.lam,)) for l in cand if l not in chosen.layers]
                 if not trials:
                     continue
                 tuned = self.validate(min(trials, key=self.objective).layers, o.lambdas)

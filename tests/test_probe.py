@@ -70,9 +70,11 @@ def synthetic(tmp_path_factory):
 
 
 def lstsq_ridge(X, Y, lam):
-    """The ridge solution with an unpenalised last (bias) column, by least squares on the augmented system."""
+    """The standardised ridge solution (each column penalised by λ × its centred sum of squares, the last
+    column, the bias, not at all), by least squares on the augmented system."""
     p = X.shape[1]
-    pen = torch.eye(p, dtype=torch.float64)[:-1] * lam ** 0.5
+    spread = ((X[:, :-1] - X[:, :-1].mean(0)) ** 2).sum(0)
+    pen = torch.eye(p, dtype=torch.float64)[:-1] * (lam * spread)[:, None] ** 0.5
     return torch.linalg.lstsq(torch.cat([X, pen]), torch.cat([Y, torch.zeros(p - 1, Y.shape[1], dtype=torch.float64)]),
                               driver="gelsd").solution
 
@@ -96,10 +98,33 @@ def test_gram_blocks_give_the_lstsq_ridge_solution_in_any_block_order():
         A, B = gram.system(idx)
         X = P.with_bias(x[:, P.block_columns(idx, d)])
         assert torch.allclose(A, X.T @ X, rtol=0, atol=1e-9) and torch.allclose(B, X.T @ y, rtol=0, atol=1e-9)
-        for lam in (1e-3, 1.0, 50.0):
+        for lam in (1e-3, 0.3, 5.0):
             W = P.ridge(A, B, lam)
             ref = lstsq_ridge(X, y, lam)
             assert (W - ref).abs().max() < 1e-8 * max(1.0, float(ref.abs().max())), (idx, lam)
+
+
+def test_the_map_does_not_depend_on_the_scale_of_a_block():
+    """A block 10⁴ times larger (a deep layer's massive activations) beside a small one (the embedding): the
+    standardised penalty gives the same predictions, so the large block cannot set the penalty of the small
+    one. One λ for every column (the old rule, D = I scaled by the mean diagonal) does not."""
+    g = gen(3)
+    d, n = 4, 400
+    x = torch.randn(n, 2 * d, generator=g, dtype=torch.float64)
+    y = x[:, d:] @ torch.randn(d, d, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    big = x.clone()
+    big[:, :d] *= 1e4                                              # block 0 in other units; block 1 carries y
+    preds = []
+    for rows in (x, big):
+        X = P.with_bias(rows)
+        W = P.ridge(X.T @ X, X.T @ y, 0.1)
+        preds.append(X @ W)
+    assert torch.allclose(preds[0], preds[1], rtol=0, atol=1e-8)
+    X = P.with_bias(big)
+    A = X.T @ X
+    old_lam = 0.1 * float((A.diagonal()[:-1] - A[-1, :-1] ** 2 / n).mean())   # one λ for all, from the mean
+    old = X @ torch.linalg.solve(A + old_lam * torch.diag(torch.cat([torch.ones(2 * d), torch.zeros(1)]).double()), X.T @ y)
+    assert (old - y).pow(2).mean() > 5 * (preds[1] - y).pow(2).mean()    # the small block was erased
 
 
 def test_streamed_capture_equals_in_memory_and_lstsq(synthetic):
@@ -107,7 +132,7 @@ def test_streamed_capture_equals_in_memory_and_lstsq(synthetic):
     o = P.ProbeOptions()
     probe = P.Probe(cap, weights, [1, PLANTED, 5], o)
     assert probe.pos.counts() == {k: len(getattr(probe.pos, k)) for k in ("fit", "validation", "held_out")}
-    for layers, lam, refit in (([1, PLANTED], 0.5, False), ([5], 3.0, True), ([1, PLANTED, 5], 0.01, True)):
+    for layers, lam, refit in (([1, PLANTED], 0.05, False), ([5], 0.3, True), ([1, PLANTED, 5], 0.001, True)):
         rows = torch.cat([probe.pos.fit, probe.pos.validation]) if refit else probe.pos.fit
         X, Y = in_memory_rows(cap, weights, layers, rows)
         A, B = probe.system(layers, refit)
@@ -127,7 +152,7 @@ def test_chunking_does_not_change_the_result(synthetic):
     b = P.score_sets(one_chunk, weights, sets)
     assert a.positions == b.positions and a.scored == b.scored == 3
     for x, y in zip(a.sets, b.sets):
-        assert x.layers == y.layers and x.agreement == y.agreement and x.lam_relative == y.lam_relative
+        assert x.layers == y.layers and x.agreement == y.agreement and x.lam == y.lam
         assert x.explained_variance == pytest.approx(y.explained_variance, abs=1e-10)
         assert x.val_loss == pytest.approx(y.val_loss, rel=1e-10)
 
@@ -232,7 +257,7 @@ def test_a_smaller_set_with_lower_validation_loss_is_named():
     from layerscope.commands.probe import format_report
 
     def report(path, best_loss, objective="loss"):
-        score = P.SetScore([0, 21, 27], 0.25, 0.5, 1.0, 1e-4, best_loss, source="search")
+        score = P.SetScore([0, 21, 27], 0.25, 0.5, 0.3, best_loss, source="search")
         return P.ProbeReport("c", [score], 1.0, 100, 3, {"fit": 1, "validation": 1, "held_out": 1},
                              {"fit": 1, "validation": 1, "held_out": 1},
                              {"method": "greedy", "k": 3, "objective": objective, "candidates": [0, 21, 27],
