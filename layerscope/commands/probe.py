@@ -23,10 +23,11 @@ def add_arguments(p) -> None:
     p.add_argument("--k", type=int, default=3, help="layers per searched set (default %(default)s)")
     p.add_argument("--candidates", default=None, metavar="L1,L2,...", help="layers the search may pick (default: all)")
     p.add_argument("--objective", choices=probe_mod.OBJECTIVES, default=d.objective,
-                   help="what the search minimises on the validation split: loss (squared logit error) or "
+                   help="what λ and the search optimise on the validation split: loss (squared logit error) or "
                         "agreement (slower) (default %(default)s)")
     p.add_argument("--lambdas", default=",".join(f"{x:g}" for x in d.lambdas), metavar="R1,R2,...",
-                   help="the λ grid, in units of the mean feature variance (default %(default)s)")
+                   help="the λ grid: each column is penalised by λ × its own centred sum of squares "
+                        "(default %(default)s)")
     p.add_argument("--top", type=int, default=d.top, help="sets a search reports (default %(default)s)")
     p.add_argument("--max-memory-gb", type=float, default=d.max_memory_gb,
                    help="refuse a probe that would hold more than this (default %(default)s)")
