@@ -27,14 +27,14 @@ export LAYERSCOPE_STORE="${LAYERSCOPE_STORE:-$HOME/layerscope-store}"
 mkdir -p "$LAYERSCOPE_STORE/logs"
 log="$LAYERSCOPE_STORE/logs/long-$mode"
 data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2)
+continued=("${data[@]}")
+continued[5]=4000                    # --limit: twice the distinct conversations
+continued+=(--layers 2,15,27 --init-from builtin --tokens 1.25M)
 case "$mode" in
   default)
     exec .venv/bin/layerscope train-draft "${data[@]}" --layers 2,15,27 --time 100m --json >> "$log.json" 2>> "$log.log" ;;
   continue)
-    more=("${data[@]}")
-    more[5]=4000                     # --limit: twice the distinct conversations
-    exec .venv/bin/layerscope train-draft "${more[@]}" --layers 2,15,27 --init-from builtin --tokens 1.25M --json \
-      >> "$log.json" 2>> "$log.log" ;;
+    exec .venv/bin/layerscope train-draft "${continued[@]}" --json >> "$log.json" 2>> "$log.log" ;;
   ship)
     # run it from the work tree you commit from: it writes layerscope/data/drafts/ and docs/bench/ there.
     # The newest draft `continue` made (the last JSON document it printed), shipped with the command that made it
@@ -48,9 +48,8 @@ while text[i:].strip():
 print(docs[-1]["drafts"][0]["path"])
 PY
 )
-    command="layerscope train-draft ${data[*]} --layers 2,15,27 --init-from builtin --tokens 1.25M   # benchmarks/long_run.sh continue"
-    command="${command/--limit 2000/--limit 4000}"
-    .venv/bin/python scripts/ship_draft.py "$draft" --command "$command" >> "$log.log" 2>&1
+    .venv/bin/python scripts/ship_draft.py "$draft" \
+      --command "layerscope train-draft ${continued[*]}   # benchmarks/long_run.sh continue" >> "$log.log" 2>&1
     # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran)
     for spec in "sharegpt-heldout 20 builtin-v2-sharegpt-heldout" "builtin 24 builtin-v2-builtin-prompts"; do
       read -r prompts limit name <<< "$spec"

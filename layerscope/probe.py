@@ -365,7 +365,7 @@ class Rows:
 
 @dataclass
 class Fit:
-    """A set fitted on the fit split and judged on the validation split at its best λ of `rels`."""
+    """A set fitted on the fit split and judged on the validation split at its best λ of a grid."""
     layers: list[int]
     lam: float
     val_loss: float

@@ -16,8 +16,9 @@ import torch
 from layerscope import cli
 from layerscope.draft import builtin
 from layerscope.draft.export import load_draft, read_meta, save_draft
-from layerscope.draft.train import target_weights, train_draft
+from layerscope.draft.train import TrainOptions, draft_for, target_weights, train_draft
 from layerscope.errors import DraftError
+from layerscope.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,9 +58,6 @@ def test_a_continued_draft_ships_with_the_history_of_the_draft_it_replaces(tiny,
     """Shipping a draft trained on from the builtin (--init-from builtin) replaces the builtin; its TRAINED.md and
     layerscope.json keep the starting draft's command, tokens and learning curve (found by the weights' sha256
     in the slot, where the recorded path is gone), and the curve counts every token."""
-    from layerscope.draft.train import TrainOptions, draft_for
-    from layerscope.store import Store
-
     store, o = Store(tmp_path / "s"), TrainOptions(steps=3, batch_size=2, seq_len=32, draft_vocab=64, eval_points=2)
     first = draft_for(tiny_capture, [1, 2], tiny, store, options=o)
     slot = builtin.ship(first, "tiny-llama", "layerscope train-draft --first", target=tiny)
