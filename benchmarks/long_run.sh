@@ -50,10 +50,12 @@ PY
 )
     .venv/bin/python scripts/ship_draft.py "$draft" \
       --command "layerscope train-draft ${continued[*]}   # benchmarks/long_run.sh continue" >> "$log.log" 2>&1
-    # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran)
+    # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran); `--lookup 4`
+    # adds the chosen chain with prompt lookup first (a 5-token verify costs about what a 3-token one does here)
     for spec in "sharegpt-heldout 20 builtin-v2-sharegpt-heldout" "builtin 24 builtin-v2-builtin-prompts"; do
       read -r prompts limit name <<< "$spec"
-      .venv/bin/layerscope bench --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto --wait-quiet 10m \
+      .venv/bin/layerscope bench --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto --lookup 4 \
+        --wait-quiet 10m \
         --prompts "$prompts" --limit "$limit" --save-json "docs/bench/$name.json" \
         > "docs/bench/$name.txt" 2>> "$log.log"
     done ;;

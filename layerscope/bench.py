@@ -67,6 +67,7 @@ class BenchOptions:
     trees: tuple[TreeSpec, ...] = ()             # EAGLE-2 trees, each a contender per draft
     peers: bool = True               # HF generate and HF prompt lookup
     lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
+    draft_lookup: int = 0            # > 0: also each draft's chain with prompt lookup first (specdec `lookup`)
     auto_k: bool = False             # also the chain depth with the best predicted speedup (costmodel.plan)
     auto_tree: bool = False          # also the tree shape with the best predicted speedup
     machine: MachineOptions = field(default_factory=MachineOptions)   # the quiet rule; wait_s: --wait-quiet
@@ -79,6 +80,8 @@ class BenchOptions:
             raise LayerScopeError("--max-new-tokens must be at least 1", "Pass --max-new-tokens 1 or more")
         if self.limit < 1:
             raise LayerScopeError(f"--limit must be at least 1 (got {self.limit})", "Pass --limit 1 or more")
+        if self.draft_lookup < 0:
+            raise LayerScopeError(f"--lookup must be 0 (off) or more (got {self.draft_lookup})", "Pass --lookup 4, say")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Contender:
     draft: object = None             # DraftHead for kind "draft"
     k: int = specdec.DEFAULT_K
     tree: TreeSpec | None = None
-    lookup_tokens: int = 0
+    lookup_tokens: int = 0           # HF prompt lookup: prompt_lookup_num_tokens; a draft: specdec's `lookup`
     auto: dict | None = None         # an `auto` contender: costmodel.Prediction.to_json() of its choice
 
 
@@ -112,6 +115,9 @@ class Tally:
     lossless: bool = True
     drafted: int = 0                 # draft tokens verified (a tree: its nodes), over all steps
     accepted: int = 0                # ... of those accepted
+    lookup_steps: int = 0            # steps whose tokens prompt lookup proposed (counted in drafted/accepted,
+    lookup_drafted: int = 0          # not in drafted_at/accepted_at, which stay the draft's own)
+    lookup_accepted: int = 0
 
     def add_event(self, e: StepEvent) -> None:
         self.tokens += len(e.tokens)
@@ -119,6 +125,11 @@ class Tally:
         self.seconds += e.elapsed_s
         self.drafted += e.drafted
         self.accepted += e.accepted
+        if e.proposer == "lookup":
+            self.lookup_steps += 1
+            self.lookup_drafted += e.drafted
+            self.lookup_accepted += e.accepted
+            return
         for i, ok in enumerate(e.accepted_mask):
             if i == len(self.drafted_at):
                 self.drafted_at.append(0), self.accepted_at.append(0)
@@ -191,19 +202,29 @@ def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
 
 
 def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] = (specdec.DEFAULT_K,),
-               trees: Sequence[TreeSpec] = (), peers: bool = True, lookup_tokens: int = 10) -> list[Contender]:
-    """autoregressive, each draft under each decoding, then the HF peers."""
+               trees: Sequence[TreeSpec] = (), peers: bool = True, lookup_tokens: int = 10,
+               draft_lookup: int = 0) -> list[Contender]:
+    """autoregressive, each draft under each decoding (with `draft_lookup`, each chain also with prompt lookup
+    first), then the HF peers."""
     out = [Contender("autoregressive", "autoregressive", "greedy")]
-    decodings = [(f"chain k={k}", k, None) for k in ks] + \
-                [(f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}", specdec.DEFAULT_K, t) for t in trees]
+    decodings = [(f"chain k={k}", k, None, 0) for k in ks] + \
+                [(f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}", specdec.DEFAULT_K, t, 0) for t in trees]
+    if draft_lookup:
+        decodings += [(hybrid_label(k, draft_lookup), k, None, draft_lookup) for k in ks]
     for name, draft in drafts:
-        for label, k, tree in decodings:
-            out.append(Contender(name if len(decodings) == 1 else f"{name} {label}", "draft", label, draft, k, tree))
+        for label, k, tree, lookup in decodings:
+            out.append(Contender(name if len(decodings) == 1 else f"{name} {label}", "draft", label, draft, k, tree,
+                                 lookup_tokens=lookup))
     if peers:
         out.append(Contender("hf-generate", "hf-generate", "greedy"))
         out.append(Contender("hf-prompt-lookup", "hf-prompt-lookup", f"prompt lookup n={lookup_tokens}",
                              lookup_tokens=lookup_tokens))
     return out
+
+
+def hybrid_label(k: int, lookup: int) -> str:
+    """The decoding of a draft's chain with prompt lookup first: "chain k=1 + lookup 4"."""
+    return f"chain k={k} + lookup {lookup}"
 
 
 def fitting_prompts(tokenizer, o: BenchOptions, cache: Path | None = None) -> tuple[PromptSet, list[EncodedPrompt]]:
@@ -233,8 +254,11 @@ def load_drafts(target, named: Sequence[tuple[str, object]]) -> list[tuple[str, 
 
 
 def contenders_for(drafts: Sequence[tuple[str, object]], o: BenchOptions) -> list[Contender]:
-    """The line-up `o` asks for: autoregressive, each draft under each of o.ks and o.trees, the HF peers."""
-    return build_contenders(drafts, ks=o.ks, trees=o.trees, peers=o.peers, lookup_tokens=o.lookup_tokens)
+    """The line-up `o` asks for: autoregressive, each draft under each of o.ks and o.trees (and with
+    o.draft_lookup each chain with prompt lookup first, unless o.auto_k: then only the automatic chain gets
+    it, costmodel.auto_contenders), the HF peers."""
+    return build_contenders(drafts, ks=o.ks, trees=o.trees, peers=o.peers, lookup_tokens=o.lookup_tokens,
+                            draft_lookup=0 if o.auto_k else o.draft_lookup)
 
 
 def stop_tokens(target) -> tuple[object, int | None]:
@@ -379,6 +403,9 @@ def _entry(c: Contender, t: Tally, baseline: Tally, short: bool = False) -> dict
         entry["decoding"] = c.decoding
     entry |= {"tau": t.tau, "acceptance_by_position": t.acceptance_by_position(), "tokens_per_s": tps,
               "speedup": tps / base if tps and base else None, "lossless": t.lossless}
+    if c.kind == "draft" and c.lookup_tokens:
+        entry["lookup"] = {"steps": t.lookup_steps, "draft_steps": t.drafted_at[0] if t.drafted_at else 0,
+                           "drafted": t.lookup_drafted, "accepted": t.lookup_accepted}
     if short:
         del entry["name"]
     return entry
@@ -390,7 +417,7 @@ def _decode(model, c: Contender, ids: list[int], max_new_tokens: int, eos_token_
         yield from specdec.autoregressive(model, ids, max_new_tokens, eos_token_id=eos_token_id)
     elif c.kind == "draft":
         yield from specdec.speculative(model, c.draft, ids, max_new_tokens, k=c.k, tree=c.tree,
-                                       eos_token_id=eos_token_id)
+                                       lookup=c.lookup_tokens, eos_token_id=eos_token_id)
     else:
         yield _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, c.lookup_tokens)
 
@@ -442,6 +469,7 @@ def format_table(report: BenchReport) -> str:
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
     lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
+    lines += [lookup_note(r) for r in report.results if r.get("lookup")]
     if report.intervals:
         lines.append(interval_note(report.intervals))
         paired = [r for r in report.results if r.get("paired")]
@@ -478,6 +506,16 @@ def auto_note(entry: dict) -> str:
     predicted = (entry.get("calibrated") or {}).get("speedup")
     return (f"{entry['name']}: chose {what}; the calibration predicted {_f(predicted)}x, measured "
             f"{_f(entry.get('speedup'))}x ({_f(entry.get('predicted_speedup'))}x predicted from its measured tau)")
+
+
+def lookup_note(entry: dict) -> str:
+    """How often prompt lookup took a step from the draft: "d chain k=1 + lookup 4: lookup proposed 120 of
+    700 steps, 310 of its 400 tokens accepted (0.78); acc@ columns are the draft's own steps"."""
+    lk = entry["lookup"]
+    steps = lk["steps"] + lk["draft_steps"]
+    rate = f" ({lk['accepted'] / lk['drafted']:.2f})" if lk["drafted"] else ""
+    return (f"{entry['name']}: prompt lookup proposed {lk['steps']} of {steps} steps, {lk['accepted']} of its "
+            f"{lk['drafted']} tokens accepted{rate}; the acc@ columns count the draft's own steps")
 
 
 def _f(x, digits: int = 2) -> str:

@@ -502,6 +502,10 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options, curve
         for p in picks:
             out.append(bench.Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
                                        p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
+        if options.auto_k and options.draft_lookup:      # the chosen chain with prompt lookup first
+            k, label = picks[0].k, bench.hybrid_label(picks[0].k, options.draft_lookup)
+            out.append(bench.Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, k,
+                                       lookup_tokens=options.draft_lookup))
     return out
 
 
@@ -523,6 +527,8 @@ def annotate(report: bench.BenchReport, contenders: Sequence[bench.Contender], c
     for c, entry in zip(contenders, report.results):
         if c.kind == "autoregressive":
             entry["predicted_speedup"] = 1.0
+        elif c.kind == "draft" and c.lookup_tokens:      # the cost model knows no lookup steps
+            entry["predicted_speedup"] = None
         elif c.kind == "draft":
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step

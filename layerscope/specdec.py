@@ -5,6 +5,8 @@ Three decoders share one KV-cache machinery and one event stream:
     autoregressive(model, ids, n)               one target forward per token: the baseline
     speculative(model, draft, ids, n, k=4)      a chain of k draft tokens, verified in one target forward
     speculative(..., tree=TreeSpec(16, 4, 5))   an EAGLE-2 dynamic tree, verified in one target forward
+    speculative(..., lookup=4)                  prompt lookup first: where the context's last tokens occurred
+                                                before, up to 4 tokens that followed them; the draft elsewhere
 
 Each is a generator of `StepEvent`, one per target forward (step 0 is the prompt's prefill);
 the output is the concatenation of the events' `tokens` (see `collect`). Nothing here prints.
@@ -41,6 +43,10 @@ from layerscope.errors import DraftError, LayerScopeError
 # A stronger draft moves the best K up: `layerscope bench --draft D --k 2,3,4,5,6` measures it.
 DEFAULT_K = 2
 
+# Prompt lookup inside speculative decoding (`lookup`): the n-gram sizes matched against the context, longest
+# first. Two tokens at least: a single recurring token is too weak a cue to take the step from the draft.
+LOOKUP_NGRAMS = (3, 2)
+
 clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
 
 
@@ -65,6 +71,8 @@ class StepEvent:
     bonus_token: int                   # the target's own token after the accepted ones
     tokens: tuple[int, ...]            # tokens added to the output: accepted + bonus, cut after EOS
     elapsed_s: float                   # wall time of the step: drafting, verification, cache upkeep
+    proposer: str = "draft"            # who proposed the verified tokens: "draft" | "lookup" (the context) |
+                                       # "none" (plain decoding, the prefill)
 
 
 def collect(events: Iterable[StepEvent]) -> tuple[list[int], list[StepEvent]]:
@@ -182,7 +190,7 @@ def autoregressive(model, input_ids, max_new_tokens: int, *, eos_token_id=None, 
                                         last_only=True)
             tok = _pick(logits[-1], temperature, gen)
         produced += 1
-        yield StepEvent(step, 0, 0, (), tok, (tok,), clock() - t0)
+        yield StepEvent(step, 0, 0, (), tok, (tok,), clock() - t0, "none")
         if tok in eos:
             return
         feed, step = [tok], step + 1
@@ -241,15 +249,20 @@ def _check_draft(model, draft) -> None:
 
 
 def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAULT_K, tree: TreeSpec | None = None,
-                eos_token_id=None, temperature: float = 0.0, seed: int = 0) -> Iterator[StepEvent]:
+                lookup: int = 0, eos_token_id=None, temperature: float = 0.0, seed: int = 0) -> Iterator[StepEvent]:
     """Decode with `draft` proposing and `model` verifying: a chain of depth `k`, or a `tree`.
 
     draft: a DraftHead (layerscope.draft.model). Greedy at temperature 0; sampling needs the chain.
+    lookup > 0: before each step, `lookup_proposal` searches the prompt and the output so far; where it finds
+    a continuation, up to `lookup` of its tokens are verified as a chain instead of the draft's (events with
+    proposer "lookup"). Lossless either way: a proposal only decides what is verified.
     """
     if tree is not None and temperature > 0:
         raise LayerScopeError("tree drafting is greedy only", "Use the chain (no tree) for temperature > 0")
     if k < 1 or (tree is not None and min(tree.budget, tree.top_k, tree.depth) < 1):
         raise LayerScopeError("the draft depth, tree budget, top-k and depth must be at least 1", "")
+    if lookup < 0:
+        raise LayerScopeError(f"the prompt lookup length must be 0 (off) or more, not {lookup}", "Pass --lookup 4, say")
     if tree is not None and model.config._attn_implementation not in ("sdpa", "eager"):
         raise LayerScopeError(f"tree verification needs a 4-D attention mask, which the "
                               f"{model.config._attn_implementation} attention of the target cannot take",
@@ -270,20 +283,53 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
                                       last_only=True)
         last = _pick(logits[-1], temperature, gen)
         d.add_rows(ids[1:] + [last], aux)
-    yield StepEvent(0, 0, 0, (), last, (last,), clock() - t0)
-    produced, step = 1, 1
+    yield StepEvent(0, 0, 0, (), last, (last,), clock() - t0, "none")
+    produced, step, context = 1, 1, ids + [last]
     while produced < max_new_tokens and last not in eos:
         t0 = clock()
-        depth = min(tree.depth if tree else k, max_new_tokens - produced - 1)
+        left = max_new_tokens - produced - 1                  # draft tokens beyond this step's bonus token
+        found = lookup_proposal(context, min(lookup, left)) if lookup else []
+        depth = min(tree.depth if tree else k, left)
         with torch.inference_mode():
-            if tree is not None and depth > 0:
+            if found:
+                qs = [_one_hot(t, model.config.vocab_size, device) for t in found] if temperature > 0 else []
+                drafted, accepted, mask, new = _verify_chain(model, d, cache, last, found, qs, aux_layers,
+                                                             temperature, gen)
+            elif tree is not None and depth > 0:
                 drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers)
             else:
                 drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
         tokens = _cut(new, eos)
         produced, last = produced + len(tokens), tokens[-1]
-        yield StepEvent(step, drafted, accepted, mask, new[-1], tokens, clock() - t0)
+        context += tokens
+        yield StepEvent(step, drafted, accepted, mask, new[-1], tokens, clock() - t0,
+                        "lookup" if found else "draft")
         step += 1
+
+
+def lookup_proposal(context: Sequence[int], n: int) -> list[int]:
+    """Prompt lookup: the up-to-`n` tokens that followed the latest earlier occurrence of the context's last
+    3 tokens (else its last 2, LOOKUP_NGRAMS); [] when neither recurs or n < 1.
+
+    context: the prompt and every token produced so far, the newest last. A match ending at the context's
+    last token is the tail itself and is skipped, so a proposal is never empty when a match is found.
+    """
+    if n < 1:
+        return []
+    end = len(context)
+    for g in LOOKUP_NGRAMS:
+        if end <= g:
+            continue
+        tail, last = list(context[-g:]), context[-1]
+        for start in range(end - g - 1, -1, -1):            # latest first; start + g < end: a token follows
+            if context[start + g - 1] == last and list(context[start:start + g]) == tail:
+                return [int(t) for t in context[start + g:start + g + n]]
+    return []
+
+
+def _one_hot(token: int, vocab: int, device) -> torch.Tensor:
+    """A deterministic proposal's distribution [V]: speculative sampling accepts it with probability p(token)."""
+    return torch.zeros(vocab, device=device).index_fill_(0, torch.tensor([token], device=device), 1.0)
 
 
 def _draft_distribution(draft, logits: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
@@ -310,6 +356,14 @@ def _chain_step(model, d: _Draft, cache, last: int, depth: int, aux_layers, temp
             if j < depth:                            # step j+1 at row L-1 reads d_j at position L-1+j
                 lg, hd = d.step([tok], hidden[None], torch.tensor([L - 1 + j], device=d.device))
                 logits, hidden = lg[0], hd[0]
+    return _verify_chain(model, d, cache, last, drafts, qs, aux_layers, temperature, gen)
+
+
+def _verify_chain(model, d: _Draft, cache, last: int, drafts: list[int], qs: list[torch.Tensor], aux_layers,
+                  temperature: float, gen):
+    """Verify the proposed tokens `drafts` (each with its proposal distribution in `qs` when sampling) after
+    `last` in one target forward; keep the accepted ones and the bonus token in both caches."""
+    L, depth = cache.get_seq_length(), len(drafts)
     logits, aux = _target_forward(model, [last] + drafts, torch.arange(L, L + depth + 1, device=d.device), cache,
                                   aux_layers)
     if temperature > 0:

@@ -86,6 +86,27 @@ def test_bench_library_run(tiny, draft_dirs, prompts):
     assert "95% bootstrap intervals over the 3 prompts" in text
 
 
+def test_a_chain_with_prompt_lookup_counts_the_lookup_steps_apart(tiny, draft_dirs, prompts):
+    """`draft_lookup`: each chain also with prompt lookup first; lossless; the lookup steps are counted in
+    `lookup` and kept out of the draft's acceptance by position, which its own steps alone give."""
+    drafts = [(p.name, load_draft(p, tiny)) for p in draft_dirs[:1]]
+    lineup = bench.build_contenders(drafts, ks=(2,), peers=False, draft_lookup=3)
+    assert [c.name for c in lineup] == ["autoregressive", "low chain k=2", "low chain k=2 + lookup 3"]
+    repetitive = [dataclasses.replace(p, input_ids=p.input_ids + p.input_ids[-8:] * 3) for p in prompts]
+    updates = list(bench.run(tiny.model, repetitive, lineup, max_new_tokens=16, warmup=False))
+    entry = {r["name"]: r for r in updates[-1].report.results}["low chain k=2 + lookup 3"]
+    events = [u.event for u in updates if u.contender == "low chain k=2 + lookup 3" and u.event is not None]
+    looked = [e for e in events if e.proposer == "lookup"]
+    own = [e for e in events if e.proposer == "draft" and e.accepted_mask]
+    assert looked and entry["lossless"]
+    assert entry["lookup"] == {"steps": len(looked), "draft_steps": len(own), "drafted": sum(e.drafted for e in looked),
+                               "accepted": sum(e.accepted for e in looked)}
+    assert entry["acceptance_by_position"][0] == pytest.approx(sum(e.accepted_mask[0] for e in own) / len(own))
+    assert "low chain k=2 + lookup 3: prompt lookup proposed" in bench.format_table(updates[-1].report)
+    with pytest.raises(Exception, match="--lookup"):
+        bench.BenchOptions(draft_lookup=-1).validate()
+
+
 def test_bench_intervals_over_prompts(tiny, draft_dirs, prompts):
     """Per-prompt totals add up to the entry; every interval holds its point estimate; contenders that
     decode one token per forward have τ exactly [1, 1]; plain decoding's speedup is exactly [1, 1]; the

@@ -338,6 +338,13 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     assert {"tau", "speedup"} <= set(auto_tree["calibrated"])
     assert main(args) == 0
     assert "predicted" in capsys.readouterr().out
+    assert main(args + ["--lookup", "3", "--json"]) == 0          # the chosen chain also with prompt lookup first
+    doc = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in doc["results"]]
+    k = doc["results"][3]["chosen"]["k"]
+    assert names[5:] == [f"low auto chain k={k} + lookup 3"] and len(names) == 6
+    assert doc["results"][5]["lossless"] and doc["results"][5]["predicted_speedup"] is None
+    assert set(doc["results"][5]["lookup"]) == {"steps", "draft_steps", "drafted", "accepted"}
 
 
 def test_cost_curve_figure():

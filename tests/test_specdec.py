@@ -404,6 +404,40 @@ def test_refusals(target, refs):
 # ----------------------------------------------------------------------------- sampling
 
 
+def test_lookup_proposal_takes_the_latest_longest_match():
+    """Closed-form cases: the 3-gram before the 2-gram, the latest occurrence, the cap, the tail itself skipped."""
+    assert sd.lookup_proposal([5, 6, 7, 8, 9, 6, 7], 4) == [8, 9, 6, 7]          # 2-gram [6, 7] at 1
+    assert sd.lookup_proposal([5, 6, 7, 8, 9, 6, 7], 2) == [8, 9]                # capped at n
+    assert sd.lookup_proposal([1, 6, 7, 2, 5, 6, 7, 3, 5, 6, 7], 3) == [3, 5, 6]  # [5,6,7] at 4 beats the later [6,7]
+    assert sd.lookup_proposal([6, 7, 1, 6, 7, 2, 6, 7], 1) == [2]                # the latest of two 2-gram matches
+    assert sd.lookup_proposal([4, 4, 4], 3) == [4]                               # overlapping match, one token follows
+    assert sd.lookup_proposal([1, 2, 3, 4], 3) == []                             # nothing recurs
+    assert sd.lookup_proposal([1, 7, 2, 7], 3) == []                             # one recurring token is not enough
+    assert sd.lookup_proposal([6, 7, 6, 7], 0) == []
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_decoding_with_prompt_lookup_is_lossless(target, refs, k):
+    """Prompts that contain the target's own continuation: lookup proposes from them and is accepted,
+    the draft proposes elsewhere, and the output is plain greedy's."""
+    draft = untrained_draft(target)
+    steps = {"lookup": 0, "draft": 0}
+    accepted = 0
+    for ids, ref in zip(PROMPTS, refs):
+        prompt = ids + ref[:12] + ids                     # the continuation recurs once the prompt's end recurs
+        expect, _ = sd.collect(sd.autoregressive(target, prompt, 30))
+        out, events = sd.collect(sd.speculative(target, draft, prompt, 30, k=k, lookup=4))
+        assert out == expect
+        for e in events[1:]:
+            steps[e.proposer] += 1
+            assert e.drafted <= (4 if e.proposer == "lookup" else k)
+            accepted += e.accepted if e.proposer == "lookup" else 0
+    assert steps["lookup"] > 0 and steps["draft"] > 0 and accepted > 0, (steps, accepted)
+    assert events[0].proposer == "none"
+    with pytest.raises(LayerScopeError, match="lookup"):
+        sd.collect(sd.speculative(target, draft, PROMPTS[0], 5, lookup=-1))
+
+
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0
@@ -435,10 +469,13 @@ def test_accept_reject_rule_reproduces_p():
     assert second.sum() > 0.2 * trials
 
 
-def test_speculative_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("prompt,lookup", [([1, 2, 3], 0), ([t for x in range(12) for t in (1, x)] + [1], 3)])
+def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup):
     """End to end. Vocabulary 12, draft vocabulary 8 (4 tokens the draft never proposes). Tokens 2..4
     of each output pass through accept/reject or resampling; their marginals must match the target's,
-    computed exactly by enumeration (chi-square), while drafts are both accepted and rejected often."""
+    computed exactly by enumeration (chi-square), while drafts are both accepted and rejected often.
+    With prompt lookup (a prompt holding the 2-gram [1, x] for every x, so the first step always looks up),
+    its certain proposals (a one-hot q) go through the same rule and the marginals still match."""
     cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5,
                       tie_word_embeddings=False)
@@ -447,15 +484,17 @@ def test_speculative_sampling_keeps_the_target_distribution():
     draft = untrained_draft(model, layers=(0, 1), draft_vocab=8, seed=3)
     with torch.no_grad():
         draft.lm_head.weight.mul_(5)                         # a draft with opinions of its own
-    prompt, T, trials = [1, 2, 3], 0.8, 400
-    samples, drafted, accepted = [], 0, 0
+    T, trials = 0.8, 400
+    samples, drafted, accepted, looked_up = [], 0, 0, 0
     for s in range(trials):
-        out, events = sd.collect(sd.speculative(model, draft, prompt, 4, k=2, temperature=T, seed=s))
+        out, events = sd.collect(sd.speculative(model, draft, prompt, 4, k=2, lookup=lookup, temperature=T, seed=s))
         samples.append(out)
         drafted += sum(e.drafted for e in events)
         accepted += sum(e.accepted for e in events)
+        looked_up += sum(e.proposer == "lookup" for e in events)
     samples = torch.tensor(samples)
-    assert 0.15 < accepted / drafted < 0.85
+    assert (0.1 if lookup else 0.15) < accepted / drafted < 0.85     # lookup's second tokens are mostly wrong here
+    assert (looked_up > trials // 4) if lookup else looked_up == 0
     with torch.no_grad():                                    # exact marginals of the target
         seqs, joint, marginals = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64), []
         for _ in range(4):

@@ -46,6 +46,10 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and HF prompt lookup")
     p.add_argument("--prompt-lookup", type=int, default=d.lookup_tokens,
                    help="prompt_lookup_num_tokens for the HF peer (default %(default)s)")
+    p.add_argument("--lookup", type=int, default=d.draft_lookup, metavar="N",
+                   help="also decode each draft's chain (with --k auto: the chosen one) with prompt lookup first: "
+                        "where the context's last 3 or 2 tokens occurred before, up to N tokens that followed "
+                        "them are verified instead of the draft's (default %(default)s: off)")
     add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-json", default=None, metavar="FILE",
@@ -82,7 +86,7 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(model=args.model, prompts=args.prompts, split=args.split, limit=args.limit, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         ks=tuple(dict.fromkeys(ks)), trees=trees, peers=not args.no_peers,
-                        lookup_tokens=args.prompt_lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
+                        lookup_tokens=args.prompt_lookup, draft_lookup=args.lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
                         machine=machine_options(args))
 
 
