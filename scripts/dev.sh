@@ -64,9 +64,9 @@ case "$cmd" in
     setup_chromium
     say "running the test suite"
     # The test extra was installed above: its tests fail instead of skipping if it does not import.
-    # -rs prints every skip with its reason.
+    # -rs prints every skip with its reason; --durations the 15 slowest tests (the suite's time is watched).
     export LAYERSCOPE_REQUIRE_EXTRAS=1
-    exec "$PY" -m pytest -q -rs "$@"
+    exec "$PY" -m pytest -q -rs --durations=15 "$@"
     ;;
   setup)
     setup_python requirements-test.txt
