@@ -259,7 +259,7 @@ else:
                       on_change=bind_view(s, "bench_prompts", "ls_w_spec_bench_src", "sharegpt-heldout",
                                           options=["sharegpt-heldout", "builtin"]),
                       help="sharegpt-heldout: conversations no capture for training ever uses")
-    b3, b4, b5, b6 = st.columns([1, 1, 1.3, 1.3])
+    b3, b4, b5, b6, b7 = st.columns([1, 1, 1.3, 1.3, 1.3])
     n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
                                 on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
     new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
@@ -275,6 +275,11 @@ else:
                       on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
                       help="HF generate and prompt lookup: the decoders a user has without LayerScope, measured in "
                            "the same run (slower)")
+    lookup = b7.toggle("+ prompt lookup", key="ls_w_spec_bench_lookup",
+                       on_change=bind_view(s, "bench_lookup", "ls_w_spec_bench_lookup", False, options=[True, False]),
+                       help=f"Also each draft's chain with prompt lookup first: where the text's last 3 or 2 tokens "
+                            f"occurred before, up to {specdec.DEFAULT_LOOKUP} tokens that followed them are verified "
+                            f"instead of the draft's (pays where answers copy the prompt: summaries, extraction)")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
                  disabled=not chosen or bench_running):
@@ -282,6 +287,7 @@ else:
             manager.submit(s.id, "bench", tasks.bench_job(
                 store=store, model=s.model, drafts=[by_path[c] for c in chosen], prompts=source,
                 limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth or specdec.DEFAULT_K), peers=bool(peers),
+                lookup=specdec.DEFAULT_LOOKUP if lookup else 0,
                 capture_key=s.capture_key),
                 title=f"Benchmark of {len(chosen)} draft(s)")
             st.rerun()

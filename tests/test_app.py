@@ -17,6 +17,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import session as sessions
+from layerscope import specdec
 from layerscope.draft.train import TrainOptions
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
@@ -407,6 +408,15 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     titles = [c["layout"]["title"]["text"] for c in charts(at) if c["layout"].get("title")]
     assert any("τ and speedup" in t for t in titles) and any("Acceptance rate" in t for t in titles)
     assert sessions.load(app_store, copy_of).bench_results == at.session_state["ls_session"].bench_results
+    # "+ prompt lookup": the chain also with prompt lookup first, its lookup steps counted apart
+    at.toggle(key="ls_w_spec_bench_lookup").set_value(True).run()
+    at.button(key="ls_spec_bench").click().run()
+    settle(at)
+    no_exception(at)
+    res = at.session_state["ls_session"].bench_results[-1]
+    assert [r["name"] for r in res["results"]] == ["autoregressive", "default chain k=3",
+                                                   f"default chain k=3 + lookup {specdec.DEFAULT_LOOKUP}"]
+    assert all(r["lossless"] for r in res["results"]) and "lookup" in res["results"][2]
 
 
 def test_study_trains_one_draft_per_set_and_correlates(app_store, copy_of):

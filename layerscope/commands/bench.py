@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from layerscope import machine, preflight, workflow
+from layerscope import machine, preflight, specdec, workflow
 from layerscope.bench import BenchOptions, folder_names, format_table
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.draft import builtin
@@ -49,7 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lookup", type=int, default=d.draft_lookup, metavar="N",
                    help="also decode each draft's chain (with --k auto: the chosen one) with prompt lookup first: "
                         "where the context's last 3 or 2 tokens occurred before, up to N tokens that followed "
-                        "them are verified instead of the draft's (default %(default)s: off)")
+                        "them are verified instead of the draft's (default %(default)s: off; the app uses "
+                        f"{specdec.DEFAULT_LOOKUP}, see `layerscope profile` for what a longer verify costs)")
     add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-json", default=None, metavar="FILE",

@@ -384,7 +384,7 @@ class _BenchLive:
 
 @job_task
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int,
-              k: int | str = "auto", peers: bool, seed: int = 0, capture_key: str | None = None):
+              k: int | str = "auto", peers: bool, lookup: int = 0, seed: int = 0, capture_key: str | None = None):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
     k: a chain depth, or "auto" (the default): the depth with the best predicted speedup, chosen by a
     calibration (costmodel.plan) whose prompts show as progress like the decoding's.
@@ -393,10 +393,11 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
     "tau:<name>"), accepted/drafted counts per draft position (metrics["acceptance"]), and the text
     of the run being decoded with accepted draft tokens marked (metrics["text"]); before the decoding,
     metrics["phase"] ("cost curve", "calibrate") with the message saying what it does.
+    lookup > 0: each draft's chain is also decoded with prompt lookup first (BenchOptions.draft_lookup).
     """
     auto = k == "auto"
     options = BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
-                           ks=() if auto else (int(k),), auto_k=auto, peers=peers)
+                           ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=int(lookup))
 
     def run(job):
         if not drafts:
