@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from layerscope.draft.fit import TrainingCancelled, TrainOptions, WarmStart, build_drafters, final_norm, fit, lr_at
+from layerscope.draft.fit import (FitState, TrainingCancelled, TrainOptions, WarmStart, build_drafters, final_norm, fit,
+                                  history, lr_at, note_start)
 from layerscope.draft.loss import LOSS_DECAY, ttt_loss
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.online import OnlineOptions, complete_checkpoints, train_online
@@ -131,6 +132,21 @@ def test_a_stop_inside_the_warm_start_saves_nothing_and_says_so(tiny, tmp_path, 
         train_online(tiny, [[1, 3]], Store(tmp_path / "w"), options=o, progress=calls.append,
                      should_stop=lambda: sum(1 for p in calls if p.phase == "train") >= 2)
     assert not complete_checkpoints(next((tmp_path / "w" / "runs").iterdir()))
+
+
+def test_a_resume_from_a_checkpoint_without_recorded_starts_counts_the_unknown_first_start():
+    """A checkpoint written before starts were recorded (step 512, no starts) resumed once: two starts, one
+    resume at step 512, the first start's time unknown (None, and no wall time), the recorded part's known."""
+    old = FitState.from_json({**FitState(1, step=512, tokens=722_629).to_json(), "starts": []})
+    note_start(old)
+    went = history(old)
+    assert (went["starts"], went["resumed"], went["resumed_at"]) == (2, 1, [{"step": 512, "tokens": 722_629}])
+    assert went["first_start"] is None and went["wall_s"] is None and went["recorded_wall_s"] >= 0
+    fresh = FitState(1)
+    note_start(fresh)
+    went = history(fresh)
+    assert (went["starts"], went["resumed"]) == (1, 0) and went["wall_s"] == went["recorded_wall_s"] >= 0
+    assert went["first_start"] <= went["finished"]
 
 
 def test_the_schedule_warms_up_then_decays_over_the_budget():

@@ -218,7 +218,8 @@ class FitState:
     loss_curves: list = field(default_factory=list)   # per set [[tokens, loss], ...]
     evals_done: int = 0
     last_eval: list | None = None     # per set (agreement, loss, positions, coverage) of the newest evaluation
-    starts: list = field(default_factory=list)        # [unix time, step, tokens] each time fit() (re)started
+    starts: list = field(default_factory=list)        # [unix time, step, tokens] each time fit() (re)started;
+                                                      # [None, 0, 0] first: began before starts were recorded
 
     def __post_init__(self):
         self.curves = self.curves or [[] for _ in range(self.sets)]
@@ -348,7 +349,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
     agree = distributed.agree if world > 1 else (lambda v: v)
     warm = WarmStart(drafters) if state.step < o.warm_start else None
     start = (state.tokens, state.elapsed, fraction(o, state.step, state.tokens, state.elapsed))
-    state.starts.append([round(time.time(), 3), state.step, state.tokens])
+    note_start(state)
     clock = CLOCKS[o.clock]
     last_ckpt = time.perf_counter()
     while agree(fraction(o, state.step, state.tokens, state.elapsed) < 1.0):
@@ -407,17 +408,30 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
 
 # ----------------------------------------------------------------------------- what a draft records
 
+def note_start(state: FitState) -> None:
+    """Record that fit() (re)starts from `state`. A state resumed from a checkpoint made before starts were
+    recorded (step > 0, no starts) first gets [None, 0, 0]: it began at least once, when is unknown."""
+    if state.step > 0 and not state.starts:
+        state.starts.append([None, 0, 0])
+    state.starts.append([round(time.time(), 3), state.step, state.tokens])
+
+
 def history(state: FitState) -> dict:
     """How the training went in wall time: its starts (the first and every resume, each with the step and
     tokens it started from), the wall seconds from the first start to now (pauses and the gaps between runs
-    included) beside `seconds` (training only). A state from before starts were recorded counts from its
-    oldest recorded start."""
+    included) beside `seconds` (training only). A run resumed from a checkpoint made before starts were
+    recorded counts that unknown first start (at least one): its first_start and wall_s are None, and
+    recorded_wall_s counts from the oldest start whose time is known."""
     now = time.time()
+    known = [t for t, _, _ in state.starts if t is not None] or [now]
     first = state.starts[0][0] if state.starts else now
+
+    def stamp(t):
+        return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
     return {"starts": len(state.starts), "resumed": max(len(state.starts) - 1, 0),
             "resumed_at": [{"step": s, "tokens": t} for _, s, t in state.starts[1:]],
-            "first_start": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(first)),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)), "wall_s": round(now - first, 1)}
+            "first_start": stamp(first), "finished": stamp(now),
+            "wall_s": None if first is None else round(now - first, 1), "recorded_wall_s": round(now - known[0], 1)}
 
 
 def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: int, *, target, strategy=None,
