@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from layerscope.draft.fit import (FitState, TrainingCancelled, TrainOptions, WarmStart, build_drafters, final_norm, fit,
-                                  history, lr_at, note_start)
+from layerscope.draft.fit import FitState, TrainingCancelled, TrainOptions, WarmStart, build_drafters, final_norm, fit, history, lr_at, note_start
 from layerscope.draft.loss import LOSS_DECAY, ttt_loss
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.online import OnlineOptions, complete_checkpoints, train_online
