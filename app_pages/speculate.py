@@ -259,7 +259,7 @@ else:
                       on_change=bind_view(s, "bench_prompts", "ls_w_spec_bench_src", "sharegpt-heldout",
                                           options=["sharegpt-heldout", "builtin"]),
                       help="sharegpt-heldout: conversations no capture for training ever uses")
-    b3, b4, b5, b6, b7 = st.columns([1, 1, 1.3, 1.3, 1.3])
+    b3, b4, b5, b6 = st.columns([1, 1, 1.3, 1.6])
     n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
                                 on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
     new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
@@ -275,7 +275,7 @@ else:
                       on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
                       help="HF generate and prompt lookup: the decoders a user has without LayerScope, measured in "
                            "the same run (slower)")
-    lookup = b7.toggle("+ prompt lookup", key="ls_w_spec_bench_lookup",
+    lookup = b6.toggle("+ prompt lookup", key="ls_w_spec_bench_lookup",
                        on_change=bind_view(s, "bench_lookup", "ls_w_spec_bench_lookup", False, options=[True, False]),
                        help=f"Also each draft's chain with prompt lookup first: where the text's last 3 or 2 tokens "
                             f"occurred before, up to {specdec.DEFAULT_LOOKUP} tokens that followed them are verified "
