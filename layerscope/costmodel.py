@@ -497,14 +497,14 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options, curve
                                              message=f"calibration for --k auto: {name}, prompt {done}/{n}"))
         profile = calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
                             eos_token_id=eos, progress=seen)
-        picks = ([best_chain(curve, profile)] if options.auto_k else []) + \
-                ([best_tree(curve, profile)] if options.auto_tree else [])
+        chain = best_chain(curve, profile) if options.auto_k else None
+        picks = ([chain] if chain else []) + ([best_tree(curve, profile)] if options.auto_tree else [])
         for p in picks:
             out.append(bench.Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
                                        p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
-        if options.auto_k and options.draft_lookup:      # the chosen chain with prompt lookup first
-            k, label = picks[0].k, bench.hybrid_label(picks[0].k, options.draft_lookup)
-            out.append(bench.Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, k,
+        if chain and options.draft_lookup:               # the chosen chain with prompt lookup first
+            label = bench.hybrid_label(chain.k, options.draft_lookup)
+            out.append(bench.Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, chain.k,
                                        lookup_tokens=options.draft_lookup))
     return out
 

@@ -12,6 +12,7 @@ import pytest
 from layerscope import bench
 from layerscope.cli import main
 from layerscope.draft.export import load_draft, save_draft
+from layerscope.errors import LayerScopeError
 from layerscope.models import tiny_model
 from layerscope.prompts import load_prompts
 from layerscope.specdec import StepEvent, TreeSpec
@@ -103,7 +104,7 @@ def test_a_chain_with_prompt_lookup_counts_the_lookup_steps_apart(tiny, draft_di
                                "accepted": sum(e.accepted for e in looked)}
     assert entry["acceptance_by_position"][0] == pytest.approx(sum(e.accepted_mask[0] for e in own) / len(own))
     assert "low chain k=2 + lookup 3: prompt lookup proposed" in bench.format_table(updates[-1].report)
-    with pytest.raises(Exception, match="--lookup"):
+    with pytest.raises(LayerScopeError, match="--lookup"):
         bench.BenchOptions(draft_lookup=-1).validate()
 
 
