@@ -10,22 +10,30 @@
 #                                    # then the two benchmarks of the drafts issue (item 5), quiet, into docs/bench/
 #   benchmarks/long_run.sh study     # the study itself: its capture, then `layerscope study --online`, which
 #                                    # trains every proposed set (default rule, entropy/CKA strategies, last-k,
-#                                    # single, two seeded random controls) in one target pass per seed, seeds 0
-#                                    # and 1, and benchmarks them on 40 held-out prompts
+#                                    # single, two seeded random controls) for seeds 0 and 1, four sets per
+#                                    # target pass, each pass benchmarked on 40 held-out prompts when it is done
+#   benchmarks/long_run.sh keep      # copy the store's regenerated answers into $STUDY_DIR/responses (commit them)
 #
 # Keep the store outside the work tree (LAYERSCOPE_STORE, default $HOME/layerscope-store) so that it outlives
 # it, and run this alone on the machine: a second torch process on 2 cores slows both several times.
-# Logs: $LAYERSCOPE_STORE/logs/long-<mode>.log (progress) and .json (results). The regenerated answers of
-# seed 0 (1,688 ShareGPT prompts, 185,768 response tokens) are generated once into the store (about an hour
-# on 2 cores) and shared by both modes; seed 1 draws its own sample and generates its own (another hour).
-# Where each part stands: training checkpoints in runs/<key>/ (resumed from the newest), finished drafts in
-# drafts/, each draft's benchmark cached in the store (a rerun reads it back).
+# Logs: $LAYERSCOPE_STORE/logs/long-<mode>.log (progress) and .json (results). The regenerated answers
+# (1,688 ShareGPT prompts, ~186k response tokens) are generated once into the store (about an hour on 2 cores)
+# and shared by every seed and mode. Where each part stands: training checkpoints in runs/<key>/ (resumed
+# from the newest), finished drafts in drafts/, each draft's benchmark cached in the store.
+#
+# The study takes ~6 hours of training on 2 cores, longer than a session, and a machine (its store) may not
+# come back. What must outlive it is committed in $STUDY_DIR (default docs/study-500k of the work tree this
+# runs from; point it at the tree you commit from): responses/ (the answers, copied into the store before a
+# run: `keep` puts them there) and outcomes/ (`study --outcomes`: one small JSON per finished set and seed,
+# its record and benchmark, read back instead of training again). So a run on a new machine trains only
+# what no committed outcome holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-default}"
 export LAYERSCOPE_STORE="${LAYERSCOPE_STORE:-$HOME/layerscope-store}"
 mkdir -p "$LAYERSCOPE_STORE/logs"
 log="$LAYERSCOPE_STORE/logs/long-$mode"
+study_dir="${STUDY_DIR:-$(pwd)/docs/study-500k}"
 data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2)
 continued=("${data[@]}")
 continued[5]=4000                    # --limit: twice the distinct conversations
@@ -59,13 +67,23 @@ PY
         --prompts "$prompts" --limit "$limit" --save-json "docs/bench/$name.json" \
         > "docs/bench/$name.txt" 2>> "$log.log"
     done ;;
+  keep)
+    mkdir -p "$study_dir/responses"
+    for d in "$LAYERSCOPE_STORE"/responses/*/; do
+      [ -d "$d" ] && cp -rn "$d" "$study_dir/responses/" && echo "kept $(basename "$d"): $(ls "$d" | wc -l) parts"
+    done ;;
   study)
-    # the study's capture: its statistics propose the sets and give the proxies (about 10 minutes, once)
+    # the answers kept in the repository go into the store first (never over what it holds)
+    if [ -d "$study_dir/responses" ]; then
+      mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
+    fi
+    # the study's capture: its statistics propose the sets and give the proxies (10-25 minutes, each machine)
     key=$(.venv/bin/layerscope capture --model smollm2-135m --prompts sharegpt --limit 240 --max-new-tokens 96 \
             --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
     echo "study capture: $key" >> "$log.log"
     exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single \
       --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
-      --seeds 0,1 --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
-  *) echo "usage: $0 default|continue|ship|study" >&2; exit 2 ;;
+      --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
+      --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
+  *) echo "usage: $0 default|continue|ship|study|keep" >&2; exit 2 ;;
 esac

@@ -196,6 +196,14 @@ def capture_need(encoded, max_new_tokens: int, max_tokens: int | None, batch_siz
     return max(0, capture_bytes(tokens, num_layers, hidden_size) - done)
 
 
+def outcomes_folder(path) -> None:
+    """A study's outcomes folder (--outcomes): a folder, or none yet, where a file can be created."""
+    where = Path(path).expanduser()
+    if where.exists() and not where.is_dir():
+        raise LayerScopeError(f"--outcomes {path} is a file, not a folder", "Pass a folder (created when missing)")
+    directory_writable(where)
+
+
 def starting_drafts(paths) -> None:
     """Every draft a training continues (--init-from), checked before the target loads (draft/init_from.py
     then matches them to the sets and to the target)."""
@@ -239,6 +247,12 @@ def study(store: Store, model: str, options) -> None:
     prompt_spec(options.prompts)
     if options.online is not None:
         prompt_spec(options.online.prompts)
+    n = options.sets_per_pass
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise LayerScopeError(f"sets per pass must be a whole number >= 1 (got {n!r})",
+                             "Pass --sets-per-pass 1 or more, or leave it out to train every set in one pass")
+    if options.outcomes is not None:
+        outcomes_folder(options.outcomes)
     shape = target_shape(model, store)
     if shape is None:
         return

@@ -12,11 +12,14 @@ For one capture:
                   closed-form ridge map per set and its held-out agreement with the target's argmax
                   (layerscope/probe.py), cached in the store;
   3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
-                  and data (cached: a re-run that adds a set or a seed trains only those);
-  4. benchmark    bench.run on held-out prompts, every draft against plain decoding in one run; each
-                  draft's result and its per-prompt totals are cached with the prompts and decoding options
-                  and the machine's state during the run (layerscope.machine; the report's `machine` merges
-                  every run it used, and the verdict says so when one ran on a busy machine);
+                  and data (cached: a re-run that adds a set or a seed trains only those); online, one
+                  target pass per seed and group of `sets_per_pass` sets (study_units);
+  4. benchmark    bench.measure on held-out prompts, each unit's drafts against plain decoding in one run as
+                  soon as the unit is trained; each draft's result and its per-prompt totals are cached with
+                  the prompts and decoding options and the machine's state during the run (layerscope.machine;
+                  the report's `machine` merges every run it used, and the verdict says so when one ran on a
+                  busy machine). With `outcomes`, each finished (set, seed) is also written to that folder
+                  (study_outcomes.py) and read back from it instead of being trained again;
   5. statistics   study_stats: per set τ, acceptance and speedup with paired bootstrap intervals over
                   the prompts, the paired difference to the default rule, the seed spread; the Spearman
                   correlation of every proxy version with τ with an interval; a plain-words verdict.
@@ -27,12 +30,14 @@ For one capture:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import bench, fmt, machine, select, specdec, study_stats
+from layerscope import bench, fmt, machine, select, specdec, study_outcomes, study_stats
 from layerscope import probe as probe_mod
 from layerscope.analysis import AnalysisOptions, analyze
+from layerscope.draft import init_from
 from layerscope.draft.export import read_meta
 from layerscope.draft.online import OnlineOptions, train_online
 from layerscope.draft.progress import OnlineProgress
@@ -41,7 +46,9 @@ from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
 from layerscope.metrics.correlation import spearman
 from layerscope.probe import ProbeOptions
+from layerscope.prompts import load_prompts
 from layerscope.store import make_key
+from layerscope.study_outcomes import Outcome, OutcomeFolder
 from layerscope.study_stats import PromptRuns
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
@@ -73,6 +80,11 @@ class StudyOptions:
     filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
     machine: MachineOptions = field(default_factory=MachineOptions)   # the benchmark's quiet rule and --wait-quiet
     probe: ProbeOptions | None = field(default_factory=ProbeOptions)  # the training-free `probe` proxy (None: off)
+    sets_per_pass: int | None = None                   # online: sets trained per target pass (None: all of them);
+                                                       # smaller passes fit a sitting, each benchmarked when done
+    outcomes: str | None = None                        # a folder keeping every finished draft's outcome (its record
+                                                       # and benchmark, study_outcomes.py), read back instead of
+                                                       # training again: a long study across machines
 
     def bench_options(self) -> bench.BenchOptions:
         """The benchmark of the study: these prompts, one chain of depth K per draft, no HF peers."""
@@ -193,60 +205,82 @@ def training_seeds(o: StudyOptions) -> tuple[int, ...]:
     return seeds
 
 
-def train_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list]:
-    """Draft paths per set, one per training seed (draft_for: trained once, then from the store; with
-    `online`, train_online: every set from the same target pass, once per seed)."""
-    seeds = training_seeds(o)
+def study_units(n_sets: int, n_seeds: int, o: StudyOptions) -> list[tuple[list[int], list[int]]]:
+    """The study's units of work in order, as (set indices, seed indices): each is trained, benchmarked (one
+    run against plain decoding) and recorded before the next. From a capture: one unit, every set and seed.
+    Online: one target pass per seed and group of `sets_per_pass` sets (None: all), so that a pass can be
+    sized to what one sitting of the machine finishes."""
+    if o.online is None:
+        return [(list(range(n_sets)), list(range(n_seeds)))]
+    size = o.sets_per_pass or n_sets
+    return [(list(range(a, min(a + size, n_sets))), [j]) for j in range(n_seeds) for a in range(0, n_sets, size)]
+
+
+def outcome_identity(cap, target, store, layers: list[int], seed: int, o: StudyOptions, bench_cache: dict) -> dict:
+    """What decides a (set, seed)'s outcome before anything is trained (study_outcomes): the target, the
+    layers, the training (the capture or the online data and every option, the seed, the starting drafts)
+    and the benchmark. The passes a set trains in are left out: each draft learns on its own."""
     if o.online is not None:
-        return train_drafts_online(target, store, sets, o, seeds, say)
-    drafts, total = [], len(sets) * len(seeds)
-    for i, (layers, strategies) in enumerate(sets):
-        paths = []
-        for j, seed in enumerate(seeds):
-            n = i * len(seeds) + j
-            seed_note = f", seed {seed}" if len(seeds) > 1 else ""
-            message = f"draft {n + 1}/{total}: {'/'.join(strategies)} {layers}{seed_note}"
-            say(StudyProgress("train", message, n, total))
-            paths.append(draft_for(cap, layers, target, store, strategy=strategies[0],
-                                   progress=lambda u, m=message, n=n: say(StudyProgress("train", m, n, total, u)),
-                                   options=replace(o.train, seed=seed)))
-        drafts.append(paths)
-    return drafts
+        on = replace(o.online, seed=seed, data_seed=online_data_seed(o))
+        prompts = load_prompts(on.prompts, limit=on.limit, seed=on.sample_seed, cache=store.root / "prompts")
+        training = {"online": on.run_fields(), "prompts": prompts.content_hash, **init_from.key_part(on.init_from)}
+    else:
+        tr = replace(o.train, seed=seed)
+        training = {"capture": cap.key, "options": tr.key_fields(), **init_from.key_part(tr.init_from)}
+    return {"target": target.fingerprint, "layers": list(layers), "seed": seed, "training": training,
+            "bench": bench_cache, "format": study_outcomes.FORMAT}
 
 
-def train_drafts_online(target, store, sets, o: StudyOptions, seeds, say) -> list[list]:
+def online_data_seed(o: StudyOptions) -> int:
     """Every seed trains on the same conversations and held-out split (those of the online options' data_seed,
     else of the first seed): a training seed moves the drafts' initialisation and batch order, not the data,
     so the seed spread is the training's own noise (and the target's answers are regenerated once)."""
-    data_seed = o.online.sample_seed if o.online.data_seed is not None else seeds[0]
-    per_seed = []
-    for j, seed in enumerate(seeds):
-        message = f"online training of {len(sets)} drafts" + (f", seed {seed}" if len(seeds) > 1 else "")
-        say(StudyProgress("train", message, j, len(seeds)))
-        result = train_online(target, [layers for layers, _ in sets], store, strategy=[st[0] for _, st in sets],
-                              progress=lambda u, m=message, j=j: say(StudyProgress("train", m, j, len(seeds), u)),
-                              options=replace(o.online, seed=seed, data_seed=data_seed))
-        per_seed.append([d.path for d in result.drafts])
-    return [[paths[i] for paths in per_seed] for i in range(len(sets))]
+    return o.online.sample_seed if o.online.data_seed is not None else training_seeds(o)[0]
 
 
-def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, dict, int, dict, dict | None]:
-    """Every draft on the same prompts against plain decoding. Returns ({path: bench entry},
-    {path: PromptRuns}, prompts, plain decoding's entry, the machine over every run used: machine.merge);
-    drafts benchmarked before with these prompts and options come from the store (plain decoding's entry
-    then from the latest run that measured it), each with the machine's state of its run."""
-    bench_options = o.bench_options()
-    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, bench_options, cache=store.root / "prompts")
-    cache = {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
-             "device": str(target.device), "format": BENCH_FORMAT}
+def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOptions, say,
+               unit: int, units: int) -> dict[tuple[int, int], str]:
+    """Draft paths of the (set index, seed index) pairs `todo`: from the capture, draft_for each (trained once,
+    then from the store); online, train_online: every set of the unit from the same target pass (one seed)."""
+    seeds = training_seeds(o)
+    if o.online is not None:
+        seed = seeds[todo[0][1]]
+        message = f"online training of {len(todo)} draft{'s' if len(todo) != 1 else ''}" + (f", seed {seed}" if len(seeds) > 1 else "") + \
+            (f" (pass {unit + 1}/{units})" if units > len(seeds) else "")
+        say(StudyProgress("train", message, unit, units))
+        result = train_online(target, [sets[i][0] for i, _ in todo], store, strategy=[sets[i][1][0] for i, _ in todo],
+                              progress=lambda u, m=message: say(StudyProgress("train", m, unit, units, u)),
+                              options=replace(o.online, seed=seed, data_seed=online_data_seed(o)))
+        return {ij: d.path for ij, d in zip(todo, result.drafts)}
+    paths, total = {}, len(sets) * len(seeds)
+    for i, j in todo:
+        (layers, strategies), n = sets[i], i * len(seeds) + j
+        seed_note = f", seed {seeds[j]}" if len(seeds) > 1 else ""
+        message = f"draft {n + 1}/{total}: {'/'.join(strategies)} {layers}{seed_note}"
+        say(StudyProgress("train", message, n, total))
+        paths[i, j] = draft_for(cap, layers, target, store, strategy=strategies[0],
+                                progress=lambda u, m=message, n=n: say(StudyProgress("train", m, n, total, u)),
+                                options=replace(o.train, seed=seeds[j]))
+    return paths
+
+
+def bench_cache(target, prompt_set, o: StudyOptions) -> dict:
+    """What a study benchmark's result depends on besides the draft: the prompts, new tokens, depth, device."""
+    return {"prompts": prompt_set.content_hash, "max_new_tokens": o.max_new_tokens, "k": o.depth,
+            "device": str(target.device), "format": BENCH_FORMAT}
+
+
+def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOptions, say) -> dict:
+    """Every draft of `paths` ({(set, seed): path}) on the same prompts against plain decoding, as
+    {(set, seed): Outcome}; drafts benchmarked before with these prompts and options come from the store
+    (with the machine's state of their run, and plain decoding's entry of the latest run that measured it)."""
     baseline_key = make_key({"autoregressive": target.fingerprint, **cache})
-    results, per_prompt, machines, todo = {}, {}, {}, []
-    for path in dict.fromkeys(str(p) for p in paths):
+    found, todo = {}, []
+    for path in dict.fromkeys(str(p) for p in paths.values()):
         key = make_key({"draft": read_meta(path).get("key", path), **cache})
         cached = store.get_json("study-bench", key)
         if cached is not None:
-            results[path], per_prompt[path] = cached["result"], PromptRuns.from_json(cached["per_prompt"])
-            machines[path] = cached.get("machine")
+            found[path] = (cached["result"], PromptRuns.from_json(cached["per_prompt"]), cached.get("machine"), None)
         else:
             todo.append((path, key))
     if todo:
@@ -254,18 +288,56 @@ def benchmark(target, store, paths: list, o: StudyOptions, say) -> tuple[dict, d
         def seen(p):
             say(StudyProgress("bench", p.message if p.phase != "decode" else f"benchmark: {p.contender}", detail=p))
 
+        bench_options = o.bench_options()
         report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
                                progress=seen, machine_options=bench_options.machine)
         by_name = {r["name"]: r for r in report.results}
+        baseline = by_name["autoregressive"] | {"machine": report.machine}
         for path, key in todo:
-            results[path], per_prompt[path] = by_name[path], bench.prompt_runs(by_name[path], by_name["autoregressive"])
-            machines[path] = report.machine
-            store.put_json("study-bench", key, {"result": results[path], "per_prompt": per_prompt[path].to_json(),
+            runs = bench.prompt_runs(by_name[path], by_name["autoregressive"])
+            found[path] = (by_name[path], runs, report.machine, baseline)
+            store.put_json("study-bench", key, {"result": by_name[path], "per_prompt": runs.to_json(),
                                                 "machine": report.machine})
-        store.put_json("study-bench", baseline_key, by_name["autoregressive"] | {"machine": report.machine})
-    merged = machine.merge(machines.values())
-    return (results, per_prompt, len(prompts), store.get_json("study-bench", baseline_key) or {},
-            merged.to_json() if merged is not None else None)
+        store.put_json("study-bench", baseline_key, baseline)
+    latest = store.get_json("study-bench", baseline_key) or {}
+    seeds = training_seeds(o)
+    out = {}
+    for (i, j), p in paths.items():
+        result, runs, state, baseline = found[str(p)]
+        out[i, j] = Outcome(list(sets[i][0]), seeds[j], str(p), read_meta(p), result, runs, state,
+                            baseline if baseline is not None else latest)
+    return out
+
+
+def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[Outcome]]:
+    """Outcome per set and training seed ([set][seed]): from the outcomes folder where it holds one, else
+    trained and benchmarked unit by unit (study_units), each written to the folder once benchmarked."""
+    seeds = training_seeds(o)
+    folder = OutcomeFolder(o.outcomes) if o.outcomes else None
+    prompt_set, prompts = bench.fitting_prompts(target.tokenizer, o.bench_options(), cache=store.root / "prompts")
+    cache = bench_cache(target, prompt_set, o)
+    identities = {}
+    done: dict[tuple[int, int], Outcome] = {}
+    units = study_units(len(sets), len(seeds), o)
+    for u, (set_idx, seed_idx) in enumerate(units):
+        todo = []
+        for j in seed_idx:
+            for i in set_idx:
+                if folder is not None:
+                    identities[i, j] = outcome_identity(cap, target, store, sets[i][0], seeds[j], o, cache)
+                    got = folder.get(identities[i, j])
+                    if got is not None:
+                        done[i, j] = got
+                        continue
+                todo.append((i, j))
+        if not todo:
+            continue
+        paths = train_unit(cap, target, store, sets, todo, o, say, u, len(units))
+        for ij, outcome in benchmark(target, store, sets, paths, prompts, cache, o, say).items():
+            done[ij] = outcome
+            if folder is not None:
+                folder.put(identities[ij], outcome)
+    return [[done[i, j] for j in range(len(seeds))] for i in range(len(sets))]
 
 
 def run_study(cap, target, store, options: StudyOptions | None = None, analysis: AnalysisOptions | None = None,
@@ -295,18 +367,20 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
         except probe_mod.ProbeError as e:        # e.g. a capture without held-out response positions
             probe_skipped = str(e)
 
-    drafts = train_drafts(cap, target, store, sets, o, say)
-    results, per_prompt, n_prompts, baseline, machine_state = benchmark(target, store, [p for ps in drafts for p in ps],
-                                                                        o, say)
+    outcomes = finish_drafts(cap, target, store, sets, o, say)
+    n_prompts = len(outcomes[0][0].per_prompt.tokens)
+    merged = machine.merge([oc.machine for ocs in outcomes for oc in ocs])
+    machine_state = merged.to_json() if merged is not None else None
     reference = next(i for i, (_, strategies) in enumerate(sets) if "default" in strategies)
-    compared, tau_boot = study_stats.compare_sets([[per_prompt[str(p)] for p in ps] for ps in drafts], reference,
+    compared, tau_boot = study_stats.compare_sets([[oc.per_prompt for oc in ocs] for ocs in outcomes], reference,
                                                   seed=o.seed)
 
     rows = []
-    for i, ((layers, strategies), paths, c) in enumerate(zip(sets, drafts, compared)):
+    for i, ((layers, strategies), ocs, c) in enumerate(zip(sets, outcomes, compared)):
         score = select.score_set(stats, layers, o.lam)
-        metas = [read_meta(p) for p in paths]
-        entries = [results[str(p)] for p in paths]
+        metas = [oc.meta for oc in ocs]
+        entries = [oc.result for oc in ocs]
+        paths = [oc.draft for oc in ocs]
         proxies = {}
         for name, v in versions.items():
             sc = select.score_set(v, layers, o.lam)
@@ -338,7 +412,9 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
                                 "proxy_versions": list(versions), "proxy_versions_skipped": skipped,
                                 "probe_skipped": probe_skipped}
-    report = StudyReport(cap.key, rows, corr, baseline.get("tokens_per_s"), n_prompts, options_json, text,
+    baselines = {json.dumps(oc.baseline, sort_keys=True): oc.baseline for ocs in outcomes for oc in ocs}
+    base_rate = _mean([b.get("tokens_per_s") for b in baselines.values()])   # plain decoding, over the runs used
+    report = StudyReport(cap.key, rows, corr, base_rate, n_prompts, options_json, text,
                          correlations, study_stats.best_versions(correlations), reference, machine_state)
     say(StudyProgress("done", "study complete"))
     return report

@@ -270,6 +270,62 @@ def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_st
     assert "online training (" in header and "steps=3" in header and "training steps per draft" not in header
 
 
+def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_capture, tmp_path, one_thread):
+    """--sets-per-pass 2 trains 3 sets in two passes per seed, each benchmarked when done; --outcomes keeps one
+    file per (set, seed), from which a study on a new, empty store (the machine lost) gives the same report
+    without training or benchmarking; a damaged file is one clear error; another budget trains anew."""
+    from layerscope.study import StudyOptions, format_study, run_study
+    from layerscope.study_outcomes import OutcomeError, OutcomeFolder
+
+    folder = tmp_path / "outcomes"
+    options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2,
+                           online=OnlineOptions(**SMALL, steps=2), prompts="builtin", limit=2, max_new_tokens=6,
+                           depth=2, kernels=("linear",), filters=(0.0,), seeds=(0, 1), sets_per_pass=2,
+                           outcomes=str(folder), probe=None)
+    first = Store(tmp_path / "first")
+    seen = []
+    report = run_study(tiny_capture, tiny, first, options, progress=seen.append)
+    rows = report.rows
+    assert len(rows) == 3 and len(OutcomeFolder(folder)) == 6
+    metas = [json.loads((Path(d) / "layerscope.json").read_text()) for r in rows for d in r.drafts]
+    runs = {m["run_key"] for m in metas}
+    assert len(runs) == 4                                    # 2 seeds x (2 sets + 1 set)
+    passes = [p.message for p in seen if p.phase == "train" and p.detail is None]
+    assert [m[-10:] for m in passes] == ["(pass 1/4)", "(pass 2/4)", "(pass 3/4)", "(pass 4/4)"]
+    # each pass is benchmarked before the next trains: a bench phase between the first two passes' training
+    phases = [p.phase for p in seen]
+    first_bench = phases.index("bench")
+    assert first_bench < max(i for i, p in enumerate(seen) if p.phase == "train")
+
+    fresh = Store(tmp_path / "fresh")                      # the store is gone; the folder is what was kept
+    again = []
+    report2 = run_study(tiny_capture, tiny, fresh, options, progress=again.append)
+    assert not [p for p in again if p.phase == "bench" or (p.phase == "train" and p.detail is not None)]
+    assert not (fresh.root / "drafts").exists() or not any((fresh.root / "drafts").iterdir())
+    for a, b in zip(rows, report2.rows):
+        assert (a.layers, a.tau, a.tau_ci, a.delta_ci, a.val_accuracy, a.seeds) == \
+            (b.layers, b.tau, b.tau_ci, b.delta_ci, b.val_accuracy, b.seeds)
+    assert report2.verdict == report.verdict and format_study(report2) == format_study(report)
+
+    victim = sorted(folder.glob("*.json"))[0]
+    victim.write_text(victim.read_text()[:50])
+    with pytest.raises(OutcomeError, match=victim.name):
+        run_study(tiny_capture, tiny, fresh, options)
+    victim.unlink()                                         # removed: that (set, seed) alone is trained again
+    redo = []
+    run_study(tiny_capture, tiny, fresh, options, progress=redo.append)
+    redone = [p.message for p in redo if p.phase == "train" and p.detail is None]
+    assert len(redone) == 1 and redone[0].startswith("online training of 1 draft,")
+    assert len(OutcomeFolder(folder)) == 6
+
+    more = StudyOptions(**{**options.__dict__, "online": OnlineOptions(**SMALL, steps=3)})   # another budget
+    trained = []
+    run_study(tiny_capture, tiny, fresh, more, progress=trained.append)
+    assert len([p for p in trained if p.phase == "train" and p.detail is None]) == 4
+    assert len(OutcomeFolder(folder)) == 12
+    first.close(), fresh.close()
+
+
 def test_ctrl_c_saves_a_checkpoint_and_stops_cleanly(tmp_path):
     store_dir = tmp_path / "c"
     cmd = [sys.executable, "-c", "import sys; from layerscope.cli import main; sys.exit(main(sys.argv[1:]))",

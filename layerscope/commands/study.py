@@ -58,6 +58,13 @@ def add_arguments(p) -> None:
                    help="online: the target's own answers or the conversations' own (default %(default)s)")
     p.add_argument("--tokens", default=None, help="online budget in tokens, e.g. 2M")
     p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m")
+    p.add_argument("--sets-per-pass", type=int, default=d.sets_per_pass, metavar="N",
+                   help="online: train N sets per target pass (default: all in one), each pass benchmarked as it "
+                        "finishes: passes sized to what one sitting of the machine can finish")
+    p.add_argument("--outcomes", default=d.outcomes, metavar="DIR",
+                   help="keep every finished draft's outcome (its record and benchmark, a small JSON file) in DIR "
+                        "and read it back instead of training again: commit DIR to carry a long study across "
+                        "machines")
     p.add_argument("--prompts", default=d.prompts, help="benchmark prompts (default %(default)s)")
     p.add_argument("--limit", type=int, default=d.limit, help="benchmark prompts to run (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="default %(default)s")
@@ -85,7 +92,8 @@ def options_from_args(args) -> StudyOptions:
                         max_new_tokens=args.max_new_tokens, depth=args.depth,
                         seeds=tuple(parse_list(args.seeds, "--seeds", int)) if args.seeds else None,
                         random_sets=args.random_sets, filters=tuple(parse_list(args.filters, "--filters", float)),
-                        online=online, machine=machine_options(args))
+                        online=online, machine=machine_options(args), sets_per_pass=args.sets_per_pass,
+                        outcomes=args.outcomes)
 
 
 def parse_list(text: str, flag: str, kind) -> list:
