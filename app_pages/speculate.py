@@ -488,7 +488,8 @@ else:
             version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version",
                                    on_change=bind_view(s, "study_version", "ls_w_study_version", versions[0],
                                                        options=versions))
-            chart(plots.study_proxies(rows, version, colors=colors), key="ls_spec_study_proxies",
+            chart(plots.study_proxies(rows, version, correlations=res.get("correlations") or [], colors=colors),
+                  key="ls_spec_study_proxies",
                   filename="study-tau-vs-proxies")
         curves = {set_label(r["strategies"], r["layers"], s.layer_sets): (r.get("seeds") or [{}])[0].get("curve")
                   for r in rows}

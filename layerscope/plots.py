@@ -545,22 +545,39 @@ def study_proxies(
     version: str,
     proxies: Sequence[str] = ("mean_entropy", "mean_cka", "aggregate_entropy"),
     *,
+    correlations: Sequence[Mapping] = (),
     title: str | None = None,
     colors: Mapping | None = None,
 ) -> go.Figure:
-    """τ (with its interval) against each proxy of one statistics version ("linear, H≥0.5"), one panel
-    per proxy, one point per set of a study. rows: `study --json` rows, each with `proxies[version]`."""
+    """τ (with its interval) against each proxy, one panel per proxy, one point per set of a study: the
+    statistics proxies of one version ("linear, H≥0.5"), then the training-free probe's held-out agreement
+    and the drafts' own held-out agreement at position 1 where the rows have them. Each panel's title gives
+    the proxy's Spearman ρ with τ and its 95% interval, read from `correlations` (`study --json`'s: proxy,
+    version, rho, ci). rows: `study --json` rows (`proxies[version]`, `probe`, `val_accuracy`)."""
     from plotly.subplots import make_subplots
 
     if not rows:
         raise ValueError("study_proxies needs at least one row")
-    fig = make_subplots(rows=1, cols=len(proxies), subplot_titles=[fmt.name(p) for p in proxies],
-                        shared_yaxes=True, horizontal_spacing=0.06)
+    # (proxy, the version its correlation is filed under, x per row)
+    panels = [(p, version, [(r.get("proxies") or {}).get(version, {}).get(p) for r in rows]) for p in proxies]
+    if any(r.get("probe") for r in rows):
+        panels.append(("probe", "held-out agreement", [(r.get("probe") or {}).get("agreement") for r in rows]))
+    if any(r.get("val_accuracy") for r in rows):
+        panels.append(("val_accuracy@1", "training", [(r.get("val_accuracy") or [None])[0] for r in rows]))
+    rho = {(c.get("proxy"), c.get("version")): c for c in correlations}
+
+    def head(proxy, filed):
+        c = rho.get((proxy, filed))
+        if c is None or c.get("rho") is None:
+            return fmt.name(proxy) + ("<br>ρ n/a" if c is not None else "")
+        return f"{fmt.name(proxy)}<br>ρ {fmt.interval(c['rho'], c.get('ci'), 'delta')}"
+
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[head(p, f) for p, f, _ in panels],
+                        shared_yaxes=True, horizontal_spacing=0.04 if len(panels) > 3 else 0.06)
     names = ["/".join(r["strategies"]) + f" {fmt.layers(r['layers'])}" for r in rows]
     taus = [r.get("tau") for r in rows]
     ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
-    for j, proxy in enumerate(proxies):
-        x = [(r.get("proxies") or {}).get(version, {}).get(proxy) for r in rows]
+    for j, (proxy, _, x) in enumerate(panels):
         fig.add_trace(go.Scatter(
             x=x, y=taus, mode="markers", text=names, showlegend=False,
             marker=dict(size=10, color=[set_color(n, i, r["layers"], colors) for i, (n, r) in enumerate(zip(names, rows))]),
@@ -569,7 +586,7 @@ def study_proxies(
                          arrayminus=[(t - c[0]) if t is not None else None for c, t in zip(ci, taus)]),
             hovertemplate="%{text}<br>" + fmt.name(proxy) + " %{x:.3f}<br>τ %{y:.3f}<extra></extra>"), row=1, col=j + 1)
     fig.update_yaxes(title_text="τ", row=1, col=1)
-    _base_layout(fig, title or f"Study: τ against each proxy ({version})", height=380)
+    _base_layout(fig, title or f"Study: τ against each proxy ({version}), Spearman ρ [95% interval]", height=400)
     fig.update_annotations(font_size=12)
     return fig
 

@@ -190,6 +190,16 @@ def test_study_figures_show_intervals_seeds_and_proxies():
     fig = plots.study_proxies(rows, "linear, H≥0.5").to_dict()
     assert [list(d["x"]) for d in fig["data"]] == [[3.0, 2.5], [0.4, 0.5], [4.0, 3.5]]
     assert all(list(d["y"]) == [1.30, 1.25] for d in fig["data"])
+    # with the probe and the drafts' agreement: two more panels, each title with its rho and interval
+    rows = [{**r, "probe": {"agreement": a}, "val_accuracy": [v, 0.1]} for r, a, v in zip(rows, (0.27, 0.25), (0.36, 0.33))]
+    corr = [{"proxy": "mean_entropy", "version": "linear, H≥0.5", "rho": 0.5, "ci": [-0.2, 0.9]},
+            {"proxy": "probe", "version": "held-out agreement", "rho": 1.0, "ci": [0.4, 1.0]},
+            {"proxy": "mean_cka", "version": "linear, H≥0.5", "rho": None, "ci": None}]
+    fig = plots.study_proxies(rows, "linear, H≥0.5", correlations=corr).to_dict()
+    assert [list(d["x"]) for d in fig["data"]][3:] == [[0.27, 0.25], [0.36, 0.33]]
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert titles[0].endswith("ρ +0.500 [-0.200, +0.900]") and titles[1].endswith("ρ n/a")
+    assert titles[3].endswith("ρ +1.000 [+0.400, +1.000]") and "ρ" not in titles[2] and "ρ" not in titles[4]
 
 
 def test_one_interval_format_for_the_app_the_tables_and_the_verdict():
