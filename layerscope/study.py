@@ -245,8 +245,8 @@ def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOp
     seeds = training_seeds(o)
     if o.online is not None:
         seed = seeds[todo[0][1]]
-        message = f"online training of {len(todo)} draft{'s' if len(todo) != 1 else ''}" + (f", seed {seed}" if len(seeds) > 1 else "") + \
-            (f" (pass {unit + 1}/{units})" if units > len(seeds) else "")
+        message = (f"online training of {len(todo)} draft{'s' if len(todo) != 1 else ''}"
+                   + (f", seed {seed}" if len(seeds) > 1 else "") + (f" (pass {unit + 1}/{units})" if units > len(seeds) else ""))
         say(StudyProgress("train", message, unit, units))
         result = train_online(target, [sets[i][0] for i, _ in todo], store, strategy=[sets[i][1][0] for i, _ in todo],
                               progress=lambda u, m=message: say(StudyProgress("train", m, unit, units, u)),
