@@ -174,3 +174,19 @@ def test_typed_study_options_train_the_same_drafts_and_say_the_same_budget():
     line = "online training (prompts=sharegpt, responses=own, ttt_steps=3, lr=0.001, tokens=2000000)"
     assert budget_text(asdict(online)) == budget_text({"online": before}) == line
     assert budget_text({"online": asdict(replace(online.online, batch_size=4))}) == line[:-1] + ", batch_size=4)"
+
+
+def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model_loads(tiny_capture, session_store,
+                                                                                        tmp_path, capsys):
+    from layerscope import cli
+
+    argv = ["study", tiny_capture.key, "--store", str(session_store.root), "--model", "no-such-model", "--online",
+            "--tokens", "1k"]
+    assert cli.main(argv + ["--sets-per-pass", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "sets per pass must be a whole number >= 1" in err and "Traceback" not in err
+    a_file = tmp_path / "outcomes.json"
+    a_file.write_text("{}")
+    assert cli.main(argv + ["--outcomes", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a folder" in err and "Traceback" not in err
