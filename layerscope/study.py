@@ -316,20 +316,18 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[O
     folder = OutcomeFolder(o.outcomes) if o.outcomes else None
     prompt_set, prompts = bench.fitting_prompts(target.tokenizer, o.bench_options(), cache=store.root / "prompts")
     cache = bench_cache(target, prompt_set, o)
-    identities = {}
-    done: dict[tuple[int, int], Outcome] = {}
+    identities, done = {}, {}
+    if folder is not None:
+        for i, (layers, _) in enumerate(sets):
+            for j, seed in enumerate(seeds):
+                identities[i, j] = outcome_identity(cap, target, store, layers, seed, o, cache)
+                got = folder.get(identities[i, j])
+                if got is not None:
+                    done[i, j] = got
+        say(StudyProgress("train", f"{len(done)} of {len(identities)} drafts (set, seed) already in {folder.root}"))
     units = study_units(len(sets), len(seeds), o)
     for u, (set_idx, seed_idx) in enumerate(units):
-        todo = []
-        for j in seed_idx:
-            for i in set_idx:
-                if folder is not None:
-                    identities[i, j] = outcome_identity(cap, target, store, sets[i][0], seeds[j], o, cache)
-                    got = folder.get(identities[i, j])
-                    if got is not None:
-                        done[i, j] = got
-                        continue
-                todo.append((i, j))
+        todo = [(i, j) for j in seed_idx for i in set_idx if (i, j) not in done]
         if not todo:
             continue
         paths = train_unit(cap, target, store, sets, todo, o, say, u, len(units))

@@ -290,7 +290,9 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
     metas = [json.loads((Path(d) / "layerscope.json").read_text()) for r in rows for d in r.drafts]
     runs = {m["run_key"] for m in metas}
     assert len(runs) == 4                                    # 2 seeds x (2 sets + 1 set)
-    passes = [p.message for p in seen if p.phase == "train" and p.detail is None]
+    passes = [p.message for p in seen if p.phase == "train" and p.message.startswith("online training")
+              and p.detail is None]
+    assert f"0 of 6 drafts (set, seed) already in {folder}" in [p.message for p in seen]
     assert [m[-10:] for m in passes] == ["(pass 1/4)", "(pass 2/4)", "(pass 3/4)", "(pass 4/4)"]
     # each pass is benchmarked before the next trains: a bench phase between the first two passes' training
     phases = [p.phase for p in seen]
@@ -301,6 +303,7 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
     again = []
     report2 = run_study(tiny_capture, tiny, fresh, options, progress=again.append)
     assert not [p for p in again if p.phase == "bench" or (p.phase == "train" and p.detail is not None)]
+    assert f"6 of 6 drafts (set, seed) already in {folder}" in [p.message for p in again]
     assert not (fresh.root / "drafts").exists() or not any((fresh.root / "drafts").iterdir())
     for a, b in zip(rows, report2.rows):
         assert (a.layers, a.tau, a.tau_ci, a.delta_ci, a.val_accuracy, a.seeds) == \
@@ -314,14 +317,14 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
     victim.unlink()                                         # removed: that (set, seed) alone is trained again
     redo = []
     run_study(tiny_capture, tiny, fresh, options, progress=redo.append)
-    redone = [p.message for p in redo if p.phase == "train" and p.detail is None]
+    redone = [p.message for p in redo if p.phase == "train" and p.message.startswith("online") and p.detail is None]
     assert len(redone) == 1 and redone[0].startswith("online training of 1 draft,")
     assert len(OutcomeFolder(folder)) == 6
 
     more = StudyOptions(**{**options.__dict__, "online": OnlineOptions(**SMALL, steps=3)})   # another budget
     trained = []
     run_study(tiny_capture, tiny, fresh, more, progress=trained.append)
-    assert len([p for p in trained if p.phase == "train" and p.detail is None]) == 4
+    assert len([p for p in trained if p.phase == "train" and p.message.startswith("online") and p.detail is None]) == 4
     assert len(OutcomeFolder(folder)) == 12
     first.close(), fresh.close()
 
