@@ -530,17 +530,17 @@ def test_smollm2_chain_and_tree_are_lossless(smollm2):
 
 @pytest.fixture(scope="module")
 def smollm2_trained(smollm2, session_store):
-    """A real draft for [2, 15, 27], trained by `draft_for` on a small SmolLM2 capture of 6 builtin prompts
-    (it learns those conversations by heart), with the prompts it was trained on."""
+    """A real draft for [2, 15, 27], trained by `draft_for` on a small SmolLM2 capture of the 3 builtin prompts
+    the test decodes (it learns those conversations by heart), with the prompts it was trained on."""
     from layerscope.capture import capture
     from layerscope.draft.export import load_draft
     from layerscope.draft.train import draft_for
     from layerscope.prompts import load_prompts
 
-    prompts = load_prompts("builtin", limit=6, seed=0)
-    result = capture(smollm2, prompts, session_store, max_new_tokens=32, batch_size=6)
+    prompts = load_prompts("builtin", limit=3, seed=0)
+    result = capture(smollm2, prompts, session_store, max_new_tokens=32, batch_size=3)
     path = draft_for(session_store.open_capture(result.key), [2, 15, 27], smollm2, session_store, steps=60,
-                     batch_size=6, seq_len=96, val_fraction=0.0, draft_vocab=2048, lr=3e-3)
+                     batch_size=3, seq_len=96, val_fraction=0.0, draft_vocab=2048, lr=3e-3)
     return load_draft(path, smollm2), prompts
 
 
