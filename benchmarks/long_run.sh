@@ -69,8 +69,11 @@ PY
     done ;;
   keep)
     mkdir -p "$study_dir/responses"
-    for d in "$LAYERSCOPE_STORE"/responses/*/; do
-      [ -d "$d" ] && cp -rn "$d" "$study_dir/responses/" && echo "kept $(basename "$d"): $(ls "$d" | wc -l) parts"
+    for d in "$LAYERSCOPE_STORE"/responses/*/; do      # finished parts only (a part being written is a dotfile)
+      [ -d "$d" ] || continue
+      mkdir -p "$study_dir/responses/$(basename "$d")"
+      cp -n "$d"part-*.json "$study_dir/responses/$(basename "$d")/"
+      echo "kept $(basename "$d"): $(ls "$study_dir/responses/$(basename "$d")" | wc -l) parts"
     done ;;
   study)
     # the answers kept in the repository go into the store first (never over what it holds)
