@@ -100,5 +100,14 @@ class OutcomeFolder:
         atomic_write_json(path, {"format": FORMAT, "key": key, "identity": identity, **outcome.to_json()})
         return path
 
+    def listing(self) -> list[tuple[Path, dict]]:
+        """Every outcome file of the folder with its parsed JSON, by name (for a status table; no identity check)."""
+        out = []
+        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+            if NAME.match(path.name):
+                out.append((path, jsonsafe.loads(path.read_bytes(), what=f"Study outcome {path}", error=OutcomeError,
+                                                 max_bytes=MAX_BYTES)))
+        return out
+
     def __len__(self) -> int:
         return sum(1 for p in self.root.glob("*.json") if NAME.match(p.name)) if self.root.is_dir() else 0

@@ -287,6 +287,8 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
     report = run_study(tiny_capture, tiny, first, options, progress=seen.append)
     rows = report.rows
     assert len(rows) == 3 and len(OutcomeFolder(folder)) == 6
+    listed = OutcomeFolder(folder).listing()
+    assert sorted((d["layers"], d["seed"]) for _, d in listed) == sorted((r.layers, s) for r in rows for s in (0, 1))
     metas = [json.loads((Path(d) / "layerscope.json").read_text()) for r in rows for d in r.drafts]
     runs = {m["run_key"] for m in metas}
     assert len(runs) == 4                                    # 2 seeds x (2 sets + 1 set)
