@@ -190,3 +190,23 @@ def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model
     assert cli.main(argv + ["--outcomes", str(a_file)]) == 2
     err = capsys.readouterr().err
     assert "is a file, not a folder" in err and "Traceback" not in err
+
+
+def test_a_capture_study_with_outcomes_reruns_from_them_on_an_empty_store(tiny, tiny_capture, tmp_path, one_thread):
+    """The same folder for a study trained from the capture: its drafts' outcomes carry it to a new store."""
+    from layerscope.store import Store
+    from layerscope.study import StudyOptions, run_study
+    from layerscope.study_outcomes import OutcomeFolder
+
+    options = StudyOptions(strategies=("default", "entropy-topk"), k=2, train=TrainOptions(steps=2, batch_size=2,
+                           seq_len=32), prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",),
+                           filters=(0.0,), probe=None, outcomes=str(tmp_path / "kept"))
+    first, fresh = Store(tmp_path / "a"), Store(tmp_path / "b")
+    report = run_study(tiny_capture, tiny, first, options)
+    assert len(OutcomeFolder(tmp_path / "kept")) == len(report.rows)
+    seen = []
+    again = run_study(tiny_capture, tiny, fresh, options, progress=seen.append)
+    assert not [p for p in seen if p.phase == "bench" or (p.phase == "train" and p.detail is not None)]
+    assert [(r.layers, r.tau, r.tau_ci, r.val_accuracy) for r in again.rows] == \
+        [(r.layers, r.tau, r.tau_ci, r.val_accuracy) for r in report.rows]
+    first.close(), fresh.close()
