@@ -586,7 +586,8 @@ def study_proxies(
                          arrayminus=[(t - c[0]) if t is not None else None for c, t in zip(ci, taus)]),
             hovertemplate="%{text}<br>" + fmt.name(proxy) + " %{x:.3f}<br>τ %{y:.3f}<extra></extra>"), row=1, col=j + 1)
     fig.update_yaxes(title_text="τ", row=1, col=1)
-    _base_layout(fig, title or f"Study: τ against each proxy ({version}), Spearman ρ [95% interval]", height=400)
+    _base_layout(fig, title or f"Study: τ against each proxy ({version}), Spearman ρ [95% interval]", height=420)
+    fig.update_layout(margin=dict(t=100))                  # the title above two-line panel titles
     fig.update_annotations(font_size=12)
     return fig
 
