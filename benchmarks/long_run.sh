@@ -68,7 +68,6 @@ PY
         > "docs/bench/$name.txt" 2>> "$log.log"
     done ;;
   keep)
-    mkdir -p "$study_dir/responses"
     for d in "$LAYERSCOPE_STORE"/responses/*/; do      # finished parts only (a part being written is a dotfile)
       [ -d "$d" ] || continue
       mkdir -p "$study_dir/responses/$(basename "$d")"

@@ -35,6 +35,7 @@ import torch
 from layerscope import jsonsafe, layerset, paths
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.store import Store, StoreWriteError, write_error
+from layerscope.study_outcomes import OutcomeFolder
 
 MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
 RESERVE = 8 * 2**20            # ... and by 8 MiB (the index, locks, small JSON files)
@@ -197,11 +198,9 @@ def capture_need(encoded, max_new_tokens: int, max_tokens: int | None, batch_siz
 
 
 def outcomes_folder(path) -> None:
-    """A study's outcomes folder (--outcomes): a folder, or none yet, where a file can be created."""
-    where = Path(path).expanduser()
-    if where.exists() and not where.is_dir():
-        raise LayerScopeError(f"--outcomes {path} is a file, not a folder", "Pass a folder (created when missing)")
-    directory_writable(where)
+    """A study's outcomes folder (--outcomes): a folder, or none yet (study_outcomes.OutcomeFolder's rule), where
+    a file can be created."""
+    directory_writable(OutcomeFolder(path).root)
 
 
 def starting_drafts(paths) -> None:

@@ -30,7 +30,6 @@ For one capture:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -216,17 +215,21 @@ def study_units(n_sets: int, n_seeds: int, o: StudyOptions) -> list[tuple[list[i
     return [(list(range(a, min(a + size, n_sets))), [j]) for j in range(n_seeds) for a in range(0, n_sets, size)]
 
 
-def outcome_identity(cap, target, store, layers: list[int], seed: int, o: StudyOptions, bench_cache: dict) -> dict:
-    """What decides a (set, seed)'s outcome before anything is trained (study_outcomes): the target, the
-    layers, the training (the capture or the online data and every option, the seed, the starting drafts)
-    and the benchmark. The passes a set trains in are left out: each draft learns on its own."""
+def training_identity(cap, store, seed: int, o: StudyOptions) -> dict:
+    """What decides a draft's training before it starts, for one training seed (study_outcomes): the capture
+    or the online data and every option, the seed, the starting drafts. The passes a set trains in are left
+    out: each draft learns on its own (seeded alone, the same batches)."""
     if o.online is not None:
         on = replace(o.online, seed=seed, data_seed=online_data_seed(o))
         prompts = load_prompts(on.prompts, limit=on.limit, seed=on.sample_seed, cache=store.root / "prompts")
-        training = {"online": on.run_fields(), "prompts": prompts.content_hash, **init_from.key_part(on.init_from)}
-    else:
-        tr = replace(o.train, seed=seed)
-        training = {"capture": cap.key, "options": tr.key_fields(), **init_from.key_part(tr.init_from)}
+        return {"online": on.run_fields(), "prompts": prompts.content_hash, **init_from.key_part(on.init_from)}
+    tr = replace(o.train, seed=seed)
+    return {"capture": cap.key, "options": tr.key_fields(), **init_from.key_part(tr.init_from)}
+
+
+def outcome_identity(target, layers: list[int], seed: int, training: dict, bench_cache: dict) -> dict:
+    """What decides a (set, seed)'s outcome: the target, the layers, the training (training_identity) and the
+    benchmark (bench_cache)."""
     return {"target": target.fingerprint, "layers": list(layers), "seed": seed, "training": training,
             "bench": bench_cache, "format": study_outcomes.FORMAT}
 
@@ -275,9 +278,10 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
     {(set, seed): Outcome}; drafts benchmarked before with these prompts and options come from the store
     (with the machine's state of their run, and plain decoding's entry of the latest run that measured it)."""
     baseline_key = make_key({"autoregressive": target.fingerprint, **cache})
-    found, todo = {}, []
+    found, todo, metas = {}, [], {}
     for path in dict.fromkeys(str(p) for p in paths.values()):
-        key = make_key({"draft": read_meta(path).get("key", path), **cache})
+        metas[path] = read_meta(path)
+        key = make_key({"draft": metas[path].get("key", path), **cache})
         cached = store.get_json("study-bench", key)
         if cached is not None:
             found[path] = (cached["result"], PromptRuns.from_json(cached["per_prompt"]), cached.get("machine"), None)
@@ -304,7 +308,7 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
     out = {}
     for (i, j), p in paths.items():
         result, runs, state, baseline = found[str(p)]
-        out[i, j] = Outcome(list(sets[i][0]), seeds[j], str(p), read_meta(p), result, runs, state,
+        out[i, j] = Outcome(list(sets[i][0]), seeds[j], str(p), metas[str(p)], result, runs, state,
                             baseline if baseline is not None else latest)
     return out
 
@@ -318,9 +322,10 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[O
     cache = bench_cache(target, prompt_set, o)
     identities, done = {}, {}
     if folder is not None:
+        trainings = [training_identity(cap, store, seed, o) for seed in seeds]      # once per seed, not per set
         for i, (layers, _) in enumerate(sets):
             for j, seed in enumerate(seeds):
-                identities[i, j] = outcome_identity(cap, target, store, layers, seed, o, cache)
+                identities[i, j] = outcome_identity(target, layers, seed, trainings[j], cache)
                 got = folder.get(identities[i, j])
                 if got is not None:
                     done[i, j] = got
@@ -410,7 +415,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
                                 "proxy_versions": list(versions), "proxy_versions_skipped": skipped,
                                 "probe_skipped": probe_skipped}
-    baselines = {json.dumps(oc.baseline, sort_keys=True): oc.baseline for ocs in outcomes for oc in ocs}
+    baselines = {make_key(oc.baseline): oc.baseline for ocs in outcomes for oc in ocs}
     base_rate = _mean([b.get("tokens_per_s") for b in baselines.values()])   # plain decoding, over the runs used
     report = StudyReport(cap.key, rows, corr, base_rate, n_prompts, options_json, text,
                          correlations, study_stats.best_versions(correlations), reference, machine_state)
