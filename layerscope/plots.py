@@ -567,10 +567,13 @@ def study_proxies(
     rho = {(c.get("proxy"), c.get("version")): c for c in correlations}
 
     def head(proxy, filed):
+        name = fmt.name(proxy)
+        if len(panels) > 3:                      # narrow panels: the name on two lines ("held-out / agreement @1")
+            name = name.replace(" ", "<br>", 1)
         c = rho.get((proxy, filed))
         if c is None or c.get("rho") is None:
-            return fmt.name(proxy) + ("<br>ρ n/a" if c is not None else "")
-        return f"{fmt.name(proxy)}<br>ρ {fmt.interval(c['rho'], c.get('ci'), 'delta')}"
+            return name + ("<br>ρ n/a" if c is not None else "")
+        return f"{name}<br>ρ {fmt.interval(c['rho'], c.get('ci'), 'delta')}"
 
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[head(p, f) for p, f, _ in panels],
                         shared_yaxes=True, horizontal_spacing=0.04 if len(panels) > 3 else 0.06)
@@ -587,7 +590,7 @@ def study_proxies(
             hovertemplate="%{text}<br>" + fmt.name(proxy) + " %{x:.3f}<br>τ %{y:.3f}<extra></extra>"), row=1, col=j + 1)
     fig.update_yaxes(title_text="τ", row=1, col=1)
     _base_layout(fig, title or f"Study: τ against each proxy ({version}), Spearman ρ [95% interval]", height=420)
-    fig.update_layout(margin=dict(t=100))                  # the title above two-line panel titles
+    fig.update_layout(margin=dict(t=115))                  # the title above panel titles of up to three lines
     fig.update_annotations(font_size=12)
     return fig
 
