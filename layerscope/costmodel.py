@@ -421,13 +421,23 @@ def replayed_tau(profile: AcceptanceProfile, *, k: int | None = None, tree: Tree
     return replay(profile.sequences, accepted)
 
 
-def step_seconds(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None) -> float:
-    """Predicted seconds of one decoding step: plain (no k, no tree), a chain of depth k, or a tree."""
+def step_seconds(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None, tau: float = 1.0) -> float:
+    """Predicted seconds of one decoding step: plain (no k, no tree), a chain of depth k, or a tree.
+
+    A step's first draft forward feeds the previous step's accepted tokens and its bonus token: `tau` rows on
+    average (1 when nothing is accepted), priced between the measured whole-row costs around it."""
+    feed = _feed_s(curve, tau)
     if tree is not None:
-        return curve.draft_s(1) + (tree.depth - 1) * curve.draft_s(tree.top_k) + curve.target_s(tree.budget + 1)
+        return feed + (tree.depth - 1) * curve.draft_s(tree.top_k) + curve.target_s(tree.budget + 1)
     if k is not None:
-        return k * curve.draft_s(1) + curve.target_s(k + 1)
+        return feed + (k - 1) * curve.draft_s(1) + curve.target_s(k + 1)
     return curve.target_s(1)
+
+
+def _feed_s(curve: CostCurve, rows: float) -> float:
+    """Seconds of a draft forward over `rows` (>= 1, fractional: the mean of a step's feeds) rows."""
+    lo = max(1, int(rows))
+    return curve.draft_s(lo) + (rows - lo) * (curve.draft_s(lo + 1) - curve.draft_s(lo))
 
 
 def predict(curve: CostCurve, profile: AcceptanceProfile | None, *, k: int | None = None,
@@ -435,7 +445,6 @@ def predict(curve: CostCurve, profile: AcceptanceProfile | None, *, k: int | Non
     """Predicted tau, step time, tokens/s and speedup of plain decoding (no k, no tree), a chain or a tree
     (`profile` None: nothing accepted, for the step time and break-even tau alone). Tau is replayed along the
     profile's calibration sequences when it has them (replayed_tau), else the average over states."""
-    base, seconds = curve.target_s(1), step_seconds(curve, k=k, tree=tree)
     replayable = profile is not None and bool(profile.sequences)
     if tree is not None:                             # no profile: nothing is accepted
         tau = (replayed_tau(profile, tree=tree) if replayable else
@@ -446,7 +455,21 @@ def predict(curve: CostCurve, profile: AcceptanceProfile | None, *, k: int | Non
         label = f"chain k={k}"
     else:
         tau, label = 1.0, "autoregressive"
-    return Prediction(label, k, tree, tau, seconds, tau / seconds, tau * base / seconds, seconds / base)
+    base, seconds = curve.target_s(1), step_seconds(curve, k=k, tree=tree, tau=tau)
+    return Prediction(label, k, tree, tau, seconds, tau / seconds, tau * base / seconds,
+                      break_even_tau(curve, k=k, tree=tree))
+
+
+def break_even_tau(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None) -> float:
+    """The tau at which a chain or tree matches plain decoding: tau = step_seconds(tau) / c(1). The step's
+    cost grows with tau only by the feed's extra rows (a draft row costs far less than a target forward), so
+    the fixed point is reached by iterating from tau = 1."""
+    tau = 1.0
+    for _ in range(50):
+        tau, last = step_seconds(curve, k=k, tree=tree, tau=tau) / curve.target_s(1), tau
+        if abs(tau - last) < 1e-12:
+            break
+    return tau
 
 
 def choose(curve: CostCurve, profile: AcceptanceProfile, *, ks: Sequence[int] = (),
@@ -532,7 +555,8 @@ def annotate(report: bench.BenchReport, contenders: Sequence[bench.Contender], c
         elif c.kind == "draft":
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
-            entry["predicted_speedup"] = tau * curve.target_s(1) / step_seconds(curve, k=k, tree=tree)
+            entry["predicted_speedup"] = tau * curve.target_s(1) / step_seconds(curve, k=k, tree=tree,
+                                                                                     tau=tau)
             if c.auto is not None:
                 entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
                 entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}

@@ -133,9 +133,8 @@ def test_prediction_equals_measured_decoding_on_a_synthetic_cost(sleepy, curve, 
         measured_speedup = tau / statistics.mean(e.elapsed_s for e in steps) * plain
         assert pred.speedup == pytest.approx(measured_speedup, rel=0.12), k
     tree = TreeSpec(6, 2, 4)
-    _, seconds = _steps(sd.speculative(sleepy, draft, ids, 18, tree=tree))
-    assert cm.predict(curve, cm.AcceptanceProfile((1.0,) * 4, ((1.0,),) * 4), tree=tree).step_seconds == \
-        pytest.approx(seconds, rel=0.1)
+    tau, seconds = _steps(sd.speculative(sleepy, draft, ids, 18, tree=tree))   # tau: the feed's mean rows
+    assert cm.step_seconds(curve, tree=tree, tau=tau) == pytest.approx(seconds, rel=0.1)
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -214,6 +213,13 @@ def test_break_even_and_speedup_closed_form():
     assert pred.tau == pytest.approx(1.9)
     assert pred.speedup == pytest.approx(1.9 * 0.06 / seconds)
     assert pred.break_even_tau == pytest.approx(seconds / 0.06)
+    # a draft row costs 0.002 s more per row: the feed of tau = 1.9 rows costs 0.005 + 0.9 * 0.002, and the
+    # break-even tau solves tau * 0.06 = 0.005 + 0.002 (tau - 1) + 0.005 + 0.08
+    rows = cm.CostCurve("cpu", "float32", 1, curve.target, tuple(0.005 + 0.002 * r for r in range(8)))
+    pred = cm.predict(rows, prof, k=2)
+    assert pred.step_seconds == pytest.approx(seconds + 0.9 * 0.002)
+    assert pred.speedup == pytest.approx(1.9 * 0.06 / (seconds + 0.9 * 0.002))
+    assert pred.break_even_tau == pytest.approx((seconds - 0.002) / (0.06 - 0.002))
 
 
 def test_calibration_ranks_match_the_decoders_draft(target_and_ref):
@@ -306,7 +312,9 @@ def test_profile_command_json_and_cache(tmp_path, draft_dir, capsys):
     assert all(p["seconds"] > 0 for p in doc["cost_curve"]) and doc["draft_step_seconds"] > 0
     c = doc["cost_curve"]
     k = sd.DEFAULT_K
-    assert doc["break_even_tau"] == pytest.approx((k * doc["draft_step_seconds"] + c[k]["seconds"]) / c[0]["seconds"])
+    d, tau = [p["seconds"] for p in doc["draft_curve"]], doc["break_even_tau"]   # feed: tau rows, interpolated
+    feed = d[int(tau) - 1] + (tau - int(tau)) * (d[int(tau)] - d[int(tau) - 1])
+    assert tau * c[0]["seconds"] == pytest.approx(feed + (k - 1) * d[0] + c[k]["seconds"])
     assert {"quiet", "load", "others_cpu", "cores", "threads", "window_s"} <= set(doc["machine"])
     assert main(args) == 0            # the second time: from the store if it was measured quiet, else measured again
     again = json.loads(capsys.readouterr().out)
