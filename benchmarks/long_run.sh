@@ -83,7 +83,7 @@ PY
     key=$(.venv/bin/layerscope capture --model smollm2-135m --prompts sharegpt --limit 240 --max-new-tokens 96 \
             --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
     echo "study capture: $key" >> "$log.log"
-    exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single \
+    exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single,probe \
       --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
       --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
       --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;

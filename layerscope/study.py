@@ -4,8 +4,8 @@ For one capture:
   1. statistics   analysis.analyze (cached in the store) with the study's analysis options (these pick
                   the sets), and once more per proxy version: each kernel × each token-entropy
                   threshold (`kernels`, `filters`; 0 = no filter), for the proxies only;
-  2. sets         one layer set per strategy (default, greedy, aggregate, entropy-topk, spread, plus
-                  any user sets) and the controls: `random_sets` seeded random sets of the same size,
+  2. sets         one layer set per strategy (default, greedy, aggregate, entropy-topk, spread, `probe`
+                  when asked for: the probe's search over the capture, plus any user sets) and the controls: `random_sets` seeded random sets of the same size,
                   the last k layers, a single-layer draft; strategies that propose the same set share
                   one draft. The default rule is always in: it is the reference of every comparison;
   2b. probe       probe.score_sets (`probe` options; None skips it): the training-free proxy `probe`, a
@@ -13,7 +13,7 @@ For one capture:
                   (layerscope/probe.py), cached in the store;
   3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
                   and data (cached: a re-run that adds a set or a seed trains only those); online, one
-                  target pass per seed and group of `sets_per_pass` sets (study_units);
+                  target pass per seed and group of `sets_per_pass` of the sets it still lacks (study_units);
   4. benchmark    bench.measure on held-out prompts, each unit's drafts against plain decoding in one run as
                   soon as the unit is trained; each draft's result and its per-prompt totals are cached with
                   the prompts and decoding options and the machine's state during the run (layerscope.machine;
@@ -30,7 +30,7 @@ For one capture:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
 from layerscope import bench, fmt, machine, select, specdec, study_outcomes, study_stats
@@ -155,14 +155,15 @@ class StudyProgress:
                                                                  # TrainProgress only); "bench": the benchmark's
 
 
-def propose_sets(stats, o: StudyOptions) -> list[tuple[list[int], list[str]]]:
+def propose_sets(stats, o: StudyOptions, probe: probe_mod.ProbeInput | None = None) -> list[tuple[list[int], list[str]]]:
     """Distinct layer sets, each with the strategies that proposed it: the default rule first (always,
     the reference), the strategies in order, the user's sets, then the random controls ("random#1",
-    ...), each redrawn until it differs from every set before it (when the model has room for that)."""
+    ...), each redrawn until it differs from every set before it (when the model has room for that).
+    `probe` (the capture and the target) feeds the `probe` strategy; without it that strategy is refused."""
     sets: dict[tuple[int, ...], list[str]] = {}
     strategies = ["default"] + [x for x in o.strategies if x not in ("default", "random")]
     for strategy in strategies:
-        sel = select.select(stats, strategy, o.k, lam=o.lam)
+        sel = select.select(stats, strategy, o.k, lam=o.lam, probe=probe if strategy in select.NEEDS_PROBE else None)
         sets.setdefault(tuple(sorted(sel.layers)), []).append(strategy)
     for layers in o.extra_sets:
         sel = select.select(stats, "manual", o.k, lam=o.lam, layers=list(layers))
@@ -204,15 +205,21 @@ def training_seeds(o: StudyOptions) -> tuple[int, ...]:
     return seeds
 
 
-def study_units(n_sets: int, n_seeds: int, o: StudyOptions) -> list[tuple[list[int], list[int]]]:
-    """The study's units of work in order, as (set indices, seed indices): each is trained, benchmarked (one
-    run against plain decoding) and recorded before the next. From a capture: one unit, every set and seed.
-    Online: one target pass per seed and group of `sets_per_pass` sets (None: all), so that a pass can be
-    sized to what one sitting of the machine finishes."""
+def study_units(n_sets: int, n_seeds: int, o: StudyOptions,
+                done: Collection[tuple[int, int]] = ()) -> list[list[tuple[int, int]]]:
+    """The study's units of work in order, each a list of (set index, seed index) pairs not in `done`: each
+    unit is trained, benchmarked (one run against plain decoding) and recorded before the next. From a
+    capture: one unit, every pair. Online: one target pass per seed and group of `sets_per_pass` of the sets
+    that seed still lacks (None: all), so that a pass can be sized to what one sitting of the machine finishes."""
     if o.online is None:
-        return [(list(range(n_sets)), list(range(n_seeds)))]
+        todo = [(i, j) for j in range(n_seeds) for i in range(n_sets) if (i, j) not in done]
+        return [todo] if todo else []
     size = o.sets_per_pass or n_sets
-    return [(list(range(a, min(a + size, n_sets))), [j]) for j in range(n_seeds) for a in range(0, n_sets, size)]
+    units = []
+    for j in range(n_seeds):
+        todo = [(i, j) for i in range(n_sets) if (i, j) not in done]
+        units += [todo[a:a + size] for a in range(0, len(todo), size)]
+    return units
 
 
 def training_identity(cap, store, seed: int, o: StudyOptions) -> dict:
@@ -330,11 +337,8 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[O
                 if got is not None:
                     done[i, j] = got
         say(StudyProgress("train", f"{len(done)} of {len(identities)} drafts (set, seed) already in {folder.root}"))
-    units = study_units(len(sets), len(seeds), o)
-    for u, (set_idx, seed_idx) in enumerate(units):
-        todo = [(i, j) for j in seed_idx for i in set_idx if (i, j) not in done]
-        if not todo:
-            continue
+    units = study_units(len(sets), len(seeds), o, done)
+    for u, todo in enumerate(units):
         paths = train_unit(cap, target, store, sets, todo, o, say, u, len(units))
         for ij, outcome in benchmark(target, store, sets, paths, prompts, cache, o, say).items():
             done[ij] = outcome
@@ -352,7 +356,11 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     say = progress or (lambda p: None)
     say(StudyProgress("analyze", "layer statistics"))
     stats = analyze(cap, store, analysis)
-    sets = propose_sets(stats, o)
+    searched = None
+    if any(x in select.NEEDS_PROBE for x in o.strategies):
+        say(StudyProgress("analyze", "probe: searching for the best set"))
+        searched = probe_mod.ProbeInput(cap, probe_mod.TargetWeights.of(target), o.probe or ProbeOptions(), store)
+    sets = propose_sets(stats, o, searched)
     versions, skipped = {}, {}
     for name, a in proxy_versions(analysis, o).items():
         say(StudyProgress("analyze", f"layer statistics for the proxies: {name}"))

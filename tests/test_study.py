@@ -3,6 +3,7 @@
 import pytest
 
 from layerscope.draft.train import TrainOptions
+from layerscope.errors import SelectionError
 from layerscope.metrics.correlation import ranks, spearman
 
 
@@ -210,3 +211,24 @@ def test_a_capture_study_with_outcomes_reruns_from_them_on_an_empty_store(tiny, 
     assert [(r.layers, r.tau, r.tau_ci, r.val_accuracy) for r in again.rows] == \
         [(r.layers, r.tau, r.tau_ci, r.val_accuracy) for r in report.rows]
     first.close(), fresh.close()
+
+
+def test_the_probe_strategy_adds_the_probe_searchs_best_set(tiny, tiny_capture, tmp_path, one_thread):
+    """`probe` among the strategies: the study trains the set the probe's search ranks first (as `select
+    --strategy probe` picks it); without the capture and target behind it, proposing that set is one clear
+    error."""
+    from layerscope import probe
+    from layerscope.analysis import analyze
+    from layerscope.store import Store
+    from layerscope.study import StudyOptions, propose_sets, run_study
+
+    store = Store(tmp_path / "s")
+    options = StudyOptions(strategies=("default", "probe"), k=2, train=TrainOptions(steps=2, batch_size=2,
+                           seq_len=32), prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",),
+                           filters=(0.0,), probe=None)
+    best = probe.search(tiny_capture, probe.TargetWeights.of(tiny), 2, probe.ProbeOptions()).best().layers
+    report = run_study(tiny_capture, tiny, store, options)
+    assert [r.layers for r in report.rows if "probe" in r.strategies] == [best]
+    with pytest.raises(SelectionError, match="needs the capture and the target"):
+        propose_sets(analyze(tiny_capture, store), options)
+    store.close()

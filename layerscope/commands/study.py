@@ -25,8 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="target model spec (default: the capture's model)")
     p.add_argument("--strategies", default=",".join(d.strategies),
                    help="comma-separated strategies; the controls are random (seeded random sets of the same size), "
-                        "last-k (the k deepest layers) and single (layer N-1); the default rule is always in "
-                        "(default %(default)s)")
+                        "last-k (the k deepest layers) and single (layer N-1); probe adds the probe's search's best set "
+                        "(minutes, cached); the default rule is always in (default %(default)s)")
     p.add_argument("--random-sets", type=int, default=d.random_sets,
                    help="random control sets that 'random' adds (default %(default)s)")
     p.add_argument("--seeds", default=None, metavar="S1,S2,...",
@@ -60,7 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m")
     p.add_argument("--sets-per-pass", type=int, default=d.sets_per_pass, metavar="N",
                    help="online: train N sets per target pass (default: all in one), each pass benchmarked as it "
-                        "finishes: passes sized to what one sitting of the machine can finish")
+                        "finishes: passes sized to what one sitting of the machine can finish (sets already in "
+                        "--outcomes are left out before the passes are formed)")
     p.add_argument("--outcomes", default=d.outcomes, metavar="DIR",
                    help="keep every finished draft's outcome (its record and benchmark, a small JSON file) in DIR "
                         "and read it back instead of training again: commit DIR to carry a long study across "
