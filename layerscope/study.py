@@ -7,7 +7,8 @@ For one capture:
   2. sets         one layer set per strategy (default, greedy, aggregate, entropy-topk, spread, `probe`
                   when asked for: the probe's search over the capture, plus any user sets) and the
                   controls: `random_sets` seeded random sets of the same size, the last k layers, a
-                  single-layer draft; strategies that propose the same set share one draft. The default rule is always in: it is the reference of every comparison;
+                  single-layer draft; strategies that propose the same set share one draft. The default
+                  rule is always in: it is the reference of every comparison;
   2b. probe       probe.score_sets (`probe` options; None skips it): the training-free proxy `probe`, a
                   closed-form ridge map per set and its held-out agreement with the target's argmax
                   (layerscope/probe.py), cached in the store;
