@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import fmt, plots
-from layerscope.analysis import AnalysisOptions
+from layerscope.stats.analysis import AnalysisOptions
 from layerscope.ui import apply, compare
 from layerscope.ui.apply import draft_labels, run_label
 from layerscope.ui.state import bind_view

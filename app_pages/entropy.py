@@ -8,9 +8,9 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import plots
-from layerscope.analysis import AnalysisOptions
-from layerscope.metrics.entropy import KERNELS
-from layerscope.select import default_layers
+from layerscope.stats.analysis import AnalysisOptions
+from layerscope.stats.entropy import KERNELS
+from layerscope.stats.select import default_layers
 from layerscope.ui import apply
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress

@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import fmt, plots
-from layerscope import select as sel
+from layerscope.stats import select as sel
 from layerscope.ui import apply, recommend, tasks
 from layerscope.ui.apply import kernel_of
 from layerscope.ui.jobs import get_manager

@@ -8,16 +8,19 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from layerscope import engines, fmt, machine, plots, specdec
-from layerscope.bench import auto_note, interval_note
-from layerscope.draft.export import engine_verdict, export_zip
+from layerscope import fmt, machine, plots
+from layerscope.decoding import specdec
+from layerscope.decoding.bench import auto_note, interval_note
+from layerscope.draft import engines
+from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.draft.train import TrainOptions
-from layerscope.select import default_layers
-from layerscope.study import online_settings
+from layerscope.stats.select import default_layers
+from layerscope.study.run import online_settings
 from layerscope.ui import sanity, tasks
 from layerscope.ui.apply import colors as palette_of
-from layerscope.ui.apply import draft_labels, run_label, set_label
+from layerscope.ui.apply import draft_labels, run_label
 from layerscope.ui.jobs import get_manager
+from layerscope.ui.recommend import set_label
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import (

@@ -5,7 +5,7 @@
 Responses are generated first (not timed here: generation is the same work with or without
 LayerScope). Then, batch by batch and interleaved so both see the same machine state:
   plain    model(input_ids, attention_mask) — what any forward over these tokens costs;
-  capture  layerscope.capture.record(...) + writing the chunk file — hidden states of all
+  capture  layerscope.capture.run.record(...) + writing the chunk file — hidden states of all
            layers, entropies and the token table, stored as safetensors.
 Prints tokens/s of each and the ratio capture/plain (goal: >= 0.85).
 """
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from layerscope.capture import CaptureOptions, generate_responses, record
+from layerscope.capture.format import chunk_name
+from layerscope.capture.run import CaptureOptions, generate_responses, record
 from layerscope.models import load_model
-from layerscope.prompts import chat_ids, load_prompts
-from layerscope.store import Store, atomic_save_tensors, chunk_name
+from layerscope.prompts.sets import chat_ids, load_prompts
+from layerscope.store import Store, atomic_save_tensors
 
 
 def main() -> None:

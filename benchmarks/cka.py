@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerscope.metrics import cka as C  # noqa: E402
-from layerscope.metrics.entropy import prepare  # noqa: E402
+from layerscope.stats import cka as C  # noqa: E402
+from layerscope.stats.entropy import prepare  # noqa: E402
 
 
 def synthetic_layers(L: int, n: int, d: int, seed: int = 0) -> list[torch.Tensor]:
@@ -40,7 +40,7 @@ def synthetic_layers(L: int, n: int, d: int, seed: int = 0) -> list[torch.Tensor
 
 
 def capture_layers(key: str, store_dir: str | None, max_tokens: int) -> list[torch.Tensor]:
-    from layerscope.analysis import AnalysisOptions, token_index
+    from layerscope.stats.analysis import AnalysisOptions, token_index
     from layerscope.store import Store
 
     cap = Store(store_dir).open_capture(key)

@@ -42,8 +42,8 @@ from layerscope.draft.online import (
     split_for,
     target_features,
 )
+from layerscope.draft.probe import agreement, explained_variance, ridge
 from layerscope.models import load_model
-from layerscope.probe import agreement, explained_variance, ridge
 from layerscope.store import Store, atomic_write_json
 
 LAYERS = [2, 15, 27]
@@ -167,7 +167,7 @@ def ridge_floor(target, convs, train_idx, val_split, o, cpu_budget_s):
 
 
 def solve(x, y, lam):
-    """The probe's ridge (layerscope/probe.py: each column penalised by λ × its centred sum of squares, the bias
+    """The probe's ridge (layerscope/draft/probe.py: each column penalised by λ × its centred sum of squares, the bias
     column last and free). The table in docs/training.md was measured with one λ × the mean diagonal for all."""
     return ridge(x.T @ x, x.T @ y, lam)
 

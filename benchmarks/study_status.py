@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from layerscope.study_outcomes import OutcomeFolder
+from layerscope.study.outcomes import OutcomeFolder
 
 
 def main() -> None:

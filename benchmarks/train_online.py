@@ -23,10 +23,10 @@ from dataclasses import asdict
 
 import torch
 
-from layerscope import bench as bench_mod
 from layerscope import workflow
+from layerscope.decoding import bench as bench_mod
+from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
-from layerscope.specdec import TreeSpec
 from layerscope.store import Store
 
 

@@ -1,6 +1,6 @@
 """LayerScope: choose which target-model layers an EAGLE-3 draft reads.
 
-Math lives in `layerscope.metrics`, I/O in `store`, `session`, `prompts`; Streamlit only in `layerscope.ui`.
+Math lives in `layerscope.stats`, I/O in `store`, `session`, `prompts`; Streamlit only in `layerscope.ui`.
 Importing the package sets the CPU matrix library's code path before anything multiplies (see `blas`).
 """
 

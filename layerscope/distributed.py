@@ -5,7 +5,7 @@ torchrun starts N copies of the command with RANK / WORLD_SIZE / LOCAL_RANK set.
 (cuda:LOCAL_RANK) when CUDA is present, else gloo on the CPU. What then runs across the ranks uses the
 helpers here (rank, world, shard, agree):
 
-    capture          every rank writes its contiguous range of the batches (layerscope/capture.py)
+    capture          every rank writes its contiguous range of the batches (layerscope/capture/run.py)
     online training  every rank forwards its share of a step's conversations, gradients summed over
                      the ranks (layerscope/draft/online.py, layerscope/draft/fit.py)
 

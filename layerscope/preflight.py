@@ -35,7 +35,7 @@ import torch
 from layerscope import jsonsafe, layerset, paths
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.store import Store, StoreWriteError, write_error
-from layerscope.study_outcomes import OutcomeFolder
+from layerscope.study.outcomes import OutcomeFolder
 
 MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
 RESERVE = 8 * 2**20            # ... and by 8 MiB (the index, locks, small JSON files)
@@ -155,7 +155,7 @@ def _gguf_config(spec: str, store: Store) -> Path | None:
 
 def prompt_spec(spec: str) -> None:
     """The prompt set exists and opens (the cheap part of load_prompts: no file is read through)."""
-    from layerscope.prompts import check_spec
+    from layerscope.prompts.sets import check_spec
 
     check_spec(spec)
 
@@ -163,7 +163,7 @@ def prompt_spec(spec: str) -> None:
 def draft_dir(path, *, agree: bool = True) -> Path:
     """A draft directory the user named: no link loop, exists, has config.json and model.safetensors, and
     (with `agree`) its layer records agree (draft.export.draft_layers). Returns its real path."""
-    from layerscope.draft.export import draft_layers, read_config, read_layers_record, read_meta
+    from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
 
     real = paths.existing_dir(path, "The draft", DraftError,
                               "Give the directory `layerscope train-draft` or `layerscope export` wrote")
@@ -296,7 +296,8 @@ RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a c
 def responses_bytes(options, store: Store) -> int:
     """What online training's regenerated responses take (at most max_new_tokens per conversation), from the
     number of conversations: options.limit, else the prompt set's size (ShareGPT: its index, cached in the store)."""
-    from layerscope.prompts import load_prompts, sharegpt_index, sharegpt_path
+    from layerscope.prompts.sets import load_prompts
+    from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
 
     n = options.limit
     if n is None:

@@ -3,7 +3,7 @@
 Layout under the root (the `root` argument, else $LAYERSCOPE_STORE, else ./cache under the working directory):
     index/                    a diskcache.Cache holding JSON only (never pickle: a store can be shared)
     captures/<key>/           a finished capture: manifest.json + chunk-<start>-<end>.safetensors
-                              (the files, keys and shapes: layerscope/capture_format.py)
+                              (the files, keys and shapes: layerscope/capture/format.py)
     captures/<key>.partial/   chunks of a capture in progress; renamed to captures/<key>/ when complete
     locks/<kind>/<key>.lock   one lock file per entry being written (fcntl.flock; never listed)
     models/<fingerprint>/     de-quantized model weights
@@ -45,20 +45,11 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from layerscope import jsonsafe
-from layerscope.capture_format import (  # noqa: F401
-    CHUNK_DTYPES,
-    CHUNK_RE,
-    MAX_HEADER_BYTES,
-    MAX_MANIFEST_BYTES,
-    SHA256_RE,
+from layerscope.capture.format import (
     SUMMARY_KEYS,
     CaptureReader,
     check_chunk_files,
-    chunk_name,
-    damaged,
-    file_sha256,
     list_chunks,
-    read_header,
     read_manifest,
     summarize_manifest,
     validate_manifest,

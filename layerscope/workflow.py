@@ -19,24 +19,25 @@ from pathlib import Path
 
 import torch
 
-from layerscope import bench as bench_mod
-from layerscope import capture as capture_mod
-from layerscope import costmodel, preflight
-from layerscope import probe as probe_mod
-from layerscope import select as select_mod
-from layerscope.analysis import AnalysisOptions, LayerStats
-from layerscope.analysis import analyze as analyze_capture
-from layerscope.capture import CaptureOptions, CaptureResult
+from layerscope import preflight
+from layerscope.capture import run as capture_mod
+from layerscope.capture.run import CaptureOptions, CaptureResult
+from layerscope.decoding import bench as bench_mod
+from layerscope.decoding import costmodel
 from layerscope.draft import builtin
 from layerscope.draft import online as online_mod
-from layerscope.draft.export import read_meta, save_draft
+from layerscope.draft import probe as probe_mod
+from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.draft.progress import OnlineProgress, TrainProgress
 from layerscope.draft.train import TrainOptions, draft_for, train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL, LoadedModel, load_model
-from layerscope.prompts import PromptSet, load_prompts
+from layerscope.prompts.sets import PromptSet, load_prompts
+from layerscope.stats import select as select_mod
+from layerscope.stats.analysis import AnalysisOptions, LayerStats
+from layerscope.stats.analysis import analyze as analyze_capture
 from layerscope.store import Store
-from layerscope.study import StudyOptions, StudyReport, run_study
+from layerscope.study.run import StudyOptions, StudyReport, run_study
 
 Loader = Callable[[str, Store], LoadedModel]
 DEFAULT_PROMPTS = "builtin"          # the capture's prompt set when none is named
@@ -115,7 +116,7 @@ def select(stats: LayerStats, options: SelectOptions,
 
 def probe_input(store: Store, capture_key: str, options: probe_mod.ProbeOptions | None = None, *,
                 model: str | None = None, load: Loader = load_target) -> probe_mod.ProbeInput:
-    """A capture and its target's weights (default: the capture's model), for layerscope/probe.py and the
+    """A capture and its target's weights (default: the capture's model), for layerscope/draft/probe.py and the
     `probe` selection strategy; probe results are cached in `store`."""
     cap = store.open_capture(capture_key)
     target = load(model or cap.manifest["model"], store)
@@ -187,7 +188,7 @@ class Benchmarked:
 
 def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOptions, store: Store, *,
           load: Loader = load_target, progress: Callable[[bench_mod.BenchProgress], None] | None = None) -> Benchmarked:
-    """Decode the same prompts with each (name, draft directory) and the baselines; see layerscope/bench.py."""
+    """Decode the same prompts with each (name, draft directory) and the baselines; see layerscope/decoding/bench.py."""
     options.validate()
     drafts = [(name, builtin.resolve(path, options.model, store)) for name, path in drafts]   # 'builtin' too
     preflight.bench_drafts([path for _, path in drafts])   # missing, looping or self-contradicting drafts: before the load
@@ -217,7 +218,7 @@ class Studied:
 def study(store: Store, capture_key: str, options: StudyOptions, *, model: str | None = None,
           analysis: AnalysisOptions | None = None, load: Loader = load_target,
           progress: Callable | None = None) -> Studied:
-    """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study.py."""
+    """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study/run.py."""
     cap = store.open_capture(capture_key)
     preflight.study(store, model or cap.manifest["model"], options)     # before the model loads
     target = load(model or cap.manifest["model"], store)

@@ -37,8 +37,8 @@ def session_store(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_capture(tiny, session_store):
     """6 builtin prompts, 12 new tokens each, on the tiny model: a CaptureReader."""
-    from layerscope.capture import capture
-    from layerscope.prompts import load_prompts
+    from layerscope.capture.run import capture
+    from layerscope.prompts.sets import load_prompts
 
     prompts = load_prompts("builtin", limit=6, seed=0)
     result = capture(tiny, prompts, session_store, max_new_tokens=12, batch_size=4)

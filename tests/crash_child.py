@@ -15,9 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
-from layerscope.capture import capture
+from layerscope.capture.run import capture
 from layerscope.models import load_model
-from layerscope.prompts import load_prompts
+from layerscope.prompts.sets import load_prompts
 from layerscope.session import Session, save
 from layerscope.store import Store
 

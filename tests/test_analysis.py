@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from layerscope import cli
-from layerscope.analysis import AnalysisOptions, LayerStats, analyze, token_index
 from layerscope.errors import LayerScopeError
-from layerscope.metrics import cka as C
-from layerscope.metrics import entropy as E
-from layerscope.metrics.tokens import select_tokens
+from layerscope.stats import cka as C
+from layerscope.stats import entropy as E
+from layerscope.stats.analysis import AnalysisOptions, LayerStats, analyze, token_index
+from layerscope.stats.tokens import select_tokens
 
 
 def table(T=40, seed=0):
@@ -132,7 +132,7 @@ def test_kernel_is_named_cached_apart_and_matches_its_metrics(tiny_capture, stor
 
 
 def test_layer_stats_arrays_round_trip_and_old_stats_read_as_cosine(tiny_capture):
-    from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
+    from layerscope.stats.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 
     stats = analyze(tiny_capture, None, ALL)
     arrays, rest = stats.to_arrays()

@@ -17,7 +17,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import session as sessions
-from layerscope import specdec
+from layerscope.decoding import specdec
 from layerscope.draft.train import TrainOptions
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
@@ -576,7 +576,7 @@ def test_job_eta_from_recent_progress():
 def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
     from types import SimpleNamespace
 
-    from layerscope.ui.apply import set_label
+    from layerscope.ui.recommend import set_label
     from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
 
     rows = [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},

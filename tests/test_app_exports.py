@@ -16,7 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import session as sessions
-from layerscope.draft.export import read_meta, save_draft
+from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.ui.tasks import draft_entry
 from tests.helpers import untrained_draft
 from tests.test_app import APP, settle

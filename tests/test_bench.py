@@ -9,13 +9,13 @@ import re
 
 import pytest
 
-from layerscope import bench
 from layerscope.cli import main
-from layerscope.draft.export import load_draft, save_draft
+from layerscope.decoding import bench
+from layerscope.decoding.specdec import StepEvent, TreeSpec
+from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.errors import LayerScopeError
 from layerscope.models import tiny_model
-from layerscope.prompts import load_prompts
-from layerscope.specdec import StepEvent, TreeSpec
+from layerscope.prompts.sets import load_prompts
 from tests.helpers import untrained_draft
 
 ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "by_category",

@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-from layerscope import blas, costmodel, machine
+from layerscope import blas, machine
+from layerscope.decoding import costmodel
 
 PROBE = ("import json, os, subprocess, sys, layerscope; "
          "child = subprocess.run([sys.executable, '-c', 'import layerscope; print(layerscope.blas.describe())'], "

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from layerscope.capture import CaptureCancelled, capture
+from layerscope.capture.run import CaptureCancelled, capture
 from layerscope.errors import CaptureError
-from layerscope.prompts import chat_ids, load_prompts
+from layerscope.prompts.sets import chat_ids, load_prompts
 
 
 def plain_forward(loaded, ids):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from layerscope.metrics import cka as C
-from layerscope.metrics import entropy as E
+from layerscope.stats import cka as C
+from layerscope.stats import entropy as E
 from tests.helpers import correlated_layers, gen
 
 

@@ -153,9 +153,9 @@ def test_new_benchmarks_and_study_drafts_record_their_capture():
 def three_captures(app_store, tiny):
     """Keys of three tiny captures in the app's store: A and B of the 4-layer model on different prompts,
     C of a 6-layer model."""
-    from layerscope.capture import capture
+    from layerscope.capture.run import capture
     from layerscope.models import load_model
-    from layerscope.prompts import load_prompts
+    from layerscope.prompts.sets import load_prompts
 
     six = load_model("tiny-llama:layers=6")
     keys = []

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from layerscope.capture import CaptureOptions, capture, capture_key
-from layerscope.prompts import load_prompts
+from layerscope.capture.run import CaptureOptions, capture, capture_key
+from layerscope.prompts.sets import load_prompts
 from layerscope.store import Store
 
 
@@ -81,7 +81,7 @@ def test_killed_writer_is_resumed_by_the_next_and_matches_an_uninterrupted_run(t
 
 
 def test_a_waiting_capture_can_be_cancelled(tmp_path, tiny, one_thread):
-    from layerscope.capture import CaptureCancelled
+    from layerscope.capture.run import CaptureCancelled
 
     store = Store(tmp_path / "store")
     prompts = load_prompts("builtin", limit=2)

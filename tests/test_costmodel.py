@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from layerscope import costmodel as cm
-from layerscope import specdec as sd
 from layerscope.cli import main
-from layerscope.specdec import TreeSpec
+from layerscope.decoding import costmodel as cm
+from layerscope.decoding import specdec as sd
+from layerscope.decoding.specdec import TreeSpec
 from tests.test_specdec import PROMPTS, LookupDraft, greedy_reference, untrained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpu_clock")
@@ -294,7 +294,7 @@ def test_auto_picks_the_best_contender(sleepy, curve, ref):
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
-    from layerscope.draft.export import save_draft
+    from layerscope.draft.checkpoint import save_draft
 
     meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
     return save_draft(tmp_path_factory.mktemp("cm-drafts") / "low", untrained_draft(tiny.model, layers=(1, 2)), meta)

@@ -25,8 +25,8 @@ def test_shards_are_contiguous_ranges_covering_every_batch():
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="torchrun missing")
 def test_two_process_capture_equals_one_process_capture(tiny, tmp_path, one_thread):
-    from layerscope.capture import capture
-    from layerscope.prompts import load_prompts
+    from layerscope.capture.run import capture
+    from layerscope.prompts.sets import load_prompts
     from layerscope.store import Store
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))

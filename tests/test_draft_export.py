@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from layerscope.draft.export import load_draft, save_draft
+from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.draft.train import target_weights, train_draft
 from layerscope.errors import DraftError
 from layerscope.models import tiny_model

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from layerscope.draft.checkpoint import load_draft, read_meta
 from layerscope.draft.data import batch_plan, split_conversations
-from layerscope.draft.export import load_draft, read_meta
 from layerscope.draft.fit import TrainingCancelled
 from layerscope.draft.train import draft_for, target_weights, train_draft
 from layerscope.errors import DraftError

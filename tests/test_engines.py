@@ -1,7 +1,7 @@
 """Exports for vLLM, SGLang, SpecForge and speculators, read back the way each engine's loader reads them.
 
 The reading rules below are written out again here from the engines' sources (not taken from
-layerscope/engines.py), so an export is checked against the engines, not against itself:
+layerscope/draft/engines.py), so an export is checked against the engines, not against itself:
   vLLM        vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config: the
               draft hf_config's top-level eagle_aux_hidden_state_layer_ids when a non-empty list, else the
               target's (2, N//2, N-3) (vllm/model_executor/models/llama.py); the target appends the state
@@ -30,9 +30,11 @@ import yaml
 from safetensors import safe_open
 
 from layerscope.cli import main as cli
-from layerscope.draft.export import check_draft, export_draft, load_draft, save_draft
+from layerscope.draft.check import check_draft
+from layerscope.draft.checkpoint import load_draft, save_draft
+from layerscope.draft.engine_export import export_draft
+from layerscope.draft.engines import TargetFacts, target_facts
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
-from layerscope.engines import TargetFacts, target_facts
 from layerscope.errors import DraftError
 from layerscope.models import tiny_model
 

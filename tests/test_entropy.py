@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from layerscope.metrics import cka as C
-from layerscope.metrics import entropy as E
+from layerscope.stats import cka as C
+from layerscope.stats import entropy as E
 from tests.helpers import correlated_layers, gen
 
 

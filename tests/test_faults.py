@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from layerscope.capture import capture
-from layerscope.prompts import load_prompts
+from layerscope.capture.run import capture
+from layerscope.prompts.sets import load_prompts
 from layerscope.session import list_sessions, load
 from layerscope.store import Store
 

@@ -44,7 +44,7 @@ def test_check_sets_refuses_a_set_given_twice_in_any_order():
 
 
 def test_selection_and_online_training_use_the_same_wording(tiny_capture):
-    from layerscope import select
+    from layerscope.stats import select
 
     with pytest.raises(SelectionError) as a:
         select.select(tiny_capture_stats(tiny_capture), strategy="manual", layers=[1, 9])
@@ -54,7 +54,7 @@ def test_selection_and_online_training_use_the_same_wording(tiny_capture):
 
 
 def tiny_capture_stats(cap):
-    from layerscope.analysis import analyze
+    from layerscope.stats.analysis import analyze
 
     return analyze(cap)
 

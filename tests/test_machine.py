@@ -19,12 +19,12 @@ from dataclasses import replace
 
 import pytest
 
-from layerscope import costmodel as cm
 from layerscope import machine as m
 from layerscope import workflow
-from layerscope.bench import BenchOptions, format_table
 from layerscope.cli import main
-from layerscope.draft.export import save_draft
+from layerscope.decoding import costmodel as cm
+from layerscope.decoding.bench import BenchOptions, format_table
+from layerscope.draft.checkpoint import save_draft
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions, MachineState, Snapshot
 from tests.helpers import untrained_draft
@@ -291,7 +291,7 @@ def test_a_study_benchmarked_busy_says_so_in_its_verdict(tiny, tiny_capture, ses
     """The study's benchmark under a rule no machine passes (max_others_cpu 0): every stored benchmark entry
     carries the state, the report merges it, the verdict and the table say the speedups are not trustworthy."""
     from layerscope.draft.train import TrainOptions
-    from layerscope.study import StudyOptions, format_study, run_study
+    from layerscope.study.run import StudyOptions, format_study, run_study
 
     o = StudyOptions(strategies=("default",), extra_sets=((0, 3),), k=2,
                      train=TrainOptions(steps=2, batch_size=2, seq_len=32), prompts="builtin", limit=2, max_new_tokens=5,

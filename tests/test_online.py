@@ -255,7 +255,7 @@ def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, c
 
 
 def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_store, one_thread):
-    from layerscope.study import StudyOptions, format_study, run_study
+    from layerscope.study.run import StudyOptions, format_study, run_study
 
     online = OnlineOptions(**SMALL, steps=3)
     options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2, online=online,
@@ -274,8 +274,8 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
     """--sets-per-pass 2 trains 3 sets in two passes per seed, each benchmarked when done; --outcomes keeps one
     file per (set, seed), from which a study on a new, empty store (the machine lost) gives the same report
     without training or benchmarking; a damaged file is one clear error; another budget trains anew."""
-    from layerscope.study import StudyOptions, format_study, run_study
-    from layerscope.study_outcomes import OutcomeError, OutcomeFolder
+    from layerscope.study.outcomes import OutcomeError, OutcomeFolder
+    from layerscope.study.run import StudyOptions, format_study, run_study
 
     folder = tmp_path / "outcomes"
     options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2,

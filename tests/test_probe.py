@@ -1,4 +1,4 @@
-"""The probe (layerscope/probe.py): closed form against lstsq, streaming against in-memory, a planted layer
+"""The probe (layerscope/draft/probe.py): closed form against lstsq, streaming against in-memory, a planted layer
 found by the search, the `probe` strategy, the CLI's JSON and the study's proxy verdict."""
 
 import json
@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from layerscope import probe as P
-from layerscope import select as S
-from layerscope.store import atomic_save_tensors, chunk_name, file_sha256, make_key
+from layerscope.capture.format import chunk_name, file_sha256
+from layerscope.draft import probe as P
+from layerscope.stats import select as S
+from layerscope.store import atomic_save_tensors, make_key
 from tests.helpers import gen
 
 N, D, V, PLANTED = 6, 16, 40, 3
@@ -208,7 +209,7 @@ def test_bad_input_is_one_clear_error(synthetic):
 
 
 def test_probe_strategy_in_select(tiny, tiny_capture, session_store, one_thread):
-    from layerscope.analysis import AnalysisOptions, analyze
+    from layerscope.stats.analysis import AnalysisOptions, analyze
 
     stats = analyze(tiny_capture, session_store, AnalysisOptions())
     with pytest.raises(S.SelectionError, match="needs the capture and the target"):
@@ -274,7 +275,7 @@ def test_a_smaller_set_with_lower_validation_loss_is_named():
 
 
 def test_verdict_names_a_proxy_only_when_its_interval_excludes_zero():
-    from layerscope.study_stats import proxy_verdict
+    from layerscope.stats.paired import proxy_verdict
 
     probe = {"proxy": "probe", "version": "held-out agreement", "rho": 0.7, "ci": [0.2, 0.95], "sets": 9}
     cka = {"proxy": "mean_cka", "version": "linear, no filter", "rho": -0.9, "ci": [-1.0, 0.1], "sets": 9}

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from layerscope import prompts as P
-from layerscope import sharegpt
 from layerscope.errors import PromptSetError
-from layerscope.prompts import Prompt, chat_ids, content_hash, load_prompts, prompt_preview
+from layerscope.prompts import sets as P
+from layerscope.prompts import sharegpt
+from layerscope.prompts.record import Prompt
+from layerscope.prompts.sets import chat_ids, content_hash, load_prompts, prompt_preview
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +370,7 @@ def test_special_files_are_refused_without_reading(tmp_path):
 
 
 def test_file_over_the_size_cap_is_refused_at_once(tmp_path, monkeypatch):
-    import layerscope.prompts as P
+    import layerscope.prompts.sets as P
 
     path = tmp_path / "huge.txt"
     with open(path, "wb") as f:      # sparse: no disk used
@@ -403,7 +404,7 @@ def test_json_record_over_the_cap_is_refused(tmp_path):
 
 
 def test_a_paragraph_over_the_prompt_cap_is_left_out(tmp_path):
-    import layerscope.prompts as P
+    import layerscope.prompts.sets as P
 
     line = "z" * (2**19)
     path = write(tmp_path, "p.txt", "short one\n\n" + "\n".join([line] * 3) + "\n\nshort two\n")

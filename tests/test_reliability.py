@@ -29,10 +29,11 @@ import pytest
 from safetensors import safe_open
 
 from layerscope import cli, preflight
-from layerscope.draft.export import check_draft, load_draft, save_draft
-from layerscope.engines import target_facts
+from layerscope.draft.check import check_draft
+from layerscope.draft.checkpoint import load_draft, save_draft
+from layerscope.draft.engines import target_facts
 from layerscope.errors import DraftError, PromptSetError, SessionError, StoreError
-from layerscope.prompts import load_prompts
+from layerscope.prompts.sets import load_prompts
 from layerscope.session import import_bytes, list_sessions, load
 from layerscope.store import Store, StoreWarning, StoreWriteError, atomic_write_json
 from layerscope.ui.worker import FAILED, run_job
@@ -235,8 +236,8 @@ def test_read_only_store_reads_and_lists_and_every_write_is_one_line(tmp_path, t
 
 def test_a_gguf_model_opens_from_a_read_only_store_whose_hash_memo_it_cannot_write(tmp_path):
     """The GGUF fingerprint's memo (file-hashes.json) is a cache: a read-only store still gives the hash, every time."""
+    from layerscope.capture.format import file_sha256
     from layerscope.models import _cached_file_hash
-    from layerscope.store import file_sha256
 
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"GGUF" + bytes(range(256)) * 64)
@@ -250,8 +251,8 @@ def test_a_gguf_model_opens_from_a_read_only_store_whose_hash_memo_it_cannot_wri
 
 def test_a_planted_deep_or_huge_hash_memo_reads_as_empty_and_is_rewritten(tmp_path):
     """file-hashes.json is read at every GGUF load: a planted one never gives a RecursionError."""
+    from layerscope.capture.format import file_sha256
     from layerscope.models import MEMO_BYTES, _cached_file_hash
-    from layerscope.store import file_sha256
 
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"GGUF" + bytes(range(256)) * 64)

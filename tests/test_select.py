@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from layerscope import select as S
-from layerscope.analysis import LayerStats
 from layerscope.errors import SelectionError
-from layerscope.metrics import cka as C
-from layerscope.metrics import entropy as E
+from layerscope.stats import cka as C
+from layerscope.stats import entropy as E
+from layerscope.stats import select as S
+from layerscope.stats.analysis import LayerStats
 from tests.helpers import correlated_layers
 
 

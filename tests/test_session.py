@@ -308,7 +308,7 @@ def _draft_logits(head, tiny, seed=0):
 @pytest.fixture
 def session_with_drafts(tiny, store):
     """A session naming two drafts in `store` (one of them twice) and one this server does not hold."""
-    from layerscope.draft.export import save_draft
+    from layerscope.draft.checkpoint import save_draft
     from tests.helpers import untrained_draft
 
     meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
@@ -322,7 +322,7 @@ def session_with_drafts(tiny, store):
 
 
 def test_archive_with_drafts_round_trips_into_another_store(tiny, store, tmp_path, session_with_drafts):
-    from layerscope.draft.export import load_draft
+    from layerscope.draft.checkpoint import load_draft
     from layerscope.store import Store
 
     s = session_with_drafts

@@ -36,9 +36,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from layerscope.cli import main as cli
-from layerscope.draft.export import check_draft, export_draft, export_zip, save_draft, target_name
+from layerscope.draft.check import check_draft
+from layerscope.draft.checkpoint import save_draft
+from layerscope.draft.engine_export import export_draft, export_zip, target_name
+from layerscope.draft.engines import target_facts
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
-from layerscope.engines import target_facts
 from layerscope.models import ALIASES, load_model, tiny_model
 from layerscope.store import Store
 

@@ -1,12 +1,17 @@
 """The store: keys, JSON index, atomic writes, eviction, partial reads."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from layerscope import cli
+from layerscope.capture.format import CaptureReader
 from layerscope.errors import StoreError
-from layerscope.store import Store, atomic_save_tensors, make_key
+from layerscope.stats.analysis import AnalysisOptions, analysis_key, analyze
+from layerscope.store import Store, StoreWarning, atomic_save_tensors, make_key
 
 
 def test_make_key_is_canonical():
@@ -66,12 +71,7 @@ def test_env_variable_chooses_root(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------------------- integrity
 
-import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from layerscope import cli  # noqa: E402
-from layerscope.analysis import AnalysisOptions, analysis_key, analyze  # noqa: E402
-from layerscope.store import CaptureReader, StoreWarning  # noqa: E402
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from layerscope.draft.export import check_draft, load_draft, read_meta
-from layerscope.engines import target_facts
+from layerscope.draft.check import check_draft
+from layerscope.draft.checkpoint import load_draft, read_meta
+from layerscope.draft.engines import target_facts
 from tests.helpers import untrained_draft
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "draft-tiny-llama-1-2-3"

@@ -4,7 +4,7 @@ import pytest
 
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import SelectionError
-from layerscope.metrics.correlation import ranks, spearman
+from layerscope.stats.correlation import ranks, spearman
 
 
 def test_ranks_average_ties():
@@ -23,7 +23,7 @@ def test_spearman_known_values():
 
 
 def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
-    from layerscope.study import StudyOptions, format_study, run_study
+    from layerscope.study.run import StudyOptions, format_study, run_study
 
     options = StudyOptions(strategies=("default", "greedy", "entropy-topk"), extra_sets=((0, 3),), k=2,
                            train=TrainOptions(steps=3, batch_size=2, seq_len=32), prompts="builtin", limit=2,
@@ -62,7 +62,7 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
     and three token-entropy filters, correlations with intervals and a verdict, all strict JSON."""
     import json
 
-    from layerscope.study import STUDY_STRATEGIES, StudyOptions, format_study, run_study
+    from layerscope.study.run import STUDY_STRATEGIES, StudyOptions, format_study, run_study
 
     assert {"random", "last-k", "single"} <= set(STUDY_STRATEGIES)
     report = run_study(tiny_capture, tiny, session_store, StudyOptions(**STUDY_ALL))
@@ -106,7 +106,7 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
 
 def test_study_rerun_is_served_from_the_store_and_skips_a_proxy_version_that_keeps_no_tokens(
         tiny, tiny_capture, session_store, one_thread):
-    from layerscope.study import StudyOptions, run_study
+    from layerscope.study.run import StudyOptions, run_study
 
     seen = []
     report = run_study(tiny_capture, tiny, session_store, StudyOptions(**{**STUDY_ALL, "filters": (0.0, 100.0)}),
@@ -161,7 +161,7 @@ def test_typed_study_options_train_the_same_drafts_and_say_the_same_budget():
     from layerscope.cli import build_parser
     from layerscope.commands.study import options_from_args
     from layerscope.draft.online import OnlineOptions
-    from layerscope.study import budget_text
+    from layerscope.study.run import budget_text
 
     parse = lambda *a: options_from_args(build_parser().parse_args(["study", "KEY", *a]))
     capture = parse("--steps", "5", "--seed", "2")
@@ -196,8 +196,8 @@ def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model
 def test_a_capture_study_with_outcomes_reruns_from_them_on_an_empty_store(tiny, tiny_capture, tmp_path, one_thread):
     """The same folder for a study trained from the capture: its drafts' outcomes carry it to a new store."""
     from layerscope.store import Store
-    from layerscope.study import StudyOptions, run_study
-    from layerscope.study_outcomes import OutcomeFolder
+    from layerscope.study.outcomes import OutcomeFolder
+    from layerscope.study.run import StudyOptions, run_study
 
     options = StudyOptions(strategies=("default", "entropy-topk"), k=2, train=TrainOptions(steps=2, batch_size=2,
                            seq_len=32), prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",),
@@ -217,10 +217,10 @@ def test_the_probe_strategy_adds_the_probe_searchs_best_set(tiny, tiny_capture, 
     """`probe` among the strategies: the study trains the set the probe's search ranks first (as `select
     --strategy probe` picks it); without the capture and target behind it, proposing that set is one clear
     error."""
-    from layerscope import probe
-    from layerscope.analysis import analyze
+    from layerscope.draft import probe
+    from layerscope.stats.analysis import analyze
     from layerscope.store import Store
-    from layerscope.study import StudyOptions, propose_sets, run_study
+    from layerscope.study.run import StudyOptions, propose_sets, run_study
 
     store = Store(tmp_path / "s")
     options = StudyOptions(strategies=("default", "probe"), k=2, train=TrainOptions(steps=2, batch_size=2,

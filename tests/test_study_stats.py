@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from layerscope.bench import Tally, per_prompt_totals, prompt_runs
-from layerscope.metrics import bootstrap as B
-from layerscope.metrics.correlation import spearman
-from layerscope.specdec import StepEvent
-from layerscope.study_stats import PromptRuns, best_versions, compare_sets, correlate, significant, verdict
+from layerscope.decoding.bench import Tally, per_prompt_totals, prompt_runs
+from layerscope.decoding.specdec import StepEvent
+from layerscope.stats import bootstrap as B
+from layerscope.stats.correlation import spearman
+from layerscope.stats.paired import PromptRuns, best_versions, compare_sets, correlate, significant, verdict
 
 
 def gen(seed):

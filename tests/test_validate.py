@@ -5,7 +5,7 @@ import math
 import pytest
 
 from layerscope import cli
-from layerscope.capture import CaptureOptions
+from layerscope.capture.run import CaptureOptions
 from layerscope.errors import CaptureError, LayerScopeError
 from layerscope.validate import check_number
 

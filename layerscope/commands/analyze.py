@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from layerscope import workflow
-from layerscope.analysis import AnalysisOptions, LayerStats
 from layerscope.commands.common import Progress, open_store, print_json
-from layerscope.metrics.entropy import KERNELS
+from layerscope.stats.analysis import AnalysisOptions, LayerStats
+from layerscope.stats.entropy import KERNELS
 
 NAME = "analyze"
 HELP = "matrix entropy per layer and CKA between layers of a stored capture (cached in the store)"

@@ -6,12 +6,13 @@ import sys
 import time
 from pathlib import Path
 
-from layerscope import machine, preflight, specdec, workflow
-from layerscope.bench import BenchOptions, folder_names, format_table
+from layerscope import machine, preflight, workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
+from layerscope.decoding import specdec
+from layerscope.decoding.bench import BenchOptions, folder_names, format_table
+from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft import builtin
 from layerscope.errors import LayerScopeError
-from layerscope.specdec import TreeSpec
 from layerscope.store import atomic_write_json
 
 NAME = "bench"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from layerscope import workflow
-from layerscope.capture import CaptureOptions
+from layerscope.capture.run import CaptureOptions
 from layerscope.commands.common import Progress, open_store, print_json
 from layerscope.models import DEFAULT_MODEL
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from layerscope import engines, preflight
+from layerscope import preflight
 from layerscope.commands.common import open_store, print_json
+from layerscope.draft import engines
 from layerscope.errors import DraftError
 
 NAME = "check-draft"
@@ -22,7 +23,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from layerscope.draft.export import check_draft
+    from layerscope.draft.check import check_draft
     from layerscope.models import load_model
 
     preflight.draft_dir(args.directory, agree=False)    # before the model loads; disagreements are this command's to show

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerscope import engines, preflight
+from layerscope import preflight
 from layerscope.commands.common import open_store, print_json
-from layerscope.draft import builtin
+from layerscope.draft import builtin, engines
 from layerscope.errors import DraftError
 
 NAME = "export"
@@ -40,7 +40,7 @@ def resolve_draft(spec: str, args) -> Path:
 
 def target_of(args, draft: Path):
     """(TargetFacts, the loaded target or None) from --target, else from layers.json."""
-    from layerscope.draft.export import recorded_facts
+    from layerscope.draft.checkpoint import recorded_facts
     from layerscope.models import load_model
 
     if args.target is None:
@@ -54,7 +54,8 @@ def target_of(args, draft: Path):
 
 
 def run(args) -> int:
-    from layerscope.draft.export import export_draft, read_layers_record
+    from layerscope.draft.checkpoint import read_layers_record
+    from layerscope.draft.engine_export import export_draft
 
     draft = resolve_draft(args.draft, args)
     preflight.draft_dir(draft)              # before a --target model loads

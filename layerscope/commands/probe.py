@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from layerscope import probe as probe_mod
 from layerscope import workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.commands.study import parse_list
+from layerscope.draft import probe as probe_mod
 
 NAME = "probe"
 HELP = ("score layer sets without training: a ridge map from the set's hidden states and the next token's "

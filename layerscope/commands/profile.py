@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from layerscope import costmodel, machine, preflight, workflow
+from layerscope import machine, preflight, workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
+from layerscope.decoding import costmodel
+from layerscope.decoding.specdec import DEFAULT_K
 from layerscope.draft import builtin
-from layerscope.draft.export import load_draft
+from layerscope.draft.checkpoint import load_draft
 from layerscope.models import DEFAULT_MODEL
-from layerscope.specdec import DEFAULT_K
 
 NAME = "profile"
 HELP = ("measure the target's cost curve (seconds of a forward over T = 1..32 new tokens) and a draft step on "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerscope.draft.export import load_draft, read_meta, save_draft
+from layerscope.draft.checkpoint import load_draft, read_meta, save_draft
 from layerscope.draft.init_from import weights_sha256
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL

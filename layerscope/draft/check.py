@@ -7,7 +7,7 @@ draft was trained on, before anything is served.
                                     directory, whether its verifier resolves and it carries the embedding
     verifier_problem(name, dir)     why speculators cannot resolve a converted draft's verifier (None if it can)
 
-Each engine's reading rule is layerscope/engines.py's read_layers; the directory's own agreement is
+Each engine's reading rule is layerscope/draft/engines.py's read_layers; the directory's own agreement is
 layerscope/draft/checkpoint.py's draft_layers (the rule load_draft applies).
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 from huggingface_hub import try_to_load_from_cache
 from safetensors import safe_open
 
-from layerscope import engines
+from layerscope.draft import engines
 from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
-from layerscope.engines import TargetFacts
+from layerscope.draft.engines import TargetFacts
 from layerscope.errors import DraftError
 
 

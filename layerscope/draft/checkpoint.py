@@ -1,6 +1,6 @@
 """Draft checkpoints: a directory the engines load as it is, and LayerScope loads back without pickle.
 
-    config.json         DraftConfig.to_hf_config() with the engines' ids for this target (layerscope/engines.py)
+    config.json         DraftConfig.to_hf_config() with the engines' ids for this target (layerscope/draft/engines.py)
                         and "torch_dtype"/"dtype" = the dtype the weights are saved in (the target's by default)
     model.safetensors   fc, midlayer.*, norm, lm_head (in that dtype), d2t (int64), t2d (bool); no embed_tokens:
                         every engine shares the target's embedding when the checkpoint has none (a speculators
@@ -36,9 +36,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from layerscope import engines, jsonsafe
+from layerscope import jsonsafe
+from layerscope.draft import engines
+from layerscope.draft.engines import TargetFacts
 from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead
-from layerscope.engines import TargetFacts
 from layerscope.errors import DraftError
 from layerscope.store import as_write_error
 

@@ -5,7 +5,7 @@ train the draft at scale with it (written into every folder layerscope/draft/eng
     commands_md(engine, ...)    the text: the target, `layerscope check-draft`, the engine's notes, then the
                                 serve / benchmark / train-at-scale commands with the ids the engine needs
 
-The ids in the commands come from layerscope/engines.py (vllm_ids, sglang_ids, default_layers).
+The ids in the commands come from layerscope/draft/engines.py (vllm_ids, sglang_ids, default_layers).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from layerscope import engines
-from layerscope.engines import TargetFacts
+from layerscope.draft import engines
+from layerscope.draft.engines import TargetFacts
 
 ENGINE_READS = {
     # engine: (what it reads from the export folder, what it ignores there); docs/drafts.md has the same table

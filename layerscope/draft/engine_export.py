@@ -15,7 +15,7 @@ What each engine's folder holds:
     speculators    a converted checkpoint (write_speculators): speculators' config.json, its weight names and
                    the target's input embedding
 
-The engines' layer-id rules and refusals are layerscope/engines.py's; this module only writes what they say.
+The engines' layer-id rules and refusals are layerscope/draft/engines.py's; this module only writes what they say.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from layerscope import engines, models
+from layerscope import models
+from layerscope.draft import engines
 from layerscope.draft.checkpoint import (
     FORMAT,
     TORCH_DTYPES,
@@ -47,8 +48,8 @@ from layerscope.draft.checkpoint import (
     write_draft,
 )
 from layerscope.draft.commands_md import commands_md
+from layerscope.draft.engines import TargetFacts
 from layerscope.draft.model import DraftHead
-from layerscope.engines import TargetFacts
 from layerscope.errors import DraftError
 
 # ----------------------------------------------------------------------------------------- exports for engines

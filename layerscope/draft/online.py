@@ -46,10 +46,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from layerscope import distributed, jsonsafe, layerset
-from layerscope.capture import CaptureOptions, generate_responses
+from layerscope.capture.run import CaptureOptions, generate_responses
 from layerscope.draft import init_from
+from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.data import make_batch, split_of, target_argmax, trainable, windows_of
-from layerscope.draft.export import save_draft
 from layerscope.draft.fit import (
     EpochSource,
     FitState,
@@ -65,7 +65,8 @@ from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
 from layerscope.errors import DraftError
 from layerscope.models import LoadedModel
-from layerscope.prompts import chat_ids, load_prompts, sharegpt_index, sharegpt_path
+from layerscope.prompts.sets import chat_ids, load_prompts
+from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
 from layerscope.store import Store, atomic_write_json, make_key
 
 FORMAT = 2                              # 2: trained by the one loop (draft/fit.py)

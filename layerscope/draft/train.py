@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from layerscope.draft import init_from
+from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.data import (
     Split,
     batch_plan,
@@ -30,7 +31,6 @@ from layerscope.draft.data import (
     trainable,
     windows_of,
 )
-from layerscope.draft.export import save_draft
 from layerscope.draft.fit import EpochSource, TrainOptions, build_drafters, draft_meta, final_norm, fit
 from layerscope.draft.loss import evaluate
 from layerscope.draft.model import build_draft_vocab

@@ -28,11 +28,11 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from layerscope import jsonsafe
-from layerscope.draft.export import FILES as DRAFT_FILES
+from layerscope.capture.format import SHA256_RE
+from layerscope.draft.checkpoint import FILES as DRAFT_FILES
 from layerscope.errors import SessionError
 from layerscope.session.check import refuse, require
 from layerscope.session.schema import LIST_MAX, is_int, problem, req
-from layerscope.store import SHA256_RE
 
 FORMAT = 2                                    # what this version reads; an archive is written as the lowest it needs
 PLAIN_FORMAT = 1                              # no drafts inside (stored sessions, plain exports)

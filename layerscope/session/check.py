@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from layerscope import layerset
-from layerscope.analysis import ARRAY_FIELDS, AnalysisOptions
 from layerscope.errors import LayerScopeError, SessionError
 from layerscope.session.schema import MAX_LAYERS, SCHEMA, SESSION_FIELDS, problem, valid_id
+from layerscope.stats.analysis import ARRAY_FIELDS, AnalysisOptions
 
 ENTROPY_ARRAYS = ("entropy", "entropy_normalized", "entropy2", "entropy_prompt", "entropy_prompt_normalized")
 CKA_ARRAYS = ("cka", "cka_debiased", "cka_bound")

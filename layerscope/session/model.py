@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from layerscope import layerset
-from layerscope.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 from layerscope.errors import SessionError
 from layerscope.session import archive
 from layerscope.session.check import session_fields
 from layerscope.session.schema import SESSION_FIELDS
+from layerscope.stats.analysis import ARRAY_FIELDS, join_arrays, split_arrays
 
 # Layer statistics that are stored as tensors rather than JSON lists: LayerStats decides which.
 ARRAY_KEYS = ARRAY_FIELDS

@@ -19,7 +19,7 @@ import re
 import typing
 from dataclasses import fields
 
-from layerscope.analysis import AnalysisOptions
+from layerscope.stats.analysis import AnalysisOptions
 from layerscope.store import KEY_RE
 
 ID_RE = re.compile(r"[0-9a-f]{12}")           # matched in full (re.fullmatch): no trailing newline

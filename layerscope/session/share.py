@@ -14,8 +14,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layerscope.draft.export import FILES as DRAFT_FILES
-from layerscope.draft.export import load_draft, staged
+from layerscope.draft.checkpoint import FILES as DRAFT_FILES
+from layerscope.draft.checkpoint import load_draft, staged
 from layerscope.errors import LayerScopeError, SessionError
 from layerscope.session import archive
 from layerscope.session.check import refuse

@@ -11,11 +11,10 @@ from pathlib import Path
 import streamlit as st
 
 from layerscope import fmt, layerset, plots
-from layerscope.select import default_layers
 from layerscope.session import Session
+from layerscope.stats.select import default_layers
 from layerscope.ui import tasks
 from layerscope.ui.jobs import StatsTag, get_manager
-from layerscope.ui.recommend import set_label  # noqa: F401  (pages name studied sets through apply)
 from layerscope.ui.state import add_note
 
 # ---------------------------------------------------------------------------- prompts
@@ -254,7 +253,7 @@ def kernel_of(stats: dict) -> str:
 
 def layer_stats(stats: dict):
     """A LayerStats from a statistics dict (the session's snapshot)."""
-    from layerscope.analysis import LayerStats
+    from layerscope.stats.analysis import LayerStats
 
     return LayerStats.from_dict(stats)
 

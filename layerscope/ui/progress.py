@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layerscope import costmodel, fmt
+from layerscope import fmt
+from layerscope.decoding import costmodel
 from layerscope.ui import sanity
 
 

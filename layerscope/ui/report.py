@@ -12,9 +12,9 @@ import pandas as pd
 from plotly.offline import get_plotlyjs
 
 from layerscope import fmt, plots
-from layerscope import select as sel
-from layerscope.bench import interval_note
+from layerscope.decoding.bench import interval_note
 from layerscope.session import Session, now_iso
+from layerscope.stats import select as sel
 from layerscope.ui import recommend, sanity
 from layerscope.ui.recommend import set_label
 

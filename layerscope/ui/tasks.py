@@ -14,20 +14,20 @@ import hashlib
 import time
 from pathlib import Path
 
-from layerscope import probe, workflow
-from layerscope.analysis import AnalysisOptions, LayerStats
-from layerscope.bench import BenchOptions, Tally
-from layerscope.capture import CaptureOptions
-from layerscope.draft import builtin
-from layerscope.draft.export import read_meta
+from layerscope import workflow
+from layerscope.capture.run import CaptureOptions
+from layerscope.decoding.bench import BenchOptions, Tally
+from layerscope.draft import builtin, probe
+from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import DraftError, LayerScopeError, PromptSetError
 from layerscope.models import default_device
-from layerscope.prompts import load_prompts
+from layerscope.prompts.sets import load_prompts
+from layerscope.stats.analysis import AnalysisOptions, LayerStats
 from layerscope.store import atomic_write_bytes
-from layerscope.study import StudyOptions, propose_sets
+from layerscope.study.run import StudyOptions, propose_sets
 from layerscope.ui.models import get_model, load_message
 from layerscope.ui.worker import job_task
 

@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 
 from layerscope.errors import LayerScopeError
-from layerscope.metrics import cka as C
-from layerscope.metrics import entropy as E
-from layerscope.metrics.compartments import compartments as segment
-from layerscope.metrics.tokens import OUTLIER_FACTOR, select_tokens
+from layerscope.stats import cka as C
+from layerscope.stats import entropy as E
+from layerscope.stats.compartments import compartments as segment
+from layerscope.stats.tokens import OUTLIER_FACTOR, select_tokens
 from layerscope.store import make_key
 from layerscope.validate import check_number
 

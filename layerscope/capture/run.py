@@ -44,20 +44,11 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from layerscope import distributed, preflight
+from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
-from layerscope.prompts import PromptSet, chat_ids
-from layerscope.store import (
-    CHUNK_RE,
-    LockWaitCancelled,
-    Store,
-    atomic_save_tensors,
-    chunk_name,
-    file_sha256,
-    list_chunks,
-    make_key,
-    read_header,
-)
+from layerscope.prompts.sets import PromptSet, chat_ids
+from layerscope.store import LockWaitCancelled, Store, atomic_save_tensors, make_key
 from layerscope.validate import check_number
 
 FORMAT_VERSION = 1

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from layerscope import fmt
-from layerscope.metrics import bootstrap as B
-from layerscope.metrics.correlation import spearman
+from layerscope.stats import bootstrap as B
+from layerscope.stats.correlation import spearman
 
 METRICS = ("tau", "acceptance", "speedup")
 # The direction in which each proxy is expected to predict τ: more information, less redundancy.

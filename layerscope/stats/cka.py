@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from layerscope.metrics.entropy import check_kernel, prepare
+from layerscope.stats.entropy import check_kernel, prepare
 
 
 @dataclass

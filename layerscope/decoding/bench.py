@@ -40,14 +40,16 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from layerscope import fmt, machine, specdec, study_stats
-from layerscope.draft.export import load_draft
+from layerscope import fmt, machine
+from layerscope.decoding import specdec
+from layerscope.decoding.specdec import StepEvent, TreeSpec
+from layerscope.draft.checkpoint import load_draft
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions
-from layerscope.metrics import bootstrap
-from layerscope.prompts import PromptSet, chat_ids, load_fitting_prompts
-from layerscope.specdec import StepEvent, TreeSpec
-from layerscope.study_stats import PromptRuns
+from layerscope.prompts.sets import PromptSet, chat_ids, load_fitting_prompts
+from layerscope.stats import bootstrap
+from layerscope.stats import paired as study_stats
+from layerscope.stats.paired import PromptRuns
 
 MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
 

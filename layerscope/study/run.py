@@ -11,7 +11,7 @@ For one capture:
                   rule is always in: it is the reference of every comparison;
   2b. probe       probe.score_sets (`probe` options; None skips it): the training-free proxy `probe`, a
                   closed-form ridge map per set and its held-out agreement with the target's argmax
-                  (layerscope/probe.py), cached in the store;
+                  (layerscope/draft/probe.py), cached in the store;
   3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
                   and data (cached: a re-run that adds a set or a seed trains only those); online, one
                   target pass per seed and group of `sets_per_pass` of the sets it still lacks (study_units);
@@ -34,22 +34,26 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import bench, fmt, machine, select, specdec, study_outcomes, study_stats
-from layerscope import probe as probe_mod
-from layerscope.analysis import AnalysisOptions, analyze
+from layerscope import fmt, machine
+from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
-from layerscope.draft.export import read_meta
+from layerscope.draft import probe as probe_mod
+from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.online import OnlineOptions, train_online
+from layerscope.draft.probe import ProbeOptions
 from layerscope.draft.progress import OnlineProgress
 from layerscope.draft.train import TrainOptions, draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
-from layerscope.metrics.correlation import spearman
-from layerscope.probe import ProbeOptions
-from layerscope.prompts import load_prompts
+from layerscope.prompts.sets import load_prompts
+from layerscope.stats import paired as study_stats
+from layerscope.stats import select
+from layerscope.stats.analysis import AnalysisOptions, analyze
+from layerscope.stats.correlation import spearman
+from layerscope.stats.paired import PromptRuns
 from layerscope.store import make_key
-from layerscope.study_outcomes import Outcome, OutcomeFolder
-from layerscope.study_stats import PromptRuns
+from layerscope.study import outcomes as study_outcomes
+from layerscope.study.outcomes import Outcome, OutcomeFolder
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
 PROXIES = ("mean_entropy", "mean_cka", "aggregate_entropy")
@@ -493,7 +497,7 @@ def format_study(report: StudyReport) -> str:
         lines.insert(2, machine.line(report.machine, "speedups") + "\n")
     lines.append("")
     lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy; "
-                 "probe = the training-free ridge map's held-out agreement, layerscope/probe.py).")
+                 "probe = the training-free ridge map's held-out agreement, layerscope/draft/probe.py).")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(
         f"{k} {v:+.2f}" if v is not None else f"{k} n/a" for k, v in report.spearman.items()))
     by_proxy: dict[str, list[dict]] = {}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from layerscope import jsonsafe
 from layerscope.errors import LayerScopeError, PromptSetError
-from layerscope.prompt_record import user_turns
+from layerscope.prompts.record import user_turns
 from layerscope.store import atomic_write_bytes, default_root
 
 SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from layerscope import bench, blas, machine, specdec
+from layerscope import blas, machine
+from layerscope.decoding import bench, specdec
+from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions, MachineState
-from layerscope.specdec import TreeSpec
 from layerscope.store import make_key
 
 MAX_TOKENS = 32                      # verification forwards measured over T = 1..MAX_TOKENS new tokens

@@ -1,6 +1,6 @@
 """User prompt files: .jsonl, .txt, .csv and .json, read as a list of prompts with warnings.
 
-    .jsonl   one JSON record per line (layerscope/prompt_record.py: "prompt", "turns" or ShareGPT
+    .jsonl   one JSON record per line (layerscope/prompts/record.py: "prompt", "turns" or ShareGPT
              "conversations", optional "category"); id "file/<line>"
     .txt     one prompt per line, or paragraphs separated by blank lines; id "file/<first line>"
     .csv     a header row with a "prompt" column (optional "category"), one prompt per row; id "file/<line>"
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from layerscope import jsonsafe
 from layerscope.errors import PromptSetError
-from layerscope.prompt_record import Prompt, record_category, user_turns
-from layerscope.sharegpt import JSON_ARRAY_HELP, JsonArrayScan
+from layerscope.prompts.record import Prompt, record_category, user_turns
+from layerscope.prompts.sharegpt import JSON_ARRAY_HELP, JsonArrayScan
 
 FILE_TYPES = (".jsonl", ".txt", ".csv", ".json")
 MAX_FILE_BYTES = 2**30        # a user prompt file

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from layerscope import jsonsafe
 from layerscope.errors import LayerScopeError
+from layerscope.stats.paired import PromptRuns
 from layerscope.store import atomic_write_json, make_key
-from layerscope.study_stats import PromptRuns
 
 FORMAT = 1
 MAX_BYTES = 4 * 2**20                 # one outcome is ~20-60 kB (the draft's record and per-prompt totals)

@@ -8,9 +8,9 @@ Sampling. Without a limit (or with one >= the set's size) a set is all of its pr
 With a smaller limit it is a seeded sample in draw order, so at one seed limit=10 is a prefix of
 limit=20. The builtin sample is stratified: it takes categories in turn.
 
-ShareGPT is read through the cached index of its records (layerscope/sharegpt.py; a hash of the
-record id holds out 5%: split="heldout"); user files are read by layerscope/prompt_files.py, line by
-line under size limits; a record becomes a Prompt as layerscope/prompt_record.py says. Their names
+ShareGPT is read through the cached index of its records (layerscope/prompts/sharegpt.py; a hash of the
+record id holds out 5%: split="heldout"); user files are read by layerscope/prompts/files.py, line by
+line under size limits; a record becomes a Prompt as layerscope/prompts/record.py says. Their names
 are importable from here too.
 
 Turns. A prompt keeps up to `turns` user turns (default 1). Only user turns are known, so
@@ -27,32 +27,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerscope.errors import PromptSetError
-from layerscope.prompt_files import (  # noqa: F401
-    FILE_TYPES,
-    FORMAT_HELP,
-    MAX_FILE_BYTES,
-    MAX_LINE_BYTES,
-    MAX_PROMPT_CHARS,
+from layerscope.prompts.files import (
     file_lines,
     read_jsonl,
     user_file,
     user_path,
 )
-from layerscope.prompt_record import USER_ROLES, Prompt, record_category, user_turns  # noqa: F401
-from layerscope.sharegpt import (  # noqa: F401
-    BLOCK,
-    HELDOUT_PERCENT,
-    INDEX_FORMAT,
-    SEPARATORS,
-    SHAREGPT_FILE,
-    JsonArrayScan,
+from layerscope.prompts.record import Prompt, user_turns
+from layerscope.prompts.sharegpt import (
     cache_dir,
     is_heldout,
     sharegpt_index,
     sharegpt_path,
 )
 
-BUILTIN_PATH = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
+BUILTIN_PATH = Path(__file__).resolve().parents[1] / "data" / "builtin_prompts.jsonl"
 PREVIEW_CHARS = 200
 
 

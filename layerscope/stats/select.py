@@ -12,7 +12,7 @@ returns a `Selection`. Drafts may read layers 0..N-1 (N is the final state). Str
                    most informative layer of each compartment
     manual         a set given by the user
     probe          the set whose closed-form ridge map of the draft's inputs best predicts the target's
-                   final state (layerscope/probe.py; needs the capture and the target: `probe=ProbeInput`)
+                   final state (layerscope/draft/probe.py; needs the capture and the target: `probe=ProbeInput`)
 Controls (for the study: what "better than the default" means against chance; not in `compare`):
     random         k distinct layers drawn uniformly from 0..N-1 with a seeded generator (`seed`)
     last-k         the k deepest layers N-k..N-1
@@ -31,8 +31,8 @@ import torch
 
 from layerscope import layerset
 from layerscope.errors import SelectionError
-from layerscope.metrics.compartments import compartment_objective, compartments
-from layerscope.metrics.entropy import aggregate_entropy2
+from layerscope.stats.compartments import compartment_objective, compartments
+from layerscope.stats.entropy import aggregate_entropy2
 
 STRATEGIES = ("default", "entropy-topk", "greedy", "aggregate", "spread", "manual")
 AUTOMATIC = STRATEGIES[:-1]
@@ -230,7 +230,7 @@ def _control(name: str, chosen, rule: str):
 
 
 def _probe(stats, r: Request) -> Selection:
-    """The probe's search (layerscope/probe.py): needs the capture and the target, passed as `probe=`."""
+    """The probe's search (layerscope/draft/probe.py): needs the capture and the target, passed as `probe=`."""
     if r.probe is None:
         raise SelectionError("The probe strategy needs the capture and the target model, not only the statistics",
                              "Run `layerscope select KEY --strategy probe` or `layerscope probe KEY`, or pass "

@@ -1,0 +1,1 @@
+"""Decoding: lossless speculative decoding (`specdec`), the benchmark (`bench`) and the cost model that plans it (`costmodel`)."""

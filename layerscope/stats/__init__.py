@@ -1,0 +1,1 @@
+"""Statistics: matrix entropy, CKA, compartments, token filtering, a capture's analysis, layer-set selection, paired statistics."""
