@@ -299,17 +299,6 @@ def for_session(s, stats: dict, k: int, *, lam: float = 0.5, manual=None, manual
     return recommend(rows, int(k), evidence_of(s)), selections
 
 
-def redundancy_words(cka: float | None) -> str:
-    """What a mean CKA between a set's layers says, in words."""
-    if cka is None or (isinstance(cka, float) and math.isnan(cka)):
-        return "one layer: no pair to compare"
-    if cka < 0.5:
-        return "they share little"
-    if cka < 0.8:
-        return "they overlap in part"
-    return "largely redundant"
-
-
 def headroom(k: int) -> float:
     """How far a set's aggregate entropy can rise above its layers' own α = 2 entropy: log k (no shared information)."""
     return math.log(k) if k > 0 else 0.0
