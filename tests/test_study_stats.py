@@ -6,7 +6,7 @@ import torch
 from layerscope.decoding.bench import Tally, per_prompt_totals, prompt_runs
 from layerscope.decoding.specdec import StepEvent
 from layerscope.stats import bootstrap as B
-from layerscope.stats.correlation import spearman
+from layerscope.stats.correlation import spearman, spearman_rows
 from layerscope.stats.paired import PromptRuns, best_versions, compare_sets, correlate, significant, verdict
 
 
@@ -121,7 +121,7 @@ def test_batched_spearman_equals_the_reference():
     g = gen(6)
     a = torch.randint(0, 4, (50, 7), generator=g).double()          # many ties
     b = torch.randn(50, 7, generator=g, dtype=torch.float64)
-    got = B.spearman_rows(a, b)
+    got = spearman_rows(a, b)
     for i in range(50):
         want = spearman(a[i].tolist(), b[i].tolist())
         assert (want is None and torch.isnan(got[i])) or got[i].item() == pytest.approx(want, abs=1e-12)

@@ -1,5 +1,4 @@
-"""Bootstrap over prompts: resampled indices, ratio-of-sums statistics, percentile intervals, and
-Spearman's ρ for a whole batch of resamples at once.
+"""Bootstrap over prompts: resampled indices, ratio-of-sums statistics, percentile intervals.
 
 Every contender of a study decodes the same prompts, so one set of resampled prompt indices serves
 all of them: a statistic of two contenders under the same resample is a *paired* comparison, and the
@@ -49,18 +48,3 @@ def interval(samples: torch.Tensor, level: float = LEVEL) -> list[float] | None:
     lo, hi = torch.quantile(s, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
     return [lo, hi]
 
-
-def average_ranks(x: torch.Tensor) -> torch.Tensor:
-    """Average ranks (1-based, ties share their mean rank) along the last dim of x [..., n]."""
-    x = x.to(torch.float64)
-    less = (x[..., None, :] < x[..., :, None]).sum(-1)           # [..., n]: how many are smaller
-    equal = (x[..., None, :] == x[..., :, None]).sum(-1)         # ... equal (itself included)
-    return less.to(torch.float64) + (equal.to(torch.float64) + 1) / 2
-
-
-def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Spearman's ρ of every row pair of a, b [B, n] -> [B]; NaN where a row has no spread."""
-    ra, rb = average_ranks(a), average_ranks(b)
-    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
-    den = (ra.square().sum(-1) * rb.square().sum(-1)).sqrt()
-    return torch.where(den > 0, (ra * rb).sum(-1) / den.clamp_min(1e-300), torch.full_like(den, float("nan")))

@@ -1,19 +1,28 @@
-"""Rank correlation between a proxy score and measured acceptance."""
+"""Rank correlation between a proxy score and measured acceptance: average ranks and Spearman's ρ, for one
+pair of lists (`spearman`) or a whole batch of bootstrap resamples at once (`spearman_rows`). Pure functions on
+tensors, no I/O."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:
-    """Average ranks (1-based, ties share their mean rank) of a 1-D tensor."""
-    order = torch.argsort(x, stable=True)
-    r = torch.empty_like(x, dtype=torch.float64)
-    r[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
-    for v in torch.unique(x):
-        tie = x == v
-        r[tie] = r[tie].mean()
-    return r
+    """Average ranks (1-based, ties share their mean rank) along the last dim of x [..., n], float64."""
+    x = x.to(torch.float64)
+    less = (x[..., None, :] < x[..., :, None]).sum(-1)           # [..., n]: how many are smaller
+    equal = (x[..., None, :] == x[..., :, None]).sum(-1)         # ... equal (itself included)
+    return less.to(torch.float64) + (equal.to(torch.float64) + 1) / 2
+
+
+def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Spearman's ρ of every row pair of a, b [B, n] -> [B]; NaN where a row has no spread."""
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
+    den = (ra.square().sum(-1) * rb.square().sum(-1)).sqrt()
+    return torch.where(den > 0, (ra * rb).sum(-1) / den.clamp_min(1e-300), torch.full_like(den, float("nan")))
 
 
 def spearman(a, b) -> float | None:
@@ -22,6 +31,5 @@ def spearman(a, b) -> float | None:
     if len(pairs) < 3:
         return None
     x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*pairs))
-    rx, ry = ranks(x) - (len(pairs) + 1) / 2, ranks(y) - (len(pairs) + 1) / 2
-    denom = (rx.square().sum() * ry.square().sum()).sqrt()
-    return float((rx * ry).sum() / denom) if denom > 0 else None
+    rho = float(spearman_rows(x[None], y[None])[0])
+    return None if math.isnan(rho) else rho                      # NaN: no spread

@@ -6,7 +6,7 @@
     text = verdict(rows, reference, corr)              # plain words
 
 Every set decodes the same prompts in the same benchmark run, so every comparison is paired: one set
-of resampled prompt indices (`metrics.bootstrap.resample`) is applied to every set, and the interval
+of resampled prompt indices (`bootstrap.resample`) is applied to every set, and the interval
 of a difference comes from the differences under the same resamples. A set's statistic is the mean
 over its training seeds of that seed's ratio of sums over the prompts (so with one seed τ is exactly
 the benchmark's τ). Intervals are 95% percentile intervals of 2000 resamples (`bootstrap.LEVEL`,
@@ -25,7 +25,7 @@ import torch
 
 from layerscope import fmt
 from layerscope.stats import bootstrap as B
-from layerscope.stats.correlation import spearman
+from layerscope.stats.correlation import spearman, spearman_rows
 
 METRICS = ("tau", "acceptance", "speedup")
 # The direction in which each proxy is expected to predict τ: more information, less redundancy.
@@ -144,7 +144,7 @@ def correlate(proxies: list[dict[str, dict[str, float | None]]], taus: list[floa
             ci = None
             if rho is not None and None not in x:
                 xb = torch.tensor(x, dtype=torch.float64)[rows]
-                ci = B.interval(B.spearman_rows(xb, tb), level)
+                ci = B.interval(spearman_rows(xb, tb), level)
             out.append({"proxy": proxy, "version": version, "rho": rho, "ci": ci, "sets": n})
     return out
 
