@@ -10,7 +10,7 @@ from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import fmt_seconds, guard, job_status, md_text, number_field, poll_interval, show_error, table
+from layerscope.ui.widgets import guard, job_status, md_text, number_field, poll_interval, show_error, table
 
 s, store = page_header("Capture hidden states",
                        "The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
@@ -110,7 +110,7 @@ def live_capture():
     elif v.finished_ok and v.result:
         r = v.result
         st.caption(f"Capture `{r['key']}`: {r['tokens']:,} tokens"
-                   + (" (served from the store)" if r.get("cached") else f" in {fmt_seconds(r['seconds'])}")
+                   + (" (served from the store)" if r.get("cached") else f" in {fmt.duration(r['seconds'])}")
                    + ". Next: the **Entropy** and **CKA heatmap** pages.")
 
 

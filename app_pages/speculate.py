@@ -25,7 +25,6 @@ from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import (
     chart,
-    fmt_seconds,
     guard,
     highlighted_tokens,
     legend_html,
@@ -150,7 +149,7 @@ with train_col:
                 a, b, c = st.columns(3)
                 a.metric("Tokens seen", f"{m.get('tokens', 0):,}")
                 b.metric("Tokens / s", f"{m.get('tokens_per_s', 0):.0f}")
-                c.metric("ETA", fmt_seconds(m["eta_s"]) if m.get("eta_s") else "—")
+                c.metric("ETA", fmt.duration(m["eta_s"]) if m.get("eta_s") else "—")
             curve = {}
             for p in v.series.get("curve", []):
                 curve.setdefault(p["set"], []).append([p["tokens"], p["accuracy"]])
@@ -178,7 +177,7 @@ with list_col:
         df = pd.DataFrame([{"name": d["name"], "layers": fmt.layers(d["layers"]), "steps": d.get("steps"),
                             "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
                             "held-out agreement per step": ", ".join(fmt.percent(a) for a in (d.get("val_accuracy") or [])),
-                            "trained in": fmt_seconds(d["seconds"]) if d.get("seconds") else None,
+                            "trained in": fmt.duration(d["seconds"]) if d.get("seconds") else None,
                             "stored as": Path(d["path"]).name, "flag": flag or ""} for d, flag in zip(s.drafts, flags)])
         table(df, key="ls_spec_drafts", filename="drafts")
         collapsed = sanity.collapse_warning(s.drafts)

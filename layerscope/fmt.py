@@ -8,6 +8,7 @@ Plain functions, strings out; nothing here imports Streamlit. Every kind of numb
     delta        +0.007                      (a signed τ difference)
     speedup      1.42×
     percent      24.5%                       (acceptance, agreement: a share of 1 as a percentage)
+    duration     72 s · 20 min · 2.5 h       (seconds as words; one decimal below 10 s: 0.4 s)
     interval     1.133 [1.091, 1.160]        (every interval: the value, then [lo, hi] in the same form;
                  1.42× [1.30, 1.55]           a × unit once, on the value)
 
@@ -130,6 +131,19 @@ def when(iso) -> str:
     if t.tzinfo is not None:
         t = t.astimezone()
     return t.strftime("%Y-%m-%d %H:%M")
+
+
+def duration(seconds) -> str:
+    """Seconds as words, as precise as a person reads them: 0.4 s · 72 s · 20 min · 2.5 h (elapsed times and estimates)."""
+    if missing(seconds):
+        return MISSING
+    s = max(0.0, float(seconds))
+    if round(s, 1) < 10:
+        return f"{s:.1f} s"
+    if s < 90:
+        return f"{s:.0f} s"
+    m = s / 60
+    return f"{m:.0f} min" if m < 90 else f"{m / 60:.1f} h"
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

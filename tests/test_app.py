@@ -573,6 +573,13 @@ def test_job_eta_from_recent_progress():
     assert eta_seconds(view(0.3), now=150.0) == pytest.approx(70.0)    # unchanged progress adds no sample
 
 
+def test_seconds_read_as_words_in_one_form():
+    from layerscope import fmt
+
+    assert [fmt.duration(x) for x in (0.42, 9.94, 72, 1200, 9000)] == ["0.4 s", "9.9 s", "72 s", "20 min", "2.5 h"]
+    assert fmt.duration(None) == fmt.MISSING and fmt.duration(-3) == "0.0 s"
+
+
 def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
     from types import SimpleNamespace
 

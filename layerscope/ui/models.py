@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import torch
 
+from layerscope import fmt
 from layerscope.models import load_model
 from layerscope.store import make_key
 
@@ -74,9 +75,7 @@ def load_message(spec: str, store) -> str:
         return f"model {spec} (already loaded)"
     last = store.get_json("ui-model-loads", make_key({"spec": spec}))
     if last and last.get("seconds") is not None:
-        s = float(last["seconds"])
-        took = f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
-        return f"loading model {spec} (the last load took {took})"
+        return f"loading model {spec} (the last load took {fmt.duration(last['seconds'])})"
     return f"loading model {spec} (a first load de-quantizes the weights: up to a few minutes on a small CPU)"
 
 

@@ -13,14 +13,6 @@ UNTRAINED_AGREEMENT = 0.02   # held-out agreement at draft position 1 below this
 SAME_TAU = 3              # this many drafts reading different layers at exactly one τ: they ignore their layers
 
 
-def _fmt_seconds(s: float) -> str:
-    s = max(0.0, float(s))
-    if s < 90:
-        return f"{s:.0f} s"
-    m = s / 60
-    return f"{m:.0f} min" if m < 90 else f"{m / 60:.1f} h"
-
-
 def implausible_speedups(rows) -> list[str]:
     """Drafts whose speedup exceeds their τ: a speculative step costs at least one target forward, so the
     speedup over plain decoding is at most τ; more is timing noise."""
@@ -135,9 +127,9 @@ def study_cost(plan, options, stored_drafts, bench_results) -> str:
                 "store at no cost.")
     per_step = statistics.median(rates)
     train_s = n * steps * per_step
-    text = (f"Estimated cost: {work}; training about {_fmt_seconds(train_s)} ({per_step:.2f} s a step, the median of "
+    text = (f"Estimated cost: {work}; training about {fmt.duration(train_s)} ({per_step:.2f} s a step, the median of "
             f"{len(rates)} draft(s) trained for this model here)")
     if plain:
         bench_s = options.limit * options.max_new_tokens * contenders / plain[-1]
-        text += f", the benchmark about {_fmt_seconds(bench_s)} (at {plain[-1]:.0f} tokens/s, the last plain decoding)"
+        text += f", the benchmark about {fmt.duration(bench_s)} (at {plain[-1]:.0f} tokens/s, the last plain decoding)"
     return text + ". Sets already trained with these options come from the store at no cost."

@@ -10,7 +10,7 @@ from layerscope.session import Session
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.models import device_label
 from layerscope.ui.state import bind_view
-from layerscope.ui.widgets import IMAGE_FORMAT_KEY, fmt_seconds, md_text
+from layerscope.ui.widgets import IMAGE_FORMAT_KEY, md_text
 
 # The page that shows a job of each kind (url paths of app.py's pages).
 JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.py",
@@ -54,7 +54,7 @@ def _running_jobs(owner: str) -> None:
     st.markdown("**Running**")
     for j in jobs:
         v = j.view()
-        st.progress(v.progress or 0.0, text=f"{v.title} · {fmt_seconds(v.elapsed)}")
+        st.progress(v.progress or 0.0, text=f"{v.title} · {fmt.duration(v.elapsed)}")
         page = JOB_PAGES.get(v.kind)
         if page:
             st.page_link(page, label="Follow it on its page", icon=":material/arrow_forward:")

@@ -14,7 +14,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from layerscope import workflow
+from layerscope import fmt, workflow
 from layerscope.capture.run import CaptureOptions
 from layerscope.decoding.bench import BenchOptions, Tally
 from layerscope.draft import builtin, probe
@@ -202,7 +202,7 @@ def online_train_job(*, store, model: str, sets: list[tuple[str, list[int], str 
             elif isinstance(p, TrainProgress):
                 job.update(0.2 + 0.8 * p.fraction,
                            f"{p.tokens:,} tokens · {p.tokens_per_s:.0f} tok/s" +
-                           (f" · ETA {p.eta_s / 60:.0f} min" if p.eta_s else ""),
+                           (f" · ETA {fmt.duration(p.eta_s)}" if p.eta_s else ""),
                            phase=p.phase, tokens=p.tokens, tokens_per_s=p.tokens_per_s, eta_s=p.eta_s,
                            loss=dict(zip(names, p.loss)), val=dict(zip(names, [v[0] if v else None for v in p.val])))
                 for name, v in zip(names, p.val):

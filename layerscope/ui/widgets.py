@@ -147,14 +147,6 @@ def _formatted_number(col) -> bool:
 
 # ---------------------------------------------------------------------------- jobs
 
-def fmt_seconds(s: float) -> str:
-    s = max(0.0, float(s))
-    if s < 60:
-        return f"{s:.1f} s"
-    m, s = divmod(int(s), 60)
-    return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
-
-
 JOB_WORDS = {"bench": "benchmark", "train": "training", "analysis-compare": "comparison"}
 CANCEL_OWNER_KEY = "ls_cancel_owner"     # job id -> the widget key that draws its cancel button this run
 _SAMPLES: dict[str, list[tuple[float, float]]] = {}   # job id -> recent (time, progress) seen by any tab
@@ -202,10 +194,10 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
         rate = rate_text(view)
         if rate:
             parts.append(rate)
-        parts.append(f"{fmt_seconds(view.elapsed)} elapsed")
+        parts.append(f"{fmt.duration(view.elapsed)} elapsed")
         eta = eta_seconds(view)
         if view.state == "running":
-            parts.append(f"about {fmt_seconds(eta)} left" if eta is not None else "estimating time left…")
+            parts.append(f"about {fmt.duration(eta)} left" if eta is not None else "estimating time left…")
         st.progress(p, text=" · ".join(parts))
         owners = st.session_state.setdefault(CANCEL_OWNER_KEY, {})
         if show_cancel and not view.cancel_requested and owners.setdefault(view.id, key) == key:
@@ -215,10 +207,10 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
     elif view.state == FAILED:
         show_error(view.error or "The job failed", view.fix)
     elif view.state == CANCELLED:
-        st.warning(f"{md_text(view.title)} was cancelled after {fmt_seconds(view.elapsed)}. "
+        st.warning(f"{md_text(view.title)} was cancelled after {fmt.duration(view.elapsed)}. "
                    + (view.fix or ""), icon=":material/stop_circle:")
     elif view.state == DONE:
-        st.success(f"{md_text(view.title)}: done in {fmt_seconds(view.elapsed)}.", icon=":material/check_circle:")
+        st.success(f"{md_text(view.title)}: done in {fmt.duration(view.elapsed)}.", icon=":material/check_circle:")
 
 
 def poll_interval(view: JobView | None, seconds: float = 1.0) -> float | None:
