@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import plotly.graph_objects as go
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from layerscope import plots
+from layerscope.ui import image_export
 
 
 def _cka(n: int) -> np.ndarray:
@@ -146,10 +149,7 @@ def test_config_and_html_export():
 
 
 def test_plots_does_not_import_streamlit():
-    import subprocess
-    import sys
-
-    code = "import sys, layerscope.plots, layerscope.session; print('streamlit' in sys.modules)"
+    code = "import sys, layerscope.plots, layerscope.ui.image_export, layerscope.session; print('streamlit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -169,14 +169,14 @@ def test_set_comparison_labels_stand_upright():
 
 @pytest.mark.browser
 def test_figure_image_png_and_svg_rendered_by_chromium():
-    if plots.chromium_path() is None:
+    if image_export.chromium_path() is None:
         pytest.fail("no chromium: install Debian's chromium (apt-get install -y chromium) for static image export")
     fig = plots.entropy_curve({"dataset": [1.0, 2.0, 1.5]}, sets={"default": [1]}, title="export check")
-    png = plots.figure_image(fig, "png", width=400, height=300, scale=1)
+    png = image_export.figure_image(fig, "png", width=400, height=300, scale=1)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert (width, height) == (400, 300)
-    svg = plots.figure_image(fig, "svg", width=400, height=300).decode()
+    svg = image_export.figure_image(fig, "svg", width=400, height=300).decode()
     assert svg.startswith("<svg") and "export check" in svg and svg.rstrip().endswith("</svg>")
     with pytest.raises(ValueError):
-        plots.figure_image(fig, "gif")
+        image_export.figure_image(fig, "gif")

@@ -13,6 +13,7 @@ import streamlit as st
 
 from layerscope import fmt, plots
 from layerscope.errors import LayerScopeError
+from layerscope.ui import image_export
 from layerscope.ui.jobs import CANCELLED, DONE, FAILED, JobView, get_manager
 
 log = logging.getLogger("layerscope.ui")
@@ -88,8 +89,8 @@ def image_buttons(fig, *, key: str, filename: str) -> None:
 def _image_maker(fig, fmt: str):
     def make() -> bytes:
         try:
-            return plots.figure_image(fig, fmt)
-        except plots.ImageExportError as e:   # the browser gets a short text file saying why
+            return image_export.figure_image(fig, fmt)
+        except image_export.ImageExportError as e:   # the browser gets a short text file saying why
             log.warning("static image export failed: %s", e)
             return f"LayerScope could not render this chart as {fmt.upper()}: {e}\n".encode()
     return make
