@@ -1,5 +1,6 @@
-"""The probe (layerscope/draft/probe.py): closed form against lstsq, streaming against in-memory, a planted layer
-found by the search, the `probe` strategy, the CLI's JSON and the study's proxy verdict."""
+"""The probe (layerscope/draft/probe.py, its algebra layerscope/stats/ridge.py): closed form against lstsq,
+streaming against in-memory, a planted layer found by the search, the `probe` strategy, the CLI's JSON and the
+study's proxy verdict."""
 
 import json
 
@@ -8,6 +9,7 @@ import torch
 
 from layerscope.capture.format import chunk_name, file_sha256
 from layerscope.draft import probe as P
+from layerscope.stats import ridge as R
 from layerscope.stats import select as S
 from layerscope.store import atomic_save_tensors, make_key
 from tests.helpers import gen
@@ -84,7 +86,7 @@ def in_memory_rows(cap, weights, layers, p):
     """The probe's rows read the plain way: whole layers, then indexed (x at p−1, embedding of token p, y at p)."""
     tok = cap.tokens()["token_id"]
     X = torch.cat([cap.layer(l)[p - 1] for l in layers] + [weights.embed[tok[p]]], dim=1).double()
-    return P.with_bias(X), cap.layer(cap.num_layers)[p].double()
+    return R.with_bias(X), cap.layer(cap.num_layers)[p].double()
 
 
 def test_gram_blocks_give_the_lstsq_ridge_solution_in_any_block_order():
@@ -92,15 +94,15 @@ def test_gram_blocks_give_the_lstsq_ridge_solution_in_any_block_order():
     d, blocks, n = 5, 4, 300
     x = torch.randn(n, blocks * d, generator=g, dtype=torch.float64) + 0.3
     y = x[:, :d] @ torch.randn(d, d, generator=g, dtype=torch.float64) + torch.randn(n, d, generator=g, dtype=torch.float64)
-    gram = P.Gram(blocks, d)
+    gram = R.Gram(blocks, d)
     for i in range(0, n, 77):                                     # accumulated in uneven batches
         gram.add(x[i:i + 77], y[i:i + 77])
     for idx in ([2, 0], [3], [1, 3, 0, 2]):
         A, B = gram.system(idx)
-        X = P.with_bias(x[:, P.block_columns(idx, d)])
+        X = R.with_bias(x[:, R.block_columns(idx, d)])
         assert torch.allclose(A, X.T @ X, rtol=0, atol=1e-9) and torch.allclose(B, X.T @ y, rtol=0, atol=1e-9)
         for lam in (1e-3, 0.3, 5.0):
-            W = P.ridge(A, B, lam)
+            W = R.ridge(A, B, lam)
             ref = lstsq_ridge(X, y, lam)
             assert (W - ref).abs().max() < 1e-8 * max(1.0, float(ref.abs().max())), (idx, lam)
 
@@ -117,11 +119,11 @@ def test_the_map_does_not_depend_on_the_scale_of_a_block():
     big[:, :d] *= 1e4                                              # block 0 in other units; block 1 carries y
     preds = []
     for rows in (x, big):
-        X = P.with_bias(rows)
-        W = P.ridge(X.T @ X, X.T @ y, 0.1)
+        X = R.with_bias(rows)
+        W = R.ridge(X.T @ X, X.T @ y, 0.1)
         preds.append(X @ W)
     assert torch.allclose(preds[0], preds[1], rtol=0, atol=1e-8)
-    X = P.with_bias(big)
+    X = R.with_bias(big)
     A = X.T @ X
     old_lam = 0.1 * float((A.diagonal()[:-1] - A[-1, :-1] ** 2 / n).mean())   # one λ for all, from the mean
     old = X @ torch.linalg.solve(A + old_lam * torch.diag(torch.cat([torch.ones(2 * d), torch.zeros(1)]).double()), X.T @ y)
