@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from layerscope import preflight
+from layerscope import disk, preflight
 from layerscope.capture import run as capture_mod
 from layerscope.capture.run import CaptureOptions, CaptureResult
 from layerscope.decoding import bench as bench_mod
@@ -75,7 +75,7 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
             should_stop: Callable[[], bool] | None = None) -> Captured:
     """Every layer's hidden states of `model` over the prompt set `prompts`, stored under captures/<key>."""
     options.validate()                                      # bad options fail before the model loads
-    preflight.writable(store)                               # ... and so does a read-only store
+    disk.writable(store)                               # ... and so does a read-only store
     prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed, cache=store.root / "prompts")
     target = load(model, store)
     result = capture_mod.capture(target, prompt_set, store, progress=progress, should_stop=should_stop,

@@ -28,7 +28,7 @@ import diskcache
 import pytest
 from safetensors import safe_open
 
-from layerscope import cli, preflight
+from layerscope import cli, disk
 from layerscope.draft.check import check_draft
 from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.draft.engines import target_facts
@@ -134,7 +134,7 @@ def test_full_disk_is_one_line_everywhere_and_the_index_is_never_quarantined(tmp
         shutil.rmtree(kept)
 
         with pytest.raises(StoreWriteError, match="Not enough free space"):
-            preflight.need_space(disk, 10 * 2**20, "a capture")
+            disk.need_space(disk, 10 * 2**20, "a capture")
 
         # the app's worker: an OSError of a full disk is the same one line, not "a bug in LayerScope"
         out = run_job(lambda job: (disk / "more").write_bytes(b"x" * 2**20), SimpleNamespace(should_stop=lambda: False),
@@ -217,7 +217,7 @@ def test_read_only_store_reads_and_lists_and_every_write_is_one_line(tmp_path, t
             assert s.get_json("analysis", "kept") == {"x": 1}
             assert s.open_capture(tiny_capture.key[:8]).num_tokens == tiny_capture.num_tokens
         with pytest.raises(StoreWriteError, match="read-only"):
-            preflight.writable(s)
+            disk.writable(s)
         with pytest.raises(StoreWriteError, match="read-only") as e:
             save_draft(s.path("drafts", "new"), untrained_draft(tiny.model, (1, 2, 3)), target=tiny)
         kept = Path(re.search(r"written to (\S+) instead", e.value.fix)[1])      # kept outside the store

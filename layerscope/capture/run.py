@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from layerscope import distributed, preflight
+from layerscope import disk, distributed
+from layerscope.capture import size
 from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
@@ -140,8 +141,8 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
             raise CaptureError("No prompt fits the model's context", "Lower --max-new-tokens or choose shorter prompts")
     else:
         _check_lengths(encoded, prompts, opts, loaded.context_length)
-    preflight.writable(store)              # a read-only or full store fails before the first batch is computed
-    preflight.need_space(store.root, preflight.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
+    disk.writable(store)              # a read-only or full store fails before the first batch is computed
+    disk.need_space(store.root, size.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
                                                             opts.batch_size, loaded.num_layers, loaded.hidden_size,
                                                             store.partial_capture_dir(key)), f"capture {key}")
     if distributed.active():     # under torchrun every rank writes its range of the batches (_capture_ranks)

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from layerscope import machine, preflight, workflow
+from layerscope import disk, machine, preflight, workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.decoding import specdec
 from layerscope.decoding.bench import BenchOptions, folder_names, format_table
@@ -97,7 +97,7 @@ def run(args) -> int:
     paths = [builtin.resolve(d, args.model, store) for d in args.draft]
     preflight.bench_drafts(paths)           # a missing or looping --draft: one line before the model loads
     if args.save_json:
-        preflight.directory_writable(Path(args.save_json).expanduser().parent)   # before the model loads
+        disk.directory_writable(Path(args.save_json).expanduser().parent)   # before the model loads
     options = options_from_args(args)
     shown = 0.0
     with Progress("bench", unit="run") as bar:

@@ -1,0 +1,63 @@
+"""The disk under the store: can a file be written there, and is there room for what a step will write.
+
+    writable(store)                      the store takes a new file (a real probe: root and a read-only mount)
+    directory_writable(directory)        the same for any directory (or its nearest existing ancestor)
+    free_bytes(directory)                bytes free to this user on the disk holding `directory`
+    need_space(directory, nbytes, what)  the disk holding `directory` has room for an estimated output
+                                         (MARGIN over the estimate, plus RESERVE for the index and small files)
+Every failure is a StoreWriteError (one line naming the problem and the fix); nothing has been written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from layerscope.store import Store, StoreWriteError, write_error
+
+MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
+RESERVE = 8 * 2**20            # ... and by 8 MiB (the index, locks, small JSON files)
+
+
+def writable(store: Store) -> None:
+    """StoreWriteError (read-only, full, not permitted) unless a file can be created in the store root.
+    A real probe: os.access says yes to root on a read-only directory, and to anyone before a mount check."""
+    directory_writable(store.root)
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes available to this user on the disk holding `directory` (its nearest existing ancestor)."""
+    d = Path(directory)
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
+
+
+def need_space(directory: Path, nbytes: int | None, what: str) -> None:
+    """StoreWriteError when the disk holding `directory` has less free space than `what` needs (about nbytes)."""
+    if not nbytes:
+        return
+    free = free_bytes(directory)
+    if free < nbytes * MARGIN + RESERVE:
+        raise StoreWriteError(f"Not enough free space for {what}: it needs about {mib(nbytes)}, the disk holding "
+                              f"{directory} has {mib(free)} free",
+                              "Free disk space or pass --store on a larger disk (nothing was written)")
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def directory_writable(directory: Path) -> None:
+    """A file can be created in `directory`, or in its nearest existing ancestor (which then gets the folders)."""
+    d = Path(directory)
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".preflight-", suffix=".tmp")
+    except OSError as e:
+        raise write_error(e, Path(directory) / ".preflight") from None
+    os.close(fd)
+    os.unlink(probe)
