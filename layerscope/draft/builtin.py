@@ -2,7 +2,7 @@
 
 A new user should see speculative decoding pay before training anything, so the package carries one trained
 EAGLE-3 draft for SmolLM2-135M reading the default layer set [2, 15, 27] (bfloat16, no embedding: it shares
-the target's). It is an ordinary draft directory (layerscope/draft/export.py) plus TRAINED.md, the command
+the target's). It is an ordinary draft directory (layerscope/draft/checkpoint.py) plus TRAINED.md, the command
 that trained it and its learning curve, written by `ship` (scripts/ship_draft.py).
 
     SHIPPED                          model alias -> folder under layerscope/data/drafts/
