@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from layerscope import fmt
 
@@ -374,8 +375,6 @@ def set_comparison(
     rows: [{"name": ..., "layers": [...], <metric>: value, ...}]; a metric missing from every row is
     skipped; a missing value is left blank.
     """
-    from plotly.subplots import make_subplots
-
     metrics = [m for m in metrics if any(r.get(m) is not None for r in rows)]
     if not metrics:
         raise ValueError("set_comparison needs at least one metric present in the rows")
@@ -408,8 +407,6 @@ def bench_comparison(
 ) -> go.Figure:
     """τ and speedup of several drafts (and baselines) side by side, from benchmark result rows, each with its
     interval as an error bar where the row has one (`tau_ci`, `speedup_ci`)."""
-    from plotly.subplots import make_subplots
-
     if not results:
         raise ValueError("bench_comparison needs at least one result")
     fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain)"], horizontal_spacing=0.12)
@@ -544,8 +541,6 @@ def study_proxies(
     and the drafts' own held-out agreement at position 1 where the rows have them. Each panel's title gives
     the proxy's Spearman ρ with τ and its 95% interval, read from `correlations` (`study --json`'s: proxy,
     version, rho, ci). rows: `study --json` rows (`proxies[version]`, `probe`, `val_accuracy`)."""
-    from plotly.subplots import make_subplots
-
     if not rows:
         raise ValueError("study_proxies needs at least one row")
     # (proxy, the version its correlation is filed under, x per row)
@@ -594,8 +589,6 @@ def training_curves(
 
     history: [{"step": int, "loss": float, "accuracy": [acc step 1, acc step 2, ...]}, ...]
     """
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=1, cols=2, subplot_titles=["loss", "accuracy per draft step"])
     steps = [int(h["step"]) for h in history]
     fig.add_trace(go.Scatter(x=steps, y=[float(h["loss"]) for h in history], mode="lines", name="loss",

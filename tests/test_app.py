@@ -11,22 +11,30 @@ from __future__ import annotations
 import json
 import re
 import time
+from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from layerscope import fmt
 from layerscope import session as sessions
 from layerscope.decoding import specdec
 from layerscope.draft.train import TrainOptions
+from layerscope.ui.apply import toggle_picks
+from layerscope.ui.jobs import JobView, get_manager
+from layerscope.ui.recommend import set_label
+from layerscope.ui.report import session_report
+from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
+from layerscope.ui.widgets import display_frame, eta_seconds, option_changes
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
 
 
 def manager():
-    from layerscope.ui.jobs import get_manager
-
     return get_manager()
 
 
@@ -476,8 +484,6 @@ def test_view_state_survives_page_changes_and_share_links(app_store, copy_of):
 
 
 def test_heatmap_picks_can_be_unpicked(app_store, copy_of):
-    from layerscope.ui.apply import toggle_picks
-
     assert toggle_picks([], [1, 3]) == [1, 3]
     assert toggle_picks([1, 3], [1, 3]) == []            # the same cell again unpicks
     assert toggle_picks([1, 3], [3, 3]) == [1]           # a diagonal cell unpicks its layer
@@ -545,10 +551,6 @@ def test_entropy_threshold_line_follows_the_slider_and_a_recompute_can_be_undone
 
 
 def test_tables_show_missing_values_as_a_dash():
-    import pandas as pd
-
-    from layerscope.ui.widgets import display_frame, option_changes
-
     df = pd.DataFrame({"name": ["a", None], "tau": [1.25, None], "layers": [[1, 2], [3]]})
     shown = display_frame(df)
     assert list(shown["name"]) == ["a", "—"] and list(shown["tau"]) == ["1.250", "—"]
@@ -559,9 +561,6 @@ def test_tables_show_missing_values_as_a_dash():
 
 
 def test_job_eta_from_recent_progress():
-    from layerscope.ui.jobs import JobView
-    from layerscope.ui.widgets import eta_seconds
-
     def view(p):
         return JobView(id="eta-test", owner="o", kind="capture", title="t", state="running", progress=p, message="",
                        metrics={}, series={}, result=None, error=None, fix=None, created=0.0, started=0.0,
@@ -574,18 +573,11 @@ def test_job_eta_from_recent_progress():
 
 
 def test_seconds_read_as_words_in_one_form():
-    from layerscope import fmt
-
     assert [fmt.duration(x) for x in (0.42, 9.94, 72, 1200, 9000)] == ["0.4 s", "9.9 s", "72 s", "20 min", "2.5 h"]
     assert fmt.duration(None) == fmt.MISSING and fmt.duration(-3) == "0.0 s"
 
 
 def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
-    from types import SimpleNamespace
-
-    from layerscope.ui.recommend import set_label
-    from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
-
     rows = [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
             {"name": "default", "layers": [2, 15, 27], "tau": 1.12, "speedup": 1.21}]
     warnings = bench_warnings(rows, prompts=4)
@@ -606,10 +598,6 @@ def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
 
 
 def test_session_report_is_one_self_contained_page(app_store, copy_of):
-    from html.parser import HTMLParser
-
-    from layerscope.ui.report import session_report
-
     s = sessions.load(app_store, copy_of)
     s.name = "<script>alert(1)</script> **bold**"
     s.add_layer_set("mine & yours", [1, 2])

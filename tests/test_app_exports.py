@@ -17,6 +17,8 @@ from streamlit.testing.v1 import AppTest
 
 from layerscope import session as sessions
 from layerscope.draft.checkpoint import read_meta, save_draft
+from layerscope.store import Store
+from layerscope.ui.report import session_report
 from layerscope.ui.tasks import draft_entry
 from tests.helpers import untrained_draft
 from tests.test_app import APP, settle
@@ -134,8 +136,6 @@ def test_engine_export_refusal_is_one_clear_line(app_store, tiny):
 
 
 def test_sessions_page_exports_with_drafts_and_imports_them_into_this_store(app_store, tiny, tmp_path):
-    from layerscope.store import Store
-
     here = saved_draft(app_store, tiny, "three", (1, 2, 3))
     gone = dict(here, name="gone", path=str(tmp_path / "not-here"))
     sid = session_with(app_store, tiny, [here, gone])
@@ -185,8 +185,6 @@ def test_sessions_page_names_a_draft_that_does_not_load_and_offers_no_archive(ap
 
 
 def test_session_report_shows_intervals_and_the_study_verdict():
-    from layerscope.ui.report import session_report
-
     bench_entry = {"prompts": 40, "prompt_set": "sharegpt-heldout", "max_new_tokens": 16, "device": "cpu",
                    "intervals": {"level": 0.95, "prompts": 40, "draws": 2000, "reference": "d"},
                    "results": [{"name": "autoregressive", "tau": 1.0, "tau_ci": [1.0, 1.0], "speedup": 1.0,

@@ -10,8 +10,9 @@ import pytest
 
 from layerscope import fmt
 from layerscope import session as sessions
-from layerscope.ui import recommend, sanity
+from layerscope.ui import apply, recommend, sanity
 from layerscope.ui.recommend import Evidence, Ranked
+from layerscope.ui.report import session_report
 from tests.test_app import captured, copy_of, frame_with, new_app, no_exception, plain, settle  # noqa: F401
 
 SETS, SPEC, CKA = "app_pages/layer_sets.py", "app_pages/speculate.py", "app_pages/cka.py"
@@ -102,8 +103,6 @@ def tiny_study(s, measured: dict) -> dict:
 
 
 def test_the_page_and_the_report_change_when_a_study_measures_otherwise(app_store, copy_of):
-    from layerscope.ui.report import session_report
-
     s = sessions.load(app_store, copy_of)
     before = session_report(s)
     assert "Recommended: the default rule [1, 2]" in before and "nothing measured" in before
@@ -260,8 +259,6 @@ def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):
 
 
 def test_a_new_study_becomes_the_shown_one(app_store, copy_of):
-    from layerscope.ui import apply
-
     s = sessions.load(app_store, copy_of)
     s.study = [tiny_study(s, {(1, 2): (1.30, 0.0, [0.0, 0.0]), (2, 3): (1.31, 0.01, [-0.02, 0.04])}),
                tiny_study(s, {(1, 2): (1.32, 0.0, [0.0, 0.0]), (1, 3): (1.33, 0.01, [-0.02, 0.04])})]

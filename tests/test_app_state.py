@@ -8,6 +8,7 @@ that session through ``?session=ID``.
 from __future__ import annotations
 
 from layerscope import session as sessions
+from layerscope.draft import builtin
 from tests.test_app import captured, copy_of, new_app, no_exception, plain, settle, start_tiny_capture  # noqa: F401
 
 ENTROPY, CKA, SPEC, SETS, CAPTURE = ("app_pages/entropy.py", "app_pages/cka.py", "app_pages/speculate.py",
@@ -159,8 +160,6 @@ def test_letters_in_a_number_field_are_refused_not_turned_into_its_minimum(app_s
 
 
 def test_a_new_session_meets_the_builtin_draft_preselected_and_its_k_choice_sticks(app_store):
-    from layerscope.draft import builtin
-
     at = new_app().run()
     at.switch_page(SPEC).run()
     no_exception(at)

@@ -12,10 +12,10 @@ import streamlit as st
 
 from layerscope import fmt, layerset, plots
 from layerscope.session import Session
-from layerscope.stats.select import default_layers
+from layerscope.stats.analysis import LayerStats
 from layerscope.ui import tasks
 from layerscope.ui.jobs import StatsTag, get_manager
-from layerscope.ui.state import add_note
+from layerscope.ui.state import add_note, commit
 
 # ---------------------------------------------------------------------------- prompts
 
@@ -186,8 +186,6 @@ def collect(s: Session) -> bool:
     Called on every run (app.py), so a job that finished while its page was not open, or before a
     browser refresh, lands in the session all the same. Returns whether anything changed.
     """
-    from layerscope.ui.state import commit
-
     changed = False
     for kind, apply_fn in APPLIERS.items():
         job = get_manager().latest(s.id, kind)
@@ -220,7 +218,7 @@ def colors(s: Session) -> dict:
     sets = ([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts]
             + [r["layers"] for study in s.study for r in study.get("rows") or []]
             + [r["layers"] for b in s.bench_results for r in b.get("results") or [] if r.get("layers")])
-    return plots.palette(sets, default=default_layers(n)[0] if n else None)
+    return plots.palette(sets, default=layerset.default_layers(n)[0] if n else None)
 
 
 def run_label(res: dict, i: int) -> str:
@@ -253,8 +251,6 @@ def kernel_of(stats: dict) -> str:
 
 def layer_stats(stats: dict):
     """A LayerStats from a statistics dict (the session's snapshot)."""
-    from layerscope.stats.analysis import LayerStats
-
     return LayerStats.from_dict(stats)
 
 

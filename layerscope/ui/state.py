@@ -12,6 +12,8 @@ import streamlit as st
 from layerscope import session as sessions
 from layerscope.errors import SessionError
 from layerscope.session import Session
+from layerscope.store import Store, default_root
+from layerscope.ui.models import device_label
 
 SESSION_KEY = "ls_session"
 NOTICE_KEY = "ls_session_notice"
@@ -20,15 +22,11 @@ STAMP_KEY = "ls_session_stamp"      # mtime of the stored archive this tab last 
 
 @st.cache_resource(show_spinner=False)
 def _store(root: str):
-    from layerscope.store import Store
-
     return Store(root)
 
 
 def get_store():
     """The Store at $LAYERSCOPE_STORE (else ./cache), one object per root per server process."""
-    from layerscope.store import default_root
-
     return _store(str(default_root()))
 
 
@@ -100,8 +98,6 @@ def switch_to(s: Session) -> None:
 
 def commit(s: Session) -> None:
     """Save the session into the store now (atomic), so refreshes and share links see this state."""
-    from layerscope.ui.models import device_label
-
     s.device = s.device or device_label()
     store = get_store()
     sessions.save(s, store)

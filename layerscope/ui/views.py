@@ -6,6 +6,7 @@ import streamlit as st
 
 from layerscope.ui import apply
 from layerscope.ui.jobs import get_manager
+from layerscope.ui.state import active_session, get_store
 from layerscope.ui.widgets import job_status, poll_interval, wait_briefly
 
 
@@ -67,8 +68,6 @@ def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dic
 
 def page_header(title: str, caption: str):
     """Every page's opening: its title and one-paragraph caption; returns (the tab's Session, the Store)."""
-    from layerscope.ui.state import active_session, get_store
-
     s, store = active_session(), get_store()
     st.title(title)
     st.caption(caption)

@@ -102,7 +102,7 @@ MISSING = fmt.MISSING
 def display_frame(df, na: dict | None = None):
     """`df` for the screen: every cell through the one formatter (`layerscope.fmt.cell`: numbers in one form, never
     an exponent cut short; layer lists in full; missing values "—", or `na[column]` for that column)."""
-    import pandas as pd
+    import pandas as pd  # here, not at the top: the app's shell and Home page start without pandas
 
     out = {}
     for c in df.columns:
