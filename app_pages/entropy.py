@@ -7,10 +7,9 @@ from dataclasses import asdict
 import pandas as pd
 import streamlit as st
 
-from layerscope import plots
+from layerscope import layerset, plots
 from layerscope.stats.analysis import AnalysisOptions
 from layerscope.stats.entropy import KERNELS
-from layerscope.stats.select import default_layers
 from layerscope.ui import apply
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
@@ -179,7 +178,7 @@ if stats is not None:
             live_job(s.id, "analysis-compare", key="ent_cmp")
         elif job is not None:
             job_status(job.view(), key="ent_cmp")
-    default, _ = default_layers(n)
+    default, _ = layerset.default_layers(n)
     sets = apply.sets_for_display(s, extra=[("default", default)])
     fig = plots.entropy_curve(curves, sets=sets, title=f"Matrix entropy per layer (α = {stats['alpha']:g})",
                               y_title="normalized entropy" if norm else "entropy (nats)",

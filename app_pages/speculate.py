@@ -8,13 +8,12 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, machine, plots
+from layerscope import fmt, layerset, machine, plots
 from layerscope.decoding import specdec
 from layerscope.decoding.bench import auto_note, interval_note
 from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.draft.train import TrainOptions
-from layerscope.stats.select import default_layers
 from layerscope.study.run import online_settings
 from layerscope.ui import sanity, tasks
 from layerscope.ui.apply import colors as palette_of
@@ -59,8 +58,8 @@ n = s.num_layers or 0
 # ---------------------------------------------------------------------------- drafts
 st.header("1 · Drafts")
 sets = [(x["name"], x["layers"], x["strategy"]) for x in s.layer_sets]
-if n and not any(tuple(x[1]) == tuple(default_layers(n)[0]) for x in sets):
-    sets.append(("default", default_layers(n)[0], "default"))
+if n and not any(tuple(x[1]) == tuple(layerset.default_layers(n)[0]) for x in sets):
+    sets.append(("default", layerset.default_layers(n)[0], "default"))
 train_col, list_col = st.container(), st.container()     # one above the other: side by side, the tables were cut
 with train_col:
     st.subheader("Train drafts")

@@ -10,6 +10,9 @@ set gets the same one line wherever it is typed.
                                     (n None: the depth is not known yet, only layers >= 0)
     check_sets(sets, n, name, error) every set checked and sorted; a set given twice is refused
     is_valid(layers, bound)         the same rule as a yes/no, for files being validated (sessions)
+    default_rule(n)                 [2, N//2, N-3] as written: the set vLLM, SGLang, EAGLE and speculators default to
+    default_layers(n)               that rule as a layer set (shallow models: only the distinct layers in 0..N-1)
+                                    and a note saying what was dropped
 
 `name` is how the message names the set ("--layers" on the command line, "Layer set" elsewhere); `error`
 the LayerScopeError subclass the caller raises (SelectionError, DraftError).
@@ -76,6 +79,22 @@ def is_valid(layers, bound: int | None = None) -> bool:
     if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
         return False
     return len(set(layers)) == len(layers) and all(0 <= x and (bound is None or x < bound) for x in layers)
+
+
+def default_rule(n: int) -> list[int]:
+    """[2, N//2, N-3] for a target of `n` decoder layers, as written (for a very shallow model some are repeats
+    or outside 0..N-1): the set the serving engines read when a draft names none (draft/engines.py)."""
+    n = int(n)
+    return [2, n // 2, n - 3]
+
+
+def default_layers(n: int) -> tuple[list[int], str]:
+    """(the default rule as a layer set, a note): [2, N//2, N-3] with layers outside 0..N-1 and repeats dropped
+    for very shallow models; the note says so ("" when nothing was dropped)."""
+    rule = default_rule(n)
+    layers = sorted({l for l in rule if 0 <= l < n})
+    note = "" if len(layers) == 3 else f"rule gives {rule} for N={n}; kept the distinct layers in 0..{n - 1}"
+    return layers, note
 
 
 def _no_repeats(layers: list[int], shown: str, error) -> None:

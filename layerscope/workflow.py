@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from layerscope import disk, preflight
+from layerscope import disk, layerset, preflight
 from layerscope.capture import run as capture_mod
 from layerscope.capture.run import CaptureOptions, CaptureResult
 from layerscope.decoding import bench as bench_mod
@@ -160,7 +160,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
 def layers_from_strategy(store: Store, cap, strategy: str, k: int) -> list[int]:
     """The layer set a selection strategy proposes for a capture (`default` needs no statistics)."""
     if strategy == "default":
-        return select_mod.default_layers(cap.num_layers)[0]
+        return layerset.default_layers(cap.num_layers)[0]
     return select_mod.select(analyze_capture(cap, store, AnalysisOptions()), strategy, k).layers
 
 

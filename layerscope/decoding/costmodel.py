@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from layerscope import blas, machine
+from layerscope import blas, layerset, machine
 from layerscope.decoding import bench, specdec
 from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
@@ -177,10 +177,10 @@ def measure_draft(model, draft, *, max_rows: int = DRAFT_ROWS, cache_length: int
 
 
 def default_draft(loaded) -> DraftHead:
-    """An untrained draft of the shape `train-draft` builds by default: it costs what a trained one costs."""
+    """An untrained draft of the shape `train-draft` builds by default (the default rule's layers): it costs what
+    a trained one costs."""
     cfg = loaded.model.config
-    n = cfg.num_hidden_layers
-    layers = sorted({max(n // 15, 0), n // 2, max(n - 3, 0)})
+    layers, _ = layerset.default_layers(cfg.num_hidden_layers)
     V = min(TrainOptions.draft_vocab, cfg.vocab_size)
     d2t, t2d = build_draft_vocab(torch.arange(cfg.vocab_size), V, cfg.vocab_size)       # the first V ids
     head = DraftHead(DraftConfig.from_target(cfg, layers, V), embed_weight=loaded.model.get_input_embeddings().weight,

@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerscope import layerset
 from layerscope.errors import DraftError
 
 ENGINES = ("vllm", "sglang", "specforge", "speculators")
@@ -74,8 +75,7 @@ def default_layers(engine: str, num_layers: int) -> list[int]:
     (specforge/algorithms/model_providers.py resolve_eagle_capture_layers), i.e. the same layers;
     speculators: resolve_target_layer_ids -> [2, N//2, N-3] (src/speculators/models/utils.py)."""
     _check_engine(engine)
-    n = int(num_layers)
-    return [2, n // 2, n - 3]
+    return layerset.default_rule(num_layers)
 
 
 def refusal(engine: str, layers: list[int], facts: TargetFacts) -> str | None:

@@ -2,7 +2,7 @@
 
 Every strategy reads a `LayerStats` (per-layer entropies, pairwise CKA; see `analysis.py`) and
 returns a `Selection`. Drafts may read layers 0..N-1 (N is the final state). Strategies:
-    default        [2, N//2, N-3], the rule vLLM, SGLang and EAGLE use
+    default        [2, N//2, N-3], the rule vLLM, SGLang and EAGLE use (layerset.default_layers)
     entropy-topk   the k most informative layers (highest matrix entropy)
     greedy         mRMR: start from the most informative layer, then repeatedly add the layer with
                    the largest  normalized entropy - λ · mean CKA to the layers already chosen
@@ -108,14 +108,6 @@ def _selection(stats, strategy, layers, lam, objective: dict, **extra) -> Select
 
 # ---- strategies ----------------------------------------------------------------------------------
 
-def default_layers(n: int) -> tuple[list[int], str]:
-    """[2, N//2, N-3], with layers outside 0..N-1 and repeats dropped for very shallow models."""
-    rule = [2, n // 2, n - 3]
-    layers = sorted({l for l in rule if 0 <= l < n})
-    note = "" if len(layers) == 3 else f"rule gives {rule} for N={n}; kept the distinct layers in 0..{n - 1}"
-    return layers, note
-
-
 def top_by_entropy(hn: torch.Tensor, candidates: list[int], k: int) -> list[int]:
     """The k highest entropies among candidates; ties toward the lower layer."""
     return sorted(sorted(candidates, key=lambda l: (-float(hn[l]), l))[:k])
@@ -185,7 +177,7 @@ def _manual(stats, r: Request) -> Selection:
 
 
 def _default(stats, r: Request) -> Selection:
-    chosen, note = default_layers(stats.num_layers)
+    chosen, note = layerset.default_layers(stats.num_layers)
     if r.k != 3:
         note = (note + "; " if note else "") + f"the default rule always reads 3 layers (k={r.k} ignored)"
     return _selection(stats, "default", chosen, r.lam, {"name": "fixed rule [2, N//2, N-3]", "value": None}, note=note)

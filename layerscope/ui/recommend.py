@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from layerscope import fmt
+from layerscope import fmt, layerset
 from layerscope.stats import select as sel
 from layerscope.stats.analysis import LayerStats
-from layerscope.stats.select import default_layers, score_set
+from layerscope.stats.select import score_set
 from layerscope.ui import sanity
 
 BASES = ("τ", "held-out agreement", "probe agreement")
@@ -138,7 +138,7 @@ def candidates(selections, stats, num_layers: int, *, names: dict[str, str] | No
     """One row per distinct set: the strategies' selections (select.compare), then `extra` (name, layers) pairs
     (the session's sets, studied sets, drafts' sets), each with its proxies; named after its first proposer."""
     names = names or {}
-    default = _key(default_layers(num_layers)[0])
+    default = _key(layerset.default_layers(num_layers)[0])
     merged: dict[tuple, Ranked] = {}
     for label, layers, e in ([(names.get(x.strategy, x.strategy), x.layers, x.explanation) for x in selections]
                              + [(n, l, None) for n, l in extra]):

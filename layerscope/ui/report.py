@@ -11,10 +11,9 @@ import html
 import pandas as pd
 from plotly.offline import get_plotlyjs
 
-from layerscope import fmt, plots
+from layerscope import fmt, layerset, plots
 from layerscope.decoding.bench import interval_note
 from layerscope.session import Session, now_iso
-from layerscope.stats import select as sel
 from layerscope.ui import recommend, sanity
 from layerscope.ui.recommend import set_label
 
@@ -43,7 +42,7 @@ def _figure(fig) -> str:
 def recommendation(s: Session, stats: dict):
     """The Layer sets page's recommendation for this session: its set size k, its hand-picked set, its evidence."""
     n = int(stats["num_layers"])
-    k = max(1, min(int(s.view.get("sets_k") or len(sel.default_layers(n)[0])), n))
+    k = max(1, min(int(s.view.get("sets_k") or len(layerset.default_layers(n)[0])), n))
     manual = [l for l in s.manual_picks if 0 <= l < n]
     rec, _ = recommend.for_session(s, stats, k, lam=float(s.view.get("sets_lam", 0.5)), manual=manual,
                                    manual_name=s.view.get("sets_name") or "hand-picked")
@@ -63,7 +62,7 @@ def session_report(s: Session) -> str:
     stats = s.stats_dict()
     verdict = None
     colors = plots.palette([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts],
-                           default=sel.default_layers(s.num_layers)[0] if s.num_layers else None)
+                           default=layerset.default_layers(s.num_layers)[0] if s.num_layers else None)
     if stats is not None:
         n = int(stats["num_layers"])
         final = stats.get("final_state", "post-norm")
@@ -71,7 +70,7 @@ def session_report(s: Session) -> str:
         parts.append("<h2>Layer statistics</h2>" + _table([{
             "tokens kept": stats.get("tokens_kept"), "of": stats.get("tokens_total"),
             "threshold (nats)": stats.get("threshold"), "α": stats.get("alpha"), "kernel": kernel}]))
-        default, _ = sel.default_layers(n)
+        default, _ = layerset.default_layers(n)
         sets = [(x["name"], x["layers"]) for x in s.layer_sets] + [("default", default)]
         parts.append(_figure(plots.entropy_curve({"dataset-level": stats["entropy"]}, sets=sets, final_state=final,
                                                  colors=colors)))
