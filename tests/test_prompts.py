@@ -8,8 +8,8 @@ import time
 import pytest
 
 from layerscope.errors import PromptSetError
+from layerscope.prompts import files, sharegpt
 from layerscope.prompts import sets as P
-from layerscope.prompts import sharegpt
 from layerscope.prompts.record import Prompt
 from layerscope.prompts.sets import chat_ids, content_hash, load_prompts, prompt_preview
 
@@ -70,7 +70,7 @@ def test_builtin_deterministic_and_stratified():
 # ShareGPT (the packaged file)
 
 def test_sharegpt_index_of_cut_off_file(store):
-    index = P.sharegpt_index(P.sharegpt_path())
+    index = sharegpt.sharegpt_index(sharegpt.sharegpt_path())
     assert index["complete"] > 17_000            # measured: 17,671 complete records
     assert index["usable"] == len(index["records"]) > 17_000
     assert index["tail_bytes"] > 0               # the file is cut off mid-record
@@ -102,7 +102,7 @@ def test_sharegpt_heldout_disjoint_from_train(store):
     assert held.prompts == load_prompts("sharegpt", split="heldout").prompts
     train_ids, held_ids = {p.id for p in train}, {p.id for p in held}
     assert not train_ids & held_ids
-    usable = P.sharegpt_index(P.sharegpt_path())["usable"]
+    usable = sharegpt.sharegpt_index(sharegpt.sharegpt_path())["usable"]
     assert len(train_ids) + len(held_ids) == usable
     assert 0.03 < len(held_ids) / usable < 0.07
     sample = load_prompts("sharegpt-heldout", limit=10, seed=3)
@@ -152,7 +152,7 @@ def test_json_file_cut_off_mid_record(tmp_path):
 def test_json_scan_small_blocks_and_offsets(tmp_path, monkeypatch):
     path = cut_off_json(tmp_path)
     monkeypatch.setattr(sharegpt, "BLOCK", 7)   # refills inside records and inside multi-byte characters
-    scan = P.JsonArrayScan(path)
+    scan = sharegpt.JsonArrayScan(path)
     found = list(scan)
     assert [r["id"] for r, *_ in found] == [r["id"] for r in RECORDS]
     data = path.read_bytes()
@@ -166,7 +166,7 @@ def test_json_whole_file_and_index(tmp_path, store):
     path = write(tmp_path, "whole.json", json.dumps(RECORDS))   # one line, complete
     s = load_prompts(str(path))
     assert len(s) == 3 and not any("skipped" in w for w in s.warnings)
-    index = P.sharegpt_index(path)
+    index = sharegpt.sharegpt_index(path)
     assert index["complete"] == 5 and index["tail_bytes"] == 0
     assert [r[0] for r in index["records"]] == ["a", "b", "e"]
 
@@ -370,11 +370,9 @@ def test_special_files_are_refused_without_reading(tmp_path):
 
 
 def test_file_over_the_size_cap_is_refused_at_once(tmp_path, monkeypatch):
-    import layerscope.prompts.sets as P
-
     path = tmp_path / "huge.txt"
     with open(path, "wb") as f:      # sparse: no disk used
-        f.truncate(P.MAX_FILE_BYTES + 1)
+        f.truncate(files.MAX_FILE_BYTES + 1)
     with pytest.raises(PromptSetError, match="over the 1024 MiB limit"):
         load_prompts(str(path))
 
@@ -404,10 +402,8 @@ def test_json_record_over_the_cap_is_refused(tmp_path):
 
 
 def test_a_paragraph_over_the_prompt_cap_is_left_out(tmp_path):
-    import layerscope.prompts.sets as P
-
     line = "z" * (2**19)
     path = write(tmp_path, "p.txt", "short one\n\n" + "\n".join([line] * 3) + "\n\nshort two\n")
     s = load_prompts(str(path))
     assert [p.text for p in s] == ["short one", "short two"]
-    assert s.warnings == [f"file/3: longer than {P.MAX_PROMPT_CHARS:,} characters, left out"]
+    assert s.warnings == [f"file/3: longer than {files.MAX_PROMPT_CHARS:,} characters, left out"]
