@@ -20,8 +20,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import torch
 
 from layerscope import jsonsafe
 from layerscope.errors import LayerScopeError, ModelSpecError
-from layerscope.store import StoreWriteError, atomic_write_bytes, default_root
+from layerscope.store import StoreWriteError, atomic_write_bytes, default_root, staged
 
 
 @dataclass(frozen=True)
@@ -221,12 +219,11 @@ def _repair_config(cache_dir: Path) -> None:
 
 
 def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
-    """complete_config(config) + model.safetensors + tokenizer, written atomically."""
+    """complete_config(config) + model.safetensors + tokenizer, put in place whole (store.staged)."""
     from safetensors.torch import save_file
 
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=f".{cache_dir.name}."))
-    try:
+    with staged(cache_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(complete_config(model.config.to_dict()), indent=2))
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
@@ -234,12 +231,6 @@ def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
         save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         tokenizer.save_pretrained(str(tmp))
-        if cache_dir.exists():
-            shutil.rmtree(cache_dir)
-        os.replace(tmp, cache_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ----------------------------------------------------------------------------- pretrained directories and ids

@@ -25,6 +25,7 @@ and the app's worker to OSErrors that escape elsewhere); what was finished stays
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -187,6 +188,109 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
     _write_via_temp(path, write)
+
+
+# ---------------------------------------------------------------------------- whole directories
+
+STAGING = ".layerscope-staging"      # where `staged` builds a directory: beside its destination, never listed
+
+
+class staged:
+    """`with staged(path) as tmp:` fill the new directory `tmp`; on a clean exit it replaces `path` whole
+    (replace_dir), on an error it is removed and `path` is untouched. tmp lives in `<parent>/.layerscope-staging/`
+    (same file system, a name no listing shows); what a killed writer left there is removed by the next one."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.area = self.path.parent / STAGING
+
+    def __enter__(self) -> Path:
+        for attempt in range(3):     # another writer may remove the empty staging folder between the two calls
+            self.area.mkdir(parents=True, exist_ok=True)
+            try:
+                self.tmp = Path(tempfile.mkdtemp(dir=self.area, prefix=f"{self.path.name}.{os.getpid()}."))
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        _remove_stale(self.area, self.path.name)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                replace_dir(self.tmp, self.path)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)   # what is left of a failed write
+            with contextlib.suppress(OSError):
+                self.area.rmdir()                          # only when empty: other writers may be staging
+        return False
+
+
+def replace_dir(new: Path, path: Path) -> None:
+    """Put the complete directory `new` at `path`, replacing what is there, then remove the old directory.
+    `new` must be on the same file system under a name no listing shows (`staged` makes one). A reader of
+    `path` finds the old directory or the new one, whole, never a mix. What a process killed at each point
+    leaves:
+      `path` absent        one rename: before it nothing is at `path`, after it the new directory.
+      Linux (renameat2)    one atomic exchange: before it `path` is the old directory, after it the new one,
+                           and the old one lies at `new` until it is removed (or the next `staged` write
+                           removes it).
+      elsewhere            `path` is renamed to `<new>.old`, then `new` to `path`, then the old one removed:
+                           between the two renames `path` is missing while both complete directories exist
+                           (the old at `<new>.old`, the new at `new`), never a half-written one."""
+    new, path = Path(new), Path(path)
+    if not path.exists():
+        os.replace(new, path)
+        return
+    if _exchange(new, path):
+        old = new
+    else:
+        old = new.with_name(new.name + ".old")
+        os.replace(path, old)
+        os.replace(new, path)
+    if old.is_symlink():         # `path` was a link: the link goes, never what it points to
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2); False where the system cannot."""
+    fn = getattr(_LIBC, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove_stale(area: Path, name: str) -> None:
+    """Staging folders for `name` left by processes that no longer run."""
+    for entry in area.glob(f"{name}.*"):
+        try:
+            pid = int(entry.name[len(name) + 1:].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_entry_name(kind: str, key: str) -> str:

@@ -131,7 +131,8 @@ def test_serving_notes_flag_what_engines_cannot_load(tiny, tiny_capture, tmp_pat
 
 
 KILLED_SAVE = """
-import os, signal, sys, torch
+import os, shutil, signal, sys, torch
+from layerscope import store
 from layerscope.draft import checkpoint as export
 from layerscope.draft.model import DraftConfig, DraftHead
 path, when = sys.argv[1], sys.argv[2]
@@ -142,10 +143,9 @@ export.save_draft(path, head, {"note": "old"})
 print("old saved", flush=True)
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if when == "before-swap":            # the new directory is complete, the rename has not happened
-    export.swap_into_place = die
-elif when == "after-swap":           # the new directory is in place, the old one not yet removed
-    real = export.swap_into_place
-    export.swap_into_place = lambda tmp, p: (real(tmp, p), die())
+    store.replace_dir = die
+elif when == "after-swap":           # the new directory is in place, the old one not yet removed (replace_dir's last step)
+    shutil.rmtree = die
 elif when == "while-writing":        # killed in the middle of writing the weights
     export.save_file = die
 export.save_draft(path, head, {"note": "new"})

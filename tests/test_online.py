@@ -156,7 +156,7 @@ def test_resume_ends_with_the_same_drafts_as_an_uninterrupted_run(tiny, tmp_path
     assert [oct(p.stat().st_mode & 0o777) for p in (ckpt, *sorted(ckpt.iterdir()))] == ["0o755", "0o644", "0o644"]
     assert not (store.root / "drafts").exists() or not any((store.root / "drafts").iterdir())
     # debris of a checkpoint that was being written when the process died is never used
-    (run_dir / ".ckpt-tmp-dead").mkdir()
+    (run_dir / ".layerscope-staging" / "ckpt-000000009.1.dead").mkdir(parents=True)
     (run_dir / "ckpt-000000007").mkdir()                             # no state.json: incomplete
     resumed = train_online(tiny, sets, store, steps=8, **SMALL)
     assert resumed.resumed

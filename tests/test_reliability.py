@@ -178,7 +178,7 @@ def test_train_draft_on_a_disk_that_fills_keeps_its_checkpoint_and_the_index(tmp
         assert "damaged" not in lines[0]
         [run] = list((root / "runs").iterdir())
         ckpts = sorted(run.glob("ckpt-*"))
-        assert ckpts and not list(run.glob(".ckpt-tmp-*"))            # the last one whole, no half-written one
+        assert ckpts and not list(run.glob(".layerscope-staging/*"))   # the last one whole, no half-written one
         state = json.loads((ckpts[-1] / "state.json").read_text())
         with safe_open(str(ckpts[-1] / "tensors.safetensors"), framework="pt") as f:
             assert "rng" in f.keys() and any(k.startswith("head0.") for k in f.keys())

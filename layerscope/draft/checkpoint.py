@@ -12,9 +12,9 @@
                         validation accuracy per TTT step, tokens, seconds
 
 Crash safety: the directory is written in a staging folder beside the destination (`.layerscope-staging/`,
-which no draft listing looks into) and swapped into place with one atomic rename (renameat2
-RENAME_EXCHANGE where the kernel has it). A process killed at any point leaves `path` either the complete
-old draft or the complete new one, never missing and never half-written.
+which no draft listing looks into) and put in place whole (layerscope/store.py: `staged`, `replace_dir`: one
+atomic exchange where the kernel has renameat2). A process killed at any point leaves `path` either the
+complete old draft or the complete new one, never half-written.
 
 Reading back: load_draft checks the files against each other (draft_layers: every file's record of the layers,
 in the engines' conventions, must name one set) and, given the target, against it (check_fits).
@@ -23,10 +23,7 @@ The folders written for an engine (COMMANDS.md, speculators, SpecForge) are laye
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -41,11 +38,10 @@ from layerscope.draft import engines
 from layerscope.draft.engines import TargetFacts
 from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead
 from layerscope.errors import DraftError
-from layerscope.store import as_write_error
+from layerscope.store import as_write_error, staged
 
 FORMAT = 1
 FILES = ("config.json", "model.safetensors", "layers.json", "layerscope.json")
-STAGING = ".layerscope-staging"
 MAX_JSON_BYTES = 16 * 2**20       # any JSON file of a draft
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -162,94 +158,6 @@ def rescue(head: DraftHead, meta: dict | None, facts, dtype: str, path: Path) ->
         shutil.rmtree(where, ignore_errors=True)
         return None
     return where
-
-
-# ----------------------------------------------------------------------------------------- placing a directory
-
-class staged:
-    """`with staged(path) as tmp:` fill `tmp`; on a clean exit it replaces `path` atomically, on an error it
-    is removed and `path` is untouched. tmp lives in `<parent>/.layerscope-staging/`."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.area = self.path.parent / STAGING
-
-    def __enter__(self) -> Path:
-        for attempt in range(3):     # another writer may remove the empty staging folder between the two calls
-            self.area.mkdir(parents=True, exist_ok=True)
-            try:
-                self.tmp = Path(tempfile.mkdtemp(dir=self.area, prefix=f"{self.path.name}.{os.getpid()}."))
-                break
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-        _remove_stale(self.area, self.path.name)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            if exc_type is None:
-                swap_into_place(self.tmp, self.path)
-        finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)   # after a swap it holds the old directory
-            try:
-                self.area.rmdir()                          # only when empty: other writers may be staging
-            except OSError:
-                pass
-        return False
-
-
-def swap_into_place(tmp: Path, path: Path) -> None:
-    """Make the complete directory `tmp` appear at `path`. An existing `path` is exchanged with `tmp` in one
-    rename (the old directory ends up at `tmp`); without renameat2, `path` is moved aside into the staging
-    area first, so the window where `path` is missing holds no half-written directory either."""
-    if not path.exists():
-        os.replace(tmp, path)
-        return
-    if _exchange(tmp, path):
-        return
-    aside = tmp.with_name(tmp.name + ".old")
-    os.replace(path, aside)
-    os.replace(tmp, path)
-    os.replace(aside, tmp)
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically exchange two paths (Linux renameat2); False where the system cannot."""
-    fn = getattr(_LIBC, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _remove_stale(area: Path, name: str) -> None:
-    """Staging folders for `name` left by processes that no longer run."""
-    for entry in area.glob(f"{name}.*"):
-        try:
-            pid = int(entry.name[len(name) + 1:].split(".", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------------------- reading back

@@ -44,13 +44,13 @@ from layerscope.draft.checkpoint import (
     read_meta,
     recorded_facts,
     serving_notes,
-    staged,
     write_draft,
 )
 from layerscope.draft.commands_md import commands_md
 from layerscope.draft.engines import TargetFacts
 from layerscope.draft.model import DraftHead
 from layerscope.errors import DraftError
+from layerscope.store import staged
 
 # ----------------------------------------------------------------------------------------- exports for engines
 

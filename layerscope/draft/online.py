@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -67,7 +66,7 @@ from layerscope.errors import DraftError
 from layerscope.models import LoadedModel
 from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
-from layerscope.store import Store, atomic_write_json, make_key
+from layerscope.store import Store, atomic_write_json, make_key, staged
 
 FORMAT = 2                              # 2: trained by the one loop (draft/fit.py)
 RESPONSES_FORMAT = 1
@@ -364,7 +363,7 @@ def split_for(rows, feats, layers: list[int], N: int):
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(run_dir: Path, state: FitState, drafters: list) -> Path:
-    """runs/<key>/ckpt-<step>/ {state.json, tensors.safetensors}, placed with one rename; older ones removed."""
+    """runs/<key>/ckpt-<step>/ {state.json, tensors.safetensors}, put in place whole (store.staged); older ones removed."""
     tensors = {"rng": torch.get_rng_state()}
     groups = []
     for i, d in enumerate(drafters):
@@ -378,8 +377,7 @@ def save_checkpoint(run_dir: Path, state: FitState, drafters: list) -> Path:
     final = run_dir / f"ckpt-{state.step:09d}"
     if final.is_dir():
         return final
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".ckpt-tmp-"))
-    try:
+    with staged(final) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state.to_json(), "param_groups": groups, "format": FORMAT},
                                                    default=float))
@@ -388,10 +386,6 @@ def save_checkpoint(run_dir: Path, state: FitState, drafters: list) -> Path:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         tmp.chmod(0o755)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in complete_checkpoints(run_dir)[:-1]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerscope.draft.checkpoint import FILES as DRAFT_FILES
-from layerscope.draft.checkpoint import load_draft, staged
+from layerscope.draft.checkpoint import load_draft
 from layerscope.errors import LayerScopeError, SessionError
 from layerscope.session import archive
 from layerscope.session.check import refuse
 from layerscope.session.model import Session, new_id
 from layerscope.session.storage import exists, load, save
-from layerscope.store import ENTRY_NAME_RE, write_error
+from layerscope.store import ENTRY_NAME_RE, staged, write_error
 
 # ---------------------------------------------------------------------------- export
 
