@@ -5,7 +5,9 @@ from __future__ import annotations
 from layerscope import preflight
 from layerscope.commands.common import open_store, print_json
 from layerscope.draft import engines
+from layerscope.draft.check import check_draft
 from layerscope.errors import DraftError
+from layerscope.models import load_model
 
 NAME = "check-draft"
 HELP = ("report which layers vLLM, SGLang, SpecForge and speculators would read from a draft directory for a "
@@ -23,9 +25,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from layerscope.draft.check import check_draft
-    from layerscope.models import load_model
-
     preflight.draft_dir(args.directory, agree=False)    # before the model loads; disagreements are this command's to show
     target = load_model(args.target, store=open_store(args))
     report = check_draft(args.directory, engines.target_facts(target), only=args.engines)

@@ -7,7 +7,10 @@ from pathlib import Path
 from layerscope import preflight
 from layerscope.commands.common import open_store, print_json
 from layerscope.draft import builtin, engines
+from layerscope.draft.checkpoint import read_layers_record, recorded_facts
+from layerscope.draft.engine_export import export_draft
 from layerscope.errors import DraftError
+from layerscope.models import load_model
 
 NAME = "export"
 HELP = ("write a draft the way one engine takes it (sglang | vllm | specforge | speculators), with the layer ids in "
@@ -40,9 +43,6 @@ def resolve_draft(spec: str, args) -> Path:
 
 def target_of(args, draft: Path):
     """(TargetFacts, the loaded target or None) from --target, else from layers.json."""
-    from layerscope.draft.checkpoint import recorded_facts
-    from layerscope.models import load_model
-
     if args.target is None:
         facts = recorded_facts(draft)
         if facts is None:
@@ -54,9 +54,6 @@ def target_of(args, draft: Path):
 
 
 def run(args) -> int:
-    from layerscope.draft.checkpoint import read_layers_record
-    from layerscope.draft.engine_export import export_draft
-
     draft = resolve_draft(args.draft, args)
     preflight.draft_dir(draft)              # before a --target model loads
     preflight.output(args.out)
