@@ -23,7 +23,6 @@ from layerscope import disk, layerset, preflight
 from layerscope.capture import run as capture_mod
 from layerscope.capture.run import CaptureOptions, CaptureResult
 from layerscope.decoding import bench as bench_mod
-from layerscope.decoding import costmodel
 from layerscope.draft import builtin
 from layerscope.draft import online as online_mod
 from layerscope.draft import probe as probe_mod
@@ -200,10 +199,10 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)
         bench_mod.wait_quiet(options.machine, progress)
         options = replace(options, machine=replace(options.machine, wait_s=None))
-    contenders, curve = costmodel.plan(target, heads, options, store, progress)   # `auto` resolved; the cost curve
+    contenders, curve = bench_mod.plan(target, heads, options, store, progress)   # `auto` resolved; the cost curve
     report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
                                machine_options=options.machine)
-    costmodel.annotate(report, contenders, curve)
+    bench_mod.annotate(report, contenders, curve)
     return Benchmarked(report, prompt_set, target)
 
 

@@ -22,6 +22,7 @@ import pytest
 from layerscope import machine as m
 from layerscope import workflow
 from layerscope.cli import main
+from layerscope.decoding import bench
 from layerscope.decoding import costmodel as cm
 from layerscope.decoding.bench import BenchOptions, format_table
 from layerscope.draft.checkpoint import save_draft
@@ -248,8 +249,8 @@ def test_bench_wait_and_auto_k_calibration_progress(tiny, draft_dir, store):
     order = list(dict.fromkeys(phases))
     assert order == ["cost curve", "calibrate", "decode"], order            # quiet at once: no wait message
     cal = [p for p in seen if p.phase == "calibrate"]
-    assert [p.runs_done for p in cal] == list(range(1, cm.CALIBRATION_PROMPTS + 1))
-    assert all(p.runs_total == cm.CALIBRATION_PROMPTS and "calibration for --k auto: low" in p.message for p in cal)
+    assert [p.runs_done for p in cal] == list(range(1, bench.CALIBRATION_PROMPTS + 1))
+    assert all(p.runs_total == bench.CALIBRATION_PROMPTS and "calibration for --k auto: low" in p.message for p in cal)
     report = done.report.to_json()
     auto = report["results"][1]
     assert auto["name"].startswith("low auto chain k=") and auto["chosen"]["k"] in cm.AUTO_KS
@@ -278,7 +279,7 @@ def test_app_benchmark_defaults_to_auto_and_shows_the_calibration(tiny, draft_di
                            "layers": [1, 2]}], prompts="builtin", limit=2, max_new_tokens=4, peers=False)
     out = task(Recorded("bench-1", "s", "bench", "t", task.fn))
     cal = [(f, msg) for f, msg, phase in updates if phase == "calibrate"]
-    assert len(cal) == cm.CALIBRATION_PROMPTS and all("calibration for --k auto: low" in msg for _, msg in cal)
+    assert len(cal) == bench.CALIBRATION_PROMPTS and all("calibration for --k auto: low" in msg for _, msg in cal)
     assert [f for f, _ in cal] == sorted(f for f, _ in cal)
     first_decode = next(i for i, (_, _, phase) in enumerate(updates) if phase == "decode")
     assert max(i for i, (_, _, phase) in enumerate(updates) if phase == "calibrate") < first_decode

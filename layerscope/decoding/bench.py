@@ -23,7 +23,9 @@ difference to the reference contender (the first draft, else plain decoding) und
 item carries the `BenchReport`. The set-up around it lives here once, for the CLI, the study and the
 app alike: `fitting_prompts` (the seeded sample whose prompts fit, chat-encoded), `load_drafts`
 (distinct contender names), `contenders_for` (the line-up a `BenchOptions` asks for),
-`stop_tokens` (EOS and pad) and `measure` (run to the report, progress through a callback).
+`stop_tokens` (EOS and pad) and `measure` (run to the report, progress through a callback). With the cost
+model (costmodel.py): `plan` (the line-up with `--k auto` / `--tree auto` resolved by a calibration, and the
+cost curve) and `annotate` (each contender's predicted speedup beside what it measured).
 
 The machine: `measure` samples it just before the run (or waits for it to be quiet: `BenchOptions.machine`,
 `--wait-quiet`) and watches it during the run (layerscope.machine); the report carries `machine`, and the
@@ -34,14 +36,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
 from layerscope import fmt, machine
-from layerscope.decoding import specdec
+from layerscope.decoding import costmodel, specdec
 from layerscope.decoding.specdec import StepEvent, TreeSpec
 from layerscope.draft.checkpoint import load_draft
 from layerscope.errors import LayerScopeError
@@ -70,7 +72,7 @@ class BenchOptions:
     peers: bool = True               # HF generate and HF prompt lookup
     lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
     draft_lookup: int = 0            # > 0: also each draft's chain with prompt lookup first (specdec `lookup`)
-    auto_k: bool = False             # also the chain depth with the best predicted speedup (costmodel.plan)
+    auto_k: bool = False             # also the chain depth with the best predicted speedup (`plan`)
     auto_tree: bool = False          # also the tree shape with the best predicted speedup
     machine: MachineOptions = field(default_factory=MachineOptions)   # the quiet rule; wait_s: --wait-quiet
 
@@ -159,8 +161,8 @@ class BenchReport:
     prompts: int
     max_new_tokens: int
     device: str
-    results: list[dict]              # one JSON entry per contender, see `_entry` (and costmodel.annotate)
-    cost_curve: list[dict] | None = None       # [{tokens, seconds}] the predictions used (costmodel.annotate)
+    results: list[dict]              # one JSON entry per contender, see `_entry` (and `annotate`)
+    cost_curve: list[dict] | None = None       # [{tokens, seconds}] the predictions used (`annotate`)
     draft_step_seconds: float | None = None
     intervals: dict | None = None    # how the entries' intervals were made: level, draws, over, reference
     machine: dict | None = None      # MachineState.to_json() while it decoded (`measure`; `run` alone: None)
@@ -258,7 +260,7 @@ def load_drafts(target, named: Sequence[tuple[str, object]]) -> list[tuple[str, 
 def contenders_for(drafts: Sequence[tuple[str, object]], o: BenchOptions) -> list[Contender]:
     """The line-up `o` asks for: autoregressive, each draft under each of o.ks and o.trees (and with
     o.draft_lookup each chain with prompt lookup first, unless o.auto_k: then only the automatic chain gets
-    it, costmodel.auto_contenders), the HF peers."""
+    it, auto_contenders), the HF peers."""
     return build_contenders(drafts, ks=o.ks, trees=o.trees, peers=o.peers, lookup_tokens=o.lookup_tokens,
                             draft_lookup=0 if o.auto_k else o.draft_lookup)
 
@@ -270,6 +272,93 @@ def stop_tokens(target) -> tuple[object, int | None]:
     eos = eos if eos is not None else target.tokenizer.eos_token_id
     pad = target.tokenizer.pad_token_id
     return eos, pad if pad is not None else (eos if isinstance(eos, int) else None)
+
+
+# ----------------------------------------------------------------------------- planning: the cost model's part
+
+CALIBRATION_PROMPTS = 8              # prompts of a calibration run, a seed apart from the benchmark's own sample
+
+
+def plan(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, store,
+         progress: Callable[[BenchProgress], None] | None = None) -> tuple[list[Contender], costmodel.CostCurve | None]:
+    """The benchmark's line-up with its `auto` contenders resolved, and the cost curve its predictions use
+    (measured once per machine and draft shape on a quiet machine, then read from the store; None without
+    drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration ("calibrate")."""
+    contenders = contenders_for(drafts, options)
+    if not drafts:
+        return contenders, None
+
+    def say(message):
+        if progress is not None:
+            progress(BenchProgress("", 0, 0, 0, 0, None, None, None, phase="cost curve", message=message))
+
+    curve = costmodel.cost_curve(target, store, drafts[0][1], machine_options=options.machine, progress=say)
+    if options.auto_k or options.auto_tree:
+        cal = replace(options, seed=options.seed + 1, limit=CALIBRATION_PROMPTS)
+        _, prompts = fitting_prompts(target.tokenizer, cal, cache=store.root / "prompts")
+        contenders = lineup(contenders, auto_contenders(target, drafts, options, curve, [p.input_ids for p in prompts],
+                                                        progress))
+    return contenders, curve
+
+
+def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, curve: costmodel.CostCurve,
+                    calibration: Sequence[Sequence[int]],
+                    progress: Callable[[BenchProgress], None] | None = None) -> list[Contender]:
+    """For `bench --k auto` / `--tree auto`: per draft, the chain depth and the tree with the best speedup
+    predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists);
+    a BenchProgress of phase "calibrate" to `progress` after each prompt of each draft."""
+    if not (options.auto_k or options.auto_tree) or not drafts:
+        return []
+    eos, _ = stop_tokens(target)
+    out, total = [], len(drafts) * len(calibration)
+    for d, (name, head) in enumerate(drafts):
+        def seen(done, n, name=name, d=d):
+            if progress is not None:
+                progress(BenchProgress(name, done - 1, n, d * n + done, total, None, None, None, phase="calibrate",
+                                       message=f"calibration for --k auto: {name}, prompt {done}/{n}"))
+        profile = costmodel.calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
+                                      eos_token_id=eos, progress=seen)
+        chain = costmodel.best_chain(curve, profile) if options.auto_k else None
+        picks = ([chain] if chain else []) + ([costmodel.best_tree(curve, profile)] if options.auto_tree else [])
+        for p in picks:
+            out.append(Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
+                                 p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
+        if chain and options.draft_lookup:               # the chosen chain with prompt lookup first
+            label = hybrid_label(chain.k, options.draft_lookup)
+            out.append(Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, chain.k,
+                                 lookup_tokens=options.draft_lookup))
+    return out
+
+
+def lineup(contenders: Sequence[Contender], auto: Sequence[Contender]) -> list[Contender]:
+    """The automatic contenders placed after the last draft contender (before the HF peers)."""
+    cut = max((i + 1 for i, c in enumerate(contenders) if c.kind in ("draft", "autoregressive")), default=0)
+    return list(contenders[:cut]) + list(auto) + list(contenders[cut:])
+
+
+def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmodel.CostCurve | None) -> None:
+    """Add the cost model's view to a benchmark report: `cost_curve`, and per contender `predicted_speedup`
+    (from the curve and the tau the contender measured: the model of cost checked on every run), plus for
+    `auto` contenders the `chosen` decoding and what the calibration predicted for it."""
+    if curve is None:
+        return
+    report.cost_curve = curve.to_json()["cost_curve"]
+    report.draft_step_seconds = curve.draft_s(1)
+    report.cost_curve_machine = curve.machine.to_json() if curve.machine is not None else None
+    for c, entry in zip(contenders, report.results):
+        if c.kind == "autoregressive":
+            entry["predicted_speedup"] = 1.0
+        elif c.kind == "draft" and c.lookup_tokens:      # the cost model knows no lookup steps
+            entry["predicted_speedup"] = None
+        elif c.kind == "draft":
+            k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
+            tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
+            entry["predicted_speedup"] = tau * curve.target_s(1) / costmodel.step_seconds(curve, k=k, tree=tree, tau=tau)
+            if c.auto is not None:
+                entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
+                entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
+        else:
+            entry["predicted_speedup"] = None
 
 
 def wait_quiet(options: MachineOptions, progress: Callable[[BenchProgress], None] | None = None):

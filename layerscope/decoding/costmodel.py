@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from layerscope import blas, layerset, machine
-from layerscope.decoding import bench, specdec
+from layerscope.decoding import specdec
 from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.train import TrainOptions
@@ -495,93 +495,3 @@ def break_even_taus(curve: CostCurve, ks: Sequence[int] = AUTO_KS, trees: Sequen
     """{decoding: the tau it needs to match plain decoding} on this curve."""
     return {p.decoding: p.break_even_tau for p in [predict(curve, None, k=k) for k in ks] +
             [predict(curve, None, tree=t) for t in trees]}
-
-
-# ----------------------------------------------------------------------------- the benchmark
-
-
-CALIBRATION_PROMPTS = 8              # prompts of a calibration run, a seed apart from the benchmark's own sample
-
-
-def auto_contenders(target, drafts: Sequence[tuple[str, object]], options, curve: CostCurve,
-                    calibration: Sequence[Sequence[int]],
-                    progress: Callable[[bench.BenchProgress], None] | None = None) -> list[bench.Contender]:
-    """For `bench --k auto` / `--tree auto`: per draft, the chain depth and the tree with the best speedup
-    predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists);
-    a BenchProgress of phase "calibrate" to `progress` after each prompt of each draft."""
-    if not (options.auto_k or options.auto_tree) or not drafts:
-        return []
-    eos, _ = bench.stop_tokens(target)
-    out, total = [], len(drafts) * len(calibration)
-    for d, (name, head) in enumerate(drafts):
-        def seen(done, n, name=name, d=d):
-            if progress is not None:
-                progress(bench.BenchProgress(name, done - 1, n, d * n + done, total, None, None, None,
-                                             phase="calibrate",
-                                             message=f"calibration for --k auto: {name}, prompt {done}/{n}"))
-        profile = calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
-                            eos_token_id=eos, progress=seen)
-        chain = best_chain(curve, profile) if options.auto_k else None
-        picks = ([chain] if chain else []) + ([best_tree(curve, profile)] if options.auto_tree else [])
-        for p in picks:
-            out.append(bench.Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
-                                       p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
-        if chain and options.draft_lookup:               # the chosen chain with prompt lookup first
-            label = bench.hybrid_label(chain.k, options.draft_lookup)
-            out.append(bench.Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, chain.k,
-                                       lookup_tokens=options.draft_lookup))
-    return out
-
-
-def lineup(contenders: Sequence[bench.Contender], auto: Sequence[bench.Contender]) -> list[bench.Contender]:
-    """The automatic contenders placed after the last draft contender (before the HF peers)."""
-    cut = max((i + 1 for i, c in enumerate(contenders) if c.kind in ("draft", "autoregressive")), default=0)
-    return list(contenders[:cut]) + list(auto) + list(contenders[cut:])
-
-
-def annotate(report: bench.BenchReport, contenders: Sequence[bench.Contender], curve: CostCurve | None) -> None:
-    """Add the cost model's view to a benchmark report: `cost_curve`, and per contender `predicted_speedup`
-    (from the curve and the tau the contender measured: the model of cost checked on every run), plus for
-    `auto` contenders the `chosen` decoding and what the calibration predicted for it."""
-    if curve is None:
-        return
-    report.cost_curve = curve.to_json()["cost_curve"]
-    report.draft_step_seconds = curve.draft_s(1)
-    report.cost_curve_machine = curve.machine.to_json() if curve.machine is not None else None
-    for c, entry in zip(contenders, report.results):
-        if c.kind == "autoregressive":
-            entry["predicted_speedup"] = 1.0
-        elif c.kind == "draft" and c.lookup_tokens:      # the cost model knows no lookup steps
-            entry["predicted_speedup"] = None
-        elif c.kind == "draft":
-            k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
-            tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
-            entry["predicted_speedup"] = tau * curve.target_s(1) / step_seconds(curve, k=k, tree=tree,
-                                                                                     tau=tau)
-            if c.auto is not None:
-                entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
-                entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
-        else:
-            entry["predicted_speedup"] = None
-
-
-def plan(target, drafts: Sequence[tuple[str, object]], options, store,
-         progress: Callable[[bench.BenchProgress], None] | None = None) -> tuple[list[bench.Contender], CostCurve | None]:
-    """The benchmark's line-up with its `auto` contenders resolved, and the cost curve its predictions use
-    (measured once per machine and draft shape on a quiet machine, then read from the store; None without
-    drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration ("calibrate")."""
-    contenders = bench.contenders_for(drafts, options)
-    if not drafts:
-        return contenders, None
-
-    def say(message):
-        if progress is not None:
-            progress(bench.BenchProgress("", 0, 0, 0, 0, None, None, None, phase="cost curve", message=message))
-
-    curve = cost_curve(target, store, drafts[0][1], machine_options=options.machine, progress=say)
-    if options.auto_k or options.auto_tree:
-        cal = replace(options, seed=options.seed + 1, limit=CALIBRATION_PROMPTS)
-        _, prompts = bench.fitting_prompts(target.tokenizer, cal, cache=store.root / "prompts")
-        contenders = lineup(contenders, auto_contenders(target, drafts, options, curve, [p.input_ids for p in prompts],
-                                                        progress))
-    return contenders, curve

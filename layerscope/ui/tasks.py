@@ -387,7 +387,7 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
               k: int | str = "auto", peers: bool, lookup: int = 0, seed: int = 0, capture_key: str | None = None):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
     k: a chain depth, or "auto" (the default): the depth with the best predicted speedup, chosen by a
-    calibration (costmodel.plan) whose prompts show as progress like the decoding's.
+    calibration (bench.plan) whose prompts show as progress like the decoding's.
 
     Live, per contender: running τ and tokens/s (metrics["live"]), τ of every step (series
     "tau:<name>"), accepted/drafted counts per draft position (metrics["acceptance"]), and the text
