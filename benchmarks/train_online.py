@@ -26,8 +26,9 @@ import torch
 from layerscope import workflow
 from layerscope.decoding import bench as bench_mod
 from layerscope.decoding.specdec import TreeSpec
-from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
+from layerscope.draft.online import OnlineOptions
 from layerscope.store import Store
+from layerscope.validate import parse_count, parse_duration
 
 
 def main() -> int:

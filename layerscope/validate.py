@@ -1,6 +1,7 @@
 """One rule for every numeric option: a number of the right kind, finite, inside its range.
 
     check_number("temperature", t, minimum=0, maximum=100, fix="Use 0 for greedy responses")
+    parse_count("500k"), parse_duration("1h30m")   # numbers as people write them: 500_000 tokens, 5400 seconds
     OneLineParser(...)       # argparse: every `type=float` is finite_float; an error is one line, exit 2
 
 Options dataclasses call `check_number` in their `validate()` (the one source of their limits); the CLI's
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import re
 import sys
 
 from layerscope.errors import LayerScopeError
@@ -51,6 +53,36 @@ def _range(minimum, maximum, above) -> str:
 def _range_fix(name, minimum, maximum, above) -> str:
     return f"Pass a {name} {_range(minimum, maximum, above)}"
 
+
+# ---------------------------------------------------------------------------- numbers people write
+
+COUNT_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*")     # 2M, 500k, 120000
+DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([hms]?)")        # one part of 1h30m, 45m, 600s, 90
+
+
+def parse_count(text: str) -> int:
+    """A token count: '2M' -> 2_000_000, '500k' -> 500_000, '12000' -> 12000 (k, M, G; at least 1)."""
+    m = COUNT_RE.fullmatch(str(text))
+    if not m:
+        raise LayerScopeError(f"{text!r} is not a token count", "Write it like 2M, 500k or 120000")
+    n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+    if not 1 <= n < 1e15:
+        raise LayerScopeError(f"{text!r} is not a positive token count", "Write it like 2M, 500k or 120000")
+    return int(n)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds: '45m' -> 2700, '1h30m' -> 5400, '90s' / '90' -> 90 (h, m, s; a bare number is seconds)."""
+    parts = DURATION_PART_RE.findall(str(text).strip())
+    if not parts or DURATION_PART_RE.sub("", str(text)).strip():
+        raise LayerScopeError(f"{text!r} is not a duration", "Write it like 45m, 2h, 1h30m or 600s")
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
+    if not 0 < seconds < 1e8:
+        raise LayerScopeError(f"{text!r} is not a positive duration", "Write it like 45m, 2h, 1h30m or 600s")
+    return seconds
+
+
+# ---------------------------------------------------------------------------- the command line
 
 def finite_float(text: str) -> float:
     """argparse type for every float option: a number, not NaN or an infinity."""

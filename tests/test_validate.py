@@ -7,7 +7,7 @@ import pytest
 from layerscope import cli
 from layerscope.capture.run import CaptureOptions
 from layerscope.errors import CaptureError, LayerScopeError
-from layerscope.validate import check_number
+from layerscope.validate import check_number, parse_count, parse_duration
 
 
 @pytest.mark.parametrize("value, kw, ok", [
@@ -22,6 +22,17 @@ def test_check_number(value, kw, ok):
     else:
         with pytest.raises(LayerScopeError, match="x must be"):
             check_number("x", value, **kw)
+
+
+def test_budgets_read_as_people_write_them():
+    assert parse_count("2M") == 2_000_000 and parse_count("500k") == 500_000 and parse_count("1200") == 1200
+    assert parse_duration("45m") == 2700 and parse_duration("1h30m") == 5400 and parse_duration("90") == 90
+    for bad in ("", "2X", "-5", "nan"):
+        with pytest.raises(LayerScopeError, match="token count"):
+            parse_count(bad)
+    for bad in ("", "45x", "0", "m"):
+        with pytest.raises(LayerScopeError, match="duration"):
+            parse_duration(bad)
 
 
 @pytest.mark.parametrize("field, value", [

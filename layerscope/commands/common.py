@@ -8,9 +8,9 @@ import sys
 from tqdm import tqdm
 
 from layerscope import layerset
-from layerscope.draft.online import parse_duration
 from layerscope.machine import WAIT_S, MachineOptions
 from layerscope.store import Store
+from layerscope.validate import parse_duration
 
 STORE_HELP = "artifact store directory (default: $LAYERSCOPE_STORE, else ./cache under the working directory)"
 

@@ -18,10 +18,11 @@ import torch
 from layerscope import preflight, workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft import builtin
-from layerscope.draft.online import OnlineOptions, parse_count, parse_duration
+from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import DraftError
+from layerscope.validate import parse_count, parse_duration
 
 NAME = "train-draft"
 HELP = ("train EAGLE-3 draft heads reading layer sets: online (--model, the target in the loop, several sets per "

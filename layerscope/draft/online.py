@@ -161,30 +161,6 @@ class OnlineResult:
                 "run_key": self.run_key, "conversations": self.conversations, "data_tokens": self.data_tokens}
 
 
-# ----------------------------------------------------------------------------- budgets people think in
-
-def parse_count(text: str) -> int:
-    """'2M' -> 2_000_000, '500k' -> 500_000, '12000' -> 12000."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
-    if not m:
-        raise DraftError(f"{text!r} is not a token count", "Write it like 2M, 500k or 120000")
-    n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
-    if not 1 <= n < 1e15:
-        raise DraftError(f"{text!r} is not a positive token count", "Write it like 2M, 500k or 120000")
-    return int(n)
-
-
-def parse_duration(text: str) -> float:
-    """'45m' -> 2700, '1h30m' -> 5400, '90s' / '90' -> 90 (seconds)."""
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", str(text).strip())
-    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([hms]?)", "", str(text)).strip():
-        raise DraftError(f"{text!r} is not a duration", "Write it like 45m, 2h, 1h30m or 600s")
-    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
-    if not 0 < seconds < 1e8:
-        raise DraftError(f"{text!r} is not a positive duration", "Write it like 45m, 2h, 1h30m or 600s")
-    return seconds
-
-
 # ----------------------------------------------------------------------------- data
 
 def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, progress=None,
