@@ -569,9 +569,6 @@ class Store:
                         total += f.stat().st_size
         return total
 
-    def total_size(self) -> int:
-        return sum(self.entry_size(kind, p.name) for kind in ENTRY_KINDS for p in self._entry_dirs(kind))
-
     def evict(self, limit_bytes: int | None = None) -> list[str]:
         """Delete least recently used entries until the store is under `limit_bytes`; returns what went."""
         limit = self.size_limit if limit_bytes is None else limit_bytes
