@@ -14,6 +14,7 @@ during the run and carries the result. Linux only: everything is read from /proc
     Monitor             a background thread that snapshots every interval_s DURING a run; on exit, the
                         run's MachineState: the mean over the run and the worst interval
     wait_quiet(...)     samples until the machine is quiet or the time is up; then the state
+    sync(device)        wait for the device's queued work before reading a clock (CUDA; a no-op on the CPU)
 
 Quiet (MachineOptions): other processes used under `max_others_cpu` of a core on average and under
 `max_peak_cpu` in every interval of a run, and torch's intra-op threads fit in the cores this process
@@ -320,6 +321,13 @@ def watch(run: Callable[[], object], options: MachineOptions = MachineOptions(),
     with Monitor(options, before) as m:
         result = run()
     return result, m.state
+
+
+def sync(device) -> None:
+    """Wait for `device`'s queued work (CUDA kernels run asynchronously), so a clock read after it times the
+    work; a no-op on the CPU. Every timing of a forward (the cost curve, a benchmark's HF peers) syncs through here."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- words

@@ -527,21 +527,16 @@ def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_
     hook = model.register_forward_hook(lambda *_: forwards.append(1))
     saved, model.generation_config = model.generation_config, GenerationConfig()
     try:
-        _sync(model.device)
+        machine.sync(model.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
-        _sync(model.device)
+        machine.sync(model.device)
         seconds = time.perf_counter() - t0
     finally:
         model.generation_config = saved
         hook.remove()
     return out[0, len(ids):].tolist(), len(forwards), seconds
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def format_table(report: BenchReport) -> str:

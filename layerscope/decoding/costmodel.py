@@ -150,7 +150,7 @@ def measure_target(model, *, max_tokens: int = MAX_TOKENS, cache_lengths: Sequen
                 specdec.crop_cache(cache, L)
 
             run(max_tokens)                                  # warm-up: first calls pay one-time costs
-            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: _sync(device)))
+            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: machine.sync(device)))
     return [sum(col) / len(col) for col in zip(*per_length)]
 
 
@@ -173,7 +173,7 @@ def measure_draft(model, draft, *, max_rows: int = DRAFT_ROWS, cache_length: int
             dr.rewind()
 
         run(max_rows)
-        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: _sync(device))
+        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: machine.sync(device))
 
 
 def default_draft(loaded) -> DraftHead:
@@ -235,11 +235,6 @@ def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_token
 
 def _context(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- acceptance
