@@ -13,12 +13,14 @@ Plain functions, strings out; nothing here imports Streamlit. Every kind of numb
                  1.42× [1.30, 1.55]           a × unit once, on the value)
 
 A missing value reads "—"; a value that does not exist for the thing (mean CKA of one layer) reads "n/a".
+The command line's plain-text tables (the benchmark's, the study's) are laid out by `table`.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from datetime import datetime
 
 MISSING = "—"
@@ -168,3 +170,16 @@ def cell(x) -> str:
     if hasattr(x, "item"):                          # numpy / pandas scalars
         return cell(x.item())
     return str(x)
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[str]], *, left: int | None = None, rule: bool = False) -> str:
+    """A plain-text table (the command line's): each column as wide as its widest cell, two spaces apart; the
+    first `left` columns left-aligned, the rest right-aligned (None: all left-aligned); `rule`: a line of dashes
+    under the head. Cells are strings already."""
+    rows = [list(head), *map(list, rows)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if left is None or j < left else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

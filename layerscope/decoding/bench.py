@@ -545,14 +545,15 @@ def format_table(report: BenchReport) -> str:
     pred = report.cost_curve is not None
     head = ["contender", "layers", "tau", *[f"acc@{i + 1}" for i in range(depth)], "tok/s", "speedup",
             *(["predicted"] if pred else []), "lossless"]
-    rows = [head]
+    rows = []
     for r in report.results:
         acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
         rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", fmt.interval(r["tau"], r.get("tau_ci"), "tau"),
                      *acc, _f(r["tokens_per_s"], 1), fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
-    lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}", _grid(rows)]
+    lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}",
+             fmt.table(head, rows, left=2)]
     lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
     lines += [lookup_note(r) for r in report.results if r.get("lookup")]
@@ -560,19 +561,19 @@ def format_table(report: BenchReport) -> str:
         lines.append(interval_note(report.intervals))
         paired = [r for r in report.results if r.get("paired")]
         if paired:
-            rows = [["contender", f"tau - {report.intervals['reference']}", f"speedup - {report.intervals['reference']}"]]
-            rows += [[r["name"], fmt.interval(r["paired"]["tau"]["delta"], r["paired"]["tau"]["ci"], "delta"),
-                      fmt.interval(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], "delta")] for r in paired]
-            lines += ["", _grid(rows)]
+            head = ["contender", f"tau - {report.intervals['reference']}", f"speedup - {report.intervals['reference']}"]
+            rows = [[r["name"], fmt.interval(r["paired"]["tau"]["delta"], r["paired"]["tau"]["ci"], "delta"),
+                     fmt.interval(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], "delta")] for r in paired]
+            lines += ["", fmt.table(head, rows, left=2)]
     cats = sorted({c for r in report.results for c in r["by_category"]})
     if len(cats) > 1:
-        rows = [["category", "contender", "tau", "tok/s", "speedup", "lossless"]]
+        rows = []
         for cat in cats:
             for r in report.results:
                 e = r["by_category"][cat]
                 rows.append([cat, r["name"], _f(e["tau"]), _f(e["tokens_per_s"], 1),
                              _f(e["speedup"]) + ("x" if e["speedup"] else ""), "yes" if e["lossless"] else "NO"])
-        lines += ["", _grid(rows)]
+        lines += ["", fmt.table(["category", "contender", "tau", "tok/s", "speedup", "lossless"], rows, left=2)]
     return "\n".join(lines)
 
 
@@ -613,9 +614,3 @@ def interval_note(intervals: dict) -> str:
     return (f"[lo, hi]: {intervals['level']:.0%} bootstrap intervals over the {intervals['prompts']} prompts "
             f"({intervals['draws']} resamples; speedup paired with autoregressive, differences paired with "
             f"{intervals['reference']})")
-
-
-def _grid(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)

@@ -475,7 +475,7 @@ def format_study(report: StudyReport) -> str:
     spread), and the proxies' rank correlations with τ: the study's own and the best version of each."""
     head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "probe", "tau", "tau 95% CI",
             "vs default", "diff 95% CI", "seed range", "speedup", "lossless"]
-    rows = [head]
+    rows = []
     f3 = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
     for r in report.rows:
         rows.append([",".join(map(str, r.layers)), "/".join(r.strategies), f"{r.mean_entropy:.3f}", f"{r.mean_cka:.3f}",
@@ -484,9 +484,7 @@ def format_study(report: StudyReport) -> str:
                      f3(r.tau), fmt.ci(r.tau_ci, "tau"), f"{r.delta_vs_default:+.3f}" if r.delta_vs_default is not None else "-",
                      fmt.ci(r.delta_ci, "delta"), f3(r.tau_seed_range) if len(r.seeds) > 1 else "-",
                      f"{r.speedup:.2f}x" if r.speedup else "-", "yes" if r.lossless else "NO"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [fmt.table(head, rows, rule=True)]
     o = report.options
     seeds = o.get("seeds") or []
     lines.insert(0, f"capture {report.capture}: {report.prompts} {o.get('prompts')} prompts, {o.get('max_new_tokens')} new "
