@@ -42,6 +42,7 @@ from pathlib import Path
 
 import diskcache
 import torch
+from diskcache.core import MODE_BINARY, MODE_RAW
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -305,12 +306,18 @@ def check_entry_name(kind: str, key: str) -> str:
 
 class BoundedJSONDisk(diskcache.JSONDisk):
     """diskcache's JSON disk whose values are read as bounded JSON: a value planted in the index that is
-    too large once decompressed, or nested too deep, is a StoreError (the caller treats it as a miss)."""
+    too large once decompressed, or nested too deep, or stored in another mode than the two JSONDisk writes
+    (compressed bytes in the row or in a file; never pickle, which would run code), is a StoreError (the
+    caller treats it as a miss)."""
 
     def fetch(self, mode, filename, value, read):
+        if mode not in (MODE_RAW, MODE_BINARY):
+            raise StoreError(f"An index value is stored in diskcache mode {mode!r}, not as JSON bytes", "It is recomputed")
         data = diskcache.Disk.fetch(self, mode, filename, value, read)
         if read:
             return data
+        if not isinstance(data, bytes):
+            raise StoreError("An index value is not compressed JSON", "It is recomputed")
         try:
             unzip = zlib.decompressobj()
             text = unzip.decompress(data, MAX_INDEX_VALUE_BYTES + 1)
@@ -335,23 +342,39 @@ def index_damaged(e: BaseException) -> bool:
     return isinstance(e, sqlite3.DatabaseError) and any(w in str(e).lower() for w in INDEX_DAMAGE)
 
 
+# diskcache has no read-only mode (opening a Cache writes its Settings table), so an index that cannot be written
+# is read with sqlite directly, as diskcache 5's Cache.get reads it: the row of the Cache table whose key and raw
+# columns are Disk.put(key) and that has not expired, decoded by Disk.fetch(mode, filename, value) (Disk's put and
+# fetch are diskcache's documented serialization interface; the table is its private layout). So the dependency is
+# pinned below 6 (pyproject.toml, requirements.txt), and a Cache table without these columns is not read at all:
+# every value is then a miss (recomputed, never a wrong value), with a warning.
+CACHE_COLUMNS = ("key", "raw", "expire_time", "mode", "filename", "value")
+
+
 class _MemoryIndex(dict):
     """Stand-in for the diskcache index when the store cannot hold one (read-only): same calls, no disk.
 
-    With `readonly_dir` it also reads the values an existing index holds (sqlite opened read-only);
-    what is set lives in memory and shadows them."""
+    With `readonly_dir` it also reads the values an existing index holds (sqlite opened read-only, see
+    CACHE_COLUMNS); what is set lives in memory and shadows them. `problem` says why an existing index
+    is not read (None when it is read, or when there is none or it is not a database)."""
 
     def __init__(self, readonly_dir: Path | None = None):
         super().__init__()
-        self._db = self._disk = None
+        self._db = self._disk = self.problem = None
         db = Path(readonly_dir) / "cache.db" if readonly_dir else None
         if db is not None and db.is_file():
             try:   # immutable: a WAL database opens without writing its -shm file
                 self._db = sqlite3.connect(f"{db.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False)
                 self._db.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+                columns = {row[1] for row in self._db.execute("PRAGMA table_info(Cache)")}
                 self._disk = BoundedJSONDisk(str(readonly_dir))
             except (sqlite3.Error, OSError):
-                self._db = None
+                self.close()
+                return
+            missing = [c for c in CACHE_COLUMNS if c not in columns]
+            if missing:
+                self.problem = f"its Cache table has no {', '.join(missing)} column (not diskcache 5's layout)"
+                self.close()
 
     def get(self, key, default=None):
         if key in self:
@@ -359,8 +382,9 @@ class _MemoryIndex(dict):
         if self._db is not None:
             with contextlib.suppress(sqlite3.Error, OSError, ValueError):
                 db_key, raw = self._disk.put(key)
-                row = self._db.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ?",
-                                       (db_key, raw)).fetchone()
+                row = self._db.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ? "
+                                       "AND (expire_time IS NULL OR expire_time > ?)",
+                                       (db_key, raw, time.time())).fetchone()
                 if row is not None:
                     return self._disk.fetch(row[0], row[1], row[2], False)
         return default
@@ -431,7 +455,10 @@ class Store:
         else:
             self.warn(f"The store index in {self.root} cannot be written ({why}); it is read as it is and new "
                       "results are kept in memory only (free disk space to cache them again)")
-        return _MemoryIndex(self.root / "index")
+        index = _MemoryIndex(self.root / "index")
+        if index.problem:
+            self.warn(f"The store index in {self.root} is not read: {index.problem}; cached results are recomputed")
+        return index
 
     def _repair_index(self, error: Exception):
         """Move a damaged index aside and rebuild it from the entries on disk (under the index lock)."""

@@ -1,7 +1,10 @@
 """The store: keys, JSON index, atomic writes, eviction, partial reads."""
 
 import json
+import os
+import pickle
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from layerscope import cli
 from layerscope.capture.format import CaptureReader
 from layerscope.errors import StoreError
 from layerscope.stats.analysis import AnalysisOptions, analysis_key, analyze
-from layerscope.store import Store, StoreWarning, atomic_save_tensors, make_key
+from layerscope.store import Store, StoreWarning, _MemoryIndex, atomic_save_tensors, make_key
 
 
 def test_make_key_is_canonical():
@@ -28,6 +31,40 @@ def test_json_round_trip_and_no_pickle(store):
     # every value in the index is stored as JSON bytes, never with diskcache's pickle mode (4)
     modes = {m for (m,) in store.index._sql("SELECT mode FROM Cache").fetchall()}
     assert modes and 4 not in modes
+
+
+def test_a_planted_pickle_value_is_never_unpickled(tmp_path):
+    """A value whose row says diskcache's pickle mode (4) reads as missing: unpickling it would run its code."""
+    class Planted:
+        def __reduce__(self):
+            return (os.mkdir, (str(tmp_path / "ran"),))
+
+    store = Store(tmp_path / "s")
+    store.put_json("analysis", "abc", {"x": 1})
+    store.close()
+    db = sqlite3.connect(store.root / "index" / "cache.db")
+    db.execute("UPDATE Cache SET mode = 4, value = ?", (pickle.dumps(Planted()),))
+    db.commit()
+    db.close()
+    with pytest.warns(StoreWarning, match="damaged value"):
+        assert Store(store.root).get_json("analysis", "abc") is None
+    assert not (tmp_path / "ran").exists()
+
+
+def test_an_index_read_in_place_refuses_a_layout_it_does_not_know(tmp_path):
+    """The read-only index reads diskcache's table itself: a table without the columns it reads is not read
+    (every value a miss), never read wrongly."""
+    store = Store(tmp_path / "s")
+    store.put_json("analysis", "abc", {"x": 1})
+    store.close()
+    index = _MemoryIndex(store.root / "index")
+    assert index.problem is None and index.get("analysis/abc") == {"x": 1}
+    index.close()
+    db = sqlite3.connect(store.root / "index" / "cache.db")
+    db.execute("ALTER TABLE Cache RENAME COLUMN expire_time TO expires")
+    db.close()                       # checkpoints the write-ahead log, which an immutable reader does not read
+    index = _MemoryIndex(store.root / "index")
+    assert "expire_time" in index.problem and index.get("analysis/abc") is None
 
 
 def test_interrupted_tensor_write_leaves_nothing(tmp_path, monkeypatch):
