@@ -8,8 +8,8 @@ known fields typed, other fields refused (strict) or only bounded as JSON (recor
 
 `problem(value, spec, where)` says what is wrong with a value, naming the field, or None when it fits.
 SCHEMA is the whole `session` object of session.json (every field a page reads); the archive's list of
-drafts has its own (archive.py). Where a schema would only restate a dataclass's fields (AnalysisOptions),
-it is derived from the dataclass.
+drafts has its own (archive.py). Where a schema would only restate a dataclass's fields (AnalysisOptions, a
+study's StudyRow), it is derived from the dataclass.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import fields
 
 from layerscope.stats.analysis import AnalysisOptions
 from layerscope.store import KEY_RE
+from layerscope.study.run import StudyRow
 
 ID_RE = re.compile(r"[0-9a-f]{12}")           # matched in full (re.fullmatch): no trailing newline
 NAME_MAX = 120
@@ -143,18 +144,41 @@ def problem(v, spec, where: str) -> str | None:
 SCALARS = {float: "num", int: "int", bool: "bool", str: "str"}
 
 
-def dataclass_fields(cls) -> dict:
-    """{field: spec} of a dataclass of plain scalar fields: `float` is "num", `int | None` is ("opt", "int"), ..."""
+def dataclass_fields(cls, *, nan_null: bool = False, required: tuple[str, ...] = (), shapes: dict | None = None) -> dict:
+    """{field: spec} of a dataclass, from its fields' types: `float` is "num" (("opt", "num") with `nan_null`: a
+    record whose NaN is written as null), `int` "int", `bool` "bool", `str` "str", `X | None` ("opt", X);
+    `list[int]` a layer list (MAX_LAYERS), `list[float]` NUMS (a field named *_ci: an interval, CI), any other
+    `list[X]` LIST_MAX of X, `dict` ("map", "json"). `shapes`: the spec of a field whose type says less than the
+    schema needs; `required` fields must be present."""
     hints = typing.get_type_hints(cls)
-    out = {}
-    for f in fields(cls):
-        args = typing.get_args(hints[f.name])
-        if type(None) in args:
-            (t,) = [a for a in args if a is not type(None)]
-            out[f.name] = opt(SCALARS[t])
-        else:
-            out[f.name] = SCALARS[hints[f.name]]
+    out = {f.name: _spec(hints[f.name], f.name, nan_null) for f in fields(cls)}
+    for name, spec in (shapes or {}).items():
+        assert name in out, f"{cls.__name__} has no field {name!r}"
+        out[name] = spec
+    for name in required:
+        assert name in out, f"{cls.__name__} has no field {name!r}"
+        out[name] = req(out[name])
     return out
+
+
+def _spec(t, name: str, nan_null: bool):
+    args = typing.get_args(t)
+    if type(None) in args:
+        (t,) = [a for a in args if a is not type(None)]
+        spec = _spec(t, name, nan_null)
+        return spec if isinstance(spec, tuple) and spec[0] == "opt" else opt(spec)
+    if typing.get_origin(t) is list:
+        (item,) = args
+        if item is int:
+            return ("list", "int", MAX_LAYERS)
+        if item is float:
+            return CI if name.endswith("_ci") else NUMS
+        return ("list", _spec(item, name, nan_null), LIST_MAX)
+    if t is dict or typing.get_origin(t) is dict:
+        return ("map", "json")
+    if t is float and nan_null:
+        return opt("num")
+    return SCALARS[t]
 
 
 # ---------------------------------------------------------------------------- the schemas
@@ -203,13 +227,10 @@ BENCH_SCHEMA = ("obj", {
     # the older flat form: one contender per entry
     "name": opt("str"), "tau": opt("num"), "acceptance_by_position": opt(NUMS),
 }, False)
-STUDY_ROW_SCHEMA = ("obj", {
-    "strategies": req(("list", "str", 64)), "layers": req(("list", "int", MAX_LAYERS)), "draft": req("str"),
-    "mean_entropy": req(opt("num")), "mean_cka": req(opt("num")), "aggregate_entropy": req(opt("num")),
-    "val_accuracy": opt(("either", "num", NUMS)), "tau": opt("num"), "tau_ci": opt(CI),
-    "delta_vs_default": opt("num"), "delta_ci": opt(CI), "tau_seed_range": opt("num"),
-    "speedup": opt("num"), "lossless": opt("bool"), "proxies": opt(("map", "json")),
-}, False)
+STUDY_ROW_SCHEMA = ("obj", dataclass_fields(    # StudyRow.to_json(): every field typed as the dataclass declares it
+    StudyRow, nan_null=True,
+    required=("layers", "strategies", "draft", "mean_entropy", "mean_cka", "aggregate_entropy"),   # read without a default
+    shapes={"val_accuracy": opt(("either", "num", NUMS))}), False)                               # older rows: one number
 STUDY_SCHEMA = ("obj", {
     "rows": req(("list", STUDY_ROW_SCHEMA, LIST_MAX)), "prompts": req("int"), "device": opt("str"),
     "verdict": opt("str"),
