@@ -1,0 +1,229 @@
+"""The Speculative decoding page's larger blocks: the live panels of its jobs, a benchmark run's and a study's
+results, the engine export. They draw; what they show comes from `ui.speculate` (tables, labels, lines) and
+the backend. The page (app_pages/speculate.py) keeps its forms and the order of things.
+"""
+
+from __future__ import annotations
+
+import html
+
+import streamlit as st
+
+from layerscope import fmt, machine, plots
+from layerscope.decoding.bench import auto_note, interval_note
+from layerscope.draft import engines
+from layerscope.draft.engine_export import engine_verdict, export_zip
+from layerscope.ui import sanity, speculate, tasks
+from layerscope.ui.state import bind_view, commit
+from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, md_text, show_error, table
+
+# ---------------------------------------------------------------------------- live panels (views.live_job's details)
+
+def train_details(v) -> None:
+    """A training job's live numbers and curves: an online run's tokens and learning curves, a capture run's
+    loss, accuracy and training curves."""
+    m = v.metrics
+    if speculate.is_online(m):
+        if v.running and m.get("phase") == "train":
+            a, b, c = st.columns(3)
+            a.metric("Tokens seen", f"{m.get('tokens', 0):,}")
+            b.metric("Tokens / s", f"{m.get('tokens_per_s', 0):.0f}")
+            c.metric("ETA", fmt.duration(m["eta_s"]) if m.get("eta_s") else "—")
+        curve = speculate.online_curves(v.series)
+        if curve:
+            chart(plots.learning_curves(curve), key=f"ls_spec_online_curve_{'live' if v.running else 'done'}",
+                  filename="learning-curves")
+        return
+    hist = v.series.get("history", [])
+    if v.running and m:
+        a, b, c = st.columns(3)
+        a.metric("Loss", f"{m.get('loss', float('nan')):.3f}")
+        acc = m.get("accuracy") or []
+        b.metric("Accuracy step 1", f"{acc[0]:.0%}" if acc else "—")
+        c.metric("Tokens / s", f"{m.get('tokens_per_s', 0):.0f}")
+    if len(hist) >= 2:
+        chart(plots.training_curves(hist), key=f"ls_spec_train_curve_{'live' if v.running else 'done'}",
+              filename="draft-training")
+
+
+def bench_details(v) -> None:
+    """A running benchmark: the contender decoding now, its running τ and speed, acceptance per draft position,
+    τ per step, and the text with the accepted draft tokens highlighted."""
+    if not v.running:
+        return
+    m = v.metrics
+    live = m.get("live") or {}
+    cur = m.get("contender")
+    if not cur:
+        return
+    c = st.columns(5)
+    c[0].markdown(f"**Decoding with**  \n{md_text(cur)}  \nprompt {m.get('prompt')}/{m.get('prompts_total')}")
+    c[1].metric("τ this step", "—" if m.get("step_tau") is None else f"{m['step_tau']}")
+    c[2].metric("Running τ", f"{live.get(cur, {}).get('tau') or 0:.3f}")
+    c[3].metric("Tokens / s", f"{live.get(cur, {}).get('tokens_per_s') or 0:.1f}")
+    c[4].metric("Speedup vs plain", "—" if m.get("speedup") is None else f"{m['speedup']:.2f}×")
+    acc = speculate.live_acceptance(m)
+    # one above the other, full width: side by side at 1024 px each had ~350 px and its labels were cut
+    if acc:
+        st.plotly_chart(plots.acceptance_bars(acc, title="Acceptance per draft position (live)"),
+                        key="ls_spec_live_acc", config=plots.figure_config("acceptance-live"))
+    taus = v.series.get(f"tau:{cur}", [])
+    if taus:
+        st.plotly_chart(plots.tau_over_time(taus[-400:], title=f"τ per step: {cur} (live)"),
+                        key="ls_spec_live_tau", config=plots.figure_config("tau-live"))
+    if m.get("text"):
+        st.markdown(f"**Generating** ({html.escape(str(m.get('text_of')))}): " + legend_html(), unsafe_allow_html=True)
+        st.markdown(highlighted_tokens(m["text"]), unsafe_allow_html=True)
+
+
+def study_details(v) -> None:
+    """A running study's phase."""
+    if v.running:
+        st.caption(f"Phase: {v.metrics.get('phase', 'starting')}")
+
+
+# ---------------------------------------------------------------------------- drafts
+
+def session_drafts(s, store, labels_of: dict[str, str], colors: dict) -> None:
+    """The session's drafts: their table and learning curves, the engine export, the store's drafts that can be
+    added, and the store's drafts that cannot be used."""
+    st.subheader("Drafts of this session")
+    if s.drafts:
+        table(speculate.drafts_frame(s.drafts), key="ls_spec_drafts", filename="drafts")
+        collapsed = sanity.collapse_warning(s.drafts)
+        if collapsed:
+            st.warning(md_text(collapsed), icon=":material/warning:")
+        curves, layers_of = speculate.draft_curves(s.drafts, labels_of)
+        if curves:
+            chart(plots.learning_curves(curves, layers=layers_of, colors=colors), key="ls_spec_learning_curves",
+                  filename="learning-curves")
+            st.caption("Held-out agreement at the first draft position (every position counts: the estimate of "
+                       "decoding acceptance) as each draft saw more tokens. Sets trained in one online pass saw the "
+                       "same data in the same order, so their curves compare directly.")
+    else:
+        st.caption("None yet: train one, or add one the store already holds.")
+    if s.drafts:
+        engine_export(s, labels_of)
+    fp = (s.capture or {}).get("fingerprint")
+    with guard("stored drafts"):
+        stored = speculate.stored_choices(tasks.stored_drafts(store, fingerprint=fp), s.drafts, s.capture_key)
+        if stored:
+            p = st.selectbox("Trained drafts in the store for this model", list(stored), format_func=lambda x: stored[x][1],
+                             key="ls_spec_stored")
+            if st.button("Add to this session", key="ls_spec_add_stored", icon=":material/add:"):
+                s.drafts.append(stored[p][0])
+                commit(s)
+                st.rerun()
+        broken = tasks.broken_drafts(store)
+        if broken:      # listed, not hidden: what is wrong and the fix (plain text: keys and paths are not Markdown)
+            st.text(speculate.broken_text(broken))
+
+
+def engine_export(s, labels_of: dict[str, str]) -> None:
+    """The expander that builds a draft's folder for a serving engine (what `layerscope export --for` writes)."""
+    with st.expander("Export a draft for a serving engine"):
+        e1, e2 = st.columns(2)
+        ex_path = e1.selectbox("Draft", list(labels_of), format_func=labels_of.get, key="ls_w_spec_export_draft",
+                               on_change=bind_view(s, "export_draft", "ls_w_spec_export_draft", next(iter(labels_of)),
+                                                   options=list(labels_of)))
+        ex_engine = e2.selectbox("Engine", engines.ENGINES, key="ls_w_spec_export_engine",
+                                 on_change=bind_view(s, "export_engine", "ls_w_spec_export_engine", engines.ENGINES[0],
+                                                     options=list(engines.ENGINES)),
+                                 help="The folder `layerscope export --for ENGINE` writes, with COMMANDS.md")
+        with guard("engine export"):
+            verdict = engine_verdict(ex_path, ex_engine)
+            if verdict["refusal"]:
+                show_error(f"{ex_engine} cannot take this draft: {verdict['refusal']}",
+                           "Pick another engine, or train a draft on a layer set this engine takes")
+            else:
+                for note in verdict["notes"]:
+                    st.text(f"Note: {note}")
+                if st.button("Build the export", key="ls_spec_export_build", icon=":material/package_2:"):
+                    name, data = export_zip(ex_path, ex_engine)
+                    st.session_state["ls_spec_export"] = {"for": (ex_path, ex_engine), "name": name, "data": data}
+                built = st.session_state.get("ls_spec_export")
+                if built and built["for"] == (ex_path, ex_engine):
+                    st.download_button(f"Download {built['name']}", data=built["data"], file_name=built["name"],
+                                       mime="application/zip", key="ls_spec_export_download", on_click="ignore",
+                                       icon=":material/download:")
+
+
+# ---------------------------------------------------------------------------- results
+
+def bench_run(s, i: int, colors: dict) -> None:
+    """Benchmark run `i` of the session: its table, notes and warnings, then τ and speedup, acceptance per
+    draft position, the cost curve and the per-category table."""
+    res = s.bench_results[i]
+    rows = res.get("results", [])
+    df, collapsed = speculate.bench_frame(res, s.drafts)
+    table(df, key="ls_spec_bench_table", filename=f"benchmark-{i + 1}")
+    if collapsed:
+        st.warning(md_text(collapsed), icon=":material/warning:")
+    st.caption(md_text(interval_note(res["intervals"])) if res.get("intervals")
+               else "No intervals: this run had a single prompt, or was saved before benchmarks kept per-prompt totals.")
+    for r in rows:
+        if r.get("chosen"):
+            st.markdown(md_text(auto_note(r)))
+    if res.get("machine"):
+        (st.caption if res["machine"].get("quiet") else st.warning)(md_text(machine.line(res["machine"])))
+    for w in res.get("warnings") or []:
+        st.caption(f"Note: {md_text(w)}.")
+    for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0)):
+        st.warning(w, icon=":material/warning:")
+    bad = speculate.not_lossless(rows)
+    if bad:
+        st.error(f"**Outputs differ from plain greedy decoding for {', '.join(bad)}.** This is a bug in the decoder; "
+                 "please report it with the session file.")
+    # τ and speedup span the page (two panels of contender names: at half width they were cramped)
+    chart(plots.bench_comparison(rows, colors=colors), key="ls_spec_bench_cmp", filename=f"benchmark-{i + 1}-tau-speedup")
+    g1, g2 = st.columns(2)
+    with g1:
+        acc, layers_of = speculate.acceptance_of(rows)
+        if acc:
+            chart(plots.acceptance_bars(acc, layers=layers_of, colors=colors),
+                  key="ls_spec_bench_acc", filename=f"benchmark-{i + 1}-acceptance")
+    with g2:
+        if res.get("cost_curve"):
+            chart(plots.cost_curve(res["cost_curve"], draft_step_seconds=res.get("draft_step_seconds")),
+                  key="ls_spec_bench_cost", filename=f"benchmark-{i + 1}-cost-curve")
+    cdf = speculate.category_frame(rows)
+    if cdf is not None:
+        with st.expander("Per prompt category"):
+            table(cdf, key="ls_spec_bench_cat", filename=f"benchmark-{i + 1}-categories")
+
+
+def study(s, i: int, colors: dict) -> None:
+    """Study `i` of the session: what it ran, its verdict, the table and correlations, τ with its intervals,
+    τ against each proxy, the learning curves, and τ and speedup per set."""
+    res = s.study[i]
+    rows = res["rows"]
+    st.markdown(md_text(speculate.study_heading(res, i, len(s.study))))
+    if res.get("verdict"):
+        st.info(md_text(res["verdict"]), icon=":material/gavel:")
+    table(speculate.study_frame(rows, s.layer_sets), key="ls_spec_study_table", filename="study")
+    st.caption("[lo, hi]: 95% paired bootstrap intervals over the prompts; seed range: max − min of τ over the "
+               "training seeds; mean CKA n/a: a one-layer set has no pair of layers.")
+    cdf = speculate.correlations_frame(res)
+    if cdf is not None:
+        table(cdf, key="ls_spec_study_corr", filename="study-correlations")
+    if any(r.get("tau_ci") for r in rows):
+        chart(plots.study_intervals(rows, colors=colors), key="ls_spec_study_ci", filename="study-tau-intervals")
+    versions = list(rows[0].get("proxies") or {}) if rows else []
+    if versions:
+        version = st.selectbox("Proxy version (kernel, token-entropy filter)", versions, key="ls_w_study_version",
+                               on_change=bind_view(s, "study_version", "ls_w_study_version", versions[0], options=versions))
+        chart(plots.study_proxies(rows, version, correlations=res.get("correlations") or [], colors=colors),
+              key="ls_spec_study_proxies", filename="study-tau-vs-proxies")
+    curves, layers_of = speculate.study_curves(rows, s.layer_sets)
+    if curves:
+        chart(plots.learning_curves(curves, layers=layers_of, colors=colors,
+                                    title="Study: held-out agreement per set as the drafts saw more tokens"),
+              key="ls_spec_study_curves", filename="study-learning-curves")
+        st.caption("First training seed. Sets trained in one online pass saw the same data in the same order.")
+    corr = res.get("spearman") or {}
+    st.markdown("**Spearman correlation with τ** over the sets: " + md_text(speculate.spearman_text(corr))
+                + ("  \n(n/a: fewer than 3 sets, or a constant column)" if any(v is None for v in corr.values()) else ""))
+    for w in sanity.study_warnings(rows, int(res.get("prompts") or 0)):
+        st.warning(md_text(w), icon=":material/warning:")
+    chart(plots.bench_comparison(speculate.study_bench_rows(rows, s.layer_sets), title="Study: τ and speedup per layer set",
+                                 colors=colors), key="ls_spec_study_chart", filename="study-tau-speedup")
