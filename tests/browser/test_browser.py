@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser
 
@@ -72,8 +73,6 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright  # an optional test extra: collecting this file does not need it
-
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b
