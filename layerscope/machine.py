@@ -38,6 +38,7 @@ import torch
 
 from layerscope import blas
 from layerscope.errors import LayerScopeError
+from layerscope.validate import check_number
 
 PROC = Path("/proc")
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -56,14 +57,17 @@ class MachineOptions:
     settle_s: float = 2.0            # window of each sample while waiting
 
     def validate(self) -> None:
-        for name in ("max_others_cpu", "max_peak_cpu", "before_s", "interval_s", "settle_s"):
+        """Every number by layerscope.validate's one rule, but the two thresholds, which may be infinite (no
+        machine is ever busy: what the tests use); check_number wants a finite number."""
+        for name in ("max_others_cpu", "max_peak_cpu"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and not math.isnan(value)):
                 raise LayerScopeError(f"machine option {name} must be a number >= 0 (got {value!r})",
                                       f"Pass {name} as 0 or more")
-        if self.wait_s is not None and not (self.wait_s > 0 and math.isfinite(self.wait_s)):
-            raise LayerScopeError(f"--wait-quiet must be a positive duration (got {self.wait_s!r})",
-                                  "Write it like --wait-quiet 300 or --wait-quiet 10m")
+        for name in ("before_s", "interval_s", "settle_s"):
+            check_number(f"machine option {name}", getattr(self, name), minimum=0, fix=f"Pass {name} as 0 or more")
+        check_number("--wait-quiet", self.wait_s, minimum=0, above=True, optional=True,
+                     fix="Write it like --wait-quiet 300 or --wait-quiet 10m")
 
 
 @dataclass(frozen=True)

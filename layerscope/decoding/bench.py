@@ -52,6 +52,7 @@ from layerscope.prompts.sets import PromptSet, chat_ids, load_fitting_prompts
 from layerscope.stats import bootstrap
 from layerscope.stats import paired as study_stats
 from layerscope.stats.paired import PromptRuns
+from layerscope.validate import check_number
 
 MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
 
@@ -77,15 +78,16 @@ class BenchOptions:
     machine: MachineOptions = field(default_factory=MachineOptions)   # the quiet rule; wait_s: --wait-quiet
 
     def validate(self) -> None:
+        """The machine's options, at least one chain depth (or --k auto); every number by layerscope.validate's
+        one rule."""
         self.machine.validate()
-        if (not self.ks and not self.auto_k) or (self.ks and min(self.ks) < 1):
-            raise LayerScopeError(f"chain depths {list(self.ks)} are not positive integers", "Write it like --k 4 or --k 2,3,4")
-        if self.max_new_tokens < 1:
-            raise LayerScopeError("--max-new-tokens must be at least 1", "Pass --max-new-tokens 1 or more")
-        if self.limit < 1:
-            raise LayerScopeError(f"--limit must be at least 1 (got {self.limit})", "Pass --limit 1 or more")
-        if self.draft_lookup < 0:
-            raise LayerScopeError(f"--lookup must be 0 (off) or more (got {self.draft_lookup})", "Pass --lookup 4, say")
+        if not self.ks and not self.auto_k:
+            raise LayerScopeError("no chain depth given", "Write it like --k 4 or --k 2,3,4")
+        for k in self.ks:
+            check_number("--k", k, minimum=1, integer=True, fix="Write it like --k 4 or --k 2,3,4")
+        check_number("--max-new-tokens", self.max_new_tokens, minimum=1, integer=True, fix="Pass --max-new-tokens 1 or more")
+        check_number("--limit", self.limit, minimum=1, integer=True, fix="Pass --limit 1 or more")
+        check_number("--lookup", self.draft_lookup, minimum=0, integer=True, fix="Pass 0 (off) or more, e.g. --lookup 4")
 
 
 @dataclass(frozen=True)
