@@ -15,7 +15,7 @@ Prompts are the outer loop, so a change in machine load touches every contender 
 
 Honest numbers: each entry also carries its per-prompt totals (`per_prompt`: tokens, forwards, seconds,
 drafted, accepted) and 95% bootstrap intervals over the prompts (`intervals`, the study's statistics:
-study_stats.compare_sets): `tau_ci`, `speedup_ci` (paired with plain decoding: the same resampled
+paired.compare_sets): `tau_ci`, `speedup_ci` (paired with plain decoding: the same resampled
 prompts for both), `acceptance` and `acceptance_ci` (accepted / drafted tokens), and `paired`, the
 difference to the reference contender (the first draft, else plain decoding) under the same resamples.
 
@@ -49,8 +49,7 @@ from layerscope.draft.checkpoint import load_draft
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions
 from layerscope.prompts.sets import PromptSet, chat_ids, load_fitting_prompts
-from layerscope.stats import bootstrap
-from layerscope.stats import paired as study_stats
+from layerscope.stats import bootstrap, paired
 from layerscope.stats.paired import PromptRuns
 from layerscope.validate import check_number
 
@@ -454,7 +453,7 @@ def per_prompt_totals(tallies: Sequence[Tally]) -> dict[str, list]:
 
 
 def prompt_runs(entry: dict, baseline: dict) -> PromptRuns:
-    """study_stats.PromptRuns of a bench entry with per-prompt totals, against `baseline`'s (plain decoding)."""
+    """paired.PromptRuns of a bench entry with per-prompt totals, against `baseline`'s (plain decoding)."""
     p, b = entry["per_prompt"], baseline["per_prompt"]
     return PromptRuns(tokens=list(p["tokens"]), forwards=list(p["forwards"]), seconds=list(p["seconds"]),
                       drafted=list(p["drafted"]), accepted=list(p["accepted"]), base_tokens=list(b["tokens"]),
@@ -466,7 +465,7 @@ def add_intervals(results: list[dict], reference: str = "autoregressive", *, dra
     """Bootstrap intervals over the prompts for the entries of one run (each with `per_prompt`, the same
     prompts): adds to every entry `tau_ci`, `speedup_ci`, `acceptance`, `acceptance_ci` ([lo, hi], None
     where undefined) and, for every contender but `reference` and plain decoding, `paired`: {"vs":
-    reference, tau|speedup|acceptance: {"delta", "ci"}}. The statistics are study_stats.compare_sets':
+    reference, tau|speedup|acceptance: {"delta", "ci"}}. The statistics are paired.compare_sets':
     ratios of sums, one set of resampled prompts for every contender, so speedups and differences are
     paired. Returns what `BenchReport.intervals` records, or None (and adds nothing) with fewer than 2
     prompts, where a resample can only repeat the one prompt."""
@@ -478,7 +477,7 @@ def add_intervals(results: list[dict], reference: str = "autoregressive", *, dra
     if prompts < 2:
         return None
     ref = names.index(reference) if reference in names else names.index("autoregressive")
-    rows, _ = study_stats.compare_sets([[prompt_runs(r, base)] for r in results], ref, draws=draws, level=level,
+    rows, _ = paired.compare_sets([[prompt_runs(r, base)] for r in results], ref, draws=draws, level=level,
                                        seed=seed)
     for entry, row in zip(results, rows):
         entry |= {"tau_ci": row["tau_ci"], "speedup_ci": row["speedup_ci"], "acceptance": row["acceptance"],
@@ -561,11 +560,11 @@ def format_table(report: BenchReport) -> str:
     lines += [lookup_note(r) for r in report.results if r.get("lookup")]
     if report.intervals:
         lines.append(interval_note(report.intervals))
-        paired = [r for r in report.results if r.get("paired")]
-        if paired:
+        vs_reference = [r for r in report.results if r.get("paired")]
+        if vs_reference:
             head = ["contender", f"tau - {report.intervals['reference']}", f"speedup - {report.intervals['reference']}"]
             rows = [[r["name"], fmt.interval(r["paired"]["tau"]["delta"], r["paired"]["tau"]["ci"], "delta"),
-                     fmt.interval(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], "delta")] for r in paired]
+                     fmt.interval(r["paired"]["speedup"]["delta"], r["paired"]["speedup"]["ci"], "delta")] for r in vs_reference]
             lines += ["", fmt.table(head, rows, left=2)]
     cats = sorted({c for r in report.results for c in r["by_category"]})
     if len(cats) > 1:

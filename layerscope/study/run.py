@@ -20,8 +20,8 @@ For one capture:
                   the prompts and decoding options and the machine's state during the run (layerscope.machine;
                   the report's `machine` merges every run it used, and the verdict says so when one ran on a
                   busy machine). With `outcomes`, each finished (set, seed) is also written to that folder
-                  (study_outcomes.py) and read back from it instead of being trained again;
-  5. statistics   study_stats: per set τ, acceptance and speedup with paired bootstrap intervals over
+                  (study/outcomes.py) and read back from it instead of being trained again;
+  5. statistics   stats/paired.py: per set τ, acceptance and speedup with paired bootstrap intervals over
                   the prompts, the paired difference to the default rule, the seed spread; the Spearman
                   correlation of every proxy version with τ with an interval; a plain-words verdict.
 
@@ -46,13 +46,12 @@ from layerscope.draft.train import TrainOptions, draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
 from layerscope.prompts.sets import load_prompts
-from layerscope.stats import paired as study_stats
-from layerscope.stats import select
+from layerscope.stats import paired, select
 from layerscope.stats.analysis import AnalysisOptions, analyze
 from layerscope.stats.correlation import spearman
 from layerscope.stats.paired import PromptRuns
 from layerscope.store import make_key
-from layerscope.study import outcomes as study_outcomes
+from layerscope.study import outcomes
 from layerscope.study.outcomes import Outcome, OutcomeFolder
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
@@ -87,7 +86,7 @@ class StudyOptions:
     sets_per_pass: int | None = None                   # online: sets trained per target pass (None: all of them);
                                                        # smaller passes fit a sitting, each benchmarked when done
     outcomes: str | None = None                        # a folder keeping every finished draft's outcome (its record
-                                                       # and benchmark, study_outcomes.py), read back instead of
+                                                       # and benchmark, study/outcomes.py), read back instead of
                                                        # training again: a long study across machines
 
     def bench_options(self) -> bench.BenchOptions:
@@ -228,7 +227,7 @@ def study_units(n_sets: int, n_seeds: int, o: StudyOptions,
 
 
 def training_identity(cap, store, seed: int, o: StudyOptions) -> dict:
-    """What decides a draft's training before it starts, for one training seed (study_outcomes): the capture
+    """What decides a draft's training before it starts, for one training seed (study/outcomes.py): the capture
     or the online data and every option, the seed, the starting drafts. The passes a set trains in are left
     out: each draft learns on its own (seeded alone, the same batches)."""
     if o.online is not None:
@@ -243,7 +242,7 @@ def outcome_identity(target, layers: list[int], seed: int, training: dict, bench
     """What decides a (set, seed)'s outcome: the target, the layers, the training (training_identity) and the
     benchmark (bench_cache)."""
     return {"target": target.fingerprint, "layers": list(layers), "seed": seed, "training": training,
-            "bench": bench_cache, "format": study_outcomes.FORMAT}
+            "bench": bench_cache, "format": outcomes.FORMAT}
 
 
 def online_data_seed(o: StudyOptions) -> int:
@@ -383,16 +382,16 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
         except probe_mod.ProbeError as e:        # e.g. a capture without held-out response positions
             probe_skipped = str(e)
 
-    outcomes = finish_drafts(cap, target, store, sets, o, say)
-    n_prompts = len(outcomes[0][0].per_prompt.tokens)
-    merged = machine.merge([oc.machine for ocs in outcomes for oc in ocs])
+    finished = finish_drafts(cap, target, store, sets, o, say)
+    n_prompts = len(finished[0][0].per_prompt.tokens)
+    merged = machine.merge([oc.machine for ocs in finished for oc in ocs])
     machine_state = merged.to_json() if merged is not None else None
     reference = next(i for i, (_, strategies) in enumerate(sets) if "default" in strategies)
-    compared, tau_boot = study_stats.compare_sets([[oc.per_prompt for oc in ocs] for ocs in outcomes], reference,
-                                                  seed=o.seed)
+    compared, tau_boot = paired.compare_sets([[oc.per_prompt for oc in ocs] for ocs in finished], reference,
+                                             seed=o.seed)
 
     rows = []
-    for i, ((layers, strategies), ocs, c) in enumerate(zip(sets, outcomes, compared)):
+    for i, ((layers, strategies), ocs, c) in enumerate(zip(sets, finished, compared)):
         score = select.score_set(stats, layers, o.lam)
         metas = [oc.meta for oc in ocs]
         entries = [oc.result for oc in ocs]
@@ -420,18 +419,17 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
         corr["probe"] = spearman([r.probe["agreement"] for r in rows], taus)
     table = [r.proxies | {"training": {"val_accuracy@1": r.val_accuracy[0] if r.val_accuracy else None}}
              | ({PROBE_VERSION: {"probe": r.probe["agreement"]}} if probed is not None else {}) for r in rows]
-    correlations = study_stats.correlate(table, taus, tau_boot, seed=o.seed + 1)
-    text = study_stats.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts,
-                               seeds=len(seeds))
+    correlations = paired.correlate(table, taus, tau_boot, seed=o.seed + 1)
+    text = paired.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts, seeds=len(seeds))
     busy = machine.caution(machine_state, "speedups and tokens/s")
     text = f"{text} {busy}" if busy else text
     options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
                                 "proxy_versions": list(versions), "proxy_versions_skipped": skipped,
                                 "probe_skipped": probe_skipped}
-    baselines = {make_key(oc.baseline): oc.baseline for ocs in outcomes for oc in ocs}
+    baselines = {make_key(oc.baseline): oc.baseline for ocs in finished for oc in ocs}
     base_rate = _mean([b.get("tokens_per_s") for b in baselines.values()])   # plain decoding, over the runs used
     report = StudyReport(cap.key, rows, corr, base_rate, n_prompts, options_json, text,
-                         correlations, study_stats.best_versions(correlations), reference, machine_state)
+                         correlations, paired.best_versions(correlations), reference, machine_state)
     say(StudyProgress("done", "study complete"))
     return report
 
