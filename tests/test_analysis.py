@@ -9,7 +9,7 @@ from layerscope import cli
 from layerscope.errors import LayerScopeError
 from layerscope.stats import cka as C
 from layerscope.stats import entropy as E
-from layerscope.stats.analysis import AnalysisOptions, LayerStats, analyze, token_index
+from layerscope.stats.analysis import ARRAY_FIELDS, AnalysisOptions, LayerStats, analyze, join_arrays, split_arrays, token_index
 from layerscope.stats.tokens import select_tokens
 
 
@@ -132,8 +132,6 @@ def test_kernel_is_named_cached_apart_and_matches_its_metrics(tiny_capture, stor
 
 
 def test_layer_stats_arrays_round_trip_and_old_stats_read_as_cosine(tiny_capture):
-    from layerscope.stats.analysis import ARRAY_FIELDS, join_arrays, split_arrays
-
     stats = analyze(tiny_capture, None, ALL)
     arrays, rest = stats.to_arrays()
     N = stats.num_layers

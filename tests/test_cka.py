@@ -1,5 +1,6 @@
 """Linear CKA: invariances, estimators, the fast all-pairs matrix against the float64 reference."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,8 +133,6 @@ def test_tail_energy():
 def kornblith_linear_cka(x, y):
     """Linear CKA exactly as Kornblith et al. (2019) write it, in numpy: centre the columns, then
     ‖YᵀX‖_F² / (‖XᵀX‖_F ‖YᵀY‖_F); checked against their Gram form with the centring matrix H."""
-    import numpy as np
-
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     xc, yc = x - x.mean(0), y - y.mean(0)
     feat = np.linalg.norm(yc.T @ xc) ** 2 / (np.linalg.norm(xc.T @ xc) * np.linalg.norm(yc.T @ yc))

@@ -8,6 +8,9 @@ import torch
 
 from layerscope import plots
 from layerscope import session as sessions
+from layerscope.capture.run import capture
+from layerscope.models import load_model
+from layerscope.prompts.sets import load_prompts
 from layerscope.session import Session
 from layerscope.ui import apply, compare
 from tests.test_app import charts, new_app, no_exception, settle
@@ -153,10 +156,6 @@ def test_new_benchmarks_and_study_drafts_record_their_capture():
 def three_captures(app_store, tiny):
     """Keys of three tiny captures in the app's store: A and B of the 4-layer model on different prompts,
     C of a 6-layer model."""
-    from layerscope.capture.run import capture
-    from layerscope.models import load_model
-    from layerscope.prompts.sets import load_prompts
-
     six = load_model("tiny-llama:layers=6")
     keys = []
     for model, seed in ((tiny, 0), (tiny, 1), (six, 0)):

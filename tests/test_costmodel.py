@@ -10,10 +10,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from layerscope import plots
 from layerscope.cli import main
 from layerscope.decoding import costmodel as cm
 from layerscope.decoding import specdec as sd
 from layerscope.decoding.specdec import TreeSpec
+from layerscope.draft.checkpoint import save_draft
+from layerscope.models import tiny_model
 from tests.test_specdec import PROMPTS, LookupDraft, greedy_reference, untrained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpu_clock")
@@ -294,8 +297,6 @@ def test_auto_picks_the_best_contender(sleepy, curve, ref):
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
-    from layerscope.draft.checkpoint import save_draft
-
     meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
     return save_draft(tmp_path_factory.mktemp("cm-drafts") / "low", untrained_draft(tiny.model, layers=(1, 2)), meta)
 
@@ -356,8 +357,6 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
 
 
 def test_cost_curve_figure():
-    from layerscope import plots
-
     fig = plots.cost_curve([{"tokens": 1, "seconds": 0.05}, {"tokens": 2, "seconds": 0.06}, {"tokens": 3, "seconds": 0.08}],
                            draft_step_seconds=0.005)
     assert list(fig.data[0].x) == [1, 2, 3] and list(fig.data[0].y) == pytest.approx([1.0, 1.2, 1.6])
@@ -365,8 +364,6 @@ def test_cost_curve_figure():
 
 
 def test_default_draft_has_a_consistent_vocabulary(tiny):
-    from layerscope.models import tiny_model
-
     for loaded in (tiny, tiny_model(num_layers=6, hidden_size=32, seed=1)):
         head = cm.default_draft(loaded)
         V = head.config.draft_vocab_size

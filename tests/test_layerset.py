@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from layerscope import layerset
-from layerscope.errors import DraftError, SelectionError
+from layerscope.errors import DraftError, SelectionError, SessionError
+from layerscope.session import Session
+from layerscope.stats import select
+from layerscope.stats.analysis import analyze
 
 
 @pytest.mark.parametrize("text, layers", [("2,15,27", [2, 15, 27]), (" 27, 2 ,15 ", [27, 2, 15]), ("0", [0]),
@@ -44,8 +47,6 @@ def test_check_sets_refuses_a_set_given_twice_in_any_order():
 
 
 def test_selection_and_online_training_use_the_same_wording(tiny_capture):
-    from layerscope.stats import select
-
     with pytest.raises(SelectionError) as a:
         select.select(tiny_capture_stats(tiny_capture), strategy="manual", layers=[1, 9])
     with pytest.raises(DraftError) as b:
@@ -54,8 +55,6 @@ def test_selection_and_online_training_use_the_same_wording(tiny_capture):
 
 
 def tiny_capture_stats(cap):
-    from layerscope.stats.analysis import analyze
-
     return analyze(cap)
 
 
@@ -66,9 +65,6 @@ def test_is_valid_is_the_same_rule_as_a_yes_or_no():
 
 
 def test_a_session_refuses_a_bad_set_in_the_same_words(tiny_capture):
-    from layerscope.errors import SessionError
-    from layerscope.session import Session
-
     s = Session(capture={"num_layers": 4})
     assert s.add_layer_set("mine", [3, 1])["layers"] == [1, 3]
     with pytest.raises(SessionError, match="layers \\[9\\] are out of range: outside 0..3"):

@@ -9,6 +9,7 @@ busy (0): the real measurement, classified both ways.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -26,8 +27,12 @@ from layerscope.decoding import bench
 from layerscope.decoding import costmodel as cm
 from layerscope.decoding.bench import BenchOptions, format_table
 from layerscope.draft.checkpoint import save_draft
+from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions, MachineState, Snapshot
+from layerscope.study.run import StudyOptions, format_study, run_study
+from layerscope.ui import tasks
+from layerscope.ui.jobs import Job
 from tests.helpers import untrained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -262,11 +267,6 @@ def test_bench_wait_and_auto_k_calibration_progress(tiny, draft_dir, store):
 def test_app_benchmark_defaults_to_auto_and_shows_the_calibration(tiny, draft_dir, store):
     """The app's bench job (ui.tasks.bench_job, run as the worker runs it): K = auto unless told, the
     calibration's prompts as job progress before the decoding, the machine in the stored result."""
-    import inspect
-
-    from layerscope.ui import tasks
-    from layerscope.ui.jobs import Job
-
     assert inspect.signature(tasks.bench_job.builder).parameters["k"].default == "auto"
     updates = []
 
@@ -291,9 +291,6 @@ def test_app_benchmark_defaults_to_auto_and_shows_the_calibration(tiny, draft_di
 def test_a_study_benchmarked_busy_says_so_in_its_verdict(tiny, tiny_capture, session_store):
     """The study's benchmark under a rule no machine passes (max_others_cpu 0): every stored benchmark entry
     carries the state, the report merges it, the verdict and the table say the speedups are not trustworthy."""
-    from layerscope.draft.train import TrainOptions
-    from layerscope.study.run import StudyOptions, format_study, run_study
-
     o = StudyOptions(strategies=("default",), extra_sets=((0, 3),), k=2,
                      train=TrainOptions(steps=2, batch_size=2, seq_len=32), prompts="builtin", limit=2, max_new_tokens=5,
                      depth=1, seed=7, machine=ALWAYS_BUSY)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import re
 import zipfile
@@ -14,8 +15,11 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from layerscope import session as sessions
+from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.errors import SessionError
 from layerscope.session import Session
+from layerscope.store import Store
+from tests.helpers import untrained_draft
 
 
 def _full_session() -> Session:
@@ -275,8 +279,6 @@ def test_stats_without_a_capture_must_agree_and_give_num_layers():
 
 
 def test_oversized_archive_and_special_files_are_refused(store, tmp_path):
-    import os
-
     with pytest.raises(SessionError, match="larger than"):
         Session.from_bytes(b"PK" + b"\0" * (sessions.MAX_ARCHIVE_BYTES + 1))
     s = _full_session()
@@ -308,9 +310,6 @@ def _draft_logits(head, tiny, seed=0):
 @pytest.fixture
 def session_with_drafts(tiny, store):
     """A session naming two drafts in `store` (one of them twice) and one this server does not hold."""
-    from layerscope.draft.checkpoint import save_draft
-    from tests.helpers import untrained_draft
-
     meta = {"target_fingerprint": tiny.fingerprint, "target_model": tiny.spec}
     a = save_draft(store.path("drafts", "a" * 24), untrained_draft(tiny.model, layers=(1, 2, 3)), meta, target=tiny)
     b = save_draft(store.path("drafts", "b" * 24), untrained_draft(tiny.model, layers=(1, 3), seed=2), meta, target=tiny)
@@ -322,9 +321,6 @@ def session_with_drafts(tiny, store):
 
 
 def test_archive_with_drafts_round_trips_into_another_store(tiny, store, tmp_path, session_with_drafts):
-    from layerscope.draft.checkpoint import load_draft
-    from layerscope.store import Store
-
     s = session_with_drafts
     assert sessions.missing_drafts(s) == ["/nowhere/drafts/x"]
     data = sessions.export_bytes(s, drafts=True)
@@ -369,8 +365,6 @@ def _with_member(data: bytes, name: str, payload: bytes) -> bytes:
                                     "drafts/..\\..\\evil.json"])
 def test_a_member_outside_the_archive_is_refused_and_nothing_is_written(tiny, store, tmp_path, member,
                                                                          session_with_drafts):
-    from layerscope.store import Store
-
     data = _with_member(sessions.export_bytes(session_with_drafts, drafts=True), member, b"x")
     other = Store(tmp_path / "other-store")
     try:
@@ -385,8 +379,6 @@ def test_a_member_outside_the_archive_is_refused_and_nothing_is_written(tiny, st
 
 
 def test_damaged_or_inconsistent_drafts_are_refused_whole(tiny, store, tmp_path, session_with_drafts):
-    from layerscope.store import Store
-
     data = sessions.export_bytes(session_with_drafts, drafts=True)
     z = zipfile.ZipFile(io.BytesIO(data))
     members = {n: z.read(n) for n in z.namelist()}
@@ -426,8 +418,6 @@ def test_damaged_or_inconsistent_drafts_are_refused_whole(tiny, store, tmp_path,
 
 
 def test_archives_without_drafts_import_as_before(store, tmp_path):
-    from layerscope.store import Store
-
     s = _full_session()
     old = _zip({"session.json": json.dumps({"layerscope_session": 1, "session": s.to_json()}).encode(),
                 "arrays.safetensors": zipfile.ZipFile(io.BytesIO(s.to_bytes())).read("arrays.safetensors")})

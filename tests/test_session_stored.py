@@ -20,6 +20,7 @@ from safetensors.torch import load as load_tensors
 
 from layerscope import session as sessions
 from layerscope.session import Session
+from layerscope.store import Store
 
 FIXTURE = Path(__file__).parent / "fixtures" / "session_format1.zip"
 SID = "0123456789ab"
@@ -64,8 +65,6 @@ def test_the_old_stored_session_loads_lists_and_saves_again(stored):
 
 
 def test_the_old_archive_imports_into_another_store(store, tmp_path):
-    from layerscope.store import Store
-
     other = Store(tmp_path / "other-store")
     try:
         imported = sessions.import_archive(FIXTURE.read_bytes(), other, source="session_format1.zip")

@@ -1,15 +1,28 @@
 """The study end to end on the tiny model, the rank correlation, and its caching."""
 
-import pytest
+import itertools
+import json
+from dataclasses import asdict, replace
 
+import pytest
+import torch
+
+from layerscope import cli
+from layerscope.cli import build_parser
+from layerscope.commands.study import options_from_args
+from layerscope.draft import probe
+from layerscope.draft.online import OnlineOptions
 from layerscope.draft.train import TrainOptions
 from layerscope.errors import SelectionError
+from layerscope.stats.analysis import analyze
 from layerscope.stats.correlation import ranks, spearman
+from layerscope.store import Store
+from layerscope.study.outcomes import OutcomeFolder
+from layerscope.study.run import STUDY_STRATEGIES, StudyOptions, budget_text, format_study, propose_sets, run_study
+from layerscope.workflow import default_train_steps
 
 
 def test_ranks_average_ties():
-    import torch
-
     assert ranks(torch.tensor([3.0, 1.0, 3.0, 2.0])).tolist() == [3.5, 1.0, 3.5, 2.0]
 
 
@@ -23,8 +36,6 @@ def test_spearman_known_values():
 
 
 def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
-    from layerscope.study.run import StudyOptions, format_study, run_study
-
     options = StudyOptions(strategies=("default", "greedy", "entropy-topk"), extra_sets=((0, 3),), k=2,
                            train=TrainOptions(steps=3, batch_size=2, seq_len=32), prompts="builtin", limit=2,
                            max_new_tokens=6, depth=2)
@@ -42,7 +53,6 @@ def test_study_runs_end_to_end_and_caches(tiny, tiny_capture, session_store):
     assert all(",".join(map(str, r.layers)) in text for r in report.rows)
     # a re-run with one more set trains and benchmarks only that one
     again = []
-    import itertools
     fresh = next(p for p in itertools.combinations(range(4), 2) if list(p) not in [r.layers for r in report.rows])
     bigger = StudyOptions(**{**options.__dict__, "extra_sets": ((0, 3), fresh)})
     report2 = run_study(tiny_capture, tiny, session_store, bigger, progress=again.append)
@@ -60,10 +70,6 @@ STUDY_ALL = dict(k=2, train=TrainOptions(steps=2, batch_size=2, seq_len=32), pro
 def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_capture, session_store, one_thread):
     """Every strategy and control, two training seeds: paired intervals, the proxies under both kernels
     and three token-entropy filters, correlations with intervals and a verdict, all strict JSON."""
-    import json
-
-    from layerscope.study.run import STUDY_STRATEGIES, StudyOptions, format_study, run_study
-
     assert {"random", "last-k", "single"} <= set(STUDY_STRATEGIES)
     report = run_study(tiny_capture, tiny, session_store, StudyOptions(**STUDY_ALL))
     rows, N = report.rows, tiny_capture.num_layers
@@ -106,8 +112,6 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
 
 def test_study_rerun_is_served_from_the_store_and_skips_a_proxy_version_that_keeps_no_tokens(
         tiny, tiny_capture, session_store, one_thread):
-    from layerscope.study.run import StudyOptions, run_study
-
     seen = []
     report = run_study(tiny_capture, tiny, session_store, StudyOptions(**{**STUDY_ALL, "filters": (0.0, 100.0)}),
                        progress=seen.append)
@@ -121,10 +125,6 @@ def test_study_rerun_is_served_from_the_store_and_skips_a_proxy_version_that_kee
 
 def test_cli_study_json_with_controls_and_seeds(tiny_capture, session_store, capsys, one_thread):
     """The lead's command on the tiny model: every strategy and control, two seeds, one JSON object."""
-    import json
-
-    from layerscope import cli
-
     argv = ["study", tiny_capture.key, "--store", str(session_store.root), "--model", "tiny-llama",
             "--strategies", "default,greedy,aggregate,entropy-topk,spread,random,last-k,single", "--random-sets", "2",
             "--seeds", "0,1", "--prompts", "builtin", "--limit", "3", "--k", "2", "--steps", "2", "--batch-size", "2",
@@ -145,10 +145,6 @@ def test_cli_study_json_with_controls_and_seeds(tiny_capture, session_store, cap
 
 
 def test_default_train_steps_is_the_cpu_and_gpu_budget():
-    import torch
-
-    from layerscope.workflow import default_train_steps
-
     assert default_train_steps("cpu") == 300 and default_train_steps(torch.device("cpu")) == 300
     assert default_train_steps("cuda") == 2000 and default_train_steps("cuda:1") == 2000
 
@@ -156,13 +152,6 @@ def test_default_train_steps_is_the_cpu_and_gpu_budget():
 def test_typed_study_options_train_the_same_drafts_and_say_the_same_budget():
     """The study command's options as objects: the drafts' options (so their store keys) are the ones its
     dicts made, and the budget line of an online study reads as before."""
-    from dataclasses import asdict, replace
-
-    from layerscope.cli import build_parser
-    from layerscope.commands.study import options_from_args
-    from layerscope.draft.online import OnlineOptions
-    from layerscope.study.run import budget_text
-
     parse = lambda *a: options_from_args(build_parser().parse_args(["study", "KEY", *a]))
     capture = parse("--steps", "5", "--seed", "2")
     was = {"ttt_steps": 3, "batch_size": 8, "seq_len": 512, "lr": 1e-3, "seed": 2, "steps": 5}   # `train`, as a dict
@@ -179,8 +168,6 @@ def test_typed_study_options_train_the_same_drafts_and_say_the_same_budget():
 
 def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model_loads(tiny_capture, session_store,
                                                                                         tmp_path, capsys):
-    from layerscope import cli
-
     argv = ["study", tiny_capture.key, "--store", str(session_store.root), "--model", "no-such-model", "--online",
             "--tokens", "1k"]
     assert cli.main(argv + ["--sets-per-pass", "0"]) == 2
@@ -195,10 +182,6 @@ def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model
 
 def test_a_capture_study_with_outcomes_reruns_from_them_on_an_empty_store(tiny, tiny_capture, tmp_path, one_thread):
     """The same folder for a study trained from the capture: its drafts' outcomes carry it to a new store."""
-    from layerscope.store import Store
-    from layerscope.study.outcomes import OutcomeFolder
-    from layerscope.study.run import StudyOptions, run_study
-
     options = StudyOptions(strategies=("default", "entropy-topk"), k=2, train=TrainOptions(steps=2, batch_size=2,
                            seq_len=32), prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",),
                            filters=(0.0,), probe=None, outcomes=str(tmp_path / "kept"))
@@ -217,11 +200,6 @@ def test_the_probe_strategy_adds_the_probe_searchs_best_set(tiny, tiny_capture, 
     """`probe` among the strategies: the study trains the set the probe's search ranks first (as `select
     --strategy probe` picks it); without the capture and target behind it, proposing that set is one clear
     error."""
-    from layerscope.draft import probe
-    from layerscope.stats.analysis import analyze
-    from layerscope.store import Store
-    from layerscope.study.run import StudyOptions, propose_sets, run_study
-
     store = Store(tmp_path / "s")
     options = StudyOptions(strategies=("default", "probe"), k=2, train=TrainOptions(steps=2, batch_size=2,
                            seq_len=32), prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from layerscope import fmt, plots
 from layerscope.decoding.bench import Tally, per_prompt_totals, prompt_runs
 from layerscope.decoding.specdec import StepEvent
 from layerscope.stats import bootstrap as B
@@ -174,8 +175,6 @@ def test_verdict_in_plain_words():
 
 
 def test_study_figures_show_intervals_seeds_and_proxies():
-    from layerscope import plots
-
     rows = [{"strategies": ["default"], "layers": [2, 15, 27], "tau": 1.30, "tau_ci": [1.27, 1.33],
              "seeds": [{"tau": 1.29}, {"tau": 1.31}], "proxies": {"linear, H≥0.5": {"mean_entropy": 3.0,
                                                                                      "mean_cka": 0.4, "aggregate_entropy": 4.0}}},
@@ -205,8 +204,6 @@ def test_study_figures_show_intervals_seeds_and_proxies():
 def test_one_interval_format_for_the_app_the_tables_and_the_verdict():
     """fmt.interval / fmt.ci are the only interval formatter: the bench table, the study table and the verdict
     print exactly what the app shows."""
-    from layerscope import fmt
-
     assert fmt.interval(1.1333, [1.0912, 1.16], "tau") == "1.133 [1.091, 1.160]"
     assert fmt.interval(1.42, [1.3, 1.55], "speedup") == "1.42× [1.30, 1.55]"       # the unit once, on the value
     assert fmt.interval(0.007, [-0.01, 0.02], "delta") == "+0.007 [-0.010, +0.020]"
