@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import fmt
+from layerscope.capture.stored import list_captures
 from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
@@ -119,7 +120,7 @@ live_capture()
 st.divider()
 st.subheader("Stored captures")
 with guard("stored captures"):
-    caps = store.list_captures(incomplete=True)     # damaged and unfinished ones too, marked with their fix
+    caps = list_captures(store, incomplete=True)     # damaged and unfinished ones too, marked with their fix
     if not caps:
         st.caption("The store is empty: run a capture above.")
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from layerscope import fmt
+from layerscope.capture.stored import has_capture
 from layerscope.decoding import specdec
 from layerscope.draft.train import TrainOptions
 from layerscope.ui import sanity, speculate, speculate_views, tasks
@@ -33,7 +34,7 @@ if not s.capture_key and not s.drafts:
     st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
     st.stop()
 
-have_capture = bool(s.capture_key) and store.has_capture(s.capture_key)
+have_capture = bool(s.capture_key) and has_capture(store, s.capture_key)
 n = s.num_layers or 0
 
 # ---------------------------------------------------------------------------- drafts

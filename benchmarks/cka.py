@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from layerscope.capture.stored import open_capture
 from layerscope.stats import cka as C  # noqa: E402
 from layerscope.stats.entropy import prepare  # noqa: E402
 
@@ -43,7 +44,7 @@ def capture_layers(key: str, store_dir: str | None, max_tokens: int) -> list[tor
     from layerscope.stats.analysis import AnalysisOptions, token_index
     from layerscope.store import Store
 
-    cap = Store(store_dir).open_capture(key)
+    cap = open_capture(Store(store_dir), key)
     index, report = token_index(cap, AnalysisOptions(max_tokens=max_tokens))
     print(f"capture {key}: {report['tokens_kept']} of {report['tokens_total']} tokens kept "
           f"({report['outliers_dropped']} outliers, {report['low_entropy_dropped']} low-entropy dropped)")

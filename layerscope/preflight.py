@@ -30,6 +30,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from layerscope import disk, jsonsafe, layerset, models, paths
+from layerscope.capture.stored import open_capture
 from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.errors import DraftError, LayerScopeError
@@ -217,7 +218,7 @@ def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=No
     real_out = output(out) if out is not None else None     # into --out, links followed
     if real_out is None:                                     # into the store's drafts/
         disk.writable(store)
-    cap = store.open_capture(capture_key)
+    cap = open_capture(store, capture_key)
     if sets:
         sets = layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)

@@ -1,22 +1,20 @@
-"""The artifact store: content-addressed captures, cached JSON results, drafts and sessions on disk.
+"""The artifact store: one directory per entry (captures, drafts, models, sessions ...), cached JSON results.
 
 Layout under the root (the `root` argument, else $LAYERSCOPE_STORE, else ./cache under the working directory):
     index/                    a diskcache.Cache holding JSON only (never pickle: a store can be shared)
-    captures/<key>/           a finished capture: manifest.json + chunk-<start>-<end>.safetensors
-                              (the files, keys and shapes: layerscope/capture/format.py)
-    captures/<key>.partial/   chunks of a capture in progress; renamed to captures/<key>/ when complete
+    captures/<key>/           a finished capture (captures in a store: layerscope/capture/stored.py;
+                              their files: layerscope/capture/format.py)
     locks/<kind>/<key>.lock   one lock file per entry being written (fcntl.flock; never listed)
     models/<fingerprint>/     de-quantized model weights
     drafts/<key>/, sessions/<id>/ ...   other kinds, one directory per entry
 
 Guarantees (docs/internals.md, "Store guarantees"): every file is written to a temporary name and
 renamed into place, so a run killed at any moment leaves a complete entry or none; one writer per
-entry at a time (`Store.lock`), the others wait and then find the finished entry; every chunk's size
-and sha256 are in its capture's manifest, checked on open (sizes, headers) and on first read (hash);
-only names that are entry keys are listed, and an entry is used only where layerscope/paths.py allows
+entry at a time (`Store.lock`), the others wait and then find the finished entry; a directory is put
+in place whole (`staged`, `replace_dir`); only names that are entry keys are listed, and an entry is used only where layerscope/paths.py allows
 (a link leaving the store is a problem every listing, `verify` and every open reports alike). The index
 is a cache of what is on disk: when it is damaged (and only then: a full or read-only disk is not
-damage) it is rebuilt from the entries; when it cannot be written it is read as it is and new results
+damage) a new one is started; when it cannot be written it is read as it is and new results
 live in memory. Its values are bounded JSON (layerscope/jsonsafe.py). A write that meets a full or
 read-only disk is one `StoreWriteError` line (`as_write_error` is the one rule, also applied by the CLI
 and the app's worker to OSErrors that escape elsewhere); what was finished stays on disk.
@@ -47,26 +45,12 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from layerscope import jsonsafe
-from layerscope.capture.format import (
-    SUMMARY_KEYS,
-    CaptureReader,
-    check_chunk_files,
-    list_chunks,
-    read_manifest,
-    summarize_manifest,
-    validate_manifest,
-    verify_capture_files,
-)
 from layerscope.errors import StoreError
 from layerscope.paths import LINK_FIX, entry_problem
 
-# The second import re-exports the rest of the capture format from here, where it lived before
-# (capture.py, distributed.py, session.py and tests import those names from layerscope.store).
-
 ENTRY_KINDS = ("captures", "drafts", "models", "sessions")   # directory kinds the size limit evicts
 DEFAULT_SIZE_LIMIT = 50 * 2**30
-KEY_RE = re.compile(r"[0-9a-f]{24}")               # a capture key, in full
-PREFIX_RE = re.compile(r"[0-9a-f]{1,24}")          # what a user may type for one
+KEY_RE = re.compile(r"[0-9a-f]{24}")               # a key make_key makes, in full (a capture's, a session's capture)
 ENTRY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")   # any entry directory name (no dots: temp names have them)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -337,7 +321,7 @@ def open_cache(directory: Path) -> diskcache.Cache:
 
 
 def index_damaged(e: BaseException) -> bool:
-    """Whether an index error means its database is damaged (rebuild it), rather than that the disk is full,
+    """Whether an index error means its database is damaged (start a new one), rather than that the disk is full,
     read-only, locked or failing (read it as it is; never move it aside)."""
     return isinstance(e, sqlite3.DatabaseError) and any(w in str(e).lower() for w in INDEX_DAMAGE)
 
@@ -432,7 +416,7 @@ class Store:
 
     @property
     def index(self):
-        """The diskcache index; rebuilt from the entries when damaged, in memory when the store is read-only."""
+        """The diskcache index; a new one when damaged, in memory when the store is read-only."""
         if self._index is None:
             self._index = self._open_index()
         return self._index
@@ -461,7 +445,8 @@ class Store:
         return index
 
     def _repair_index(self, error: Exception):
-        """Move a damaged index aside and rebuild it from the entries on disk (under the index lock)."""
+        """Move a damaged index aside and start a new one (under the index lock): it holds only caches, and
+        every entry is read from its directory."""
         if not self.writable:
             return self._unwritable_index(error)
         with contextlib.ExitStack() as held:
@@ -483,11 +468,8 @@ class Store:
                 self.warn(f"The store index in {self.root} is damaged and could not be rebuilt ({e}); "
                           "cached results are kept in memory only")
                 return _MemoryIndex()
-            for p in self._entry_dirs("captures"):
-                with contextlib.suppress(StoreError, sqlite3.DatabaseError):
-                    cache.set(f"capture/{p.name}", summarize_manifest(read_manifest(p)))
-            self.warn(f"The store index in {self.root} was damaged ({error}); rebuilt it from the entries on disk "
-                      f"(the damaged copy is in {aside.name}; cached analyses will be recomputed)")
+            self.warn(f"The store index in {self.root} was damaged ({error}); started a new one (the entries on disk "
+                      f"are intact; the damaged copy is in {aside.name}; cached analyses will be recomputed)")
             return cache
 
     def _index_call(self, method: str, *args, default=None):
@@ -565,7 +547,7 @@ class Store:
         """The directory for entry `key` of `kind` (not created)."""
         return self.root / kind / key
 
-    def _entry_names(self, kind: str) -> list[Path]:
+    def entry_names(self, kind: str) -> list[Path]:
         """Every entry of a kind, usable or not: entry names only (temporary and partial names carry dots),
         directories and links."""
         base = self.root / kind
@@ -580,7 +562,7 @@ class Store:
 
     def _entry_dirs(self, kind: str) -> list[Path]:
         """The usable entry directories of a kind (entry_problem is None)."""
-        return [p for p in self._entry_names(kind) if self.entry_problem(kind, p.name) is None]
+        return [p for p in self.entry_names(kind) if self.entry_problem(kind, p.name) is None]
 
     def touch(self, kind: str, key: str) -> None:
         """Record a use, for least-recently-used eviction (best effort: a read-only store skips it)."""
@@ -629,124 +611,15 @@ class Store:
                 trash.unlink(missing_ok=True)
             shutil.rmtree(trash, ignore_errors=True)
         self._index_call("pop", f"used/{kind}/{key}", None)
-        if kind == "captures":
-            self._index_call("pop", f"capture/{key}", None)
 
-    # ------------------------------------------------------------------ captures
-    def has_capture(self, key: str) -> bool:
-        """Whether captures/<key> is there as a finished capture, or as a link the path rule refuses (then
-        opening it says why: what is listed is what opens, and the other way round)."""
-        if not KEY_RE.fullmatch(str(key)):
-            return False
-        p = self.path("captures", key)
-        return p.is_symlink() and self.entry_problem("captures", key) is not None or (p / "manifest.json").is_file()
-
-    def resolve_capture_key(self, key: str) -> str:
-        """The full key of a stored capture from its key or an unambiguous prefix (hex); StoreError otherwise."""
-        key = str(key).strip().lower()
-        if not PREFIX_RE.fullmatch(key):
-            raise StoreError(f"{key!r} is not a capture key", "A capture key is hex characters (24 in full, or a "
-                             "unique prefix); run `layerscope captures` to list them")
-        if self.has_capture(key):
-            return key
-        matches = sorted(p.name for p in self._entry_names("captures")
-                         if p.name.startswith(key) and self.has_capture(p.name))
-        if len(matches) == 1:
-            return matches[0]
-        if matches:
-            shown = ", ".join(matches[:10]) + (f" and {len(matches) - 10} more" if len(matches) > 10 else "")
-            raise StoreError(f"The prefix {key!r} matches {len(matches)} captures: {shown}",
-                             "Type more characters of the key")
-        raise StoreError(f"No capture with key {key!r} in {self.root}",
-                         "Run `layerscope captures` to list the stored keys, or capture first")
-
-    def open_capture(self, key: str) -> CaptureReader:
-        """The finished capture `key` (or unique prefix), checked cheaply (schema, sizes, chunk headers)."""
-        key = self.resolve_capture_key(key)
-        self._check_entry("captures", key)
-        reader = CaptureReader(self.path("captures", key))
-        self.touch("captures", key)
-        return reader
-
-    def _check_entry(self, kind: str, key: str) -> None:
+    def check_entry(self, kind: str, key: str) -> None:
+        """Raise StoreError when entry kind/key may not be used (entry_problem), naming why and the fix."""
         problem = self.entry_problem(kind, key)
         if problem is not None:
             raise StoreError(f"{kind[:-1].capitalize()} {key} cannot be used: {problem}",
                              LINK_FIX.format(where=self.path(kind, key)))
 
-    def partial_capture_dir(self, key: str) -> Path:
-        return self.root / "captures" / f"{key}.partial"
-
-    def finish_capture(self, key: str, manifest: dict) -> Path:
-        """Write the manifest into the partial directory and rename it into place: the capture now exists.
-
-        Call with `lock("captures", key)` held. A capture that already exists is never replaced: the
-        partial directory is dropped and the existing capture stands.
-        """
-        partial = self.partial_capture_dir(key)
-        final = self.path("captures", key)
-        if (final / "manifest.json").is_file():
-            shutil.rmtree(partial, ignore_errors=True)
-            return final
-        validate_manifest(manifest, key)
-        atomic_write_json(partial / "manifest.json", manifest)
-        if final.exists():          # a directory without a manifest: leftovers, not a capture
-            shutil.rmtree(final)
-        try:
-            os.replace(partial, final)
-        except OSError as e:
-            raise write_error(e, final) from None
-        self._index_call("set", f"capture/{key}", summarize_manifest(manifest))
-        self.touch("captures", key)
-        self.evict()
-        return final
-
-    def list_captures(self, *, incomplete: bool = False) -> list[dict]:
-        """Summaries of finished captures, newest first, each with `state` "ok" or "damaged" (then `problem`
-        and `fix` say what and what to do). With `incomplete`, also captures not finished yet (their chunks
-        in captures/<key>.partial/, state "incomplete"): never opened, listed so that nothing is hidden."""
-        out = []
-        for p in self._entry_names("captures"):
-            if not self.has_capture(p.name):
-                continue
-            link = self.entry_problem("captures", p.name)
-            try:
-                if link is not None:
-                    raise StoreError(f"Capture {p.name} cannot be used: {link}",
-                                     LINK_FIX.format(where=self.path("captures", p.name)))
-                manifest = read_manifest(p)
-                check_chunk_files(p, manifest)
-                summary = summarize_manifest(manifest) | {"state": "ok", "problem": None, "fix": None}
-            except StoreError as e:
-                summary = {k: None for k in SUMMARY_KEYS} | {"key": p.name, "conversations": None, "tokens": None,
-                                                            "created": "", "state": "damaged",
-                                                            "problem": e.problem, "fix": e.fix}
-            summary["size_bytes"] = self.entry_size("captures", p.name) if link is None else 0
-            out.append(summary)
-        if incomplete:
-            out += self.incomplete_captures()
-        return sorted(out, key=lambda s: s.get("created") or "", reverse=True)
-
-    def incomplete_captures(self) -> list[dict]:
-        """Captures begun and not finished: captures/<key>.partial/ with the chunks written so far."""
-        base = self.root / "captures"
-        rows = []
-        for p in sorted(base.glob("*.partial")) if base.is_dir() else []:
-            key = p.name[: -len(".partial")]
-            if not (KEY_RE.fullmatch(key) and p.is_dir() and not p.is_symlink()) or self.has_capture(key):
-                continue
-            chunks = list_chunks(p)
-            busy = self._locked("captures", key)
-            rows.append({k: None for k in SUMMARY_KEYS} | {
-                "key": key, "conversations": max((e for _, e, _ in chunks), default=0), "tokens": None,
-                "created": "", "state": "incomplete", "size_bytes": sum(c.stat().st_size for _, _, c in chunks),
-                "problem": ("being written by another process now" if busy else
-                            f"not finished ({len(chunks)} chunk{'s' if len(chunks) != 1 else ''} written)"),
-                "fix": ("Wait for it to finish" if busy else "Run the same capture command again to resume from "
-                        f"its chunks, or delete {p} to drop them")})
-        return rows
-
-    def _locked(self, kind: str, key: str) -> bool:
+    def locked(self, kind: str, key: str) -> bool:
         """Whether another process holds the write lock of kind/key now (a read-only probe)."""
         path = self.root / "locks" / kind / f"{key}.lock"
         try:
@@ -762,12 +635,3 @@ class Store:
             return False
         finally:
             os.close(fd)
-
-    def verify_capture(self, key: str) -> list[str]:
-        """Every problem of capture `key` (full check: schema, sizes, headers and sha256 of every chunk)."""
-        key = self.resolve_capture_key(key)
-        path = self.path("captures", key)
-        problem = self.entry_problem("captures", key)
-        if problem is not None:
-            return [problem]
-        return verify_capture_files(path)

@@ -22,6 +22,7 @@ import torch
 from layerscope import disk, layerset, preflight
 from layerscope.capture import run as capture_mod
 from layerscope.capture.run import CaptureOptions, CaptureResult
+from layerscope.capture.stored import open_capture
 from layerscope.decoding import bench as bench_mod
 from layerscope.draft import builtin
 from layerscope.draft import online as online_mod
@@ -87,7 +88,7 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
 def analyze(store: Store, capture_key: str, options: AnalysisOptions,
             progress: Callable[[float, str], None] | None = None) -> LayerStats:
     """Matrix entropy per layer and CKA between layers of a stored capture (cached in the store)."""
-    return analyze_capture(store.open_capture(capture_key), store, options, progress=progress)
+    return analyze_capture(open_capture(store, capture_key), store, options, progress=progress)
 
 
 # ---------------------------------------------------------------------------- 3. select
@@ -117,7 +118,7 @@ def probe_input(store: Store, capture_key: str, options: probe_mod.ProbeOptions 
                 model: str | None = None, load: Loader = load_target) -> probe_mod.ProbeInput:
     """A capture and its target's weights (default: the capture's model), for layerscope/draft/probe.py and the
     `probe` selection strategy; probe results are cached in `store`."""
-    cap = store.open_capture(capture_key)
+    cap = open_capture(store, capture_key)
     target = load(model or cap.manifest["model"], store)
     return probe_mod.ProbeInput(cap, probe_mod.TargetWeights.of(target), options or probe_mod.ProbeOptions(), store)
 
@@ -218,7 +219,7 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
           analysis: AnalysisOptions | None = None, load: Loader = load_target,
           progress: Callable | None = None) -> Studied:
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study/run.py."""
-    cap = store.open_capture(capture_key)
+    cap = open_capture(store, capture_key)
     preflight.study(store, model or cap.manifest["model"], options)     # before the model loads
     target = load(model or cap.manifest["model"], store)
     o = replace(options, train=with_budget(options.train, target.device))

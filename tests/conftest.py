@@ -38,11 +38,12 @@ def session_store(tmp_path_factory):
 def tiny_capture(tiny, session_store):
     """6 builtin prompts, 12 new tokens each, on the tiny model: a CaptureReader."""
     from layerscope.capture.run import capture
+    from layerscope.capture.stored import open_capture
     from layerscope.prompts.sets import load_prompts
 
     prompts = load_prompts("builtin", limit=6, seed=0)
     result = capture(tiny, prompts, session_store, max_new_tokens=12, batch_size=4)
-    return session_store.open_capture(result.key)
+    return open_capture(session_store, result.key)
 
 @pytest.fixture(scope="module")
 def app_store(tmp_path_factory):

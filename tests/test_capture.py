@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from layerscope.capture.run import CaptureCancelled, capture
+from layerscope.capture.stored import list_captures, open_capture
 from layerscope.errors import CaptureError
 from layerscope.prompts.sets import chat_ids, load_prompts
 
@@ -94,12 +95,12 @@ def test_cancelled_capture_leaves_no_entry_and_resumes(tiny, store):
     with pytest.raises(CaptureCancelled):      # cancelled once the first batch is recorded
         capture(tiny, prompts, store, max_new_tokens=4, batch_size=2, should_stop=lambda: "record" in calls,
                 progress=lambda p: calls.append(p.phase))
-    assert store.list_captures() == []
+    assert list_captures(store) == []
     phases = []
     result = capture(tiny, prompts, store, max_new_tokens=4, batch_size=2, progress=lambda p: phases.append(p))
     assert not result.cached
     assert [p.conversations_done for p in phases if p.phase == "record"] == [2]   # only the missing chunk ran
-    assert store.open_capture(result.key).tokens()["conversation"].unique().tolist() == [0, 1, 2, 3]
+    assert open_capture(store, result.key).tokens()["conversation"].unique().tolist() == [0, 1, 2, 3]
 
 
 def test_generation_reports_every_token_and_cancels_mid_batch(tiny, store):
@@ -109,7 +110,7 @@ def test_generation_reports_every_token_and_cancels_mid_batch(tiny, store):
         capture(tiny, prompts, store, max_new_tokens=16, batch_size=2, progress=seen.append,
                 should_stop=lambda: any(p.generated >= 3 for p in seen))
     assert [p.generated for p in seen] == [0, 1, 2, 3]           # stopped after the 3rd new token
-    assert store.list_captures() == []
+    assert list_captures(store) == []
     assert list((store.root / "captures").glob("*/chunk-*")) == []   # the cut-short batch was not saved
 
 
@@ -123,7 +124,7 @@ def test_interrupted_chunk_write_leaves_no_capture(tiny, store, monkeypatch):
     monkeypatch.setattr(store_mod, "save_file", crash)
     with pytest.raises(RuntimeError):
         capture(tiny, load_prompts("builtin", limit=2), store, max_new_tokens=3)
-    assert store.list_captures() == []
+    assert list_captures(store) == []
     assert not any(p.suffix == ".safetensors" for p in store.root.rglob("*"))
 
 
@@ -140,7 +141,7 @@ def test_max_tokens_stops_early(tiny, store):
 def test_bad_options_are_refused(tiny, store, options, match):
     with pytest.raises(CaptureError, match=match):
         capture(tiny, load_prompts("builtin", limit=2), store, **options)
-    assert store.list_captures() == []
+    assert list_captures(store) == []
 
 
 def test_prompt_longer_than_context_is_refused(tiny, store, tmp_path):
@@ -188,7 +189,7 @@ def test_cli_bad_input_exits_2_and_leaves_store_untouched(tmp_path, args, match)
 def test_smollm2_capture_follows_the_index_convention(smollm2, session_store):
     prompts = load_prompts("builtin", limit=2, seed=0)
     result = capture(smollm2, prompts, session_store, max_new_tokens=8, batch_size=2)
-    cap = session_store.open_capture(result.key)
+    cap = open_capture(session_store, result.key)
     assert cap.num_layers == 30 and cap.hidden_size == 576
     table = cap.tokens()
     sel = (table["conversation"] == 1).nonzero().squeeze(1)

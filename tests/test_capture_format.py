@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from layerscope.capture import format as capture_format
+from layerscope.capture.stored import list_captures, open_capture, verify_capture
 from layerscope.store import Store
 
 FIXTURE = Path(__file__).parent / "fixtures" / "capture-v1"
@@ -37,15 +38,15 @@ def old_capture(tmp_path):
 
 def test_an_old_capture_verifies_and_lists(old_capture):
     store, key, want = old_capture
-    assert store.verify_capture(key) == []
-    assert store.verify_capture(key[:8]) == []
-    [summary] = store.list_captures()
+    assert verify_capture(store, key) == []
+    assert verify_capture(store, key[:8]) == []
+    [summary] = list_captures(store)
     assert {k: summary[k] for k in want["summary"]} == want["summary"]
 
 
 def test_an_old_capture_reads_the_same(old_capture):
     store, key, want = old_capture
-    cap = store.open_capture(key)
+    cap = open_capture(store, key)
     assert isinstance(cap, capture_format.CaptureReader)
     assert (cap.key, cap.num_tokens, cap.num_layers, cap.hidden_size) == (
         key, want["num_tokens"], want["num_layers"], want["hidden_size"])

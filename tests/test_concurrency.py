@@ -11,6 +11,7 @@ import time
 import torch
 
 from layerscope.capture.run import CaptureOptions, capture, capture_key
+from layerscope.capture.stored import list_captures, open_capture, partial_capture_dir, verify_capture
 from layerscope.prompts.sets import load_prompts
 from layerscope.store import Store
 
@@ -37,8 +38,8 @@ def wait_for(cond, timeout=180.0):
 
 def check_one_complete_capture(store, key, batch_size):
     assert [p.name for p in (store.root / "captures").iterdir()] == [key]
-    assert store.verify_capture(key) == []
-    cap = store.open_capture(key)
+    assert verify_capture(store, key) == []
+    cap = open_capture(store, key)
     assert cap.manifest["conversations"] == 8
     assert [c["start"] for c in cap.manifest["chunks"]] == list(range(0, 8, batch_size))
     return cap
@@ -62,18 +63,18 @@ def test_killed_writer_is_resumed_by_the_next_and_matches_an_uninterrupted_run(t
     store = Store(tmp_path / "store")
     key = capture_key(tiny, load_prompts("builtin", limit=8), options(1))
     first = start(store.root, 0, tmp_path, 1)
-    partial = store.partial_capture_dir(key)
+    partial = partial_capture_dir(store, key)
     wait_for(lambda: len(list(partial.glob("chunk-*.safetensors"))) >= 1 or first.poll() is not None)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    assert first.returncode == -signal.SIGKILL and store.list_captures() == []
+    assert first.returncode == -signal.SIGKILL and list_captures(store) == []
     procs = [start(store.root, i, tmp_path, 1) for i in (1, 2)]
     outs = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
     assert sorted(o["cached"] for o in outs) == [False, True]
     cap = check_one_complete_capture(store, key, 1)
     ref = Store(tmp_path / "reference")
     expected = capture(tiny, load_prompts("builtin", limit=8), ref, **vars(options(1)))
-    ref_cap = ref.open_capture(expected.key)
+    ref_cap = open_capture(ref, expected.key)
     assert expected.key == key and cap.num_tokens == ref_cap.num_tokens
     for name in ("token_id", "is_response", "conversation"):
         assert torch.equal(cap.tokens()[name], ref_cap.tokens()[name])
@@ -94,5 +95,5 @@ def test_a_waiting_capture_can_be_cancelled(tmp_path, tiny, one_thread):
             raise AssertionError("not cancelled")
         except CaptureCancelled as e:
             assert "another process" in str(e)
-    assert phases == ["waiting"] and store.list_captures() == []
+    assert phases == ["waiting"] and list_captures(store) == []
     assert capture(tiny, prompts, store, limit=2, max_new_tokens=2).key == key     # the lock is free again

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from layerscope.capture.stored import open_capture
 from layerscope.distributed import shard
 
 OPTIONS = dict(limit=7, max_new_tokens=8, batch_size=2)     # 4 batches, the last one short: 2 per rank
@@ -50,6 +51,6 @@ def test_two_process_capture_equals_one_process_capture(tiny, tmp_path, one_thre
     timing = {"seconds", "created"}
     assert {k: v for k, v in ma.items() if k not in timing} == {k: v for k, v in mb.items() if k not in timing}
     two = Store(tmp_path / "two")
-    assert two.open_capture(result.key).num_tokens == result.tokens
+    assert open_capture(two, result.key).num_tokens == result.tokens
     two.close()
     one.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from layerscope.capture.run import capture
+from layerscope.capture.stored import has_capture, list_captures, open_capture, verify_capture
 from layerscope.prompts.sets import load_prompts
 from layerscope.session import list_sessions, load
 from layerscope.store import Store
@@ -32,17 +33,17 @@ def test_capture_killed_at_each_rename_leaves_a_consistent_store(tmp_path, tiny,
     # 2 chunks, the manifest, the rename of the whole capture into place; then a run that is not killed
     assert [r["killed"] for r in runs] == [True, True, True, True, False]
     reference = Store(tmp_path / f"kill-{len(runs)}")
-    [ref] = reference.list_captures()
-    ref_cap = reference.open_capture(ref["key"])
-    assert reference.verify_capture(ref["key"]) == []
+    [ref] = list_captures(reference)
+    ref_cap = open_capture(reference, ref["key"])
+    assert verify_capture(reference, ref["key"]) == []
     for r in runs[:-1]:
         store = Store(tmp_path / f"kill-{r['n']}")
-        assert store.list_captures() == [], f"killed before rename {r['n']}, something is listed"
-        assert not store.has_capture(ref["key"])
+        assert list_captures(store) == [], f"killed before rename {r['n']}, something is listed"
+        assert not has_capture(store, ref["key"])
         result = capture(tiny, load_prompts("builtin", limit=CAPTURE["limit"]), store, **CAPTURE)   # resumes
         assert not result.cached and result.key == ref["key"]
-        assert store.verify_capture(result.key) == []
-        cap = store.open_capture(result.key)
+        assert verify_capture(store, result.key) == []
+        cap = open_capture(store, result.key)
         assert cap.manifest["chunks"] == ref_cap.manifest["chunks"]          # same bytes as the uninterrupted run
         assert torch.equal(cap.tokens()["token_id"], ref_cap.tokens()["token_id"])
         files = sorted(p.name for p in cap.path.iterdir())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from layerscope.capture.format import chunk_name, file_sha256
+from layerscope.capture.stored import finish_capture, open_capture, partial_capture_dir
 from layerscope.draft import probe as P
 from layerscope.stats import ridge as R
 from layerscope.stats import select as S
@@ -35,7 +36,7 @@ def write_capture(store, conversations, per_chunk: int, name: str = "synthetic")
     """A capture written through the store's own writer (atomic chunks, finish_capture), `per_chunk` conversations
     per chunk file."""
     key = make_key({"synthetic-probe": name, "per_chunk": per_chunk, "convs": len(conversations)})
-    partial = store.partial_capture_dir(key)
+    partial = partial_capture_dir(store, key)
     chunks = []
     for start in range(0, len(conversations), per_chunk):
         part = conversations[start:start + per_chunk]
@@ -56,8 +57,8 @@ def write_capture(store, conversations, per_chunk: int, name: str = "synthetic")
                 "conversations": len(conversations), "tokens": sum(c["tokens"] for c in chunks), "chunks": chunks,
                 "created": "2024-01-01T00:00:00+00:00"}
     with store.lock("captures", key):
-        store.finish_capture(key, manifest)
-    return store.open_capture(key)
+        finish_capture(store, key, manifest)
+    return open_capture(store, key)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ import pytest
 from safetensors import safe_open
 
 from layerscope import cli, disk
+from layerscope.capture.stored import list_captures, open_capture, partial_capture_dir, verify_capture
 from layerscope.draft.check import check_draft
 from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.draft.engines import target_facts
@@ -213,9 +214,9 @@ def test_read_only_store_reads_and_lists_and_every_write_is_one_line(tmp_path, t
     with read_only(src, tmp_path / "ro") as ro:
         with pytest.warns(StoreWarning, match="read-only"):
             s = Store(ro)
-            assert [r["key"] for r in s.list_captures()] == [tiny_capture.key]
+            assert [r["key"] for r in list_captures(s)] == [tiny_capture.key]
             assert s.get_json("analysis", "kept") == {"x": 1}
-            assert s.open_capture(tiny_capture.key[:8]).num_tokens == tiny_capture.num_tokens
+            assert open_capture(s, tiny_capture.key[:8]).num_tokens == tiny_capture.num_tokens
         with pytest.raises(StoreWriteError, match="read-only"):
             disk.writable(s)
         with pytest.raises(StoreWriteError, match="read-only") as e:
@@ -320,12 +321,12 @@ def test_a_capture_linked_from_outside_is_listed_verified_and_refused_alike(tmp_
     store.path("captures", tiny_capture.key).symlink_to(outside)
     loop = "ab" * 12
     store.path("captures", loop).symlink_to(store.path("captures", loop))
-    rows = {r["key"]: r for r in store.list_captures()}
+    rows = {r["key"]: r for r in list_captures(store)}
     assert rows[tiny_capture.key]["state"] == "damaged" and "outside the store" in rows[tiny_capture.key]["problem"]
     assert rows[loop]["state"] == "damaged" and "symbolic link loop" in rows[loop]["problem"]
-    assert "outside the store" in store.verify_capture(tiny_capture.key)[0]
+    assert "outside the store" in verify_capture(store, tiny_capture.key)[0]
     with pytest.raises(StoreError, match="outside the store"):
-        store.open_capture(tiny_capture.key)
+        open_capture(store, tiny_capture.key)
     code, line = cli_line(capsys, "analyze", tiny_capture.key[:8], "--store", store.root)
     assert code == 2 and "outside the store" in line
     assert cli.main(["verify", "--store", str(store.root)]) == 1
@@ -340,8 +341,8 @@ def test_a_capture_linked_from_outside_is_listed_verified_and_refused_alike(tmp_
     inside = store.root / "captures" / ".moved" / tiny_capture.key
     shutil.copytree(outside, inside)
     store.path("captures", tiny_capture.key).symlink_to(inside)
-    assert {r["key"]: r["state"] for r in store.list_captures()}[tiny_capture.key] == "ok"
-    assert store.verify_capture(tiny_capture.key) == [] and store.open_capture(tiny_capture.key).num_tokens > 0
+    assert {r["key"]: r["state"] for r in list_captures(store)}[tiny_capture.key] == "ok"
+    assert verify_capture(store, tiny_capture.key) == [] and open_capture(store, tiny_capture.key).num_tokens > 0
     store.close()
 
 
@@ -464,7 +465,7 @@ def test_deep_json_in_store_files_reads_as_damage_or_a_miss(tmp_path, tiny_captu
     cap = store.path("captures", tiny_capture.key)
     shutil.copytree(tiny_capture.path, cap)
     (cap / "manifest.json").write_text(deep())
-    [row] = store.list_captures()
+    [row] = list_captures(store)
     assert row["state"] == "damaged" and "nested" in row["problem"] and "verify" in row["fix"]
     # an index value planted under a key LayerScope reads: compressed as diskcache's JSON disk writes it
     store.put_json("analysis", "abc", {"ok": True})
@@ -524,7 +525,7 @@ def test_captures_marks_damaged_and_unfinished_captures_with_their_fix(tmp_path,
     shutil.copytree(tiny_capture.path, bad)
     manifest = json.loads((bad / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**manifest, "key": bad_key, "tokens": 1}))
-    partial = store.partial_capture_dir("ef" * 12)
+    partial = partial_capture_dir(store, "ef" * 12)
     partial.mkdir()
     first = tiny_capture.manifest["chunks"][0]["file"]
     shutil.copy(tiny_capture.path / first, partial / first)
@@ -540,7 +541,7 @@ def test_captures_marks_damaged_and_unfinished_captures_with_their_fix(tmp_path,
     assert cli.main(["captures", "--json", "--store", str(store.root)]) == 0
     states = {r["key"]: r["state"] for r in json.loads(capsys.readouterr().out)}
     assert states == {tiny_capture.key: "ok", bad_key: "damaged", "ef" * 12: "incomplete"}
-    assert [r["key"] for r in store.list_captures() if r["state"] == "ok"] == [tiny_capture.key]
+    assert [r["key"] for r in list_captures(store) if r["state"] == "ok"] == [tiny_capture.key]
     store.close()
 
 

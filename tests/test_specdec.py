@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from layerscope.capture.stored import open_capture
 from layerscope.decoding import specdec as sd
 from layerscope.errors import DraftError, LayerScopeError
 from tests.helpers import untrained_draft
@@ -539,7 +540,7 @@ def smollm2_trained(smollm2, session_store):
 
     prompts = load_prompts("builtin", limit=3, seed=0)
     result = capture(smollm2, prompts, session_store, max_new_tokens=32, batch_size=3)
-    path = draft_for(session_store.open_capture(result.key), [2, 15, 27], smollm2, session_store, steps=60,
+    path = draft_for(open_capture(session_store, result.key), [2, 15, 27], smollm2, session_store, steps=60,
                      batch_size=3, seq_len=96, val_fraction=0.0, draft_vocab=2048, lr=3e-3)
     return load_draft(path, smollm2), prompts
 

@@ -12,6 +12,7 @@ import torch
 
 from layerscope import cli
 from layerscope.capture.format import CaptureReader
+from layerscope.capture.stored import list_captures, open_capture, verify_capture
 from layerscope.errors import StoreError
 from layerscope.stats.analysis import AnalysisOptions, analysis_key, analyze
 from layerscope.store import Store, StoreWarning, _MemoryIndex, atomic_save_tensors, make_key
@@ -98,7 +99,7 @@ def test_eviction_removes_least_recently_used(tmp_path):
 
 def test_missing_capture_is_a_clear_error(store):
     with pytest.raises(StoreError, match="No capture with key"):
-        store.open_capture("deadbeef")
+        open_capture(store, "deadbeef")
 
 
 def test_env_variable_chooses_root(monkeypatch, tmp_path):
@@ -141,15 +142,15 @@ def test_flipped_byte_is_never_used_nor_cached(copied):
     data = bytearray(chunk.read_bytes())
     data[-5] ^= 0xFF                              # inside the tensor data: the header still parses
     chunk.write_bytes(bytes(data))
-    cap = store.open_capture(key)                 # the cheap check cannot see it (same size, same header)
+    cap = open_capture(store, key)                 # the cheap check cannot see it (same size, same header)
     options = AnalysisOptions(min_entropy=0.0, max_tokens=None)
     with pytest.raises(StoreError, match=f"Capture {key} is damaged: chunk .* does not match its checksum"):
         analyze(cap, store, options)
     assert store.get_json("analysis", analysis_key(key, options)) is None
-    assert any("does not match its checksum" in p for p in store.verify_capture(key))
+    assert any("does not match its checksum" in p for p in verify_capture(store, key))
     assert cli.main(["verify", key[:8], "--store", str(store.root)]) == 1
     assert cli.main(["verify", "--delete", "--store", str(store.root)]) == 0
-    assert not path.exists() and store.list_captures() == []
+    assert not path.exists() and list_captures(store) == []
 
 
 @pytest.mark.parametrize("edit, problem", [
@@ -169,9 +170,9 @@ def test_edited_manifest_is_refused_with_key_and_fix(copied, edit, problem):
     edit(m)
     _write_manifest(path, m)
     with pytest.raises(StoreError, match="layerscope verify") as e:
-        store.open_capture(key)
+        open_capture(store, key)
     assert key in str(e.value) and problem in str(e.value)
-    [row] = store.list_captures()                  # still listed, with its problem, and listing does not fail
+    [row] = list_captures(store)                  # still listed, with its problem, and listing does not fail
     assert row["key"] == key and problem in row["problem"]
 
 
@@ -184,7 +185,7 @@ def test_damaged_chunk_file_is_refused_on_open(copied, damage, problem):
     store, key, path = copied
     damage(path / _manifest(path)["chunks"][0]["file"])
     with pytest.raises(StoreError, match=problem):
-        store.open_capture(key)
+        open_capture(store, key)
     assert cli.main(["verify", "--store", str(store.root)]) == 1
 
 
@@ -195,26 +196,26 @@ def test_chunk_replaced_by_a_symlink_is_refused(copied, tmp_path):
     shutil.move(chunk, outside)
     chunk.symlink_to(outside)
     with pytest.raises(StoreError, match="is missing"):
-        store.open_capture(key)
+        open_capture(store, key)
 
 
 def test_keys_and_prefixes_are_checked(copied):
     store, key, path = copied
     for bad in ("../captures", "*", key + "/..", "", "x" * 30):
         with pytest.raises(StoreError, match="is not a capture key"):
-            store.open_capture(bad)
+            open_capture(store, bad)
     twin = store.path("captures", key[:4] + ("1" if key[4] == "0" else "0") * 20)   # shares 4 characters
     shutil.copytree(path, twin)
     with pytest.raises(StoreError, match=f"matches 2 captures: .*{key}"):
-        store.open_capture(key[:4])
-    assert store.open_capture(key[:5]).key == key
+        open_capture(store, key[:4])
+    assert open_capture(store, key[:5]).key == key
 
 
 def test_temporary_and_partial_names_are_never_listed(copied):
     store, key, path = copied
     shutil.copytree(path, path.with_name(f"{key}.partial"))
     shutil.copytree(path, path.with_name(f".{key}.deleting-1"))
-    assert [r["key"] for r in store.list_captures()] == [key]
+    assert [r["key"] for r in list_captures(store)] == [key]
 
 
 def test_reader_refuses_a_directory_not_named_by_its_key(copied, tmp_path):
@@ -227,16 +228,16 @@ def test_reader_refuses_a_directory_not_named_by_its_key(copied, tmp_path):
 
 # ---------------------------------------------------------------------------- index, read-only, full disk
 
-def test_damaged_index_is_rebuilt_from_the_entries(copied):
+def test_damaged_index_is_replaced_and_the_entries_stay(copied):
     store, key, path = copied
     store.put_json("analysis", "abc", {"x": 1})
     store.close()
     (store.root / "index" / "cache.db").write_bytes(b"this is not a sqlite database" * 100)
     fresh = Store(store.root)
-    with pytest.warns(StoreWarning, match="rebuilt it from the entries on disk"):
-        rows = fresh.list_captures()
+    with pytest.warns(StoreWarning, match="started a new one .the entries on disk are intact"):
+        rows = list_captures(fresh)
         assert fresh.get_json("analysis", "abc") is None        # the cache is gone, not wrong
-    assert [r["key"] for r in rows] == [key] and fresh.index.get(f"capture/{key}")["key"] == key
+    assert [r["key"] for r in rows] == [key] and len(list(store.root.glob(".index.damaged-*"))) == 1
     fresh.put_json("analysis", "abc", {"x": 2})
     assert fresh.get_json("analysis", "abc") == {"x": 2}
     assert cli.main(["captures", "--store", str(store.root)]) == 0
@@ -274,9 +275,10 @@ def test_read_only_store_lists_and_reads(tiny_capture):
     for p in [store.root, *store.root.rglob("*")]:
         os.chmod(p, 0o555 if p.is_dir() else 0o444)
     try:
-        code = ("import sys, warnings; from layerscope.store import Store; s = Store(sys.argv[1]); "
-                "print([r['key'] for r in s.list_captures()], s.get_json('analysis', 'abc')); "
-                "c = s.open_capture(sys.argv[2][:6]); print(c.num_tokens == int(c.tokens()['token_id'].numel()))")
+        code = ("import sys, warnings; from layerscope.store import Store; "
+                "from layerscope.capture.stored import list_captures, open_capture; s = Store(sys.argv[1]); "
+                "print([r['key'] for r in list_captures(s)], s.get_json('analysis', 'abc')); "
+                "c = open_capture(s, sys.argv[2][:6]); print(c.num_tokens == int(c.tokens()['token_id'].numel()))")
         r = _as_other_user([sys.executable, "-c", code, str(store.root), key])
         if r.returncode == 99:
             pytest.skip("cannot drop root's file capabilities here")
@@ -309,11 +311,11 @@ def test_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "No space left" in lines[0] and "Traceback" not in r.stderr
     store = Store(tmp_path / "s")
-    assert store.list_captures() == []
+    assert list_captures(store) == []
     assert not [p for p in store.root.rglob("*.tmp")]          # no temporary file left behind
     r = subprocess.run([sys.executable, "-c", code, str(2**30), *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["prompts"] == 4 and store.verify_capture(json.loads(r.stdout)["key"]) == []
+    assert json.loads(r.stdout)["prompts"] == 4 and verify_capture(store, json.loads(r.stdout)["key"]) == []
 
 
 def test_store_files_are_readable_by_the_group_and_others(tmp_path):

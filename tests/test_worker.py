@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from layerscope.capture.stored import has_capture, list_captures
 from layerscope.errors import LayerScopeError
 from layerscope.models import load_model
 from layerscope.store import Store
@@ -64,7 +65,7 @@ def test_a_capture_runs_in_the_worker_with_live_progress_and_the_model_loads_onc
     midway = [p for p in seen if 0 < p < 1]
     assert midway and seen == sorted(seen), seen                   # progress came through while it ran, in order
     assert v.metrics["tokens"] == v.result["tokens"] > 0 and v.metrics["conversations_total"] == 8
-    assert store.has_capture(v.result["key"]) and v.result["stats"]["num_layers"] == 4
+    assert has_capture(store, v.result["key"]) and v.result["stats"]["num_layers"] == 4
     [pid] = manager.worker_pids()
     assert pid != os.getpid()
     assert manager.worker_models()["tiny-llama"]["pid"] == pid
@@ -77,7 +78,7 @@ def test_a_capture_runs_in_the_worker_with_live_progress_and_the_model_loads_onc
 
 
 def test_a_task_runs_the_same_in_a_thread(manager, store):
-    key = next(c["key"] for c in store.list_captures() if c.get("conversations") == 3)
+    key = next(c["key"] for c in list_captures(store) if c.get("conversations") == 3)
     task = tasks.stats_job(store=store, capture_key=key, options={})
     assert pickle.loads(pickle.dumps(task)).fn is None and task.store_root == str(store.root)   # the store as its root
     threaded = JobManager(mode="thread").submit("s2", "analysis", task)
@@ -159,7 +160,7 @@ def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store,
 
 
 def test_an_unexpected_error_is_one_line_and_its_traceback_is_logged(manager, store, caplog):
-    key = next(c["key"] for c in store.list_captures())
+    key = next(c["key"] for c in list_captures(store))
     task = tasks.train_job(store=store, capture_key=key, model="tiny-llama", layers=[1, 2], strategy=None,
                            name="mine", options={"no_such_option": 1})
     with caplog.at_level(logging.ERROR, logger="layerscope.jobs"):

@@ -25,8 +25,8 @@ A chunk of n tokens holds (name: shape dtype):
 Checks, cheapest first: `read_manifest` (the schema), `check_chunk_files` (every chunk's size and its
 header's names, shapes and dtypes; done by every open and listing), the sha256 of a chunk the first time
 a `CaptureReader` reads it, and `verify_capture_files` (every check and every checksum). A failed check is
-one StoreError naming the capture as damaged, never a wrong result. The store (layerscope/store.py) decides
-where captures live, who writes them and when they are listed or evicted.
+one StoreError naming the capture as damaged, never a wrong result. layerscope/capture/stored.py finds,
+finishes and lists captures in a store (layerscope/store.py: the entry directories, write locks and eviction).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ SUMMARY_KEYS = ("key", "model", "num_layers", "hidden_size", "prompt_set", "toke
 
 
 def summarize_manifest(m: dict) -> dict:
-    """The manifest fields a listing shows (and the store index caches under capture/<key>)."""
+    """The manifest fields a capture listing shows (capture.stored.list_captures)."""
     return {k: m.get(k) for k in SUMMARY_KEYS}
 
 

@@ -46,6 +46,7 @@ from safetensors import safe_open
 from layerscope import disk, distributed
 from layerscope.capture import size
 from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header
+from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
 from layerscope.errors import CaptureError
 from layerscope.models import LoadedModel
 from layerscope.prompts.sets import PromptSet, chat_ids
@@ -121,8 +122,8 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     opts.validate()
     t0 = time.perf_counter()
     key = capture_key(loaded, prompt_set, opts)
-    if store.has_capture(key):
-        cap = store.open_capture(key)
+    if has_capture(store, key):
+        cap = open_capture(store, key)
         return CaptureResult(key, True, time.perf_counter() - t0, cap.num_tokens, cap.path, cap.manifest)
 
     prompts = prompt_set.prompts[: opts.limit] if opts.limit else list(prompt_set.prompts)
@@ -144,7 +145,7 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     disk.writable(store)              # a read-only or full store fails before the first batch is computed
     disk.need_space(store.root, size.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
                                                             opts.batch_size, loaded.num_layers, loaded.hidden_size,
-                                                            store.partial_capture_dir(key)), f"capture {key}")
+                                                            partial_capture_dir(store, key)), f"capture {key}")
     if distributed.active():     # under torchrun every rank writes its range of the batches (_capture_ranks)
         return _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
 
@@ -154,8 +155,8 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
 
     try:
         with store.lock("captures", key, should_stop=should_stop, on_wait=waiting):
-            if store.has_capture(key):      # another process finished it while we waited
-                cap = store.open_capture(key)
+            if has_capture(store, key):      # another process finished it while we waited
+                cap = open_capture(store, key)
                 return CaptureResult(key, True, time.perf_counter() - t0, cap.num_tokens, cap.path, cap.manifest)
             return _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
     except LockWaitCancelled as e:
@@ -164,7 +165,7 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
 
 def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop) -> CaptureResult:
     """Write the missing chunks, then the manifest, and rename the capture into place (the lock is held)."""
-    partial = store.partial_capture_dir(key)
+    partial = partial_capture_dir(store, key)
     partial.mkdir(parents=True, exist_ok=True)
     for p in partial.iterdir():           # temporary files of a killed writer (we hold the lock: none is live)
         if not CHUNK_RE.fullmatch(p.name) and p.is_file():
@@ -212,7 +213,7 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     if not chunks:
         raise CaptureError("The capture wrote no chunk", "Run it again")
     manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
-    path = store.finish_capture(key, manifest)
+    path = finish_capture(store, key, manifest)
     return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
 
 
@@ -243,11 +244,11 @@ def _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
                            "write in order", "Use --limit to size the capture, or capture in one process")
     lock = store.lock("captures", key) if distributed.rank() == 0 else nullcontext()
     with lock:
-        stored = distributed.agree(store.has_capture(key) if distributed.rank() == 0 else None)
+        stored = distributed.agree(has_capture(store, key) if distributed.rank() == 0 else None)
         if stored:
-            cap = store.open_capture(key)
+            cap = open_capture(store, key)
             return CaptureResult(key, True, time.perf_counter() - t0, cap.num_tokens, cap.path, cap.manifest)
-        partial = store.partial_capture_dir(key)
+        partial = partial_capture_dir(store, key)
         if distributed.rank() == 0:
             partial.mkdir(parents=True, exist_ok=True)
             for p in partial.iterdir():        # temporary files of a killed writer (the lock is ours)
@@ -270,7 +271,7 @@ def _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
                 error = e
         _all_ok(error)
         done = distributed.agree(None if result is None else (str(result.path), result.tokens))
-    cap = store.open_capture(key)
+    cap = open_capture(store, key)
     return CaptureResult(key, False, time.perf_counter() - t0, done[1], cap.path, cap.manifest)
 
 
@@ -321,7 +322,7 @@ def _finish_ranks(key, loaded, prompt_set, store, prompts, opts, partial, t0) ->
                                "Run the capture again; it resumes from the chunks that are there")
         chunks.append((start, end, have[(start, end)]))
     manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
-    path = store.finish_capture(key, manifest)
+    path = finish_capture(store, key, manifest)
     return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerscope.capture.stored import list_captures
 from layerscope.commands.common import open_store, print_json
 
 NAME = "captures"
@@ -13,7 +14,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    rows = open_store(args).list_captures(incomplete=True)
+    rows = list_captures(open_store(args), incomplete=True)
     if args.json:
         print_json(rows)
         return 0

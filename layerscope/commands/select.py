@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from layerscope import layerset, workflow
+from layerscope.capture.stored import open_capture
 from layerscope.commands.analyze import add_analysis_arguments, load_stats, token_line
 from layerscope.commands.common import open_store, parse_layers, print_json
 from layerscope.stats.select import NEEDS_PROBE, REGISTRY, describe
@@ -29,7 +30,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     layers = parse_layers(args.layers) if args.layers is not None else None    # "" is refused, not ignored
     if layers is not None:             # before the statistics are computed: the capture's depth is in its manifest
-        layerset.check(layers, open_store(args).open_capture(args.key).num_layers, "--layers")
+        layerset.check(layers, open_capture(open_store(args), args.key).num_layers, "--layers")
     options = workflow.SelectOptions(k=args.k, strategy=args.strategy, lam=args.lam, compare=args.compare,
                                      layers=tuple(layers) if layers is not None else None)
     stats = load_stats(args)

@@ -16,6 +16,7 @@ from dataclasses import fields
 import torch
 
 from layerscope import preflight, workflow
+from layerscope.capture.stored import open_capture
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft import builtin
 from layerscope.draft.online import OnlineOptions
@@ -179,7 +180,7 @@ def run_capture(args, store) -> int:
         raise DraftError("Give the layer set with --layers or --strategy (one of them)", "E.g. --layers 2,15,27")
     if args.strategy is not None:           # the strategy's statistics are work: check the destination first
         preflight.train_capture(store, args.key, [], args.draft_vocab, args.out)
-    cap = store.open_capture(args.key)
+    cap = open_capture(store, args.key)
     layers = parse_layers(args.layers[0]) if args.layers else workflow.layers_from_strategy(store, cap, args.strategy, args.k)
     options = TrainOptions(val_fraction=args.val_fraction, **recipe(args))
     if not args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerscope.capture.stored import list_captures, resolve_capture_key, verify_capture
 from layerscope.commands.common import open_store, print_json
 
 NAME = "verify"
@@ -16,10 +17,10 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     store = open_store(args)
-    keys = [store.resolve_capture_key(k) for k in args.keys] or [r["key"] for r in store.list_captures()]
+    keys = [resolve_capture_key(store, k) for k in args.keys] or [r["key"] for r in list_captures(store)]
     report = {}
     for key in keys:
-        problems = store.verify_capture(key)
+        problems = verify_capture(store, key)
         damaged = any("no checksum" not in p for p in problems)
         if damaged and args.delete:
             store.remove("captures", key)

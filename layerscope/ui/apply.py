@@ -11,6 +11,7 @@ from pathlib import Path
 import streamlit as st
 
 from layerscope import fmt, layerset, plots
+from layerscope.capture import stored
 from layerscope.session import Session
 from layerscope.stats.analysis import LayerStats
 from layerscope.ui import tasks
@@ -76,7 +77,7 @@ def capture_result(s: Session, result: dict) -> None:
 
 
 def open_capture(s: Session, store, key: str) -> None:
-    cap = store.open_capture(key)
+    cap = stored.open_capture(store, key)
     _set_capture(s, cap.key, tasks.capture_summary(cap.manifest), cap.manifest.get("model"),
                  cap.manifest.get("prompt_set"))
 
@@ -89,7 +90,7 @@ def set_stats(s: Session, stats: dict, requested: dict | None = None) -> None:
 
 
 def capture_available(s: Session, store) -> bool:
-    return bool(s.capture_key) and store.has_capture(s.capture_key)
+    return bool(s.capture_key) and stored.has_capture(store, s.capture_key)
 
 
 def stats_for(s: Session, store, options: dict | None = None):

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from layerscope import fmt
+from layerscope.capture.stored import has_capture, list_captures
 from layerscope.session import Session
 from layerscope.ui import tasks
 from layerscope.ui.jobs import CANCELLED, FAILED, StatsTag, get_manager
@@ -28,7 +29,7 @@ def capture_choices(s: Session, store) -> list[dict]:
     """The captures to compare, newest first: the store's finished ones (damaged ones left out: the page
     says which, with damaged_captures), plus the session's own capture when the store lacks it but the
     session holds its statistics."""
-    caps = [c for c in store.list_captures() if not c.get("problem")]
+    caps = [c for c in list_captures(store) if not c.get("problem")]
     if s.capture_key and s.has_stats and all(c.get("key") != s.capture_key for c in caps):
         caps.append({**s.capture, "key": s.capture_key, "model": s.capture.get("model") or s.model,
                      "prompt_set": s.capture.get("prompt_set") or s.prompt_set, "saved_with_session": True})
@@ -37,7 +38,7 @@ def capture_choices(s: Session, store) -> list[dict]:
 
 def damaged_captures(store) -> list[dict]:
     """The store's captures that cannot be compared, each with its problem and fix."""
-    return [c for c in store.list_captures() if c.get("problem")]
+    return [c for c in list_captures(store) if c.get("problem")]
 
 
 def capture_label(c: Mapping | None, key: str | None = None) -> str:
@@ -77,9 +78,9 @@ def stats_of(s: Session, store, slot: str, key: str, options: dict):
     wanted = dict(options)
     if key == s.capture_key:
         snapshot = s.stats_dict()
-        if snapshot is not None and (snapshot.get("requested", {}) == wanted or not store.has_capture(key)):
+        if snapshot is not None and (snapshot.get("requested", {}) == wanted or not has_capture(store, key)):
             return snapshot, None
-    if not store.has_capture(key):
+    if not has_capture(store, key):
         return None, None
     manager = get_manager()
     tag = StatsTag(key, wanted)

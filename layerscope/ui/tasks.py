@@ -16,6 +16,7 @@ from pathlib import Path
 
 from layerscope import fmt, workflow
 from layerscope.capture.run import CaptureOptions
+from layerscope.capture.stored import open_capture
 from layerscope.decoding.bench import BenchOptions, Tally
 from layerscope.draft import builtin, probe
 from layerscope.draft.checkpoint import read_meta
@@ -310,7 +311,7 @@ def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
     def run(job):
         target = load_in_job(job, model, store)
         job.update(0.05, "reading the capture")
-        cap = store.open_capture(capture_key)
+        cap = open_capture(store, capture_key)
         report = probe.score_sets(cap, target, [list(x) for x in sets], store=store,
                                   progress=lambda frac, msg="": job.update(0.05 + 0.95 * float(frac), msg or None))
         return {"capture_key": capture_key, "seconds": report.seconds, "cached": report.cached,

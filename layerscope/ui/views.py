@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from layerscope.capture.stored import has_capture
 from layerscope.ui import apply
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import active_session, get_store
@@ -61,7 +62,7 @@ def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dic
             job_status(v, key=f"{key}_analysis")
             if stats is not None:
                 st.caption("Showing the statistics computed with the previous options.")
-    elif stats is not None and s.capture_key and not store.has_capture(s.capture_key):
+    elif stats is not None and s.capture_key and not has_capture(store, s.capture_key):
         st.caption(f"Capture {s.capture_key} is not in this store: showing the statistics saved with the session.")
     return stats
 
