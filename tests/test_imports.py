@@ -4,6 +4,7 @@ a function, and so does importlib.import_module("a literal name")."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +91,66 @@ def test_no_module_imports_itself_through_others():
     graph = import_graph()
     assert {"layerscope.capture.run", "layerscope.distributed", "layerscope.ui.tasks", "layerscope.ui.worker"} <= set(graph)
     assert cycles(graph) == []
+
+
+# The layers docs/architecture.md draws, lowest first. A module imports only from its own layer or below:
+# stats never imports draft, decoding or study; decoding never imports study; nothing below the faces
+# (commands, the CLI, the app's ui package) imports them.
+LAYERS = [
+    ("infrastructure", {"errors", "blas", "fmt", "jsonsafe", "paths", "validate", "layerset", "distributed", "store",
+                        "machine", "disk"}),
+    ("models and prompts", {"models", "prompts"}),
+    ("capture", {"capture"}),
+    ("stats", {"stats"}),
+    ("draft", {"draft"}),
+    ("decoding", {"decoding"}),
+    ("study", {"study"}),
+    ("workflow", {"preflight", "workflow", "plots", "session"}),
+    ("faces", {"commands", "cli", "__main__", "ui", ""}),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a layerscope module (the package itself counts with the faces)."""
+    top = module.removeprefix("layerscope").lstrip(".").split(".")[0]
+    for i, (_, tops) in enumerate(LAYERS):
+        if top in tops:
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS and to docs/architecture.md's map")
+
+
+def test_the_layer_rule_sees_an_upward_import():
+    assert layer_of("layerscope.stats.cka") < layer_of("layerscope.decoding.bench") < layer_of("layerscope.study.run")
+    assert layer_of("layerscope.store") == 0 and layer_of("layerscope.ui.tasks") == len(LAYERS) - 1
+
+
+def test_every_import_goes_down_the_layers():
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+              for m, deps in sorted(import_graph().items()) for d in sorted(deps) if layer_of(d) > layer_of(m)]
+    assert upward == []
+
+
+def test_the_cost_model_does_not_plan_benchmarks():
+    """Benchmark planning lives in decoding.bench, which uses the cost model; never the other way round."""
+    assert "layerscope.decoding.bench" not in import_graph()["layerscope.decoding.costmodel"]
+
+
+def test_the_architecture_map_lists_every_module():
+    """docs/architecture.md's map names every module: a flat one as `name.py`, one in a package within the
+    package's entry (the lines from `  pkg/` down to the next entry)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    layout = doc[doc.index("## The layout of the code"):]
+
+    def entry(package: str) -> str:
+        found = re.search(rf"^  {re.escape(package)}/ .*?(?=^  \S|^```)", layout, re.M | re.S)
+        return found.group(0) if found else ""
+
+    missing = []
+    for path in sorted((ROOT / "layerscope").rglob("*.py")):
+        rel = path.relative_to(ROOT / "layerscope")
+        if rel.name == "__init__.py":
+            continue
+        where = entry(rel.parts[0]) if len(rel.parts) > 1 else layout
+        if not re.search(rf"(?<![\w/]){re.escape(rel.name)}", where):
+            missing.append(str(rel))
+    assert missing == []
