@@ -21,9 +21,9 @@ from layerscope.errors import LayerScopeError
 
 
 def check_number(name: str, value, *, minimum=None, maximum=None, integer: bool = False, optional: bool = False,
-                 above: bool = False, fix: str = "", error: type[LayerScopeError] = LayerScopeError):
+                 above: bool = False, below: bool = False, fix: str = "", error: type[LayerScopeError] = LayerScopeError):
     """`value` when it is a finite number (an integer if `integer`) in [minimum, maximum] (minimum excluded
-    with `above`); None passes when `optional`. Raises `error(problem, fix)` otherwise."""
+    with `above`, maximum with `below`); None passes when `optional`. Raises `error(problem, fix)` otherwise."""
     if value is None and optional:
         return value
     bad = isinstance(value, bool) or not isinstance(value, (int, float))
@@ -32,26 +32,27 @@ def check_number(name: str, value, *, minimum=None, maximum=None, integer: bool 
             operator.index(value)
         except TypeError:
             bad = True
+    kind = "a whole number" if integer else "a finite number"
+    bounds = _range(minimum, maximum, above, below)
+    fix = fix or (f"Pass a {name} {bounds}" if bounds else f"Pass {kind} as {name}")
     if bad or not math.isfinite(value):
-        kind = "a whole number" if integer else "a finite number"
-        raise error(f"{name} must be {kind} (got {value!r})", fix or _range_fix(name, minimum, maximum, above))
+        raise error(f"{name} must be {kind} (got {value!r})", fix)
     low_bad = minimum is not None and (value <= minimum if above else value < minimum)
-    if low_bad or (maximum is not None and value > maximum):
-        raise error(f"{name} must be {_range(minimum, maximum, above)} (got {value!r})",
-                    fix or _range_fix(name, minimum, maximum, above))
+    high_bad = maximum is not None and (value >= maximum if below else value > maximum)
+    if low_bad or high_bad:
+        raise error(f"{name} must be {bounds} (got {value!r})", fix)
     return value
 
 
-def _range(minimum, maximum, above) -> str:
+def _range(minimum, maximum, above: bool, below: bool) -> str:
+    """The allowed range in words: 'in [1, 5]', 'in [0, 1)', 'at least 1', 'greater than 0', 'at most 9' ('': any)."""
     if minimum is not None and maximum is not None:
-        return f"in {'(' if above else '['}{minimum}, {maximum}]"
+        return f"in {'(' if above else '['}{minimum}, {maximum}{')' if below else ']'}"
     if minimum is not None:
         return f"{'greater than' if above else 'at least'} {minimum}"
-    return f"at most {maximum}"
-
-
-def _range_fix(name, minimum, maximum, above) -> str:
-    return f"Pass a {name} {_range(minimum, maximum, above)}"
+    if maximum is not None:
+        return f"{'less than' if below else 'at most'} {maximum}"
+    return ""
 
 
 # ---------------------------------------------------------------------------- numbers people write

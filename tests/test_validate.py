@@ -6,7 +6,9 @@ import pytest
 
 from layerscope import cli
 from layerscope.capture.run import CaptureOptions
-from layerscope.errors import CaptureError, LayerScopeError
+from layerscope.draft.fit import TrainOptions
+from layerscope.draft.online import OnlineOptions
+from layerscope.errors import CaptureError, DraftError, LayerScopeError
 from layerscope.validate import check_number, parse_count, parse_duration
 
 
@@ -15,6 +17,7 @@ from layerscope.validate import check_number, parse_count, parse_duration
     (math.nan, {}, False), (math.inf, {}, False), (-math.inf, {"maximum": 0}, False), (True, {}, False),
     ("3", {}, False), (2.5, {"integer": True}, False), (2.0, {}, True), (None, {"optional": True}, True),
     (None, {}, False), (7, {"minimum": 1, "maximum": 5}, False), (5, {"minimum": 1, "maximum": 5}, True),
+    (1, {"minimum": 0, "maximum": 1, "below": True}, False), (0.5, {"minimum": 0, "maximum": 1, "below": True}, True),
 ])
 def test_check_number(value, kw, ok):
     if ok:
@@ -43,6 +46,20 @@ def test_budgets_read_as_people_write_them():
 def test_capture_options_refuse_non_finite_and_out_of_range(field, value):
     with pytest.raises(CaptureError, match=field):
         CaptureOptions(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("options, field, value", [
+    (TrainOptions, "steps", math.nan), (TrainOptions, "ttt_steps", 8), (TrainOptions, "ttt_steps", 2.5),
+    (TrainOptions, "batch_size", 0), (TrainOptions, "seq_len", 1), (TrainOptions, "draft_vocab", math.nan),
+    (TrainOptions, "val_fraction", 1.0), (TrainOptions, "lr", 0.0), (TrainOptions, "lr", math.inf),
+    (TrainOptions, "warmup", -1), (TrainOptions, "warm_start", 1.5), (TrainOptions, "eval_points", 0),
+    (TrainOptions, "noise_std", math.nan), (TrainOptions, "weight_decay", -1.0),
+    (OnlineOptions, "max_new_tokens", 0), (OnlineOptions, "gen_batch_size", 2.5), (OnlineOptions, "data_seed", "0"),
+    (OnlineOptions, "checkpoint_every_s", 0.0), (OnlineOptions, "checkpoint_every_s", math.nan),
+])
+def test_training_options_refuse_non_finite_and_out_of_range(options, field, value):
+    with pytest.raises(DraftError, match=field):
+        options(**({"steps": 1} | {field: value})).validate()
 
 
 @pytest.mark.parametrize("argv, match", [

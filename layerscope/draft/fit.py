@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable, Protocol
 
 import torch
@@ -35,6 +36,7 @@ from layerscope.draft.loss import ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.draft.progress import EvalProgress, FitProgress, TrainProgress
 from layerscope.errors import DraftError
+from layerscope.validate import check_number
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 TRAIN_FORMAT = 3                      # 3: one loop for capture and online training (recipe options below)
@@ -71,38 +73,32 @@ class TrainOptions:
             self.init_from = tuple(self.init_from)
 
     def validate(self) -> None:
+        """The budget (exactly one of steps, tokens, time_s, each above 0), then validate_draft."""
         budgets = [b for b in (self.steps, self.tokens, self.time_s) if b is not None]
         if len(budgets) != 1:
             raise DraftError("Give the training budget as one of steps, tokens or time",
                              "Pass --steps N, --tokens 2M or --time 45m")
         for name in ("steps", "tokens", "time_s"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise DraftError(f"The {name.replace('_s', '')} budget must be a positive number (got {v})",
-                                 "Pass e.g. --steps 300, --tokens 2M or --time 45m")
+            check_number(name, getattr(self, name), minimum=0, above=True, optional=True, error=DraftError,
+                         fix="Pass e.g. --steps 300, --tokens 2M or --time 45m")
         self.validate_draft()
 
     def validate_draft(self) -> None:
-        """Everything but the budget: the draft's shape, TTT, the optimizer and the recipe."""
-        if not 1 <= self.ttt_steps <= 7:
-            raise DraftError(f"ttt_steps must be 1..7 (got {self.ttt_steps})", "EAGLE-3 unrolls up to 7 steps; 3 is the CPU default")
-        if self.batch_size < 1 or self.seq_len < 2 or self.draft_vocab < 2:
-            raise DraftError("batch_size, seq_len and draft_vocab must be positive (seq_len and draft_vocab at least 2)",
-                             "Use the defaults: --batch-size 8 --seq-len 512")
-        if not 0 <= self.val_fraction < 1:
-            raise DraftError(f"val_fraction must be in [0, 1) (got {self.val_fraction})", "Use e.g. 0.1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise DraftError(f"lr must be positive (got {self.lr})", "Use e.g. 1e-3")
+        """Everything but the budget: the draft's shape, TTT, the optimizer and the recipe. Numbers follow the
+        one rule of numeric options (validate.check_number)."""
+        check = partial(check_number, error=DraftError)
+        check("ttt_steps", self.ttt_steps, minimum=1, maximum=7, integer=True,
+              fix="EAGLE-3 unrolls up to 7 steps; 3 is the CPU default")
+        check("batch_size", self.batch_size, minimum=1, integer=True, fix="Use the default: --batch-size 8")
+        check("seq_len", self.seq_len, minimum=2, integer=True, fix="Use the default: --seq-len 512")
+        check("draft_vocab", self.draft_vocab, minimum=2, integer=True, fix="Use the default: --draft-vocab 8192")
+        check("val_fraction", self.val_fraction, minimum=0, maximum=1, below=True, fix="Use e.g. 0.1")
+        check("lr", self.lr, minimum=0, above=True, fix="Use e.g. 1e-3")
         for name in ("warmup", "warm_start"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise DraftError(f"{name} must be a whole number >= 0 (got {getattr(self, name)!r})",
-                                 f"Pass --{name.replace('_', '-')} 0 or more")
-        if not isinstance(self.eval_points, int) or self.eval_points < 1:
-            raise DraftError(f"eval_points must be a whole number >= 1 (got {self.eval_points!r})", "Pass --eval-points 1 or more")
+            check(name, getattr(self, name), minimum=0, integer=True, fix=f"Pass --{name.replace('_', '-')} 0 or more")
+        check("eval_points", self.eval_points, minimum=1, integer=True, fix="Pass --eval-points 1 or more")
         for name in ("feature_loss", "noise_std", "weight_decay"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise DraftError(f"{name} must be a number >= 0 (got {v!r})", f"Pass --{name.replace('_', '-')} 0 or more")
+            check(name, getattr(self, name), minimum=0, fix=f"Pass --{name.replace('_', '-')} 0 or more")
         if self.clock not in CLOCKS:
             raise DraftError(f"clock must be one of {', '.join(CLOCKS)} (got {self.clock!r})",
                              "Use wall (seconds on the clock) or cpu (CPU seconds of this process: equal work on a busy machine)")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -67,6 +66,7 @@ from layerscope.models import LoadedModel
 from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
 from layerscope.store import Store, atomic_write_json, make_key, staged
+from layerscope.validate import check_number
 
 FORMAT = 2                              # 2: trained by the one loop (draft/fit.py)
 RESPONSES_FORMAT = 1
@@ -90,18 +90,17 @@ class OnlineOptions(TrainOptions):
     checkpoint_every_s: float = 300.0   # seconds of training between checkpoints
 
     def validate(self) -> None:
+        """TrainOptions.validate, then the online fields (numbers: validate.check_number)."""
         super().validate()
         if self.responses not in MODES:
             raise DraftError(f"responses must be one of {', '.join(MODES)} (got {self.responses!r})",
                              "Pass --responses regenerate (the target's own answers) or --responses own")
         for name in ("max_new_tokens", "max_prompt_tokens", "gen_batch_size", "val_conversations"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise DraftError(f"{name} must be a whole number >= 1 (got {getattr(self, name)!r})",
-                                 f"Pass --{name.replace('_', '-')} 1 or more")
-        if self.data_seed is not None and (not isinstance(self.data_seed, int) or isinstance(self.data_seed, bool)):
-            raise DraftError(f"data_seed must be a whole number or None (got {self.data_seed!r})", "Use e.g. 0")
-        if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s > 0):
-            raise DraftError(f"checkpoint_every_s must be positive (got {self.checkpoint_every_s})", "Use e.g. 300")
+            check_number(name, getattr(self, name), minimum=1, integer=True, error=DraftError,
+                         fix=f"Pass --{name.replace('_', '-')} 1 or more")
+        check_number("data_seed", self.data_seed, integer=True, optional=True, error=DraftError, fix="Use e.g. 0")
+        check_number("checkpoint_every_s", self.checkpoint_every_s, minimum=0, above=True, error=DraftError,
+                     fix="Use e.g. 300")
 
     def run_fields(self) -> dict:
         """What decides the drafts: every field but where and how often progress is saved."""
