@@ -10,8 +10,11 @@ import sys
 
 import pytest
 
+from layerscope.capture.run import capture
 from layerscope.capture.stored import open_capture
 from layerscope.distributed import shard
+from layerscope.prompts.sets import load_prompts
+from layerscope.store import Store
 
 OPTIONS = dict(limit=7, max_new_tokens=8, batch_size=2)     # 4 batches, the last one short: 2 per rank
 
@@ -26,10 +29,6 @@ def test_shards_are_contiguous_ranges_covering_every_batch():
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="torchrun missing")
 def test_two_process_capture_equals_one_process_capture(tiny, tmp_path, one_thread):
-    from layerscope.capture.run import capture
-    from layerscope.prompts.sets import load_prompts
-    from layerscope.store import Store
-
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "layerscope", "capture", "--model", "tiny-llama",
            "--prompts", "builtin", "--limit", "7", "--max-new-tokens", "8", "--batch-size", "2",

@@ -7,12 +7,16 @@ import json
 import pytest
 import torch
 
+from layerscope import cli
 from layerscope.capture.format import chunk_name, file_sha256
 from layerscope.capture.stored import finish_capture, open_capture, partial_capture_dir
+from layerscope.commands.probe import format_report
 from layerscope.draft import probe as P
 from layerscope.stats import ridge as R
 from layerscope.stats import select as S
-from layerscope.store import atomic_save_tensors, make_key
+from layerscope.stats.analysis import AnalysisOptions, analyze
+from layerscope.stats.paired import proxy_verdict
+from layerscope.store import Store, atomic_save_tensors, make_key
 from tests.helpers import gen
 
 N, D, V, PLANTED = 6, 16, 40, 3
@@ -63,8 +67,6 @@ def write_capture(store, conversations, per_chunk: int, name: str = "synthetic")
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    from layerscope.store import Store
-
     store = Store(tmp_path_factory.mktemp("probe-store"))
     convs = make_conversations()
     g = gen(7)
@@ -212,8 +214,6 @@ def test_bad_input_is_one_clear_error(synthetic):
 
 
 def test_probe_strategy_in_select(tiny, tiny_capture, session_store, one_thread):
-    from layerscope.stats.analysis import AnalysisOptions, analyze
-
     stats = analyze(tiny_capture, session_store, AnalysisOptions())
     with pytest.raises(S.SelectionError, match="needs the capture and the target"):
         S.select(stats, "probe", 2)
@@ -228,8 +228,6 @@ def test_probe_strategy_in_select(tiny, tiny_capture, session_store, one_thread)
 
 
 def test_cli_probe_json(tiny_capture, session_store, capsys, one_thread):
-    from layerscope import cli
-
     base = ["probe", tiny_capture.key, "--store", str(session_store.root)]
     assert cli.main(base + ["--layers", "1,2", "--layers", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -258,8 +256,6 @@ def test_cli_probe_json(tiny_capture, session_store, capsys, one_thread):
 
 
 def test_a_smaller_set_with_lower_validation_loss_is_named():
-    from layerscope.commands.probe import format_report
-
     def report(path, best_loss, objective="loss"):
         score = P.SetScore([0, 21, 27], 0.25, 0.5, 0.3, best_loss, source="search")
         return P.ProbeReport("c", [score], 1.0, 100, 3, {"fit": 1, "validation": 1, "held_out": 1},
@@ -278,8 +274,6 @@ def test_a_smaller_set_with_lower_validation_loss_is_named():
 
 
 def test_verdict_names_a_proxy_only_when_its_interval_excludes_zero():
-    from layerscope.stats.paired import proxy_verdict
-
     probe = {"proxy": "probe", "version": "held-out agreement", "rho": 0.7, "ci": [0.2, 0.95], "sets": 9}
     cka = {"proxy": "mean_cka", "version": "linear, no filter", "rho": -0.9, "ci": [-1.0, 0.1], "sets": 9}
     entropy = {"proxy": "mean_entropy", "version": "linear, no filter", "rho": -0.8, "ci": [-0.95, -0.3], "sets": 9}

@@ -9,9 +9,13 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from layerscope.capture.run import capture
 from layerscope.capture.stored import open_capture
 from layerscope.decoding import specdec as sd
+from layerscope.draft.checkpoint import load_draft
+from layerscope.draft.train import draft_for
 from layerscope.errors import DraftError, LayerScopeError
+from layerscope.prompts.sets import chat_ids, load_prompts
 from tests.helpers import untrained_draft
 
 PROMPTS = [[259, 72, 101, 108, 108, 111], [259, 50, 43, 50, 61], [259, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32]]
@@ -515,8 +519,6 @@ def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup):
 @pytest.mark.smollm2
 def test_smollm2_chain_and_tree_are_lossless(smollm2):
     """SmolLM2-135M with a draft for the default layer set (untrained: lossless whatever it proposes)."""
-    from layerscope.prompts.sets import chat_ids, load_prompts
-
     model = smollm2.model
     draft = untrained_draft(model, layers=(2, 15, 27), draft_vocab=2048).to(smollm2.device)
     eos = smollm2.tokenizer.eos_token_id
@@ -533,11 +535,6 @@ def test_smollm2_chain_and_tree_are_lossless(smollm2):
 def smollm2_trained(smollm2, session_store):
     """A real draft for [2, 15, 27], trained by `draft_for` on a small SmolLM2 capture of the 3 builtin prompts
     the test decodes (it learns those conversations by heart), with the prompts it was trained on."""
-    from layerscope.capture.run import capture
-    from layerscope.draft.checkpoint import load_draft
-    from layerscope.draft.train import draft_for
-    from layerscope.prompts.sets import load_prompts
-
     prompts = load_prompts("builtin", limit=3, seed=0)
     result = capture(smollm2, prompts, session_store, max_new_tokens=32, batch_size=3)
     path = draft_for(open_capture(session_store, result.key), [2, 15, 27], smollm2, session_store, steps=60,
@@ -550,8 +547,6 @@ def test_smollm2_trained_draft_is_lossless_and_accepted(smollm2, smollm2_trained
     """Train -> save -> load -> decode on the real target: output equals plain greedy, and on the conversations
     it was trained on the draft is mostly accepted (a layer-index or alignment slip between training and
     decoding would leave tau near 1)."""
-    from layerscope.prompts.sets import chat_ids
-
     draft, prompts = smollm2_trained
     eos = smollm2.tokenizer.eos_token_id
     produced = {"chain": 0, "tree": 0}
