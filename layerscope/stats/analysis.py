@@ -63,8 +63,7 @@ class AnalysisOptions:
             raise LayerScopeError(f"alpha must be >= 0 (got {self.alpha})", alpha_fix)
         check_number("min_entropy", self.min_entropy, optional=True,
                      fix="Pass e.g. --min-entropy 0.5, or 0 for no token-entropy filter")
-        if self.quantile is not None and not 0 <= self.quantile < 1:     # half-open: not check_number's kind of range
-            raise LayerScopeError(f"quantile must be in [0, 1) (got {self.quantile})", "Pass e.g. --quantile 0.5")
+        check_number("quantile", self.quantile, minimum=0, maximum=1, below=True, optional=True, fix="Pass e.g. --quantile 0.5")
         check_number("max_tokens", self.max_tokens, minimum=MIN_TOKENS, optional=True, fix="Raise --max-tokens")
         check_number("rank", self.rank, minimum=1, optional=True, fix="Leave it out for exact CKA")
         check_number("outlier_factor", self.outlier_factor, minimum=1, above=True, optional=True,
