@@ -6,57 +6,16 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from layerscope.decoding import specdec as sd
 from layerscope.errors import DraftError, LayerScopeError
-from tests.helpers import untrained_draft
+from tests.helpers import LookupDraft, untrained_draft
 
 PROMPTS = [[259, 72, 101, 108, 108, 111], [259, 50, 43, 50, 61], [259, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32]]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# ----------------------------------------------------------------------------- drafts for tests
-
-
-class LookupDraft(nn.Module):
-    """Obeys the DraftHead contract; predicts from a known greedy continuation `ref` (the target's own,
-    computed by HF `generate` in the test). Row at position p reading x_{p+1} proposes ref[p+2] when
-    x_{p+1} == ref[p+1] (the alignment of docs/internals.md), else nothing useful (uniform). For target
-    indices in `wrong`, a wrong token ranks first and the right one second (so a tree can still find it)."""
-
-    def __init__(self, ref: list[int], vocab: int, aux_layers=(1,), wrong=()):
-        super().__init__()
-        self.ref, self.vocab, self.wrong = ref, vocab, set(wrong)
-        self.aux_layers = list(aux_layers)
-        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))
-        self.rows_seen: list[tuple[int, int]] = []       # (position, input id) of every row fed
-
-    def fuse(self, aux):
-        return aux[..., :1]
-
-    def to_target_ids(self, ids):
-        return ids + self.d2t[ids]
-
-    def forward(self, input_ids, hidden, position_ids, cache=None, attention_mask=None):
-        B, T = input_ids.shape
-        if cache is not None:
-            cache.append(torch.zeros(B, 1, T, 1), torch.zeros(B, 1, T, 1))
-            if attention_mask is not None:
-                assert attention_mask.shape == (B, 1, T, cache.length) and attention_mask.dtype == torch.bool
-        logits = torch.zeros(B, T, self.vocab)
-        for i, (p, x) in enumerate(zip(position_ids[0].tolist(), input_ids[0].tolist())):
-            self.rows_seen.append((p, x))
-            if p + 2 < len(self.ref) and x == self.ref[p + 1]:
-                right = self.ref[p + 2]
-                logits[0, i, right] = 5.0
-                if p + 2 in self.wrong:
-                    logits[0, i, (right + 1) % self.vocab] = 6.0
-        return logits, hidden
 
 
 def greedy_reference(model, ids, n) -> list[int]:
