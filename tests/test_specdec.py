@@ -311,7 +311,7 @@ def test_tree_keeps_only_the_accepted_path_in_the_cache(target, refs):
     cache, d, last = _prefill(target, lookup, ids)
     with torch.inference_mode():
         drafted, accepted, mask, new = sd._tree_step(target, d, cache, last, 4, sd.TreeSpec(10, 2, 4),
-                                                     lookup.aux_layers)
+                                                     lookup.aux_layers, sd.attention_layout(target))
     assert drafted == 10 and accepted >= 3 and mask[:3] == (True, True, True)
     tokens = ids + [last] + new
     assert tokens == (ids + ref)[:len(tokens)]
