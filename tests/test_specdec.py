@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from layerscope.decoding import specdec as sd
 from layerscope.errors import DraftError, LayerScopeError
@@ -428,18 +428,21 @@ def test_accept_reject_rule_reproduces_p():
     assert second.sum() > 0.2 * trials
 
 
-@pytest.mark.parametrize("prompt,lookup", [([1, 2, 3], 0), ([t for x in range(12) for t in (1, x)] + [1], 3)])
-def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup):
+@pytest.mark.parametrize("prompt,lookup,window", [([1, 2, 3], 0, None), ([t for x in range(12) for t in (1, x)] + [1], 3, None),
+                                                  ([1, 2, 3, 4, 5, 6], 0, 3)])
+def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup, window):
     """End to end. Vocabulary 12, draft vocabulary 8 (4 tokens the draft never proposes). Tokens 2..4
     of each output pass through accept/reject or resampling; their marginals must match the target's,
     computed exactly by enumeration (chi-square), while drafts are both accepted and rejected often.
     With prompt lookup (a prompt holding the 2-gram [1, x] for every x, so the first step always looks up),
-    its certain proposals (a one-hot q) go through the same rule and the marginals still match."""
-    cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5,
-                      tie_word_embeddings=False)
+    its certain proposals (a one-hot q) go through the same rule and the marginals still match.
+    With a window: the same Llama-shaped target as a Mistral whose every layer sees only the last 3 positions,
+    so every sampled token reads a context longer than its window."""
+    shape = dict(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = (MistralForCausalLM(MistralConfig(**shape, sliding_window=window)) if window
+             else LlamaForCausalLM(LlamaConfig(**shape))).eval()
     draft = untrained_draft(model, layers=(0, 1), draft_vocab=8, seed=3)
     with torch.no_grad():
         draft.lm_head.weight.mul_(5)                         # a draft with opinions of its own
