@@ -512,7 +512,8 @@ HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "
 
 def _plain_head(config) -> bool:
     """Whether the target's logits are its output embedding of the final hidden state and nothing more."""
-    return all(getattr(config, name, None) is None for name in HEAD_TRANSFORMS)
+    text = config.get_text_config(decoder=True)
+    return all(getattr(text, name, None) is None for name in HEAD_TRANSFORMS)
 
 
 def ancestors(parent_row: torch.Tensor, depth: int) -> torch.Tensor:
