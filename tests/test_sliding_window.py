@@ -68,6 +68,7 @@ def build(name: str, window: int):
 
 
 def greedy_without_cache(model, ids: list[int], n: int) -> list[int]:
+    """The reference: n greedy tokens, each from a full forward over the whole sequence."""
     seq = list(ids)
     with torch.no_grad():
         for _ in range(n):
