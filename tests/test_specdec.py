@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from layerscope.capture.run import capture
 from layerscope.capture.stored import open_capture
@@ -16,52 +15,12 @@ from layerscope.draft.checkpoint import load_draft
 from layerscope.draft.train import draft_for
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.prompts.sets import chat_ids, load_prompts
-from tests.helpers import untrained_draft
+from tests.helpers import LookupDraft, untrained_draft
 
 PROMPTS = [[259, 72, 101, 108, 108, 111], [259, 50, 43, 50, 61], [259, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32]]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# ----------------------------------------------------------------------------- drafts for tests
-
-
-class LookupDraft(nn.Module):
-    """Obeys the DraftHead contract; predicts from a known greedy continuation `ref` (the target's own,
-    computed by HF `generate` in the test). Row at position p reading x_{p+1} proposes ref[p+2] when
-    x_{p+1} == ref[p+1] (the alignment of docs/internals.md), else nothing useful (uniform). For target
-    indices in `wrong`, a wrong token ranks first and the right one second (so a tree can still find it)."""
-
-    def __init__(self, ref: list[int], vocab: int, aux_layers=(1,), wrong=()):
-        super().__init__()
-        self.ref, self.vocab, self.wrong = ref, vocab, set(wrong)
-        self.aux_layers = list(aux_layers)
-        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))
-        self.rows_seen: list[tuple[int, int]] = []       # (position, input id) of every row fed
-
-    def fuse(self, aux):
-        return aux[..., :1]
-
-    def to_target_ids(self, ids):
-        return ids + self.d2t[ids]
-
-    def forward(self, input_ids, hidden, position_ids, cache=None, attention_mask=None):
-        B, T = input_ids.shape
-        if cache is not None:
-            cache.append(torch.zeros(B, 1, T, 1), torch.zeros(B, 1, T, 1))
-            if attention_mask is not None:
-                assert attention_mask.shape == (B, 1, T, cache.length) and attention_mask.dtype == torch.bool
-        logits = torch.zeros(B, T, self.vocab)
-        for i, (p, x) in enumerate(zip(position_ids[0].tolist(), input_ids[0].tolist())):
-            self.rows_seen.append((p, x))
-            if p + 2 < len(self.ref) and x == self.ref[p + 1]:
-                right = self.ref[p + 2]
-                logits[0, i, right] = 5.0
-                if p + 2 in self.wrong:
-                    logits[0, i, (right + 1) % self.vocab] = 6.0
-        return logits, hidden
 
 
 def greedy_reference(model, ids, n) -> list[int]:
@@ -357,7 +316,7 @@ def test_tree_keeps_only_the_accepted_path_in_the_cache(target, refs):
     cache, d, last = _prefill(target, lookup, ids)
     with torch.inference_mode():
         drafted, accepted, mask, new = sd._tree_step(target, d, cache, last, 4, sd.TreeSpec(10, 2, 4),
-                                                     lookup.aux_layers)
+                                                     lookup.aux_layers, sd.attention_layout(target))
     assert drafted == 10 and accepted >= 3 and mask[:3] == (True, True, True)
     tokens = ids + [last] + new
     assert tokens == (ids + ref)[:len(tokens)]
@@ -474,18 +433,21 @@ def test_accept_reject_rule_reproduces_p():
     assert second.sum() > 0.2 * trials
 
 
-@pytest.mark.parametrize("prompt,lookup", [([1, 2, 3], 0), ([t for x in range(12) for t in (1, x)] + [1], 3)])
-def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup):
+@pytest.mark.parametrize("prompt,lookup,window", [([1, 2, 3], 0, None), ([t for x in range(12) for t in (1, x)] + [1], 3, None),
+                                                  ([1, 2, 3, 4, 5, 6], 0, 3)])
+def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup, window):
     """End to end. Vocabulary 12, draft vocabulary 8 (4 tokens the draft never proposes). Tokens 2..4
     of each output pass through accept/reject or resampling; their marginals must match the target's,
     computed exactly by enumeration (chi-square), while drafts are both accepted and rejected often.
     With prompt lookup (a prompt holding the 2-gram [1, x] for every x, so the first step always looks up),
-    its certain proposals (a one-hot q) go through the same rule and the marginals still match."""
-    cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5,
-                      tie_word_embeddings=False)
+    its certain proposals (a one-hot q) go through the same rule and the marginals still match.
+    With a window: the same Llama-shaped target as a Mistral whose every layer sees only the last 3 positions,
+    so every sampled token reads a context longer than its window."""
+    shape = dict(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = (MistralForCausalLM(MistralConfig(**shape, sliding_window=window)) if window
+             else LlamaForCausalLM(LlamaConfig(**shape))).eval()
     draft = untrained_draft(model, layers=(0, 1), draft_vocab=8, seed=3)
     with torch.no_grad():
         draft.lm_head.weight.mul_(5)                         # a draft with opinions of its own

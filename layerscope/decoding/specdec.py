@@ -21,6 +21,13 @@ produced; after verification the rejected entries are cut off with `DynamicCache
 the accepted nodes' entries are first gathered next to the prefix). The draft keeps its own
 cache of "step-1 rows" (see docs/internals.md, Draft head); the deeper draft steps appended while
 drafting are cropped away after each verification. Nothing is recomputed.
+
+Sliding-window and mixed targets (Mistral with a window, Gemma 2/3, gpt-oss, Cohere2, Starcoder2, ...):
+every layer keeps a full-length cache (a `DynamicLayer`, which crops exactly; transformers' own
+`DynamicSlidingWindowLayer` keeps only the last window-1 positions and cannot be cut back past them), and
+the window is applied by the masks alone: the target builds its sliding masks from the cache length
+when no mask is passed, and the tree passes a windowed version of its mask to the sliding layers
+(`AttentionLayout`, `verification_mask`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from layerscope import layerset
 from layerscope.draft.model import DraftCache
@@ -87,13 +94,53 @@ def collect(events: Iterable[StepEvent]) -> tuple[list[int], list[StepEvent]]:
 # ----------------------------------------------------------------------------- caches
 
 
-def new_cache(model) -> DynamicCache:
-    """An empty DynamicCache for `model`; refuses layer kinds that cannot be cut back exactly."""
-    cache = DynamicCache(config=model.config)
-    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+FULL, SLIDING = "full_attention", "sliding_attention"      # transformers' layer kinds (config.layer_types)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How the target's layers attend, as transformers builds their masks.
+
+    kinds: each layer's kind, FULL or SLIDING. window: the sliding layers' window (None without them): a query
+    at position q sees the keys at positions p with q - window < p <= q, the rule of transformers'
+    `sliding_window_overlay` (masking_utils.py), which every sliding mask is built from.
+    """
+
+    kinds: tuple[str, ...]
+    window: int | None
+
+
+def attention_layout(model) -> AttentionLayout:
+    """The target's `AttentionLayout`; refuses, before anything is decoded, what this decoder cannot keep exact.
+
+    The kinds are those transformers' caches are built from (cache_utils.get_layer_types_and_kwargs: the
+    config's layer_types, else each layer's sliding_window / attention_chunk_size); the window is the one the
+    masks use (masking_utils.create_sliding_window_causal_mask reads config.sliding_window).
+    """
+    config = model.config.get_text_config(decoder=True)
+    kinds, kwargs = get_layer_types_and_kwargs(config)
+    odd = sorted(set(kinds) - {FULL, SLIDING})
     if odd:
-        raise LayerScopeError(f"the target uses cache layers of kind {sorted(odd)}, which this decoder cannot cut back",
-                              "Use a target with full attention in every layer (Llama, Qwen2, SmolLM2, ...)")
+        raise LayerScopeError(f"the target has layers of kind {odd}, whose cache or mask this decoder cannot keep exact "
+                              f"(it handles {FULL} and {SLIDING})",
+                              "Use a target whose layers all use full or sliding-window attention")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise LayerScopeError("the target attends bidirectionally, so its tokens cannot be decoded one after another",
+                              "Use a causal language model")
+    window = getattr(config, "sliding_window", None) if SLIDING in kinds else None
+    windows = {kw["sliding_window"] for kind, kw in zip(kinds, kwargs) if kind == SLIDING}
+    if SLIDING in kinds and (window is None or windows != {window}):
+        raise LayerScopeError(f"the target's sliding layers do not share one window (layers: {windows}, "
+                              f"masks: {window})", "Use a target with one sliding window")
+    return AttentionLayout(tuple(kinds), window)
+
+
+def new_cache(model) -> DynamicCache:
+    """An empty DynamicCache for `model` whose every layer is a full-length `DynamicLayer`, which can be cut
+    back exactly (sliding layers too: their window is applied by the masks); refuses what `attention_layout`
+    refuses."""
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer() for _ in attention_layout(model).kinds]
     return cache
 
 
@@ -129,17 +176,40 @@ def _target_forward(model, ids: Sequence[int], positions: torch.Tensor, cache, a
     return out.logits[0].float(), aux
 
 
-def tree_mask(prefix: int, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def tree_mask(prefix: int, ancestors: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None,
+              window: int | None = None) -> torch.Tensor:
     """Additive 4-D mask [1, 1, T, prefix+T]: every row sees the cached prefix and its ancestors-or-self.
 
     ancestors: bool [T, T], ancestors[i, j] = row j is row i or one of its ancestors.
+    window: also hide the keys `window` or more positions back (AttentionLayout.window); positions [T] are the
+    rows' positions, cache entry j < prefix holds position j.
     transformers passes a 4-D mask through untouched (masking_utils), and a float mask is added to
     the scores by both the sdpa and eager attention paths.
     """
     T = ancestors.shape[0]
     allowed = torch.cat([torch.ones(T, prefix, dtype=torch.bool, device=ancestors.device), ancestors], 1)
+    if window is not None:
+        keys = torch.cat([torch.arange(prefix, device=positions.device), positions])          # [prefix+T]
+        allowed &= positions[:, None] - keys[None] < window
     zero = torch.zeros((), dtype=dtype, device=ancestors.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+
+
+def verification_mask(layout: AttentionLayout, prefix: int, ancestors: torch.Tensor, positions: torch.Tensor,
+                      dtype: torch.dtype):
+    """The tree's mask as the target takes it (arguments as `tree_mask`).
+
+    A 4-D mask reaches every layer as it is, so one tensor serves a target whose layers are all of one kind;
+    a mixed one (Gemma 2/3, gpt-oss, Cohere2, Qwen2/3 with a window) takes a dict {kind: mask}, which its
+    model forward uses in place of the masks it would build (`causal_mask_mapping` in modeling_gemma3.py,
+    modeling_gpt_oss.py, modeling_cohere2.py, modeling_qwen2.py).
+    """
+    masks = {}
+    if FULL in layout.kinds:
+        masks[FULL] = tree_mask(prefix, ancestors, dtype)
+    if SLIDING in layout.kinds:
+        masks[SLIDING] = tree_mask(prefix, ancestors, dtype, positions, layout.window)
+    return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
 def _pick(logits: torch.Tensor, temperature: float, gen) -> int:
@@ -277,6 +347,7 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
     device = model.device
     gen = _generator(device, seed) if temperature > 0 else None
     cache, d = new_cache(model), _Draft(draft, device)
+    layout = attention_layout(model) if tree is not None else None
     aux_layers = list(draft.aux_layers)
 
     # step 0: prefill the target; the draft's rows 0..n-1 are queued
@@ -299,7 +370,7 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
                 drafted, accepted, mask, new = _verify_chain(model, d, cache, last, found, qs, aux_layers,
                                                              temperature, gen)
             elif tree is not None and depth > 0:
-                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers)
+                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout)
             else:
                 drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
         tokens = _cut(new, eos)
@@ -398,13 +469,14 @@ def _accept_sampled(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tens
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
-def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers):
+def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout):
     """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries.
 
     Rows of the verified input: 0 is `last` (the root), 1..M the tree's nodes, parents before children.
     The target's logits are computed only at the root and the nodes with children (its vocabulary
     projection is a fifth of a small model's forward); when the accepted path ends at a leaf, that one
-    row is projected afterwards from the final hidden state.
+    row is projected afterwards from the final hidden state. A target whose head transforms the logits
+    (`HEAD_TRANSFORMS`) gets its logits at every row instead.
     """
     L = cache.get_seq_length()
     tokens, parents, depths = _grow_tree(d, depth, spec)
@@ -413,10 +485,10 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     parent_row = torch.tensor([0] + [p + 1 for p in parents], device=dev)       # [M+1], the root is its own
     anc = ancestors(parent_row, max(depths))                                     # [M+1, M+1]
     positions = L + torch.tensor([0] + depths, device=dev)
-    inner = torch.unique(parent_row)                                             # sorted; the root is in
+    inner = torch.unique(parent_row) if _plain_head(model.config) else torch.arange(M + 1, device=dev)   # sorted
     N, hd = model.config.num_hidden_layers, model.config.hidden_size
     logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N],
-                                  tree_mask(L, anc, model.dtype), keep=inner)
+                                  verification_mask(layout, L, anc, positions, model.dtype), keep=inner)
     aux, final = aux[:, :-hd], aux[:, -hd:]                                      # final: post-norm states [M+1, d]
     target = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
     target[inner] = logits.argmax(-1)                                            # the target's next token
@@ -430,6 +502,18 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     d.add_rows(new, aux[rows])
     a = len(rows) - 1
     return M, a, tuple(i < a for i in range(max(depths))), new
+
+
+# Config fields that name a transform transformers applies to the logits after the output embedding: softcapping
+# (Gemma 2/3: tanh), scales (Cohere, Granite). Monotone, so they keep the argmax, but in low precision they can
+# round two near-equal logits into a tie the output embedding alone would not show, and break it differently.
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def _plain_head(config) -> bool:
+    """Whether the target's logits are its output embedding of the final hidden state and nothing more."""
+    text = config.get_text_config(decoder=True)
+    return all(getattr(text, name, None) is None for name in HEAD_TRANSFORMS)
 
 
 def ancestors(parent_row: torch.Tensor, depth: int) -> torch.Tensor:
