@@ -12,6 +12,9 @@ to the store as config.json + model.safetensors + tokenizer files, and later loa
 a complete Hugging Face model: config.json names its `architectures` and `torch_dtype` (float32), so
 `transformers.AutoModelForCausalLM.from_pretrained(folder)`, `speculators convert --verifier folder` and vLLM
 take it as it is; a copy stored before that is completed on its next load.
+
+transformers is imported inside the functions that use it: the CLI imports this module at start-up (to build
+its parser) and transformers takes seconds to load.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
+from safetensors.torch import save_file
 
 from layerscope import jsonsafe
 from layerscope.errors import LayerScopeError, ModelSpecError
@@ -133,7 +138,7 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
         _repair_config(cache_dir)
     else:
         _check_fits(path.stat().st_size * 4)  # Q4 → fp32 is ~8×; a cautious 4× lower bound on what's needed
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -184,7 +189,7 @@ def complete_config(config: dict) -> dict:
     """config.json of a de-quantized model as other tools read it: without quantization_config, with
     `architectures` (the causal-LM class transformers maps the model_type to, which is what loaded it) and
     `torch_dtype`/`dtype` of the stored weights. transformers leaves architectures null for a GGUF load."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # heavy: module docstring
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     if not config.get("architectures"):
@@ -220,8 +225,6 @@ def _repair_config(cache_dir: Path) -> None:
 
 def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
     """complete_config(config) + model.safetensors + tokenizer, put in place whole (store.staged)."""
-    from safetensors.torch import save_file
-
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     with staged(cache_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(complete_config(model.config.to_dict()), indent=2))
@@ -236,7 +239,7 @@ def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
 # ----------------------------------------------------------------------------- pretrained directories and ids
 
 def _load_pretrained(source: str, spec: str, local_only: bool) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
 
     device, dtype = default_device()
     try:
@@ -265,7 +268,7 @@ def _load_pretrained(source: str, spec: str, local_only: bool) -> LoadedModel:
 
 def _download_config(model_id: str, local_error: Exception):
     """Try the hub briefly; no network gives a clear error, not a hang."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: see the module docstring
 
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
@@ -365,15 +368,14 @@ def _parse_tiny_options(spec: str) -> dict:
 
 def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + 4 specials) with a chat template; built offline, no files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # heavy: see the module docstring
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     specials = ["<|bos|>", "<|end|>", "<|pad|>", "<|unk|>"]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
     tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
                                    pad_token="<|pad|>", unk_token="<|unk|>")
@@ -383,7 +385,7 @@ def byte_tokenizer():
 
 def tiny_model(num_layers: int = 4, hidden_size: int = 64, seed: int = 0, spec: str = "tiny-llama") -> LoadedModel:
     """A random LlamaForCausalLM (4 heads, 2 KV heads) over the byte tokenizer; deterministic in `seed`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: see the module docstring
 
     tokenizer = byte_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import layerscope.store as store_mod
 from layerscope.capture.run import CaptureCancelled, capture
 from layerscope.capture.stored import list_captures, open_capture
 from layerscope.errors import CaptureError
@@ -115,8 +116,6 @@ def test_generation_reports_every_token_and_cancels_mid_batch(tiny, store):
 
 
 def test_interrupted_chunk_write_leaves_no_capture(tiny, store, monkeypatch):
-    import layerscope.store as store_mod
-
     def crash(tensors, path, metadata=None):
         open(path, "wb").write(b"partial")
         raise RuntimeError("killed mid-write")

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from layerscope.capture.run import CaptureOptions, capture, capture_key
+from layerscope.capture.run import CaptureCancelled, CaptureOptions, capture, capture_key
 from layerscope.capture.stored import list_captures, open_capture, partial_capture_dir, verify_capture
 from layerscope.prompts.sets import load_prompts
 from layerscope.store import Store
@@ -82,8 +82,6 @@ def test_killed_writer_is_resumed_by_the_next_and_matches_an_uninterrupted_run(t
 
 
 def test_a_waiting_capture_can_be_cancelled(tmp_path, tiny, one_thread):
-    from layerscope.capture.run import CaptureCancelled
-
     store = Store(tmp_path / "store")
     prompts = load_prompts("builtin", limit=2)
     key = capture_key(tiny, prompts, CaptureOptions(limit=2, max_new_tokens=2))

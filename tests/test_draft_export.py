@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.draft.train import target_weights, train_draft
 from layerscope.errors import DraftError
 from layerscope.models import tiny_model
+from layerscope.store import Store
+from layerscope.ui.tasks import stored_drafts
 
 ENGINE_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
                 "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
@@ -156,12 +160,6 @@ export.save_draft(path, head, {"note": "new"})
 def test_a_killed_save_leaves_the_old_or_the_new_draft_and_nothing_listed(tmp_path, when, expected):
     """A real process killed with SIGKILL at each step of save_draft: the draft path holds one complete draft,
     and the store's draft listing (the app's) shows exactly that one."""
-    import subprocess
-    import sys
-
-    from layerscope.store import Store
-    from layerscope.ui.tasks import stored_drafts
-
     store = Store(tmp_path / "store")
     path = store.path("drafts", "k")
     run = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(path), when], capture_output=True, text=True,

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from layerscope.cli import main
 from layerscope.draft.checkpoint import load_draft, read_meta
 from layerscope.draft.data import batch_plan, split_conversations
 from layerscope.draft.fit import TrainingCancelled
@@ -100,8 +101,6 @@ def test_draft_for_trains_once_per_key(tiny, tiny_capture, store):
 
 
 def test_cli_trains_and_prints_json(tiny, tiny_capture, session_store, tmp_path, capsys):
-    from layerscope.cli import main
-
     out = tmp_path / "drafts" / "d1"
     args = ["train-draft", tiny_capture.key, "--layers", "1,3", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
             "--out", str(out), "--json", "--store", str(session_store.root)]

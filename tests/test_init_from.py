@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from layerscope.cli import main
 from layerscope.draft.online import OnlineOptions, load_conversations, run_key, train_online
 from layerscope.draft.train import TrainOptions, draft_for
 from layerscope.errors import DraftError
@@ -99,8 +100,6 @@ def test_capture_training_continues_a_draft_too(tiny, tiny_capture, tmp_path, on
 
 
 def test_cli_continues_a_draft_and_names_a_missing_one(tiny, started, capsys, one_thread):
-    from layerscope.cli import main
-
     store, first = started
     base = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10",
             "--layers", "1,2", "--steps", "2", "--batch-size", "3", "--seq-len", "64", "--draft-vocab", "64",

@@ -1,8 +1,11 @@
 """Model specs resolve to loaded models; bad specs give clear errors."""
 
+import time
+
 import pytest
 import torch
 
+import layerscope.models as models
 from layerscope.errors import ModelSpecError
 from layerscope.models import load_model, tiny_model
 
@@ -51,8 +54,6 @@ def test_missing_hub_model_fails_fast_without_network(monkeypatch):
 
 
 def test_model_too_big_for_memory_is_refused(monkeypatch, tmp_path):
-    import layerscope.models as models
-
     monkeypatch.setattr(models, "_available_memory", lambda: 1024)
     saved = tmp_path / "m"
     tiny = tiny_model()
@@ -74,8 +75,6 @@ def test_saved_directory_loads_with_same_logits(tmp_path, tiny):
 
 @pytest.mark.smollm2
 def test_smollm2_loads_and_reloads_from_store(smollm2, session_store):
-    import time
-
     assert (smollm2.num_layers, smollm2.hidden_size) == (30, 576)
     assert smollm2.tokenizer.chat_template
     t = time.perf_counter()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from layerscope.cli import main
 from layerscope.draft.data import make_batch, target_argmax, windows_of
 from layerscope.draft.fit import TrainingCancelled
 from layerscope.draft.loss import evaluate, ttt_loss
@@ -34,6 +35,10 @@ from layerscope.draft.online import (
 from layerscope.draft.train import load_splits
 from layerscope.errors import DraftError
 from layerscope.store import Store
+from layerscope.study.outcomes import OutcomeError, OutcomeFolder
+from layerscope.study.run import StudyOptions, format_study, run_study
+from layerscope.ui import tasks
+from layerscope.ui.jobs import JobManager
 
 SMALL = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
              val_conversations=2, eval_points=2, draft_vocab=64)
@@ -225,8 +230,6 @@ def test_own_responses_are_the_conversations_first_assistant_turns(tiny, tmp_pat
 
 
 def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, capsys, one_thread):
-    from layerscope.cli import main
-
     args = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10",
             "--layers", "1,2", "--layers", "0,3", "--steps", "3", "--batch-size", "3", "--seq-len", "64",
             "--draft-vocab", "64", "--val-conversations", "2", "--json", "--store", str(tmp_path / "s")]
@@ -245,8 +248,6 @@ def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, c
 
 
 def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_store, one_thread):
-    from layerscope.study.run import StudyOptions, format_study, run_study
-
     online = OnlineOptions(**SMALL, steps=3)
     options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2, online=online,
                            prompts="builtin", limit=2, max_new_tokens=6, depth=2, kernels=("linear",), filters=(0.0,))
@@ -264,9 +265,6 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
     """--sets-per-pass 2 trains 3 sets in two passes per seed, each benchmarked when done; --outcomes keeps one
     file per (set, seed), from which a study on a new, empty store (the machine lost) gives the same report
     without training or benchmarking; a damaged file is one clear error; another budget trains anew."""
-    from layerscope.study.outcomes import OutcomeError, OutcomeFolder
-    from layerscope.study.run import StudyOptions, format_study, run_study
-
     folder = tmp_path / "outcomes"
     options = StudyOptions(strategies=("default", "entropy-topk"), extra_sets=((0, 3),), k=2,
                            online=OnlineOptions(**SMALL, steps=2), prompts="builtin", limit=2, max_new_tokens=6,
@@ -352,9 +350,6 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_cleanly(tmp_path):
 
 
 def test_app_job_trains_every_set_online_with_live_progress(tmp_path, one_thread):
-    from layerscope.ui import tasks
-    from layerscope.ui.jobs import JobManager
-
     store = Store(tmp_path / "s")
     manager = JobManager(max_running=1)
     job = manager.submit("session", "train", tasks.online_train_job(

@@ -1,21 +1,28 @@
 """The store: keys, JSON index, atomic writes, eviction, partial reads."""
 
+import ctypes
+import hashlib
 import json
 import os
 import pickle
 import shutil
 import sqlite3
+import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+import layerscope.store as store_mod
 from layerscope import cli
 from layerscope.capture.format import CaptureReader
 from layerscope.capture.stored import list_captures, open_capture, verify_capture
 from layerscope.errors import StoreError
 from layerscope.stats.analysis import AnalysisOptions, analysis_key, analyze
-from layerscope.store import Store, StoreWarning, _MemoryIndex, atomic_save_tensors, make_key
+from layerscope.store import Store, StoreWarning, _MemoryIndex, atomic_save_tensors, atomic_write_json, make_key
 
 
 def test_make_key_is_canonical():
@@ -69,8 +76,6 @@ def test_an_index_read_in_place_refuses_a_layout_it_does_not_know(tmp_path):
 
 
 def test_interrupted_tensor_write_leaves_nothing(tmp_path, monkeypatch):
-    import layerscope.store as store_mod
-
     def boom(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"half a file")
@@ -129,8 +134,6 @@ def _write_manifest(path, m):
 
 
 def test_manifest_records_size_and_checksum_of_every_chunk(tiny_capture):
-    import hashlib
-
     for c in tiny_capture.manifest["chunks"]:
         data = (tiny_capture.path / c["file"]).read_bytes()
         assert c["bytes"] == len(data) and c["sha256"] == hashlib.sha256(data).hexdigest()
@@ -246,10 +249,6 @@ def test_damaged_index_is_replaced_and_the_entries_stay(copied):
 
 def _as_other_user(argv, **kw):
     """Run argv bound by permission bits: as root, without the capabilities that override them."""
-    import ctypes
-    import os
-    import subprocess
-
     def drop():
         if os.geteuid() == 0:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -261,10 +260,6 @@ def _as_other_user(argv, **kw):
 
 
 def test_read_only_store_lists_and_reads(tiny_capture):
-    import os
-    import sys
-    import tempfile
-
     top = Path(tempfile.mkdtemp(prefix="ls-readonly-"))     # outside pytest's private tmp: another user reads it
     os.chmod(top, 0o755)
     store = Store(top / "store")
@@ -297,9 +292,6 @@ def test_read_only_store_lists_and_reads(tiny_capture):
 
 def test_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path):
     """A real write failure: the child may write no file over 20 kB (RLIMIT_FSIZE, as a full quota would)."""
-    import subprocess
-    import sys
-
     code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1]))); "
             "from layerscope import cli; sys.exit(cli.main(sys.argv[2:]))")
@@ -321,9 +313,7 @@ def test_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path):
 def test_store_files_are_readable_by_the_group_and_others(tmp_path):
     """A store may be shared: tensors (capture chunks, checkpoints) and JSON alike are written 0644, whatever
     the temporary file they went through was made with."""
-    import stat
 
-    from layerscope.store import atomic_write_json
 
     atomic_save_tensors(tmp_path / "chunk.safetensors", {"x": torch.zeros(3)})
     atomic_write_json(tmp_path / "a.json", {"a": 1})

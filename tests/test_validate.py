@@ -8,7 +8,8 @@ from layerscope import cli
 from layerscope.capture.run import CaptureOptions
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
-from layerscope.errors import CaptureError, DraftError, LayerScopeError
+from layerscope.errors import CaptureError, DraftError, LayerScopeError, ModelSpecError
+from layerscope.models import load_model
 from layerscope.validate import check_number, parse_count, parse_duration
 
 
@@ -87,8 +88,5 @@ def test_cli_numeric_options_fail_with_one_line(argv, match, tmp_path, capsys):
 @pytest.mark.parametrize("spec", ["tiny-llama:layers=100000,hidden=100000", "tiny-llama:hidden=33", "tiny-llama:layers=0",
                                   "tiny-llama:layers=nan", "tiny-llama:seed=-1", "tiny-llama:depth=3"])
 def test_tiny_model_options_are_checked_before_building(spec):
-    from layerscope.errors import ModelSpecError
-    from layerscope.models import load_model
-
     with pytest.raises(ModelSpecError, match="tiny-llama"):
         load_model(spec)

@@ -350,7 +350,7 @@ def generate_responses(loaded: LoadedModel, prompts: list[list[int]], opts: Capt
 
     on_step(n) is called after the n-th new token of the batch; should_stop() true ends the batch early
     (the caller must then discard the cut-short responses)."""
-    from transformers import StoppingCriteriaList
+    from transformers import StoppingCriteriaList  # transformers takes seconds to load; the CLI imports this module at start-up
 
     tok, model = loaded.tokenizer, loaded.model
     width = max(len(p) for p in prompts)

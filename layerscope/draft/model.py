@@ -257,6 +257,7 @@ class Rotary(nn.Module):
 
     def __init__(self, c: DraftConfig):
         super().__init__()
+        # transformers takes seconds to load; the CLI imports this module at start-up, a draft is built later
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
