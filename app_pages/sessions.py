@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import fmt
-from layerscope import session as sessions
+from layerscope.session import share, storage
 from layerscope.ui import report
 from layerscope.ui.state import session_title, switch_to
 from layerscope.ui.views import page_header
@@ -38,7 +38,7 @@ with left:
             if not name.strip():
                 st.error("**A session needs a name to be saved.** Type one above.")
             else:
-                sessions.save(s, store, name=name)
+                storage.save(s, store, name=name)
                 st.success(f"Saved as “{md_text(s.name)}”.")
     summary.markdown(f"**{md_text(session_title(s))}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
@@ -47,18 +47,18 @@ with left:
     with_drafts = st.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
                               help="Put each draft's files (weights and JSON) into the archive, so the session's "
                                    "benchmarks and exports work on another server; without it drafts stay paths")
-    archive = lambda: sessions.export_bytes(s)    # noqa: E731  (built on click: a plain archive cannot fail)
+    archive = lambda: share.export_bytes(s)    # noqa: E731  (built on click: a plain archive cannot fail)
     if with_drafts:
         archive = None    # built now, so a draft that does not load is one error line, not a failed download
         with guard("session archive"):
-            archive = sessions.export_bytes(s, drafts=True)
+            archive = share.export_bytes(s, drafts=True)
     st.download_button("Download session file (.zip)", data=archive if archive is not None else b"",
                        disabled=archive is None,
                        file_name=f"layerscope-session-{fmt.file_part(s.name or s.id)}"
                                  f"{'-with-drafts' if with_drafts else ''}.zip",
                        mime="application/zip", key="ls_sess_download", on_click="ignore", icon=":material/download:")
     if with_drafts:
-        missing = sessions.missing_drafts(s)
+        missing = share.missing_drafts(s)
         st.caption(f"{len(s.drafts) - len(missing)} of {len(s.drafts)} draft(s) go into the archive"
                    + (f"; not on this server, so left out: {md_text(', '.join(missing))}" if missing else "") + ".")
     st.download_button("Download report (HTML)", data=lambda: report.session_report(s).encode(),
@@ -75,7 +75,7 @@ with right:
         marker = (up.name, up.size)
         if st.session_state.get("ls_sess_imported") != marker:
             with guard("import session"):
-                imported = sessions.import_archive(up.getvalue(), store, source=up.name)
+                imported = share.import_archive(up.getvalue(), store, source=up.name)
                 st.session_state["ls_sess_imported"] = marker
                 st.session_state["ls_sess_imported_id"] = imported.session.id
                 st.session_state["ls_sess_imported_drafts"] = len(imported.drafts)
@@ -87,14 +87,14 @@ with right:
                        + "; its capture and other drafts are used when this store holds them.")
             if st.button("Open the imported session", key="ls_sess_open_imported", icon=":material/folder_open:"):
                 with guard("open session"):
-                    switch_to(sessions.load(store, iid))
+                    switch_to(storage.load(store, iid))
                     st.rerun()
 
 st.divider()
 st.subheader("Saved sessions")
 show_all = st.toggle("Also list unnamed (autosaved) sessions", key="ls_w_sess_all")
 with guard("list sessions"):
-    rows = sessions.list_sessions(store, include_unnamed=show_all)
+    rows = storage.list_sessions(store, include_unnamed=show_all)
     if not rows:
         st.caption("No saved sessions yet.")
     else:
@@ -111,10 +111,10 @@ with guard("list sessions"):
             pick = c1.selectbox("Session", ids, format_func=labels.get, key="ls_sess_pick")
             if c2.button("Open", key="ls_sess_open", icon=":material/folder_open:"):
                 with guard("open session"):
-                    switch_to(sessions.load(store, pick))
+                    switch_to(storage.load(store, pick))
                     st.rerun()
             if c3.button("Delete", key="ls_sess_delete", icon=":material/delete:", disabled=pick == s.id,
                          help="The session open in this tab cannot be deleted"):
                 with guard("delete session"):
-                    sessions.delete(store, pick)
+                    storage.delete(store, pick)
                     st.rerun()

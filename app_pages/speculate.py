@@ -7,7 +7,7 @@ import streamlit as st
 from layerscope import fmt
 from layerscope.capture.stored import has_capture
 from layerscope.decoding import specdec
-from layerscope.draft.train import TrainOptions
+from layerscope.draft.fit import TrainOptions
 from layerscope.ui import sanity, speculate, speculate_views, tasks
 from layerscope.ui.apply import colors as palette_of
 from layerscope.ui.apply import draft_labels, run_label

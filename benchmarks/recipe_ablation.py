@@ -42,8 +42,9 @@ from layerscope.draft.online import (
     split_for,
     target_features,
 )
-from layerscope.draft.probe import agreement, explained_variance, ridge
+from layerscope.draft.probe import agreement
 from layerscope.models import load_model
+from layerscope.stats.ridge import explained_variance, ridge
 from layerscope.store import Store, atomic_write_json
 
 LAYERS = [2, 15, 27]

@@ -28,8 +28,9 @@ from layerscope.draft import builtin
 from layerscope.draft import online as online_mod
 from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta, save_draft
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.progress import OnlineProgress, TrainProgress
-from layerscope.draft.train import TrainOptions, draft_for, train_capture_draft
+from layerscope.draft.train import draft_for, train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL, LoadedModel, load_model
 from layerscope.prompts.sets import PromptSet, load_prompts

@@ -18,7 +18,8 @@ from pathlib import Path
 from layerscope.capture.run import capture
 from layerscope.models import load_model
 from layerscope.prompts.sets import load_prompts
-from layerscope.session import Session, save
+from layerscope.session.model import Session
+from layerscope.session.storage import save
 from layerscope.store import Store
 
 CAPTURE = dict(limit=4, batch_size=2, max_new_tokens=3)

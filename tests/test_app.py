@@ -20,9 +20,11 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import fmt
-from layerscope import session as sessions
 from layerscope.decoding import specdec
-from layerscope.draft.train import TrainOptions
+from layerscope.draft.fit import TrainOptions
+from layerscope.session import share, storage
+from layerscope.session.model import new_id
+from layerscope.session.schema import valid_id
 from layerscope.ui.apply import toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
@@ -124,9 +126,9 @@ def captured(app_store) -> str:
 @pytest.fixture
 def copy_of(app_store, captured):
     """A fresh copy of the captured session (its own id) to change freely."""
-    base = sessions.load(app_store, captured)
-    base.id = sessions.new_id()
-    sessions.save(base, app_store)
+    base = storage.load(app_store, captured)
+    base.id = new_id()
+    storage.save(base, app_store)
     return base.id
 
 
@@ -174,7 +176,7 @@ def test_a_bad_model_spec_is_an_error_message_not_a_traceback(app_store):
     assert "Traceback" not in "".join(errors)
     assert at.session_state["ls_session"].capture_key is None
     assert at.session_state["ls_session"].model is None          # a failed model name is not kept
-    assert sessions.load(app_store, sid(at)).model is None if sessions.exists(app_store, sid(at)) else True
+    assert storage.load(app_store, sid(at)).model is None if storage.exists(app_store, sid(at)) else True
 
 
 def test_a_bad_prompt_upload_is_an_error_message(app_store):
@@ -271,7 +273,7 @@ def test_layer_sets_page_compares_adds_and_state_survives_page_switches(app_stor
     assert [sh["name"] for sh in fig["layout"]["shapes"] if sh.get("name", "").startswith("picked")] == ["picked 0", "picked 3"]
     at.switch_page("app_pages/layer_sets.py").run()
     assert at.multiselect(key="ls_sets_manual").value == [0, 3]
-    assert sessions.load(app_store, s.id).layer_sets == s.layer_sets   # saved as it changed
+    assert storage.load(app_store, s.id).layer_sets == s.layer_sets   # saved as it changed
 
 
 def test_share_link_opens_the_same_session(app_store, copy_of):
@@ -296,7 +298,7 @@ def test_a_broken_share_link_starts_a_new_session(app_store):
     at = new_app("../../etc/passwd").run()
     no_exception(at)
     assert any("not a session id" in w.value for w in at.warning)
-    assert sessions.valid_id(sid(at)) and at.query_params["session"] == sid(at)
+    assert valid_id(sid(at)) and at.query_params["session"] == sid(at)
     at = new_app("0123456789ab").run()
     assert any("not saved on this server" in i.value for i in at.info)
 
@@ -311,7 +313,7 @@ def test_sessions_page_save_list_open_and_import(app_store, copy_of):
     at.text_input(key="ls_w_sess_name").set_value("tiny look").run()
     at.button(key="ls_sess_save").click().run()
     no_exception(at)
-    assert sessions.load(app_store, copy_of).name == "tiny look"
+    assert storage.load(app_store, copy_of).name == "tiny look"
     assert "tiny look" in list(at.dataframe[0].value["name"])
     assert "tiny look" in sidebar_text(at)
     # import: a foreign file is refused with a message, a real archive is accepted and opens
@@ -319,9 +321,9 @@ def test_sessions_page_save_list_open_and_import(app_store, copy_of):
     at.run()
     no_exception(at)
     assert any("not a valid LayerScope session" in re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
-    exported = sessions.load(app_store, copy_of)
-    exported.id, exported.name = sessions.new_id(), "from a colleague"
-    at.file_uploader(key="ls_sess_upload").set_value(("shared.zip", sessions.export_bytes(exported), "application/zip"))
+    exported = storage.load(app_store, copy_of)
+    exported.id, exported.name = new_id(), "from a colleague"
+    at.file_uploader(key="ls_sess_upload").set_value(("shared.zip", share.export_bytes(exported), "application/zip"))
     at.run()
     no_exception(at)
     assert any("Imported session" in x.value for x in at.success)
@@ -338,9 +340,9 @@ def test_sessions_page_save_list_open_and_import(app_store, copy_of):
 
 
 def test_an_imported_session_without_its_capture_shows_its_snapshot(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
-    s.id, s.capture_key = sessions.new_id(), "f" * 24        # a capture this store does not hold
-    sessions.save(s, app_store)
+    s = storage.load(app_store, copy_of)
+    s.id, s.capture_key = new_id(), "f" * 24        # a capture this store does not hold
+    storage.save(s, app_store)
     at = new_app(s.id).run()
     at.switch_page("app_pages/cka.py").run()
     no_exception(at)
@@ -415,7 +417,7 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     assert list(tables[0]["contender"]) == ["autoregressive", "default"]      # then the per-category table
     titles = [c["layout"]["title"]["text"] for c in charts(at) if c["layout"].get("title")]
     assert any("τ and speedup" in t for t in titles) and any("Acceptance rate" in t for t in titles)
-    assert sessions.load(app_store, copy_of).bench_results == at.session_state["ls_session"].bench_results
+    assert storage.load(app_store, copy_of).bench_results == at.session_state["ls_session"].bench_results
     # "+ prompt lookup": the chain also with prompt lookup first, its lookup steps counted apart
     at.toggle(key="ls_w_spec_bench_lookup").set_value(True).run()
     at.button(key="ls_spec_bench").click().run()
@@ -469,7 +471,7 @@ def test_view_state_survives_page_changes_and_share_links(app_store, copy_of):
     at.radio(key="ls_w_ent_scale").set_value("normalized").run()
     at.switch_page("app_pages/cka.py").run()
     assert at.radio(key="ls_w_cka_kind").value == "debiased" and at.number_input(key="ls_w_cka_k").value == 2
-    view = sessions.load(app_store, copy_of).view
+    view = storage.load(app_store, copy_of).view
     assert {k: view.get(k) for k in ("cka_estimator", "cka_compartments", "entropy_scale")} == \
         {"cka_estimator": "debiased", "cka_compartments": 2, "entropy_scale": "normalized"}
     other = new_app(copy_of).run()                # a share link opened in another browser
@@ -598,7 +600,7 @@ def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
 
 
 def test_session_report_is_one_self_contained_page(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.name = "<script>alert(1)</script> **bold**"
     s.add_layer_set("mine & yours", [1, 2])
     page = session_report(s)

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from layerscope import session as sessions
 from layerscope.draft.checkpoint import read_meta, save_draft
+from layerscope.session import share, storage
+from layerscope.session.model import Session
 from layerscope.store import Store
 from layerscope.ui.report import session_report
 from layerscope.ui.tasks import draft_entry
@@ -37,11 +38,11 @@ def saved_draft(store, tiny, key: str, layers) -> dict:
 
 
 def session_with(store, tiny, drafts: list[dict]) -> str:
-    s = sessions.Session(model=tiny.spec, prompt_set="builtin", capture_key="f" * 24,
+    s = Session(model=tiny.spec, prompt_set="builtin", capture_key="f" * 24,
                          capture={"num_layers": tiny.num_layers, "fingerprint": tiny.fingerprint, "model": tiny.spec,
                                   "tokens": 100},
                          drafts=drafts)
-    sessions.save(s, store)
+    storage.save(s, store)
     return s.id
 
 
@@ -74,7 +75,7 @@ def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, ti
     assert res["intervals"]["prompts"] == 3 and res["intervals"]["reference"] == "three"
     draft = res["results"][1]
     assert draft["tau_ci"][0] <= draft["tau"] <= draft["tau_ci"][1]
-    assert sessions.load(app_store, sid).bench_results[-1]["results"][1]["tau_ci"] == draft["tau_ci"]   # saved
+    assert storage.load(app_store, sid).bench_results[-1]["results"][1]["tau_ci"] == draft["tau_ci"]   # saved
     shown = next(d.value for d in at.dataframe if "contender" in d.value.columns)
     assert shown["τ"].tolist()[1] == f"{draft['tau']:.3f} [{draft['tau_ci'][0]:.3f}, {draft['tau_ci'][1]:.3f}]"
     assert shown["τ"].tolist()[0] == "1.000 [1.000, 1.000]"        # plain decoding: one token per forward
@@ -82,14 +83,14 @@ def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, ti
     assert any("95% bootstrap intervals over the 3 prompts" in c.value for c in at.caption)
 
     # a run saved before benchmarks kept per-prompt totals: the numbers alone, and a note saying why
-    s = sessions.load(app_store, sid)
+    s = storage.load(app_store, sid)
     old = json.loads(json.dumps(res))
     old.pop("intervals")
     for r in old["results"]:
         for k in ("per_prompt", "tau_ci", "speedup_ci", "acceptance", "acceptance_ci", "paired"):
             r.pop(k, None)
     s.bench_results.append(old)
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = open_page(sid)
     at.selectbox(key="ls_spec_bench_run").set_value(1).run()
     assert not at.exception, [e.value for e in at.exception]
@@ -152,15 +153,15 @@ def test_sessions_page_exports_with_drafts_and_imports_them_into_this_store(app_
     elsewhere = Store(tmp_path / "elsewhere")
     try:
         theirs = saved_draft(elsewhere, tiny, "remote", (1, 2))
-        s = sessions.Session(model=tiny.spec, capture_key="e" * 24, capture={"num_layers": tiny.num_layers},
+        s = Session(model=tiny.spec, capture_key="e" * 24, capture={"num_layers": tiny.num_layers},
                              drafts=[theirs])
-        data = sessions.export_bytes(s, drafts=True)
+        data = share.export_bytes(s, drafts=True)
     finally:
         elsewhere.close()
     at.file_uploader(key="ls_sess_upload").set_value(("remote.zip", data, "application/zip")).run()
     assert not at.exception and not at.error, [e.value for e in at.exception] + error_lines(at)
     assert any("and 1 draft(s), now in this store" in x.value for x in at.success)
-    imported = sessions.load(app_store, at.session_state["ls_sess_imported_id"])
+    imported = storage.load(app_store, at.session_state["ls_sess_imported_id"])
     assert imported.drafts[0]["path"] == str(app_store.path("drafts", "remote"))
     assert (app_store.path("drafts", "remote") / "model.safetensors").read_bytes() == \
         (tmp_path / "elsewhere" / "drafts" / "remote" / "model.safetensors").read_bytes()
@@ -195,7 +196,7 @@ def test_session_report_shows_intervals_and_the_study_verdict():
            "aggregate_entropy": 5.0, "tau": 1.1301, "tau_ci": [1.097, 1.162], "delta_vs_default": 0.0071,
            "delta_ci": [-0.016, 0.030], "speedup": 0.57, "speedup_ci": [0.55, 0.6],
            "seeds": [{"seed": 0}, {"seed": 1}], "tau_seed_range": 0.012}
-    s = sessions.Session(model="m", bench_results=[bench_entry],
+    s = Session(model="m", bench_results=[bench_entry],
                          study=[{"rows": [row], "verdict": "No difference at this budget: <b>x</b>"}])
     page = session_report(s)
     assert "1.133 [1.091, 1.160]" in page and "0.55× [0.52, 0.58]" in page    # one interval form everywhere

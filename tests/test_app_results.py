@@ -9,7 +9,7 @@ import json
 import pytest
 
 from layerscope import fmt
-from layerscope import session as sessions
+from layerscope.session import storage
 from layerscope.ui import apply, recommend, sanity
 from layerscope.ui.recommend import Evidence, Ranked
 from layerscope.ui.report import session_report
@@ -103,12 +103,12 @@ def tiny_study(s, measured: dict) -> dict:
 
 
 def test_the_page_and_the_report_change_when_a_study_measures_otherwise(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     before = session_report(s)
     assert "Recommended: the default rule [1, 2]" in before and "nothing measured" in before
     s.study.append(tiny_study(s, {(1, 2): (1.36, 0.0, [0.0, 0.0]), (2, 3): (1.50, 0.14, [0.08, 0.20]),
                                   (1, 3): (1.20, -0.16, [-0.22, -0.10])}))
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     after = session_report(s)
     verdict = after[after.index("Verdict."):after.index("</div>", after.index("Verdict."))]
     assert "[2, 3]" in verdict.split(".")[1], verdict
@@ -144,12 +144,12 @@ def test_collapsed_or_untrained_drafts_are_flagged_with_the_reason():
 
 
 def test_the_speculate_page_flags_drafts_that_did_not_learn(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.drafts = [{"name": "flat", "path": "/nowhere/flat", "layers": [1, 2], "val_accuracy": [0.003, 0.0], "steps": 300},
                 {"name": "deep", "path": "/nowhere/deep", "layers": [1, 2, 3], "val_accuracy": [0.31, 0.12],
                  "steps": 300, "tokens_seen": 48450}]
     s.study.append(tiny_study(s, {l: (1.455, 0.0, [0.0, 0.0]) for l in [(1, 2), (2, 3), (1, 3), (3,)]}))
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     no_exception(at)
@@ -178,12 +178,12 @@ def test_home_page_shows_the_workflow_progress_and_break_even(app_store, copy_of
     assert names == ["1 · Capture", "2 · Analyse", "3 · Layer sets", "4 · Drafts", "5 · Benchmark", "6 · Study"]
     assert "check_circle" in steps[0] and "check_circle" in steps[1] and "next" in steps[2]
     assert any("not measured yet" in c.value for c in at.caption)
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.bench_results.append({"prompts": 4, "prompt_set": "builtin", "device": "cpu", "created": "2026-12-01T10:09:40+0000",
                             "cost_curve": [{"tokens": t, "seconds": 0.01 + 0.001 * (t - 1)} for t in range(1, 17)],
                             "draft_step_seconds": 0.002,
                             "results": [{"name": "autoregressive", "tau": 1.0}, {"name": "d", "layers": [1, 2], "tau": 1.3}]})
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     line = next(plain(m.value) for m in at.markdown if "Break-even τ on this machine" in m.value)
     # chain of depth K: (K draft steps + a target forward over K + 1 tokens) / one plain forward
@@ -192,11 +192,11 @@ def test_home_page_shows_the_workflow_progress_and_break_even(app_store, copy_of
 
 
 def test_tables_charts_and_names_read_at_a_glance(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.name = 'my/../"run" 1'
     s.add_layer_set("one", [3])
     s.analysis_options = {**s.analysis_options, "kernel": "cosine"}
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page(CKA).run()
     settle(at)
@@ -235,14 +235,14 @@ def test_the_probe_scores_the_sets_and_then_ranks_them(app_store, copy_of):
 
 
 def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     for i, (k, tau) in enumerate([(2, 1.21), (3, 1.34)]):
         s.bench_results.append({"prompts": 8, "prompt_set": "builtin", "max_new_tokens": 48, "k": k, "device": "cpu",
                                 "created": f"2026-12-0{i + 1}T10:00:00+0000",
                                 "results": [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
                                             {"name": "d", "layers": [1, 2], "tau": tau, "tau_ci": [tau - 0.05, tau + 0.05],
                                              "speedup": 0.8, "speedup_ci": [0.7, 0.9]}]})
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page("app_pages/compare.py").run()
     no_exception(at)
@@ -259,13 +259,13 @@ def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):
 
 
 def test_a_new_study_becomes_the_shown_one(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.study = [tiny_study(s, {(1, 2): (1.30, 0.0, [0.0, 0.0]), (2, 3): (1.31, 0.01, [-0.02, 0.04])}),
                tiny_study(s, {(1, 2): (1.32, 0.0, [0.0, 0.0]), (1, 3): (1.33, 0.01, [-0.02, 0.04])})]
     s.view["study_run"] = 0                     # the user was looking at the first one
     apply._apply_study(s, tiny_study(s, {(1, 2): (1.40, 0.0, [0.0, 0.0]), (2, 3): (1.50, 0.10, [0.05, 0.15])}))
     assert s.view["study_run"] == 2
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     no_exception(at)
@@ -275,10 +275,10 @@ def test_a_new_study_becomes_the_shown_one(app_store, copy_of):
 
 
 def test_a_set_keeps_its_colour_from_one_chart_to_the_next(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.add_layer_set("mine", [1, 3])
     s.add_layer_set("theirs", [2, 3])
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page("app_pages/entropy.py").run()
     settle(at)

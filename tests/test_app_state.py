@@ -7,8 +7,8 @@ that session through ``?session=ID``.
 
 from __future__ import annotations
 
-from layerscope import session as sessions
 from layerscope.draft import builtin
+from layerscope.session import storage
 from tests.test_app import captured, copy_of, new_app, no_exception, plain, settle, start_tiny_capture  # noqa: F401
 
 ENTROPY, CKA, SPEC, SETS, CAPTURE = ("app_pages/entropy.py", "app_pages/cka.py", "app_pages/speculate.py",
@@ -63,12 +63,12 @@ def test_entropy_controls_keep_their_values_on_return_and_in_a_new_tab(app_store
 
 
 def test_a_new_capture_keeps_the_sets_that_fit_and_says_which_did_not(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.capture_key, s.capture, s.stats, s.arrays = None, {}, {}, {}        # as if it came from a 30-layer model
     s.add_layer_set("fits", [1, 2])
     s.add_layer_set("deep", [1, 14, 28])
     s.manual_picks = [1, 14, 28]
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     start_tiny_capture(at, limit=3, new_tokens=6, batch=2)               # the module's capture: from the store
     settle(at)
@@ -103,9 +103,9 @@ def test_training_options_stay_after_navigating_away(app_store, copy_of):
 
 
 def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store, copy_of):
-    s = sessions.load(app_store, copy_of)
+    s = storage.load(app_store, copy_of)
     s.add_layer_set("pair", [1, 3])
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     at.number_input(key="ls_w_spec_steps").set_value(2).run()
@@ -150,7 +150,7 @@ def test_letters_in_a_number_field_are_refused_not_turned_into_its_minimum(app_s
     assert at.number_input(key="ls_w_spec_steps").value == 40
     assert any("Training steps: that was not a number, so it was refused; the field keeps 40" in plain(w.value)
                for w in at.warning), [w.value for w in at.warning]
-    assert sessions.load(app_store, copy_of).view["spec_steps"] == 40
+    assert storage.load(app_store, copy_of).view["spec_steps"] == 40
     at.switch_page(ENTROPY).run()
     settle(at)
     at.number_input(key="ls_ent_max_tokens").set_value(None).run()
@@ -185,7 +185,7 @@ def test_a_new_session_meets_the_builtin_draft_preselected_and_its_k_choice_stic
     # taken out of the session, the builtin draft does not come back
     s = at.session_state["ls_session"]
     s.drafts = []
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     again = new_app(s.id).run()
     again.switch_page(SPEC).run()
     no_exception(again)

@@ -16,7 +16,8 @@ import torch
 from layerscope import cli
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft, read_meta, save_draft
-from layerscope.draft.train import TrainOptions, draft_for, target_weights, train_draft
+from layerscope.draft.fit import TrainOptions
+from layerscope.draft.train import draft_for, target_weights, train_draft
 from layerscope.errors import DraftError
 from layerscope.store import Store
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from layerscope import plots
-from layerscope import session as sessions
 from layerscope.capture.run import capture
 from layerscope.models import load_model
 from layerscope.prompts.sets import load_prompts
-from layerscope.session import Session
+from layerscope.session import storage
+from layerscope.session.model import Session
 from layerscope.ui import apply, compare
 from tests.test_app import charts, new_app, no_exception, settle
 
@@ -169,7 +169,7 @@ def session_on(store, key: str) -> str:
     """A saved session whose capture is `key` (no statistics yet: the page computes them in a job)."""
     s = Session()
     apply.open_capture(s, store, key)
-    sessions.save(s, store)
+    storage.save(s, store)
     return s.id
 
 
@@ -231,7 +231,7 @@ def test_compare_page_runs_table_filters_by_capture(app_store, three_captures):
         d["capture_key"] = b
     s.study[0]["capture"] = a
     s.bench_results[1]["capture_key"] = a
-    sessions.save(s, app_store)
+    storage.save(s, app_store)
     at = new_app(s.id).run()
     at.switch_page("app_pages/compare.py").run()
     settle(at)

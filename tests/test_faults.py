@@ -13,7 +13,7 @@ import torch
 from layerscope.capture.run import capture
 from layerscope.capture.stored import has_capture, list_captures, open_capture, verify_capture
 from layerscope.prompts.sets import load_prompts
-from layerscope.session import list_sessions, load
+from layerscope.session.storage import list_sessions, load
 from layerscope.store import Store
 
 CHILD = Path(__file__).with_name("crash_child.py")

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from layerscope.cli import main
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions, load_conversations, run_key, train_online
-from layerscope.draft.train import TrainOptions, draft_for
+from layerscope.draft.train import draft_for
 from layerscope.errors import DraftError
 from layerscope.store import Store
 

@@ -6,7 +6,7 @@ import pytest
 
 from layerscope import layerset
 from layerscope.errors import DraftError, SelectionError, SessionError
-from layerscope.session import Session
+from layerscope.session.model import Session
 from layerscope.stats import select
 from layerscope.stats.analysis import analyze
 

@@ -27,7 +27,7 @@ from layerscope.decoding import bench
 from layerscope.decoding import costmodel as cm
 from layerscope.decoding.bench import BenchOptions, format_table
 from layerscope.draft.checkpoint import save_draft
-from layerscope.draft.train import TrainOptions
+from layerscope.draft.fit import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions, MachineState, Snapshot
 from layerscope.study.run import StudyOptions, format_study, run_study

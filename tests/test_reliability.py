@@ -35,7 +35,8 @@ from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.draft.engines import target_facts
 from layerscope.errors import DraftError, PromptSetError, SessionError, StoreError
 from layerscope.prompts.sets import load_prompts
-from layerscope.session import import_bytes, list_sessions, load
+from layerscope.session.share import import_bytes
+from layerscope.session.storage import list_sessions, load
 from layerscope.store import Store, StoreWarning, StoreWriteError, atomic_write_json
 from layerscope.ui.worker import FAILED, run_job
 from tests.helpers import untrained_draft
@@ -105,20 +106,20 @@ def tree(root: Path) -> dict[str, str]:
 # ---------------------------------------------------------------------------- a full disk
 
 def test_full_disk_is_one_line_everywhere_and_the_index_is_never_quarantined(tmp_path, tiny):
-    with tmpfs(tmp_path / "disk", "4m") as disk:
-        store = Store(disk / "store")
+    with tmpfs(tmp_path / "mount", "4m") as mount:
+        store = Store(mount / "store")
         store.put_json("analysis", "kept", {"x": 1})
         old = save_draft(store.path("drafts", "old"), untrained_draft(tiny.model, (1, 2, 3)), target=tiny)
         store.close()
         before = tree(old)
-        fill(disk)
+        fill(mount)
 
         with pytest.raises(StoreWriteError, match="No space left") as e:
-            atomic_write_json(disk / "store" / "result.json", {"rows": list(range(10000))})
+            atomic_write_json(mount / "store" / "result.json", {"rows": list(range(10000))})
         assert "run the same command again" in e.value.fix
-        assert not list((disk / "store").glob(".*.tmp"))
+        assert not list((mount / "store").glob(".*.tmp"))
 
-        fresh = Store(disk / "store")                 # opening the index writes: it fails, and is not damage
+        fresh = Store(mount / "store")                 # opening the index writes: it fails, and is not damage
         with pytest.warns(StoreWarning):
             assert fresh.get_json("analysis", "kept") == {"x": 1}
             fresh.put_json("analysis", "new", {"x": 2})        # not cached, not an error
@@ -130,18 +131,18 @@ def test_full_disk_is_one_line_everywhere_and_the_index_is_never_quarantined(tmp
         assert tree(old) == before and load_draft(old).aux_layers == [1, 2, 3]     # the old draft stands whole
         assert not (old.parent / ".layerscope-staging").exists()
         kept = Path(re.search(r"written to (\S+) instead", e.value.fix)[1])       # the new one is not lost
-        assert not kept.is_relative_to(disk) and f"--draft {kept}" in e.value.fix
+        assert not kept.is_relative_to(mount) and f"--draft {kept}" in e.value.fix
         assert load_draft(kept).aux_layers == [1, 2, 3]
         shutil.rmtree(kept)
 
         with pytest.raises(StoreWriteError, match="Not enough free space"):
-            disk.need_space(disk, 10 * 2**20, "a capture")
+            disk.need_space(mount, 10 * 2**20, "a capture")
 
         # the app's worker: an OSError of a full disk is the same one line, not "a bug in LayerScope"
-        out = run_job(lambda job: (disk / "more").write_bytes(b"x" * 2**20), SimpleNamespace(should_stop=lambda: False),
+        out = run_job(lambda job: (mount / "more").write_bytes(b"x" * 2**20), SimpleNamespace(should_stop=lambda: False),
                       "a job")
         assert out.state == FAILED and "No space left" in out.error and out.traceback is None
-        assert Store(disk / "store").get_json("analysis", "kept") == {"x": 1}
+        assert Store(mount / "store").get_json("analysis", "kept") == {"x": 1}
 
 
 def test_train_draft_on_a_disk_that_fills_keeps_its_checkpoint_and_the_index(tmp_path):
@@ -290,8 +291,8 @@ def test_the_apps_capture_and_training_paths_check_the_store_before_the_model_lo
     """workflow.capture, workflow.train and workflow.train_online (what the CLI and the app's jobs call) refuse
     a read-only store in one line before loading anything: nothing is computed to be lost at the save."""
     from layerscope import workflow
+    from layerscope.draft.fit import TrainOptions
     from layerscope.draft.online import OnlineOptions
-    from layerscope.draft.train import TrainOptions
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the store was checked")
@@ -366,7 +367,7 @@ def test_stored_drafts_and_out_paths_follow_the_one_link_rule(tmp_path, tiny, ti
     (never silently used or hidden); an --out that is a link to a directory is written through, link kept."""
     from layerscope import workflow
     from layerscope.draft import builtin
-    from layerscope.draft.train import TrainOptions
+    from layerscope.draft.fit import TrainOptions
     from layerscope.ui.tasks import broken_drafts, stored_drafts
 
     store = Store(tmp_path / "store")

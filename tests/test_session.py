@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save as save_tensors
 
-from layerscope import session as sessions
 from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.errors import SessionError
-from layerscope.session import Session
+from layerscope.session import share, storage
+from layerscope.session.archive import MAX_ARCHIVE_BYTES, PLAIN_FORMAT
+from layerscope.session.model import Session
 from layerscope.store import Store
 from tests.helpers import untrained_draft
 
@@ -59,48 +60,48 @@ def test_archive_holds_only_json_and_safetensors():
     z = zipfile.ZipFile(io.BytesIO(_full_session().to_bytes()))
     assert sorted(z.namelist()) == ["arrays.safetensors", "session.json"]
     doc = json.loads(z.read("session.json"))
-    assert doc["layerscope_session"] == sessions.PLAIN_FORMAT == 1      # no drafts inside: readable by older versions
+    assert doc["layerscope_session"] == PLAIN_FORMAT == 1      # no drafts inside: readable by older versions
 
 
 def test_store_save_load_list_delete(store):
     s = _full_session()
-    path = sessions.save(s, store, name="  first look ")
+    path = storage.save(s, store, name="  first look ")
     assert path == store.path("sessions", s.id) / "session.zip" and path.is_file()
     assert not list(path.parent.glob("*.tmp"))
-    back = sessions.load(store, s.id)
+    back = storage.load(store, s.id)
     assert back.name == "first look" and back.to_json() == s.to_json()
     other = Session(model="smollm2-135m")
-    sessions.save(other, store)
-    listed = sessions.list_sessions(store)
+    storage.save(other, store)
+    listed = storage.list_sessions(store)
     assert {r["id"] for r in listed} == {s.id, other.id}
-    named = sessions.list_sessions(store, include_unnamed=False)
+    named = storage.list_sessions(store, include_unnamed=False)
     assert [r["id"] for r in named] == [s.id]
     assert named[0]["layer_sets"] == [[2, 3], [1, 4]] and named[0]["tokens"] == 321
-    sessions.delete(store, other.id)
-    assert not sessions.exists(store, other.id)
+    storage.delete(store, other.id)
+    assert not storage.exists(store, other.id)
     with pytest.raises(SessionError, match="No saved session"):
-        sessions.load(store, other.id)
+        storage.load(store, other.id)
 
 
 def test_ids_from_links_are_checked(store):
     for bad in ["../../etc", "ABCDEF012345", "123", "", None]:
         with pytest.raises(SessionError, match="not a session id"):
-            sessions.load(store, bad)
+            storage.load(store, bad)
     with pytest.raises(SessionError):
-        sessions.save(Session(id="../x"), store)
+        storage.save(Session(id="../x"), store)
 
 
 def test_import_keeps_id_or_renames_on_clash(store):
     s = _full_session()
-    data = sessions.export_bytes(s)
-    imported = sessions.import_bytes(data, store)
-    assert imported.id == s.id and sessions.exists(store, s.id)
-    again = sessions.import_bytes(data, store)        # the same content: same id
+    data = share.export_bytes(s)
+    imported = share.import_bytes(data, store)
+    assert imported.id == s.id and storage.exists(store, s.id)
+    again = share.import_bytes(data, store)        # the same content: same id
     assert again.id == s.id
     s.notes = "changed"
-    clash = sessions.import_bytes(sessions.export_bytes(s), store)
-    assert clash.id != s.id and sessions.load(store, clash.id).notes == "changed"
-    assert sessions.load(store, s.id).notes == ""
+    clash = share.import_bytes(share.export_bytes(s), store)
+    assert clash.id != s.id and storage.load(store, clash.id).notes == "changed"
+    assert storage.load(store, s.id).notes == ""
 
 
 def _zip(members: dict[str, bytes]) -> bytes:
@@ -161,12 +162,12 @@ def test_truncated_archive_is_refused():
 
 def test_a_broken_stored_session_is_listed_with_its_error(store):
     s = _full_session()
-    path = sessions.save(s, store)
+    path = storage.save(s, store)
     path.write_bytes(b"broken")
-    rows = sessions.list_sessions(store)
+    rows = storage.list_sessions(store)
     assert rows[0]["id"] == s.id and "not a zip archive" in rows[0]["error"]
     with pytest.raises(SessionError):
-        sessions.load(store, s.id)
+        storage.load(store, s.id)
 
 
 def test_layer_sets_are_deduplicated_and_checked():
@@ -247,25 +248,25 @@ def test_user_text_round_trips_exactly():
 
 def test_same_limits_on_save_as_on_import(store):
     s = _full_session()
-    sessions.save(s, store)
+    storage.save(s, store)
     s.notes = "x" * 100_001
     with pytest.raises(SessionError, match="notes must be a string"):
-        sessions.save(s, store)
+        storage.save(s, store)
     s.notes = ""
     s.bench_results = [{"results": [{"name": "d", "tau": float("inf")}]}]   # JSON would write null: loads again
-    sessions.save(s, store)
+    storage.save(s, store)
     s.bench_results = [{"prompts": "eight"}]
     with pytest.raises(SessionError, match="prompts must be an integer"):
-        sessions.save(s, store)
+        storage.save(s, store)
     with pytest.raises(SessionError, match="one line"):
-        sessions.save(s, store, name="a\nb")
-    assert sessions.load(store, s.id).bench_results == [{"results": [{"name": "d", "tau": None}]}]
+        storage.save(s, store, name="a\nb")
+    assert storage.load(store, s.id).bench_results == [{"results": [{"name": "d", "tau": None}]}]
 
 
 def test_imported_sessions_always_open_again(store):
     for changes in ({}, {"name": "x" * 120}, {"notes": "n" * 100_000}, {"view": {"cka_estimator": "debiased"}}):
-        s = sessions.import_bytes(_with(**changes), store)
-        assert sessions.load(store, s.id).to_json() == s.to_json()
+        s = share.import_bytes(_with(**changes), store)
+        assert storage.load(store, s.id).to_json() == s.to_json()
 
 
 def test_stats_without_a_capture_must_agree_and_give_num_layers():
@@ -280,21 +281,21 @@ def test_stats_without_a_capture_must_agree_and_give_num_layers():
 
 def test_oversized_archive_and_special_files_are_refused(store, tmp_path):
     with pytest.raises(SessionError, match="larger than"):
-        Session.from_bytes(b"PK" + b"\0" * (sessions.MAX_ARCHIVE_BYTES + 1))
+        Session.from_bytes(b"PK" + b"\0" * (MAX_ARCHIVE_BYTES + 1))
     s = _full_session()
-    path = sessions.save(s, store)
+    path = storage.save(s, store)
     path.unlink()
     os.mkfifo(path)                                            # reading it would block forever
     with pytest.raises(SessionError, match="No saved session"):      # at once, not blocked on the pipe
-        sessions.load(store, s.id)
-    assert sessions.list_sessions(store) == []
+        storage.load(store, s.id)
+    assert storage.list_sessions(store) == []
     path.unlink()
     (tmp_path / "elsewhere.zip").write_bytes(_full_session().to_bytes())
     path.symlink_to(tmp_path / "elsewhere.zip")                 # a file outside the store, behind a link
     with pytest.raises(SessionError, match="not a regular file"):
-        sessions.load(store, s.id)
+        storage.load(store, s.id)
     with pytest.raises(SessionError, match="is not a session id"):
-        sessions.load(store, s.id + "\n")
+        storage.load(store, s.id + "\n")
 
 
 # ---------------------------------------------------------------------------- archives with drafts (issue 16)
@@ -322,29 +323,29 @@ def session_with_drafts(tiny, store):
 
 def test_archive_with_drafts_round_trips_into_another_store(tiny, store, tmp_path, session_with_drafts):
     s = session_with_drafts
-    assert sessions.missing_drafts(s) == ["/nowhere/drafts/x"]
-    data = sessions.export_bytes(s, drafts=True)
+    assert share.missing_drafts(s) == ["/nowhere/drafts/x"]
+    data = share.export_bytes(s, drafts=True)
     z = zipfile.ZipFile(io.BytesIO(data))
     doc = json.loads(z.read("session.json"))
     assert doc["layerscope_session"] == 2 and [d["entry"] for d in doc["drafts"]] == ["a" * 24, "b" * 24]
     assert f"drafts/{'a' * 24}/model.safetensors" in z.namelist()
     other = Store(tmp_path / "other-store")
     try:
-        imported = sessions.import_archive(data, other, source="shared.zip")
+        imported = share.import_archive(data, other, source="shared.zip")
         new = imported.session
         assert imported.drafts == [str(other.path("drafts", "a" * 24)), str(other.path("drafts", "b" * 24))]
         assert [d["path"] for d in new.drafts] == [imported.drafts[0], imported.drafts[1], imported.drafts[0],
                                                   "/nowhere/drafts/x"]      # the one not exported stays a reference
-        assert sessions.load(other, new.id).drafts == new.drafts
+        assert storage.load(other, new.id).drafts == new.drafts
         for before, after in zip(s.drafts[:2], new.drafts[:2]):
             h0, h1 = load_draft(before["path"], tiny), load_draft(after["path"], tiny)
             (a, ha), (b, hb) = _draft_logits(h0, tiny), _draft_logits(h1, tiny)
             assert torch.equal(a, b) and torch.equal(ha, hb)
         assert not list((tmp_path / "other-store" / "drafts").glob(".*"))      # no staging left behind
-        again = sessions.import_archive(data, other)              # the same drafts: reused, the same session
+        again = share.import_archive(data, other)              # the same drafts: reused, the same session
         assert again.session.id == new.id and again.drafts == imported.drafts
         (other.path("drafts", "b" * 24) / "layerscope.json").write_text("{}")  # another draft under that name
-        third = sessions.import_archive(data, other)
+        third = share.import_archive(data, other)
         assert third.drafts[1].startswith(str(other.path("drafts", "b" * 24)) + "-")
         assert load_draft(third.drafts[1], tiny) is not None
     finally:
@@ -365,21 +366,21 @@ def _with_member(data: bytes, name: str, payload: bytes) -> bytes:
                                     "drafts/..\\..\\evil.json"])
 def test_a_member_outside_the_archive_is_refused_and_nothing_is_written(tiny, store, tmp_path, member,
                                                                          session_with_drafts):
-    data = _with_member(sessions.export_bytes(session_with_drafts, drafts=True), member, b"x")
+    data = _with_member(share.export_bytes(session_with_drafts, drafts=True), member, b"x")
     other = Store(tmp_path / "other-store")
     try:
         with pytest.raises(SessionError) as e:
-            sessions.import_archive(data, other, source="shared.zip")
+            share.import_archive(data, other, source="shared.zip")
         line = str(e.value)
         assert "points outside the archive's folder" in line and "shared.zip" in line and "\n" not in line
-        assert not (tmp_path / "other-store" / "drafts").exists() and sessions.list_sessions(other) == []
+        assert not (tmp_path / "other-store" / "drafts").exists() and storage.list_sessions(other) == []
         assert not list(tmp_path.rglob("evil*"))
     finally:
         other.close()
 
 
 def test_damaged_or_inconsistent_drafts_are_refused_whole(tiny, store, tmp_path, session_with_drafts):
-    data = sessions.export_bytes(session_with_drafts, drafts=True)
+    data = share.export_bytes(session_with_drafts, drafts=True)
     z = zipfile.ZipFile(io.BytesIO(data))
     members = {n: z.read(n) for n in z.namelist()}
     doc = json.loads(members["session.json"])
@@ -409,10 +410,10 @@ def test_damaged_or_inconsistent_drafts_are_refused_whole(tiny, store, tmp_path,
     try:
         for archive, message in cases:
             with pytest.raises(SessionError, match=message):
-                sessions.import_archive(archive, other, source="shared.zip")
+                share.import_archive(archive, other, source="shared.zip")
             drafts = tmp_path / "other-store" / "drafts"
             assert not drafts.exists() or not [p for p in drafts.iterdir() if not p.name.startswith(".")], message
-        assert sessions.list_sessions(other) == []
+        assert storage.list_sessions(other) == []
     finally:
         other.close()
 
@@ -423,10 +424,10 @@ def test_archives_without_drafts_import_as_before(store, tmp_path):
                 "arrays.safetensors": zipfile.ZipFile(io.BytesIO(s.to_bytes())).read("arrays.safetensors")})
     other = Store(tmp_path / "other-store")
     try:
-        imported = sessions.import_archive(old, other)
+        imported = share.import_archive(old, other)
         assert imported.drafts == [] and imported.session.drafts == s.drafts       # paths kept as references
-        assert sessions.load(other, s.id).to_json() == s.to_json()
-        plain = sessions.export_bytes(s)                   # drafts not asked for: format 1, the store's bytes
+        assert storage.load(other, s.id).to_json() == s.to_json()
+        plain = share.export_bytes(s)                   # drafts not asked for: format 1, the store's bytes
         assert json.loads(zipfile.ZipFile(io.BytesIO(plain)).read("session.json"))["layerscope_session"] == 1
     finally:
         other.close()

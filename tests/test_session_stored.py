@@ -18,8 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load as load_tensors
 
-from layerscope import session as sessions
-from layerscope.session import Session
+from layerscope.session import share, storage
+from layerscope.session.archive import PLAIN_FORMAT
+from layerscope.session.model import Session
 from layerscope.store import Store
 
 FIXTURE = Path(__file__).parent / "fixtures" / "session_format1.zip"
@@ -34,7 +35,7 @@ def _members(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
 @pytest.fixture
 def stored(store):
     """The fixture planted in `store` as a saved session."""
-    path = store.path("sessions", SID) / sessions.ARCHIVE_NAME
+    path = store.path("sessions", SID) / storage.ARCHIVE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(FIXTURE, path)
     return store
@@ -44,7 +45,7 @@ def test_the_old_archive_reads_and_writes_back_the_same():
     data = FIXTURE.read_bytes()
     doc, tensors = _members(data)
     s = Session.from_bytes(data, source="session_format1.zip")
-    assert doc["layerscope_session"] == sessions.PLAIN_FORMAT
+    assert doc["layerscope_session"] == PLAIN_FORMAT
     assert s.to_json() == doc["session"]
     assert set(s.arrays) == set(tensors) and all(torch.equal(s.arrays[k], t) for k, t in tensors.items())
     again, again_tensors = _members(s.to_bytes())
@@ -55,22 +56,22 @@ def test_the_old_archive_reads_and_writes_back_the_same():
 
 def test_the_old_stored_session_loads_lists_and_saves_again(stored):
     doc, _ = _members(FIXTURE.read_bytes())
-    s = sessions.load(stored, SID)
+    s = storage.load(stored, SID)
     assert s.to_json() == doc["session"]
-    [row] = sessions.list_sessions(stored, include_unnamed=False)
+    [row] = storage.list_sessions(stored, include_unnamed=False)
     assert row["id"] == SID and row["name"] == "stored before the split" and "error" not in row
     assert row["layer_sets"] == [[1, 2, 3], [0, 3], [2, 4]] and row["benchmarks"] == 2 and row["drafts"] == 1
-    sessions.save(s, stored, touch=False)
-    assert sessions.load(stored, SID).to_json() == doc["session"]
+    storage.save(s, stored, touch=False)
+    assert storage.load(stored, SID).to_json() == doc["session"]
 
 
 def test_the_old_archive_imports_into_another_store(store, tmp_path):
     other = Store(tmp_path / "other-store")
     try:
-        imported = sessions.import_archive(FIXTURE.read_bytes(), other, source="session_format1.zip")
+        imported = share.import_archive(FIXTURE.read_bytes(), other, source="session_format1.zip")
         assert imported.drafts == [] and imported.session.id == SID
-        assert sessions.load(other, SID).to_json() == _members(FIXTURE.read_bytes())[0]["session"]
-        assert sessions.export_bytes(imported.session) and sessions.missing_drafts(imported.session) == [
+        assert storage.load(other, SID).to_json() == _members(FIXTURE.read_bytes())[0]["session"]
+        assert share.export_bytes(imported.session) and share.missing_drafts(imported.session) == [
             "/elsewhere/drafts/abc"]
     finally:
         other.close()

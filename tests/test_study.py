@@ -11,8 +11,8 @@ from layerscope import cli
 from layerscope.cli import build_parser
 from layerscope.commands.study import options_from_args
 from layerscope.draft import probe
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
-from layerscope.draft.train import TrainOptions
 from layerscope.errors import SelectionError
 from layerscope.stats.analysis import analyze
 from layerscope.stats.correlation import ranks, spearman

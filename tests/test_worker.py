@@ -20,8 +20,8 @@ from layerscope.errors import LayerScopeError
 from layerscope.models import load_model
 from layerscope.store import Store
 from layerscope.ui import tasks
-from layerscope.ui.jobs import CANCELLED, DONE, FAILED, JobManager, Task, worker_mode
-from layerscope.ui.worker import job_task
+from layerscope.ui.jobs import JobManager, worker_mode
+from layerscope.ui.worker import CANCELLED, DONE, FAILED, Task, job_task
 
 TIMEOUT = 300
 

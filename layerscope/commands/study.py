@@ -6,9 +6,9 @@ import time
 
 from layerscope import workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, parse_layers, print_json
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import DoneProgress, EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
-from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.stats.analysis import AnalysisOptions
 from layerscope.study.run import StudyOptions, budget_text, format_study

@@ -19,9 +19,9 @@ from layerscope import preflight, workflow
 from layerscope.capture.stored import open_capture
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft import builtin
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
-from layerscope.draft.train import TrainOptions
 from layerscope.errors import DraftError
 from layerscope.validate import parse_count, parse_duration
 

@@ -34,8 +34,8 @@ import torch
 from layerscope import blas, layerset, machine
 from layerscope.decoding import specdec
 from layerscope.decoding.specdec import TreeSpec
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
-from layerscope.draft.train import TrainOptions
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions, MachineState
 from layerscope.store import make_key

@@ -13,17 +13,5 @@ write, so a session that saves always loads again, and an imported one always op
     storage.py   save, load, list and delete sessions in the store
     share.py     export (optionally with drafts) and import into a store
 
-This module re-exports the names the rest of LayerScope uses: `from layerscope import session as sessions`.
+Import each name from its module (`from layerscope.session import storage`, then `storage.load(...)`).
 """
-
-from layerscope.session.archive import FORMAT, MAX_ARCHIVE_BYTES, PLAIN_FORMAT
-from layerscope.session.model import Session, new_id, now_iso
-from layerscope.session.schema import SCHEMA, valid_id
-from layerscope.session.share import Imported, draft_files, export_bytes, import_archive, import_bytes, missing_drafts
-from layerscope.session.storage import ARCHIVE_NAME, delete, exists, list_sessions, load, save
-
-__all__ = [
-    "ARCHIVE_NAME", "FORMAT", "MAX_ARCHIVE_BYTES", "PLAIN_FORMAT", "SCHEMA", "Imported", "Session", "delete",
-    "draft_files", "exists", "export_bytes", "import_archive", "import_bytes", "list_sessions", "load",
-    "missing_drafts", "new_id", "now_iso", "save", "valid_id",
-]

@@ -39,10 +39,11 @@ from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
 from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions, train_online
 from layerscope.draft.probe import ProbeOptions
 from layerscope.draft.progress import OnlineProgress
-from layerscope.draft.train import TrainOptions, draft_for
+from layerscope.draft.train import draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
 from layerscope.prompts.sets import load_prompts

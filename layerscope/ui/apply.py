@@ -12,7 +12,7 @@ import streamlit as st
 
 from layerscope import fmt, layerset, plots
 from layerscope.capture import stored
-from layerscope.session import Session
+from layerscope.session.model import Session
 from layerscope.stats.analysis import LayerStats
 from layerscope.ui import tasks
 from layerscope.ui.jobs import StatsTag, get_manager

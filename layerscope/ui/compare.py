@@ -15,9 +15,10 @@ import torch
 
 from layerscope import fmt
 from layerscope.capture.stored import has_capture, list_captures
-from layerscope.session import Session
+from layerscope.session.model import Session
 from layerscope.ui import tasks
-from layerscope.ui.jobs import CANCELLED, FAILED, StatsTag, get_manager
+from layerscope.ui.jobs import StatsTag, get_manager
+from layerscope.ui.worker import CANCELLED, FAILED
 
 SLOTS = ("A", "B")
 KIND_ORDER = {"study": 0, "bench": 1, "draft": 2}

@@ -13,7 +13,7 @@ from plotly.offline import get_plotlyjs
 
 from layerscope import fmt, layerset, plots
 from layerscope.decoding.bench import interval_note
-from layerscope.session import Session, now_iso
+from layerscope.session.model import Session, now_iso
 from layerscope.ui import recommend, sanity
 from layerscope.ui.recommend import set_label
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from layerscope import fmt
-from layerscope.session import Session
+from layerscope.session.model import Session
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.models import device_label
 from layerscope.ui.state import bind_view

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from layerscope import session as sessions
 from layerscope.errors import SessionError
-from layerscope.session import Session
+from layerscope.session import storage
+from layerscope.session.model import Session
+from layerscope.session.schema import valid_id
 from layerscope.store import Store, default_root
 from layerscope.ui.models import device_label
 
@@ -48,7 +49,7 @@ def active_session() -> Session:
         if stamp is not None and stamp != st.session_state.get(STAMP_KEY):
             # another tab (or a share-link viewer) saved this session since: take its state
             try:
-                s = sessions.load(store, s.id)
+                s = storage.load(store, s.id)
             except SessionError as e:
                 st.session_state[NOTICE_KEY] = ("error", f"{e.problem}. {e.fix}")
             st.session_state[STAMP_KEY] = stamp
@@ -66,21 +67,21 @@ def active_session() -> Session:
 
 def _stamp(store, sid: str):
     try:
-        return (store.path("sessions", sid) / sessions.ARCHIVE_NAME).stat().st_mtime_ns
+        return (store.path("sessions", sid) / storage.ARCHIVE_NAME).stat().st_mtime_ns
     except OSError:
         return None
 
 
 def _open(store, sid: str) -> Session:
-    if not sessions.valid_id(sid):
+    if not valid_id(sid):
         st.session_state[NOTICE_KEY] = ("warning", f"?session={sid[:40]} is not a session id; started a new session.")
         return Session()
-    if not sessions.exists(store, sid):
+    if not storage.exists(store, sid):
         # A tab refreshed before anything was saved, or a link to a session this server does not hold.
         st.session_state[NOTICE_KEY] = ("info", f"Session {sid} is not saved on this server; this is a new, empty session.")
         return Session(id=sid)
     try:
-        return sessions.load(store, sid)
+        return storage.load(store, sid)
     except SessionError as e:
         st.session_state[NOTICE_KEY] = ("error", f"{e.problem}. {e.fix}")
         return Session()
@@ -100,7 +101,7 @@ def commit(s: Session) -> None:
     """Save the session into the store now (atomic), so refreshes and share links see this state."""
     s.device = s.device or device_label()
     store = get_store()
-    sessions.save(s, store)
+    storage.save(s, store)
     if st.session_state.get(SESSION_KEY) is s:
         st.session_state[STAMP_KEY] = _stamp(store, s.id)
 

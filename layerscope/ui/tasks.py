@@ -20,9 +20,9 @@ from layerscope.capture.stored import open_capture
 from layerscope.decoding.bench import BenchOptions, Tally
 from layerscope.draft import builtin, probe
 from layerscope.draft.checkpoint import read_meta
+from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
-from layerscope.draft.train import TrainOptions
 from layerscope.errors import DraftError, LayerScopeError, PromptSetError
 from layerscope.models import default_device
 from layerscope.prompts.sets import load_prompts

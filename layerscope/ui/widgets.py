@@ -14,7 +14,8 @@ import streamlit as st
 from layerscope import fmt, plots
 from layerscope.errors import LayerScopeError
 from layerscope.ui import image_export
-from layerscope.ui.jobs import CANCELLED, DONE, FAILED, JobView, get_manager
+from layerscope.ui.jobs import JobView, get_manager
+from layerscope.ui.worker import CANCELLED, DONE, FAILED
 
 log = logging.getLogger("layerscope.ui")
 
