@@ -135,7 +135,7 @@ def output(path, what: str = "--out") -> Path:
 
 
 def outcomes_folder(path) -> None:
-    """A study's outcomes folder (--outcomes): a folder, or none yet (study_outcomes.OutcomeFolder's rule), where
+    """A study's outcomes folder (--outcomes): a folder, or none yet (study.outcomes.OutcomeFolder's rule), where
     a file can be created."""
     disk.directory_writable(OutcomeFolder(path).root)
 
