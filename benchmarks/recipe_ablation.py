@@ -111,7 +111,7 @@ def run_cell(name, target, regen, own, val_ids, args) -> dict:
 
     def run_eval():
         return [evaluate(drafters[0].head, val_split, windows_of(val_split, o.seq_len, val_split.counted, J), J,
-                         drafters[0].teacher_w, o.batch_size, target.device)]
+                         drafters[0].teacher, o.batch_size, target.device)]
 
     def say(p):
         if p.phase == "train" and p.step % 25 == 0:

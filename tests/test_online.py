@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from layerscope.cli import main
 from layerscope.draft.data import make_batch, target_argmax, windows_of
 from layerscope.draft.fit import TrainingCancelled
-from layerscope.draft.loss import evaluate, ttt_loss
+from layerscope.draft.loss import Teacher, evaluate, ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.online import (
     Conversations,
@@ -87,7 +87,7 @@ def test_online_features_give_the_capture_loss_on_the_same_data(tiny, tiny_captu
 
     embed, lm_head = tiny.model.get_input_embeddings().weight, tiny.model.get_output_embeddings().weight
     d2t, t2d = build_draft_vocab(train.token_id, 64, embed.shape[0])
-    teacher = lm_head.detach()[d2t + torch.arange(len(d2t))].float()
+    teacher = Teacher.of(tiny.model.config, lm_head, d2t, "cpu")
     torch.manual_seed(0)
     head = DraftHead(DraftConfig.from_target(tiny.model.config, layers, len(d2t)), embed, d2t, t2d)
     losses = []
@@ -108,7 +108,7 @@ def test_validation_counts_every_position_and_reports_coverage(tiny, tiny_captur
     for V in (4, 256):
         d2t, t2d = build_draft_vocab(train.token_id, V, embed.shape[0])
         head = DraftHead(DraftConfig.from_target(tiny.model.config, layers, len(d2t)), embed, d2t, t2d)
-        teacher = lm_head.detach()[d2t + torch.arange(len(d2t))].float()
+        teacher = Teacher.of(tiny.model.config, lm_head, d2t, "cpu")
         acc, _, n, cov = evaluate(head, train, windows_of(train, 64, train.counted, J), J, teacher, 4, "cpu")
         assert n == int(train.counted.sum())                      # every counted position, in the vocabulary or not
         covered = float(t2d[train.target_next[train.counted]].float().mean())

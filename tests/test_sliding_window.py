@@ -36,7 +36,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from layerscope.decoding import specdec as sd
-from layerscope.errors import DraftError, LayerScopeError
+from layerscope.errors import LayerScopeError
 from tests.helpers import LookupDraft, untrained_draft
 
 WINDOW, PROMPT, NEW = 8, 20, 24
@@ -55,7 +55,6 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True, "max_window_layers": 2}, "FFSS"),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": True, "max_window_layers": 2}, "FFSS"),
 }
-DRAFT_REFUSED = {"gemma3"}          # per-kind rotary settings: no draft head (draft heads are another job)
 HEAD_TRANSFORMED = {"gemma2", "cohere2"}     # logits softcapped (final_logit_softcapping 30) or scaled (logit_scale)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,7 +81,7 @@ class Family:
     model: object
     ids: list[int]
     ref: list[int]                  # greedy_without_cache(model, ids, NEW)
-    draft: object                   # an untrained DraftHead; None where the draft head refuses the target
+    draft: object                   # an untrained DraftHead (tests/test_draft_families.py trains them)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -90,19 +89,13 @@ def fam(request) -> Family:
     name = request.param
     model = build(name, WINDOW)
     ids = torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
-    if name in DRAFT_REFUSED:
-        with pytest.raises(DraftError):
-            untrained_draft(model, draft_vocab=64)
-        draft = None
-    else:
-        draft = untrained_draft(model, draft_vocab=64)
-    return Family(name, model, ids, greedy_without_cache(model, ids, NEW), draft)
+    return Family(name, model, ids, greedy_without_cache(model, ids, NEW), untrained_draft(model, draft_vocab=64))
 
 
 def drafts(fam: Family) -> list:
-    """The untrained draft (where one builds) and a draft that knows the answer but ranks every third token wrong."""
+    """The untrained draft and a draft that knows the answer but ranks every third token wrong."""
     knowing = LookupDraft(fam.ids + fam.ref, SHAPE["vocab_size"], wrong=range(PROMPT + 2, PROMPT + NEW + 2, 3))
-    return [d for d in (fam.draft, knowing) if d is not None]
+    return [fam.draft, knowing]
 
 
 # ----------------------------------------------------------------------------- the target side
@@ -210,14 +203,14 @@ def test_a_head_that_transforms_its_logits_is_read_at_every_tree_row(fam):
 
 
 def test_greedy_decoding_with_prompt_lookup_is_lossless(fam):
-    """Two prompts; the draft (the untrained one, else one that proposes nothing the target wants) proposes where
-    lookup finds nothing. `repeat` holds the target's continuation between two copies of the prompt: where every
-    layer slides, the last 8 positions decide the next token, so after the copy the continuation recurs and lookup
-    is accepted (full-attention layers read the whole context, and there it may not recur). `pairs` holds the
-    prompt's last token followed by every token: whatever the target produces first, lookup proposes after it."""
+    """Two prompts; the untrained draft proposes where lookup finds nothing. `repeat` holds the target's
+    continuation between two copies of the prompt: where every layer slides, the last 8 positions decide the next
+    token, so after the copy the continuation recurs and lookup is accepted (full-attention layers read the whole
+    context, and there it may not recur). `pairs` holds the prompt's last token followed by every token: whatever
+    the target produces first, lookup proposes after it."""
     repeat = fam.ids + fam.ref[:12] + fam.ids
     pairs = [t for x in range(SHAPE["vocab_size"]) for t in (fam.ids[-1], x)] + fam.ids
-    draft = fam.draft if fam.draft is not None else LookupDraft([], SHAPE["vocab_size"])
+    draft = fam.draft
     events = {}
     for name, prompt in (("repeat", repeat), ("pairs", pairs)):
         out, events[name] = sd.collect(sd.speculative(fam.model, draft, prompt, NEW, k=2, lookup=4))

@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from layerscope import layerset
-from layerscope.draft.model import DraftCache
+from layerscope.draft.model import HEAD_TRANSFORMS, DraftCache
 from layerscope.errors import DraftError, LayerScopeError
 
 # Draft depth of the chain, chosen by measurement on 2 CPU cores with SmolLM2-135M and drafts trained on
@@ -504,14 +504,11 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     return M, a, tuple(i < a for i in range(max(depths))), new
 
 
-# Config fields that name a transform transformers applies to the logits after the output embedding: softcapping
-# (Gemma 2/3: tanh), scales (Cohere, Granite). Monotone, so they keep the argmax, but in low precision they can
-# round two near-equal logits into a tie the output embedding alone would not show, and break it differently.
-HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
-
-
 def _plain_head(config) -> bool:
-    """Whether the target's logits are its output embedding of the final hidden state and nothing more."""
+    """Whether the target's logits are its output embedding of the final hidden state and nothing more (no
+    `HEAD_TRANSFORMS`, draft/model.py). The transforms are monotone, so they keep the argmax, but in low precision
+    they can round two near-equal logits into a tie the output embedding alone would not show, and break it
+    differently."""
     text = config.get_text_config(decoder=True)
     return all(getattr(text, name, None) is None for name in HEAD_TRANSFORMS)
 

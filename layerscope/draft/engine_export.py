@@ -72,8 +72,11 @@ def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str 
                          "Export with the target the draft was trained for (--target)")
     reason = engines.refusal(engine, layers, facts)
     if reason:
-        raise DraftError(f"Cannot export for {engine}: {reason}", f"Train a draft on a layer set {engine} takes "
-                         f"(layers.json lists every engine's verdict), or export for another engine")
+        fix = ("Export for another engine (layers.json lists every engine's verdict for this target); LayerScope's "
+               "own decoder (bench) runs the draft" if engines.family_refusal(engine, facts.model_type) else
+               f"Train a draft on a layer set {engine} takes (layers.json lists every engine's verdict), or export "
+               "for another engine")
+        raise DraftError(f"Cannot export for {engine}: {reason}", fix)
     dtype = engines.dtype_name(dtype or facts.dtype)
     trained = read_meta(draft_dir)
     if engine == "speculators" and target is None:
@@ -279,8 +282,12 @@ def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, verifier
     layer = {k: hf[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                                 "rope_theta", "rope_scaling", "max_position_embeddings", "attention_bias", "mlp_bias",
-                                "tie_word_embeddings")}
-    layer.update({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": dtype, "dtype": dtype})
+                                "tie_word_embeddings", "use_sliding_window", "sliding_window")}
+    # the one flat rotary setting as transformers 5 names it too (speculators' train/cli.py writes rope_parameters;
+    # a per-layer-type one would be collapsed to its sliding entry: src/speculators/models/utils.py), and full
+    # attention: speculators slides a draft layer whose layer_types entry says so (models/eagle3/core.py)
+    layer.update({"rope_parameters": dict(head.config.rope_parameters), "layer_types": ["full_attention"],
+                  "model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": dtype, "dtype": dtype})
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",

@@ -8,11 +8,15 @@ stream entering decoder layer l (= the output of decoder layer l-1). Each engine
     speculators   l                             converted config.json, top-level key     exactly 3  yes (*)
     sglang        l-1 (Llama/Qwen/most)         draft config.json, eagle_config key      any (**)   no
                   l   (deepseek_v2/v3, glm4_moe_lite; a set starting at 1 cannot be written)         yes
+                  l   (gpt_oss: hidden-state boundaries since PR #32334, July 2026)                  no
     specforge     the SGLang id                 run config, else draft eagle_config      exactly 3  no (ids >= 0)
 
 (*) vLLM releases whose decoder loops capture through EagleModelMixin._maybe_add_hidden_state (2026) take
     the embedding output; older Llama loops add a residual that is still None before layer 0 and fail.
 (**) SGLang sizes fc from the length of the id list since PR #24663 (May 2026); older releases take 3.
+
+Some engines run no EAGLE-3 draft at all for some target families, whatever the layers (`family_refusal`:
+vLLM's list of targets, SGLang targets without a capture hook or with a broken one).
 
 Every reading rule below is reproduced from the engines' sources (paths in the comments; none of their code
 is copied). When the ids are missing, every engine silently falls back to a default set, so `read_layers`
@@ -41,6 +45,27 @@ ENGINES = ("vllm", "sglang", "specforge", "speculators")
 # before layer 0, where the residual is still None.
 SGLANG_FIRST_ID_ONE = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite"})
 
+# SGLang targets whose ids are hidden-state boundaries, id = hidden_states index, without the +1: gpt-oss since
+# PR #32334 (merged July 2026, python/sglang/srt/models/gpt_oss.py: "Interpret GPT-OSS EAGLE3 layer IDs as
+# hidden-state boundary indices"); releases before it add 1 (notes() says so).
+SGLANG_BOUNDARY = frozenset({"gpt_oss"})
+
+# Target families an engine runs no EAGLE-3 draft for (model_type -> why). vLLM refuses method eagle3 unless the
+# target's hf_text_config.model_type contains one of aux_hidden_states_supported (vllm/config/speculative.py: llama,
+# qwen, minicpm, gpt_oss, hunyuan_vl, hunyuan_v1_dense, afmoe, nemotron_h, deepseek_v2, deepseek_v3, kimi_k2,
+# kimi_k25, minimax_m2, gemma4 in the newest copy read); these families contain none of them. Only the families
+# LayerScope has checked are listed: others are not refused here.
+VLLM_WITHOUT_EAGLE3 = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere", "cohere2", "starcoder2", "mistral"})
+# SGLang calls set_eagle3_layers_to_capture on the target (python/sglang/srt/model_executor/model_runner.py); these
+# targets have none: gemma2.py Gemma2ForCausalLM, commandr.py CohereForCausalLM (Cohere2ForCausalLM subclasses
+# it), starcoder2.py Starcoder2ForCausalLM.
+SGLANG_WITHOUT_EAGLE3 = {"gemma2": "gemma2.py", "cohere": "commandr.py", "cohere2": "commandr.py",
+                         "starcoder2": "starcoder2.py"}
+# SGLang's Gemma 3 target captures the branch output, not the residual stream a draft reads: the decoder keeps the
+# residual apart and python/sglang/srt/models/gemma3_causal.py appends hidden_states, not hidden_states + residual
+# (gpt_oss.py adds it); the fix, "Fix Gemma auxiliary hidden-state captures", is open (sglang PR #39286).
+SGLANG_BROKEN_CAPTURE = frozenset({"gemma3", "gemma3_text"})
+
 
 @dataclass(frozen=True)
 class TargetFacts:
@@ -62,8 +87,34 @@ class TargetFacts:
 
 def sglang_rule(model_type: str) -> str:
     """"always": SGLang adds 1 to every id (Llama, Qwen, Mistral, ... : python/sglang/srt/models/llama.py,
-    qwen2.py, qwen3.py set_eagle3_layers_to_capture); "first-is-one": it adds 1 only when the first id is 1."""
+    qwen2.py, qwen3.py set_eagle3_layers_to_capture); "first-is-one": it adds 1 only when the first id is 1;
+    "boundary": the ids are hidden_states indices (gpt-oss)."""
+    if model_type in SGLANG_BOUNDARY:
+        return "boundary"
     return "first-is-one" if model_type in SGLANG_FIRST_ID_ONE else "always"
+
+
+def family_refusal(engine: str, model_type: str) -> str | None:
+    """Why `engine` runs no EAGLE-3 draft for a target of this family, whatever its layers (None: it may)."""
+    _check_engine(engine)
+    if engine == "vllm" and model_type in VLLM_WITHOUT_EAGLE3:
+        return (f"vllm runs EAGLE-3 only for targets whose model_type contains one of its aux_hidden_states_supported "
+                f"families (llama, qwen, gpt_oss, ...: vllm/config/speculative.py), and {model_type} is not one")
+    if engine == "speculators" and model_type in VLLM_WITHOUT_EAGLE3:
+        return (f"speculators drafts are served by vLLM and trained on hidden states vLLM generates, and vLLM runs "
+                f"EAGLE-3 for no {model_type} target (aux_hidden_states_supported, vllm/config/speculative.py)")
+    why = None
+    if model_type in SGLANG_WITHOUT_EAGLE3:
+        why = (f"SGLang's {model_type} target (python/sglang/srt/models/{SGLANG_WITHOUT_EAGLE3[model_type]}) has no "
+               "set_eagle3_layers_to_capture, which EAGLE-3 calls on the target")
+    elif model_type in SGLANG_BROKEN_CAPTURE:
+        why = ("SGLang's Gemma 3 target captures the layers' branch output without the residual stream the draft was "
+               "trained on (python/sglang/srt/models/gemma3_causal.py; the fix, PR #39286, is not merged)")
+    if why and engine == "sglang":
+        return why
+    if why and engine == "specforge":
+        return f"specforge captures through SGLang, and {why}"
+    return None
 
 
 def default_layers(engine: str, num_layers: int) -> list[int]:
@@ -80,7 +131,9 @@ def default_layers(engine: str, num_layers: int) -> list[int]:
 
 def refusal(engine: str, layers: list[int], facts: TargetFacts) -> str | None:
     """Why `engine` cannot serve or train a draft on `layers` of this target (None when it can)."""
-    _check_engine(engine)
+    family = family_refusal(engine, facts.model_type)
+    if family:
+        return family
     k = len(layers)
     if engine in ("vllm", "speculators") and k != 3:
         # vllm/model_executor/models/llama_eagle3.py: fc = ReplicatedLinear(target_hidden_size * 3, hidden_size);
@@ -112,6 +165,9 @@ def notes(engine: str, layers: list[int], facts: TargetFacts) -> list[str]:
     if engine == "sglang" and len(layers) != 3:
         out.append(f"{len(layers)} layers need an SGLang whose EAGLE-3 draft sizes fc from the length of "
                    "eagle_config.eagle_aux_hidden_state_layer_ids (PR #24663, May 2026); older releases take 3")
+    if engine in ("sglang", "specforge") and sglang_rule(facts.model_type) == "boundary":
+        out.append(f"SGLang reads {facts.model_type} ids as hidden-state boundaries since PR #32334 (July 2026); "
+                   "older releases add 1 to every id and would read the layers after these: serve with a newer one")
     if engine == "speculators":
         out.append("speculators convert ignores the ids in the draft's config.json and falls back to "
                    f"{default_layers('speculators', facts.num_layers)} unless they are passed in --algorithm-kwargs")
@@ -130,6 +186,13 @@ def vllm_ids(layers: list[int]) -> list[int]:
 def sglang_ids(layers: list[int], model_type: str) -> list[int]:
     """The ids to write under eagle_config for SGLang (and SpecForge) so that it reads `layers` of this target."""
     layers = [int(l) for l in layers]
+    if sglang_rule(model_type) == "boundary":
+        # gpt_oss.py captures hidden_states + residual before layer id; the residual is still None before layer 0
+        if 0 in layers:
+            raise DraftError(f"sglang cannot read layer 0 (the embedding output) of a {model_type} target: its "
+                             "decoder loop adds a residual that is still None before the first layer",
+                             "Choose a layer set without layer 0 for SGLang")
+        return layers
     if sglang_rule(model_type) == "always":
         # llama.py set_eagle3_layers_to_capture: layers_to_capture = [val + 1 for val in layer_ids], and the
         # decoder loop captures hidden_states + residual before layer i, i.e. hidden_states[i]
@@ -183,7 +246,8 @@ def read_layers(engine: str, config: dict, facts: TargetFacts, run_ids: list[int
     if ids is None:
         return default_layers(engine, n), "default (no eagle_config.eagle_aux_hidden_state_layer_ids)"
     ids = [int(i) for i in ids]
-    if sglang_rule(facts.model_type) == "always" or (ids and ids[0] == 1):
+    rule = sglang_rule(facts.model_type)
+    if rule == "always" or (rule == "first-is-one" and ids and ids[0] == 1):
         return [i + 1 for i in ids], "config"
     return ids, "config"
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from layerscope import distributed
-from layerscope.draft.loss import ttt_loss
+from layerscope.draft.loss import Teacher, ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.draft.progress import EvalProgress, FitProgress, TrainProgress
 from layerscope.errors import DraftError
@@ -129,11 +129,11 @@ class TrainingCancelled(DraftError):
 
 @dataclass
 class Drafter:
-    """One draft in training: its head, optimizer and the target's lm_head rows of the draft vocabulary."""
+    """One draft in training: its head, optimizer and the target's logits on the draft vocabulary."""
     layers: list[int]
     head: DraftHead
     opt: torch.optim.Optimizer
-    teacher_w: torch.Tensor           # [V, d] float32
+    teacher: Teacher
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -145,9 +145,12 @@ def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, fi
                    start: list[DraftHead] | None = None) -> list[Drafter]:
     """A fresh head per layer set, each seeded with o.seed (so a set's start does not depend on the others),
     or with `start` (one loaded draft per set, draft/init_from.py) that draft's weights.
-    embed, lm_head [vocab, d]: the target's; final_norm [d]: its final RMSNorm weight (for freeze_lm_head)."""
+    embed, lm_head [vocab, d]: the target's (embed is the raw weight: Gemma's sqrt(d) normalizer is the target's
+    forward's, never the draft's); final_norm [d]: its final norm's gain (the final_norm function; for
+    freeze_lm_head). init_lm_head starts lm_head at the target's rows times its logit scale (Teacher.scale), so the
+    draft's logits start in the target's units; no engine soft-caps a draft's logits, so the cap stays the teacher's."""
     V, vocab = len(d2t), int(embed.shape[0])
-    teacher_w = lm_head.detach()[(d2t + torch.arange(V)).to(lm_head.device)].float().to(device)   # [V, d]
+    teacher = Teacher.of(target_config, lm_head, d2t, device)
     out = []
     for i, s in enumerate(sets):
         torch.manual_seed(o.seed)
@@ -160,24 +163,45 @@ def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, fi
                     raise DraftError(f"The starting draft for layers {s} does not have this target's draft shape "
                                      f"({str(e).splitlines()[0][:200]})", "Continue a draft LayerScope trained for this target") from None
             elif o.init_lm_head:
-                head.lm_head.weight.copy_(teacher_w)
+                head.lm_head.weight.copy_(teacher.rows * teacher.scale)
             if o.freeze_lm_head:
                 if final_norm is None:
-                    raise DraftError("freeze_lm_head needs the target's final norm weight", "Train without freezing")
+                    raise DraftError(f"freeze_lm_head keeps the draft's RMSNorm at the target's final norm, and this "
+                                     f"{target_config.model_type} target's final norm is not an RMSNorm (or it has none)",
+                                     "Train without --freeze-lm-head")
                 head.norm.weight.copy_(final_norm.detach().float())
                 head.lm_head.weight.requires_grad_(False)
                 head.norm.weight.requires_grad_(False)
         head.train()
         params = [p for p in head.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay)
-        out.append(Drafter(list(s), head, opt, teacher_w))
+        out.append(Drafter(list(s), head, opt, teacher))
     return out
 
 
+NORM_PROBE = 64.0     # |x_i| of the probe vector: rms(x) = 64 exactly, so a norm's eps does not show in float32
+
+
+@torch.no_grad()
 def final_norm(model) -> torch.Tensor | None:
-    """The weight [d] of a causal LM's final RMSNorm (what its lm_head reads through), or None if it has none."""
+    """The gain g [d] float32 of a causal LM's final norm read as the draft's norm reads its weight, g * x / rms(x):
+    measured on the module itself, so Llama's w comes out as w and Gemma's (1 + w) as 1 + w. None when the model has
+    no final norm or its norm is not of that form (a LayerNorm subtracts the mean: Cohere, Starcoder2)."""
     norm = getattr(getattr(model, "model", None), "norm", None)
-    return None if norm is None else norm.weight
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    d = weight.shape[-1]
+    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+    gain = (norm((signs * NORM_PROBE).to(weight.device, weight.dtype)).float().cpu() * signs).to(weight.device)
+    z = torch.randn(4, d, generator=g) + 1.0                    # off-centre: a mean-subtracting norm shows
+    rms_form = gain.cpu() * z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True))
+    seen = norm(z.to(weight.device, weight.dtype)).float().cpu()
+    tol = 2e-2 if weight.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    if not torch.allclose(seen, rms_form, rtol=tol, atol=tol * float(rms_form.abs().max())):
+        return None
+    return gain
 
 
 # ----------------------------------------------------------------------------- schedule and budget
@@ -311,7 +335,7 @@ def train_step(d: Drafter, batch: dict | None, o: TrainOptions, lr: float, J: in
     d.opt.zero_grad(set_to_none=True)
     loss, stats = torch.zeros((), device=device), []
     if batch is not None:
-        loss, stats = ttt_loss(d.head, batch, d.teacher_w, denom=counts.tolist(), feature_weight=o.feature_loss,
+        loss, stats = ttt_loss(d.head, batch, d.teacher, denom=counts.tolist(), feature_weight=o.feature_loss,
                            noise_std=o.noise_std)
         loss.backward()
     if world > 1:                                       # the sum of the ranks' gradients = the one-process one

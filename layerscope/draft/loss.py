@@ -1,7 +1,8 @@
 """The draft's training loss (EAGLE-3's training-time test) and its held-out evaluation.
 
 For TTT step j (0-based) at a counted position p, with the target's logits on the draft vocabulary
-z = lm_head_target(hidden_states[N][p]) restricted to V, p_t = softmax(z), q = softmax(draft logits):
+z = Teacher.logits(hidden_states[N][p]) (its lm_head restricted to V, then its own logit transform: what its
+forward returns), p_t = softmax(z), q = softmax(draft logits):
     kl_j      = mean over counted p of  sum_v p_t(v) (log p_t(v) - log q(v))     (0 = the draft matches)
     feature_j = mean over counted p of  smooth_l1(norm_draft(a_j), hidden_states[N][p])   (EAGLE-1's
                 regression toward the feature the target's lm_head reads; weight `feature_weight`, 0 = off)
@@ -12,27 +13,57 @@ Optional Gaussian noise of std `noise_std` on the auxiliary hidden states (train
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from layerscope.draft.data import Split, make_batch
-from layerscope.draft.model import DraftHead
+from layerscope.draft.model import DraftHead, head_transform
 
 LOSS_DECAY = 0.8
 
 
-def ttt_loss(head: DraftHead, batch: dict, teacher_w: torch.Tensor, denom: list[int] | None = None, *,
+@dataclass
+class Teacher:
+    """The target's logits on the draft vocabulary from its final state, as the target's own forward computes
+    them: softcap * tanh(scale * z / softcap) (softcap None: scale * z), z = final @ rows.T (model.head_transform:
+    Gemma 2's final_logit_softcapping, Cohere's logit_scale, ...). `final` is hidden_states[N], already through
+    the target's own final norm (Gemma's 1 + w, Cohere's LayerNorm), so these are the logits the verifier decides
+    from. The transform is monotone: the target's argmax is that of z alone (data.target_argmax)."""
+    rows: torch.Tensor                # [V, d] float32: the target's lm_head rows of the draft vocabulary
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, target_config, lm_head: torch.Tensor, d2t: torch.Tensor, device) -> "Teacher":
+        """lm_head [vocab, d] of the target, d2t [V] of the draft vocabulary."""
+        rows = lm_head.detach()[(d2t + torch.arange(len(d2t))).to(lm_head.device)].float().to(device)
+        scale, softcap = head_transform(target_config)
+        return cls(rows, scale, softcap)
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """final [M, d] -> the target's logits [M, V] float32."""
+        z = final.float() @ self.rows.T
+        if self.scale != 1.0:
+            z = z * self.scale
+        if self.softcap is not None:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+
+def ttt_loss(head: DraftHead, batch: dict, teacher: Teacher, denom: list[int] | None = None, *,
              feature_weight: float = 0.0, noise_std: float = 0.0):
     """Weighted TTT loss, and per step (correct, counted) top-1 agreement with the target's argmax on V.
 
-    teacher_w [V, d]: the target's lm_head rows of the draft vocabulary. denom[j]: divide step j's summed
+    teacher: the target's logits on the draft vocabulary. denom[j]: divide step j's summed
     loss by this count instead of the batch's own (the global count when the batch is one rank's share of a
     larger one, so that summed gradients equal the one-process ones)."""
     aux = batch["aux"]
     if noise_std > 0:
         aux = aux + noise_std * torch.randn_like(aux)
     outs = head.unroll(batch["input_ids"], head.fuse(aux), batch["position_ids"], with_logits=False)
-    loss = torch.zeros((), device=teacher_w.device)
+    loss = torch.zeros((), device=teacher.rows.device)
     stats = []
     for j, ((_, h), mask, final) in enumerate(zip(outs, batch["masks"], batch["targets"])):
         if final.shape[0] == 0:
@@ -41,18 +72,18 @@ def ttt_loss(head: DraftHead, batch: dict, teacher_w: torch.Tensor, denom: list[
         normed = head.norm(h[mask])
         logq = F.log_softmax(head.lm_head(normed).float(), dim=-1)
         with torch.no_grad():
-            teacher = final @ teacher_w.T                                  # [M, V] target logits on the draft vocab
-            logp = F.log_softmax(teacher, dim=-1)
+            target = teacher.logits(final)                                 # [M, V] target logits on the draft vocab
+            logp = F.log_softmax(target, dim=-1)
         per_row = (logp.exp() * (logp - logq)).sum(-1)
         if feature_weight > 0:
             per_row = per_row + feature_weight * F.smooth_l1_loss(normed.float(), final, reduction="none").mean(-1)
         loss = loss + LOSS_DECAY ** j * (per_row.mean() if denom is None else per_row.sum() / max(denom[j], 1))
-        stats.append((int((logq.argmax(-1) == teacher.argmax(-1)).sum()), int(mask.sum())))
+        stats.append((int((logq.argmax(-1) == target.argmax(-1)).sum()), int(mask.sum())))
     return loss, stats
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, split: Split, windows, J, teacher_w, batch_size, device):
+def evaluate(head: DraftHead, split: Split, windows, J, teacher: Teacher, batch_size, device):
     """Validation over every position of `split` whose next token is a response token (split.counted).
 
     Returns (agreement per TTT step, mean weighted KL, positions counted at step 1, coverage): agreement is
@@ -70,7 +101,7 @@ def evaluate(head: DraftHead, split: Split, windows, J, teacher_w, batch_size, d
             if final.shape[0] == 0:
                 continue
             logq = F.log_softmax(head.logits(h[mask]).float(), dim=-1)
-            logp = F.log_softmax(final @ teacher_w.T, dim=-1)
+            logp = F.log_softmax(teacher.logits(final), dim=-1)
             loss = loss + LOSS_DECAY ** j * (logp.exp() * (logp - logq)).sum(-1).mean()
             correct[j] += int((head.to_target_ids(logq.argmax(-1)) == want).sum())
             total[j] += int(mask.sum())

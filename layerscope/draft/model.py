@@ -61,7 +61,11 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target_config, aux_layers, draft_vocab_size: int, vocab_size: int | None = None) -> "DraftConfig":
-        """Shape the draft like the target's decoder layers (heads, MLP width, norm eps, rotary).
+        """Shape the draft like the target's decoder layers (heads, head_dim, MLP width, norm eps) with one flat
+        rotary setting (rope_of). The layer stays a plain Llama layer whatever the target's own are (silu, standard
+        RMSNorm, 1/sqrt(head_dim) scaling, full attention; no window, sinks, softcap or QK-norm): the engines build
+        the draft from its own config.json alone (docs/internals.md, "Drafts for targets with per-layer-type
+        settings"). head_dim is the target's even where heads * head_dim != hidden (Gemma 3 270M: 4 x 256 on 640).
         vocab_size: rows of the target's embedding when they differ from config.vocab_size."""
         d = int(target_config.hidden_size)
         heads = int(target_config.num_attention_heads)
@@ -95,6 +99,12 @@ class DraftConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": theta,
             "rope_scaling": scaling,
+            # full attention, said explicitly: the draft never slides, whatever its target's layers do
+            "use_sliding_window": False,
+            "sliding_window": None,
+            # the residual is the hidden stream before hidden_norm (DraftLayer.finish). vLLM reads a missing key as
+            # False in this format but as True in speculators' (vllm/transformers_utils/configs/speculators/algos.py)
+            "norm_before_residual": False,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
@@ -139,16 +149,63 @@ class DraftConfig:
 
 
 def rope_of(target_config) -> dict:
-    """The target's rotary parameters as one flat dict {rope_type, rope_theta, ...} (transformers 4 or 5)."""
+    """The one flat rotary setting {rope_type, rope_theta, ...} of a draft for this target (transformers 4 or 5).
+
+    A target with one setting gives it. A target with one per layer type (transformers 5 rope_parameters keyed by
+    layer type; Gemma 3: sliding_attention 10k local, full_attention 1M global, with linear scaling on 4B and up)
+    gives its full_attention entry: the draft attends over the whole context, as the target's global layers do
+    (SpecForge configs/gemma3-1b-eagle3.json writes rope_theta 1e6 and use_sliding_window false). The engines
+    read one flat setting from the draft's config.json (vLLM and SGLang llama_eagle3.py, SpecForge
+    llama3_eagle.py get_rope_config); speculators would collapse a per-type one to its sliding entry
+    (src/speculators/models/utils.py flatten_rope_parameters). partial_rotary_factor is left out: the draft
+    rotates whole heads (speculators' train/cli.py drops it for the same reason)."""
     params = getattr(target_config, "rope_parameters", None)
+    if isinstance(params, dict) and params and "rope_theta" not in params:
+        per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
+        params = per_type.get("full_attention") or (next(iter(per_type.values())) if len(per_type) == 1 else None)
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            raise DraftError(f"The target's per-layer-type rotary parameters {sorted(per_type)} have no full_attention "
+                             "entry with a rope_theta to give the draft", "Draft heads take the rotary setting of the "
+                             "target's full-attention layers; this target names none")
     if isinstance(params, dict) and "rope_theta" in params:
-        return {"rope_type": "default", **params}
-    if isinstance(params, dict) and params:
-        raise DraftError("The target uses per-layer-type rotary parameters",
-                         "Draft heads support Llama-like targets with one rotary setting")
-    scaling = getattr(target_config, "rope_scaling", None) or {}
-    return {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), **scaling,
-            "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
+        rope = {"rope_type": "default", **params}
+    else:
+        scaling = getattr(target_config, "rope_scaling", None) or {}
+        rope = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), **scaling,
+                "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
+    rope.pop("partial_rotary_factor", None)
+    rope.pop("type", None)
+    return rope
+
+
+# Config fields that name a transform transformers applies to the logits after the output embedding, and how: the
+# target's logits are softcap(scale * lm_head(final)). Monotone, so they keep the argmax (the verifier's greedy
+# choice); they change the distribution a draft is trained toward. A draft's own logits are never transformed
+# (vLLM's and SGLang's llama_eagle3.py build their LogitsProcessor without a soft cap).
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})   # modeling_hyperclovax.py: logits * logits_scaling
+
+
+def head_transform(config) -> tuple[float, float | None]:
+    """(scale, softcap) of a causal LM's head: its logits are softcap * tanh(scale * z / softcap) (softcap None:
+    scale * z), z = lm_head(final hidden state). From the text config (composite configs hold it there):
+      final_logit_softcapping  Gemma 2 (30.0), Gemma 3 (null): modeling_gemma2.py, applied last
+      logit_scale              Cohere, Cohere2: modeling_cohere2.py logits * logit_scale
+      logits_scaling           Granite, MiniCPM3: divided (modeling_granite.py; MiniCPM3 divides the hidden state);
+                               HyperCLOVA X multiplies
+      output_multiplier        MuseSpark, MuseGlimmer: multiplied before the soft cap"""
+    text = config.get_text_config(decoder=True)
+    values = {name: getattr(text, name, None) for name in HEAD_TRANSFORMS}
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise DraftError(f"The target's {name} is {value!r}, not a positive number",
+                             "Draft training reads the target's logit transform from its config; fix the config")
+    scale = float(values["logit_scale"] or 1.0) * float(values["output_multiplier"] or 1.0)
+    if values["logits_scaling"] is not None:
+        by = float(values["logits_scaling"])
+        scale = scale * by if getattr(text, "model_type", None) in LOGITS_SCALING_MULTIPLIES else scale / by
+    cap = values["final_logit_softcapping"]
+    return scale, None if cap is None else float(cap)
 
 
 # ----------------------------------------------------------------------------- vocabulary

@@ -572,7 +572,7 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
                              f"Remove that folder to resume from scratch (or the whole {run_dir} to start over)") from None
 
     def run_eval():
-        return [evaluate(d.head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, d.teacher_w, o.batch_size, device)
+        return [evaluate(d.head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, d.teacher, o.batch_size, device)
                 for d, sp in zip(drafters, val_splits)]
 
     state = fit(drafters, OnlineSource(target, convs, train_idx, sets, o, t2d), o, state=state, evaluate=run_eval,

@@ -154,7 +154,7 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
             progress(p)
 
     def run_eval():
-        return [evaluate(head, val, val_windows, J, drafters[0].teacher_w, o.batch_size, device)]
+        return [evaluate(head, val, val_windows, J, drafters[0].teacher, o.batch_size, device)]
 
     state = fit(drafters, CaptureSource(train, train_ok, train_windows, o, device), o, evaluate=run_eval,
                 progress=on_step, should_stop=should_stop, planned_steps=planned, device=device)
