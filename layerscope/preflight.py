@@ -69,7 +69,7 @@ def target_shape(spec: str, store: Store):
     if spec == "tiny-llama" or spec.startswith("tiny-llama:"):
         return models.load_model(spec).model.config      # a random tiny model: built in milliseconds
     config = None
-    if spec == models.DEFAULT_MODEL or spec.endswith(".gguf"):
+    if spec in models.ALIASES or spec.endswith(".gguf"):
         config = _gguf_config(spec, store)
     elif Path(spec).expanduser().is_dir():
         config = Path(spec).expanduser() / "config.json"
@@ -94,9 +94,12 @@ def target_shape(spec: str, store: Store):
 
 
 def _gguf_config(spec: str, store: Store) -> Path | None:
-    """config.json of the GGUF's de-quantized copy in the store, found through the store's file-hash memo."""
+    """config.json of the GGUF's de-quantized copy in the store, found through the store's file-hash memo (an
+    alias shipped in parts: once its file is assembled in the store; nothing is assembled here)."""
     try:
-        path = models.smollm2_gguf_path() if spec == models.DEFAULT_MODEL else Path(spec).expanduser()
+        path = models.alias_gguf(spec, store, assemble=False) if spec in models.ALIASES else Path(spec).expanduser()
+        if path is None:
+            return None
         st = path.stat()
         memo = jsonsafe.loads((store.root / "file-hashes.json").read_bytes(), what="file-hashes.json")
         digest = memo.get(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}")

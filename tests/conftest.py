@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random model, a small capture of it, and the real SmolLM2 (loaded once)."""
+"""Shared fixtures: a tiny random model, a small capture of it, and the real SmolLM2 and Gemma 3 270M (each loaded once)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,14 @@ def smollm2(session_store):
     from layerscope.models import load_model
 
     return load_model("smollm2-135m", store=session_store)
+
+
+@pytest.fixture(scope="session")
+def gemma3(session_store):
+    """The real Gemma 3 270M: its four parts assembled and de-quantized once per test session into the session store."""
+    from layerscope.models import load_model
+
+    return load_model("gemma3-270m", store=session_store)
 
 
 @pytest.fixture(scope="module")
