@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt
+from layerscope import fmt, models
 from layerscope.capture.stored import list_captures
 from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
@@ -21,7 +21,9 @@ manager = get_manager()
 
 # Every control's value lives in the session (s.view), so it survives leaving the page, a reload and a new tab.
 SOURCES = ["builtin", "sharegpt", "upload"]
-on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or "smollm2-135m"),
+KNOWN = {**{spec: alias.about for spec, alias in models.ALIASES.items()},   # the models that need no download
+         "tiny-llama": "a random tiny model for demos"}
+on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or models.DEFAULT_MODEL),
       "source": bind_view(s, "cap_source", "ls_w_cap_source", "builtin", options=SOURCES),
       "limit": bind_view(s, "cap_limit", "ls_w_cap_limit", 16, clamp=(1, 100_000)),
       "new": bind_view(s, "cap_new", "ls_w_cap_new", 48, clamp=(1, 4096)),
@@ -34,8 +36,19 @@ view = job.view() if job else None
 left, right = st.columns([1, 1], gap="large")
 with left:
     st.text_input("Target model", key="ls_w_cap_model", on_change=on["model"],
-                  help="`smollm2-135m` (default, embedded), `tiny-llama` (a random tiny model for demos), "
-                       "a Hugging Face id such as `HuggingFaceTB/SmolLM2-135M-Instruct`, a local directory or a .gguf file")
+                  help=f"{', '.join(f'`{k}`' for k in KNOWN)} (pick one below), a Hugging Face id such as "
+                       f"`{models.ALIASES[models.DEFAULT_MODEL].hf_id}`, a local directory or a .gguf file")
+
+    def pick_known():
+        """A built-in model picked: it becomes the typed spec (and the session's choice)."""
+        if st.session_state.ls_w_cap_known:
+            st.session_state.ls_w_cap_model = st.session_state.ls_w_cap_known
+            on["model"]()
+
+    # the pill shows which built-in model the text names (none for anything else)
+    st.session_state.ls_w_cap_known = st.session_state.ls_w_cap_model if st.session_state.ls_w_cap_model in KNOWN else None
+    st.pills("Built-in models", list(KNOWN), key="ls_w_cap_known", on_change=pick_known,
+             help="  \n".join(f"`{k}`: {md_text(v)}" for k, v in KNOWN.items()))
     source = st.radio("Prompt set", SOURCES, key="ls_w_cap_source", horizontal=True, on_change=on["source"],
                       help="builtin: prompts written for LayerScope in several task categories; "
                            "sharegpt: real conversations (training split); upload: your own .jsonl/.txt/.csv")
@@ -76,7 +89,7 @@ if st.button("Start capture", type="primary", icon=":material/play_arrow:", disa
              key="ls_cap_start"):
     model = st.session_state.ls_w_cap_model.strip()
     if not model:
-        show_error("No model given", "Type a model spec, e.g. smollm2-135m or tiny-llama")
+        show_error("No model given", f"Type a model spec or pick one of {', '.join(KNOWN)}")
     else:
         with guard("start capture"):
             # the session takes the model and prompt set from the finished capture, never from a failed one

