@@ -6,11 +6,13 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Cohere2Config, Gemma2Config
 
 import layerscope.store as store_mod
-from layerscope.capture.run import CaptureCancelled, capture
+from layerscope.capture.run import CaptureCancelled, capture, predictive_entropy
 from layerscope.capture.stored import list_captures, open_capture
 from layerscope.errors import CaptureError
+from layerscope.head import head_transform
 from layerscope.prompts.sets import chat_ids, load_prompts
 
 
@@ -197,3 +199,26 @@ def test_smollm2_capture_follows_the_index_convention(smollm2, session_store):
         ref = out.hidden_states[l][0]
         err = (cap.layer(l, sel) - ref).abs().max() / ref.abs().max()
         assert err < 1e-2, (l, err)
+
+
+@pytest.mark.parametrize("config_class, fields", [
+    (Gemma2Config, {"final_logit_softcapping": 2.0}),     # a small cap, so the transform changes the distribution
+    (Cohere2Config, {"logit_scale": 0.0625}),
+])
+def test_token_entropy_is_that_of_the_models_own_logits(config_class, fields):
+    """A capture's token entropy is the entropy of the distribution the model itself gives, soft cap and logit
+    scale included (head.head_transform), not that of the raw lm_head output."""
+    torch.manual_seed(0)
+    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.5, **fields)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        final = out.hidden_states[-1][0]
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        want = -(logp.exp() * logp).sum(-1)
+        got = predictive_entropy(model.lm_head, final, *head_transform(model.config))
+        raw = predictive_entropy(model.lm_head, final)
+    assert torch.allclose(got, want, atol=1e-4)
+    assert (raw - want).abs().max() > 0.05              # the transform matters for these families

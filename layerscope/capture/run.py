@@ -48,6 +48,7 @@ from layerscope.capture import size
 from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
 from layerscope.errors import CaptureError
+from layerscope.head import apply_head_transform, head_transform
 from layerscope.models import LoadedModel
 from layerscope.prompts.sets import PromptSet, chat_ids
 from layerscope.store import LockWaitCancelled, Store, atomic_save_tensors, make_key
@@ -402,7 +403,7 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
     valid = mask.bool().to(loaded.device)
     hidden = {f"hidden.{l}": h[valid].to(torch.float16).cpu() for l, h in enumerate(out.hidden_states)}
     hidden["prenorm_final"] = last_layer_out["h"][valid].to(torch.float16).cpu()
-    entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid])
+    entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid], *head_transform(loaded.model.config))
     position = torch.cat([torch.arange(len(s)) for s in seqs])
     conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])
     is_response = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(seqs, prompts)])
@@ -410,11 +411,13 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
             "conversation": conversation.int(), "is_response": is_response}
 
 
-def predictive_entropy(lm_head, final: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """Entropy (nats) of softmax(lm_head(final)) per row, [n, d] -> [n] float32; logits made `block` rows at a time."""
+def predictive_entropy(lm_head, final: torch.Tensor, scale: float = 1.0, softcap: float | None = None,
+                       block: int = 1024) -> torch.Tensor:
+    """Entropy (nats) of the model's next-token distribution per row, [n, d] -> [n] float32: softmax of lm_head(final)
+    through the family's transform (scale, softcap: head.head_transform); logits made `block` rows at a time."""
     out = []
     for i in range(0, final.shape[0], block):
-        logp = torch.log_softmax(lm_head(final[i: i + block]).float(), dim=-1)
+        logp = torch.log_softmax(apply_head_transform(lm_head(final[i: i + block]).float(), scale, softcap), dim=-1)
         out.append(-(logp.exp() * logp).sum(-1).cpu())
     return torch.cat(out) if out else torch.zeros(0)
 

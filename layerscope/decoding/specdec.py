@@ -41,8 +41,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from layerscope import layerset
-from layerscope.draft.model import HEAD_TRANSFORMS, DraftCache
+from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
+from layerscope.head import HEAD_TRANSFORMS
 
 # Draft depth of the chain, chosen by measurement on 2 CPU cores with SmolLM2-135M and drafts trained on
 # CPU budgets (first-position acceptance 0.23-0.27): K=2 gave 0.657x/0.667x of plain decoding, K=4
@@ -506,7 +507,7 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
 
 def _plain_head(config) -> bool:
     """Whether the target's logits are its output embedding of the final hidden state and nothing more (no
-    `HEAD_TRANSFORMS`, draft/model.py). The transforms are monotone, so they keep the argmax, but in low precision
+    `HEAD_TRANSFORMS`, layerscope/head.py). The transforms are monotone, so they keep the argmax, but in low precision
     they can round two near-equal logits into a tie the output embedding alone would not show, and break it
     differently."""
     text = config.get_text_config(decoder=True)

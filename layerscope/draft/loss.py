@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from layerscope.draft.data import Split, make_batch
-from layerscope.draft.model import DraftHead, head_transform
+from layerscope.draft.model import DraftHead
+from layerscope.head import apply_head_transform, head_transform
 
 LOSS_DECAY = 0.8
 
@@ -27,7 +28,7 @@ LOSS_DECAY = 0.8
 @dataclass
 class Teacher:
     """The target's logits on the draft vocabulary from its final state, as the target's own forward computes
-    them: softcap * tanh(scale * z / softcap) (softcap None: scale * z), z = final @ rows.T (model.head_transform:
+    them: softcap * tanh(scale * z / softcap) (softcap None: scale * z), z = final @ rows.T (head.head_transform:
     Gemma 2's final_logit_softcapping, Cohere's logit_scale, ...). `final` is hidden_states[N], already through
     the target's own final norm (Gemma's 1 + w, Cohere's LayerNorm), so these are the logits the verifier decides
     from. The transform is monotone: the target's argmax is that of z alone (data.target_argmax)."""
@@ -44,12 +45,7 @@ class Teacher:
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """final [M, d] -> the target's logits [M, V] float32."""
-        z = final.float() @ self.rows.T
-        if self.scale != 1.0:
-            z = z * self.scale
-        if self.softcap is not None:
-            z = torch.tanh(z / self.softcap) * self.softcap
-        return z
+        return apply_head_transform(final.float() @ self.rows.T, self.scale, self.softcap)
 
 
 def ttt_loss(head: DraftHead, batch: dict, teacher: Teacher, denom: list[int] | None = None, *,

@@ -182,32 +182,6 @@ def rope_of(target_config) -> dict:
 # target's logits are softcap(scale * lm_head(final)). Monotone, so they keep the argmax (the verifier's greedy
 # choice); they change the distribution a draft is trained toward. A draft's own logits are never transformed
 # (vLLM's and SGLang's llama_eagle3.py build their LogitsProcessor without a soft cap).
-HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
-LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})   # modeling_hyperclovax.py: logits * logits_scaling
-
-
-def head_transform(config) -> tuple[float, float | None]:
-    """(scale, softcap) of a causal LM's head: its logits are softcap * tanh(scale * z / softcap) (softcap None:
-    scale * z), z = lm_head(final hidden state). From the text config (composite configs hold it there):
-      final_logit_softcapping  Gemma 2 (30.0), Gemma 3 (null): modeling_gemma2.py, applied last
-      logit_scale              Cohere, Cohere2: modeling_cohere2.py logits * logit_scale
-      logits_scaling           Granite, MiniCPM3: divided (modeling_granite.py; MiniCPM3 divides the hidden state);
-                               HyperCLOVA X multiplies
-      output_multiplier        MuseSpark, MuseGlimmer: multiplied before the soft cap"""
-    text = config.get_text_config(decoder=True)
-    values = {name: getattr(text, name, None) for name in HEAD_TRANSFORMS}
-    for name, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise DraftError(f"The target's {name} is {value!r}, not a positive number",
-                             "Draft training reads the target's logit transform from its config; fix the config")
-    scale = float(values["logit_scale"] or 1.0) * float(values["output_multiplier"] or 1.0)
-    if values["logits_scaling"] is not None:
-        by = float(values["logits_scaling"])
-        scale = scale * by if getattr(text, "model_type", None) in LOGITS_SCALING_MULTIPLIES else scale / by
-    cap = values["final_logit_softcapping"]
-    return scale, None if cap is None else float(cap)
-
-
 # ----------------------------------------------------------------------------- vocabulary
 
 def build_draft_vocab(token_ids: torch.Tensor, V: int, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
