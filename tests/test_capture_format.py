@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,12 @@ import pytest
 import torch
 
 from layerscope.capture import format as capture_format
+from layerscope.capture.run import capture
 from layerscope.capture.stored import list_captures, open_capture, verify_capture
+from layerscope.draft.train import load_splits
+from layerscope.models import tiny_model
+from layerscope.prompts.sets import load_prompts
+from layerscope.stats.analysis import AnalysisOptions, analyze
 from layerscope.store import Store
 
 FIXTURE = Path(__file__).parent / "fixtures" / "capture-v1"
@@ -72,3 +78,38 @@ def test_the_stored_fixture_reads_through_the_format_module():
     capture_format.check_chunk_files(path, manifest)
     assert capture_format.verify_capture_files(path) == []
     assert [p.name for _, _, p in capture_format.list_chunks(path)] == [c["file"] for c in manifest["chunks"]]
+
+
+def test_states_beyond_float16s_range_are_stored_in_bfloat16(tmp_path):
+    """A model whose residual stream passes 65504 (Gemma 3's reaches 1e5) is captured in bfloat16, not float16's
+    inf: the capture checks, reads back finite and close to the model's own states, analyses to finite statistics
+    and trains from finite features. A model that fits keeps float16 (the format as it was)."""
+    big = tiny_model(spec="tiny-llama:big")
+    with torch.no_grad():
+        big.model.get_input_embeddings().weight.mul_(3e6)           # hidden_states[0] alone overflows float16 (~2e5)
+    store = Store(tmp_path / "store")
+    prompts = load_prompts("builtin", limit=3, seed=0)
+    cap = open_capture(store, capture(big, prompts, store, max_new_tokens=4, batch_size=2).key)
+    chunk = next(cap.path.glob("chunk-*.safetensors"))
+    header = capture_format.read_header(chunk)
+    assert header["hidden.0"]["dtype"] == header["prenorm_final"]["dtype"] == "BF16"
+    assert verify_capture(store, cap.key) == []
+    ids = cap.tokens()["token_id"]
+    conv = cap.tokens()["conversation"]
+    first = ids[conv == 0].long()
+    with torch.no_grad():
+        want = big.model.model(input_ids=first[None], output_hidden_states=True).hidden_states[0][0]
+    got = cap.layer(0)[conv == 0]
+    assert float(want.abs().max()) > capture_format.FLOAT16_MAX and torch.isfinite(got).all()
+    assert torch.allclose(got, want, rtol=1e-2)
+    stats = analyze(cap, store, AnalysisOptions())
+    assert all(map(math.isfinite, stats.entropy))
+    train, _ = load_splits(cap, torch.zeros(cap.num_tokens, dtype=torch.bool), [0, 2])
+    assert train.aux.dtype == torch.bfloat16 and torch.isfinite(train.aux.float()).all()
+
+    store.close()
+
+    small, store = tiny_model(), Store(tmp_path / "small")     # its own store: the two share a fingerprint
+    cap = open_capture(store, capture(small, prompts, store, max_new_tokens=4, batch_size=2).key)
+    assert capture_format.read_header(next(cap.path.glob("chunk-*.safetensors")))["hidden.0"]["dtype"] == "F16"
+    store.close()

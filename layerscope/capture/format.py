@@ -16,8 +16,11 @@ manifest.json, a JSON object (capture.build_manifest writes it; `validate_manife
     chunks            [{file, start, end, tokens, bytes, sha256}], file = chunk_name(start, end)
 
 A chunk of n tokens holds (name: shape dtype):
-    hidden.<l>        [n, d] float16, for l in 0..N (hidden_states[l] of the model)
-    prenorm_final     [n, d] float16, when has_prenorm_final: the last decoder layer's output before the final norm
+    hidden.<l>        [n, d] float16, for l in 0..N (hidden_states[l] of the model); bfloat16 in a chunk whose
+                      states would overflow float16 (|x| > 65504: Gemma 3's residual stream reaches 1e5), see
+                      `state_dtype`
+    prenorm_final     [n, d] the states' dtype, when has_prenorm_final: the last decoder layer's output before the
+                      final norm
     token_id, position, conversation   [n] int32 (conversation counts from 0 over the whole capture)
     is_response       [n] bool: the token is part of the target's own answer, not the prompt
     entropy           [n] float32: predictive entropy (nats) of the next-token distribution
@@ -48,6 +51,18 @@ MAX_HEADER_BYTES = 100 * 2**20
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 CHUNK_DTYPES = {"token_id": "I32", "position": "I32", "conversation": "I32", "is_response": "BOOL",
                 "entropy": "F32"}
+STATE_DTYPES = ("F16", "BF16")          # a chunk's hidden states: float16, or bfloat16 where float16 would overflow
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def state_dtype(states) -> torch.dtype:
+    """How hidden states are stored (a capture's chunk, online training's features): float16, unless a finite value
+    would overflow it (|x| > 65504), then bfloat16, which has float32's range at a coarser step. `states`: tensors
+    (or one), judged together so that one batch's layers share a dtype."""
+    tensors = [states] if isinstance(states, torch.Tensor) else list(states)
+    big = any(t.numel() and float(t.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).amax()) > FLOAT16_MAX
+              for t in tensors)
+    return torch.bfloat16 if big else torch.float16
 
 
 def file_sha256(path: Path) -> str:
@@ -190,10 +205,12 @@ def check_chunk_files(path: Path, manifest: dict) -> None:
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise damaged(path, f"chunk {c['file']} is not a valid safetensors file ({e})") from None
         n = c["tokens"]
-        want = {f"hidden.{l}": ([n, d], "F16") for l in range(N + 1)}
+        first = header.get("hidden.0")
+        states = first.get("dtype") if isinstance(first, dict) and first.get("dtype") in STATE_DTYPES else "F16"
+        want = {f"hidden.{l}": ([n, d], states) for l in range(N + 1)}       # one dtype for a chunk's states
         want |= {name: ([n], dtype) for name, dtype in CHUNK_DTYPES.items()}
         if manifest.get("has_prenorm_final"):
-            want["prenorm_final"] = ([n, d], "F16")
+            want["prenorm_final"] = ([n, d], states)
         for name, (shape, dtype) in want.items():
             got = header.get(name)
             if not isinstance(got, dict):
@@ -225,7 +242,7 @@ def verify_capture_files(path: Path) -> list[str]:
 class CaptureReader:
     """Read a finished capture: token table, one layer or a token subset, without loading everything.
 
-    Chunk tensors: `hidden.<l>` [n, d] float16 for l in 0..N, `prenorm_final` [n, d] float16,
+    Chunk tensors: `hidden.<l>` [n, d] float16 (bfloat16: state_dtype) for l in 0..N, `prenorm_final` alike,
     `token_id`, `position`, `conversation` int32 [n], `is_response` bool [n], `entropy` float32 [n].
     Opening checks the manifest schema, chunk sizes and headers; the first read of each chunk checks
     its sha256, so damaged bytes raise StoreError instead of reaching a result.

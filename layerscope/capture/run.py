@@ -6,7 +6,7 @@ Per batch of conversations:
                 (state N is post-norm; the pre-norm output of the last layer is kept too), the
                 predictive entropy (nats) of the next-token distribution, token id, position,
                 conversation index, prompt/response flag;
-  3. write      one chunk file (float16 states, float32 entropies) per batch, atomically.
+  3. write      one chunk file (float16 states, bfloat16 where they would overflow; float32 entropies) per batch, atomically.
 Peak memory is one batch, whatever the number of prompts. The store key is a hash of
 (model fingerprint, prompt-set content, options, format version); an identical request is served
 from the store, and an interrupted one resumes from its finished chunks.
@@ -45,7 +45,7 @@ from safetensors import safe_open
 
 from layerscope import disk, distributed
 from layerscope.capture import size
-from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header
+from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header, state_dtype
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
 from layerscope.errors import CaptureError
 from layerscope.head import apply_head_transform, head_transform
@@ -401,8 +401,10 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
     finally:
         hook.remove()
     valid = mask.bool().to(loaded.device)
-    hidden = {f"hidden.{l}": h[valid].to(torch.float16).cpu() for l, h in enumerate(out.hidden_states)}
-    hidden["prenorm_final"] = last_layer_out["h"][valid].to(torch.float16).cpu()
+    states = [h[valid] for h in out.hidden_states] + [last_layer_out["h"][valid]]
+    dtype = state_dtype(states)                              # float16 unless a state would overflow it
+    hidden = {f"hidden.{l}": h.to(dtype).cpu() for l, h in enumerate(states[:-1])}
+    hidden["prenorm_final"] = states[-1].to(dtype).cpu()
     entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid], *head_transform(loaded.model.config))
     position = torch.cat([torch.arange(len(s)) for s in seqs])
     conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])

@@ -8,7 +8,7 @@ A seeded choice of `val_conversations` conversations is held out; the rest are t
 
 Per step, `batch_size` conversations (a seeded order, bucketed by length) go through ONE target forward
 with output_hidden_states, and every layer set s gets the same rows:
-    aux_s = cat(hidden_states[l] for l in s)      [n, k*d]  float16, exactly as a capture stores it
+    aux_s = cat(hidden_states[l] for l in s)      [n, k*d]  float16 (or bfloat16), exactly as a capture stores it
     final = hidden_states[N]                      [n, d]    post-norm: teacher = softmax(lm_head(final)) on V
 then its own draft takes one AdamW step on train.ttt_loss. Nothing per-layer is stored.
 The held-out conversations are forwarded once; their features stay in memory and every draft is
@@ -44,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from layerscope import distributed, jsonsafe, layerset
+from layerscope.capture.format import state_dtype
 from layerscope.capture.run import CaptureOptions, generate_responses
 from layerscope.draft import init_from
 from layerscope.draft.checkpoint import save_draft
@@ -310,7 +311,8 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
 def target_features(target: LoadedModel, convs: Conversations, index: list[int], layers: list[int]):
     """One right-padded target forward over conversations `index`.
 
-    Returns rows {token_id, position, conversation, is_response} [n] and feats {l: [n, d] float16} for each l in
+    Returns rows {token_id, position, conversation, is_response} [n] and feats {l: [n, d] float16 (bfloat16 where
+    float16 would overflow: capture.format.state_dtype)} for each l in
     `layers` and for N (post-norm), n = the conversations' total length, rows of a conversation contiguous."""
     seqs = [convs.prompt[i] + convs.response[i] for i in index]
     width = max(len(s) for s in seqs)
@@ -323,7 +325,9 @@ def target_features(target: LoadedModel, convs: Conversations, index: list[int],
                              output_hidden_states=True, use_cache=False)
     valid = mask.to(target.device)
     N = target.num_layers
-    feats = {l: out.hidden_states[l][valid].to(torch.float16).cpu() for l in sorted(set(layers) | {N})}
+    states = {l: out.hidden_states[l][valid] for l in sorted(set(layers) | {N})}
+    dtype = state_dtype(states.values())                     # as a capture stores them: float16 unless it overflows
+    feats = {l: h.to(dtype).cpu() for l, h in states.items()}
     rows = {"token_id": ids[mask], "position": torch.cat([torch.arange(len(s)) for s in seqs]),
             "conversation": torch.cat([torch.full((len(s),), i) for i, s in zip(index, seqs)]),
             "is_response": torch.cat([torch.arange(len(s)) >= len(convs.prompt[i]) for i, s in zip(index, seqs)])}

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from layerscope.capture.format import state_dtype
 from layerscope.draft import init_from
 from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.data import (
@@ -67,13 +68,18 @@ class TrainReport:
 # ----------------------------------------------------------------------------- the capture as a source
 
 def load_splits(cap, held_out: torch.Tensor, layers: list[int]) -> tuple[Split, Split]:
-    """(train, val) splits with their features preloaded as float16; each layer is read once."""
+    """(train, val) splits with their features preloaded as float16 (bfloat16 when a layer would overflow float16:
+    capture.format.state_dtype, then every layer, so the features concatenate); each layer is read once."""
     index = {"train": (~held_out).nonzero().squeeze(1), "val": held_out.nonzero().squeeze(1)}
     feats = {name: [] for name in index}
+    dtype = torch.float16
     for l in layers + [cap.num_layers]:
         full = cap.layer(l)
+        if state_dtype(full) == torch.bfloat16 and dtype != torch.bfloat16:
+            dtype = torch.bfloat16
+            feats = {name: [f.to(dtype) for f in fs] for name, fs in feats.items()}
         for name, idx in index.items():
-            feats[name].append(full[idx].half())
+            feats[name].append(full[idx].to(dtype))
         del full
     tok = cap.tokens()
     return tuple(split_of(tok["token_id"][index[name]], tok["position"][index[name]], tok["conversation"][index[name]],
