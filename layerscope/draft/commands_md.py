@@ -29,7 +29,7 @@ ENGINE_READS = {
                "weights under `model.`, `d2t` (as `hot_token_id = d2t + arange`)",
                "`t2d`, the top-level vLLM ids, layers.json, layerscope.json, COMMANDS.md; the EAGLE worker gives the "
                "draft the target's embedding"),
-    "specforge": ("specforge.yaml (`model.aux_hidden_state_layer_ids` first, `target_model_path`, "
+    "specforge": ("specforge.yaml (`model.aux_hidden_state_layer_ids` first, `target_model_path`, `target_backend`, "
                   "`draft_checkpoint_path` = this folder), draft_config.json (its `eagle_config` ids when the run "
                   "config has none), vocab_mapping.pt (`d2t`, `t2d`)",
                   "config.json's top-level vLLM ids, layers.json, layerscope.json, COMMANDS.md"),
@@ -123,6 +123,18 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
             "## Train at scale", "",
             f"SpecForge trains SGLang drafts: `layerscope export DRAFT --for specforge --out DIR` writes its inputs "
             f"with the SGLang ids {sgl}.", ""]
+    elif engines.specforge_backend(facts.model_type) == "hf":
+        body = ["## Train at scale (SpecForge, HF backend)", "",
+                f"SGLang cannot capture this {facts.model_type} target, so `specforge.yaml` sets "
+                "`model.target_backend: hf`: the trainer runs the target through transformers on the conversations "
+                f"in `data.train_data_path` and hooks the output of `model.layers[id]` for the ids {sgl} (= the "
+                "layers above); `specforge.yaml` warm-starts from this draft:", "",
+                "```bash",
+                f"specforge train --config {out}/specforge.yaml",
+                "```", "",
+                "## Serve", "",
+                "No engine serves an EAGLE-3 draft for this family yet (`layerscope check-draft` prints each "
+                "engine's reason); `layerscope bench --draft DIR` runs it in LayerScope's own lossless decoder.", ""]
     else:
         body = ["## Train at scale (SpecForge)", "",
                 "Hidden states of the target for the layers in `draft_config.json` (its eagle_config ids "

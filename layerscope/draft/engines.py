@@ -10,6 +10,7 @@ stream entering decoder layer l (= the output of decoder layer l-1). Each engine
                   l   (deepseek_v2/v3, glm4_moe_lite; a set starting at 1 cannot be written)         yes
                   l   (gpt_oss: hidden-state boundaries since PR #32334, July 2026)                  no
     specforge     the SGLang id                 run config, else draft eagle_config      exactly 3  no (ids >= 0)
+                  (through its HF backend where SGLang cannot capture the family: specforge_backend)
 
 (*) vLLM releases whose decoder loops capture through EagleModelMixin._maybe_add_hidden_state (2026) take
     the embedding output; older Llama loops add a residual that is still None before layer 0 and fail.
@@ -112,9 +113,17 @@ def family_refusal(engine: str, model_type: str) -> str | None:
                "trained on (python/sglang/srt/models/gemma3_causal.py; the fix, PR #39286, is not merged)")
     if why and engine == "sglang":
         return why
-    if why and engine == "specforge":
-        return f"specforge captures through SGLang, and {why}"
-    return None
+    return None          # specforge: such a family trains through SpecForge's HF backend (specforge_backend)
+
+
+def specforge_backend(model_type: str) -> str:
+    """The target backend SpecForge must capture this family with: "sglang" (its default), or "hf" where SGLang
+    has no capture hook for the family or a broken one. SpecForge's HFEagle3TargetModel
+    (specforge/modeling/target/eagle3_target_model.py) hooks the output of model.layers[id], i.e.
+    hidden_states[id + 1]: the same layers as the SGLang ids (sglang_ids' "always" rule, which these families
+    follow), and the residual stream the draft was trained on. model.target_backend takes "sglang", "hf" or
+    "custom" (specforge/config/schema.py)."""
+    return "hf" if model_type in SGLANG_WITHOUT_EAGLE3 or model_type in SGLANG_BROKEN_CAPTURE else "sglang"
 
 
 def default_layers(engine: str, num_layers: int) -> list[int]:
@@ -168,6 +177,11 @@ def notes(engine: str, layers: list[int], facts: TargetFacts) -> list[str]:
     if engine in ("sglang", "specforge") and sglang_rule(facts.model_type) == "boundary":
         out.append(f"SGLang reads {facts.model_type} ids as hidden-state boundaries since PR #32334 (July 2026); "
                    "older releases add 1 to every id and would read the layers after these: serve with a newer one")
+    if engine == "specforge" and specforge_backend(facts.model_type) == "hf":
+        out.append(f"SpecForge must capture this {facts.model_type} target through its HF backend "
+                   "(model.target_backend: hf in specforge.yaml, online training: its offline "
+                   "prepare_hidden_states.py runs SGLang), because " + family_refusal("sglang", facts.model_type)
+                   + "; so no engine serves the trained draft yet, and LayerScope's own decoder (bench) runs it")
     if engine == "speculators":
         out.append("speculators convert ignores the ids in the draft's config.json and falls back to "
                    f"{default_layers('speculators', facts.num_layers)} unless they are passed in --algorithm-kwargs")
