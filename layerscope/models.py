@@ -24,6 +24,7 @@ its parser) and transformers takes seconds to load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -31,6 +32,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import tokenizers
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -210,23 +212,50 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
         _repair_config(cache_dir)
     else:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
-        try:
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)   # its metadata, no tensors
-        except Exception as e:  # transformers raises many kinds for a bad GGUF
-            raise ModelSpecError(f"Could not read GGUF file {path}: {_short(e)}",
-                                 "Check that it is a complete GGUF file of a model architecture transformers supports") from e
-        check_config(config, str(path), torch.float32.itemsize)     # de-quantized to float32
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
-                                                         dtype=torch.float32)     # config given: the file is parsed once less
-        except Exception as e:  # transformers raises many kinds for a bad GGUF
-            raise ModelSpecError(f"Could not read GGUF file {path}: {e}",
-                                 "Check that it is a complete GGUF file of a model architecture transformers supports") from e
+        with _gguf_parsed_once():
+            try:
+                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)   # its metadata, no tensors
+            except Exception as e:  # transformers raises many kinds for a bad GGUF
+                raise ModelSpecError(f"Could not read GGUF file {path}: {_short(e)}",
+                                     "Check that it is a complete GGUF file of a model architecture transformers "
+                                     "supports") from e
+            check_config(config, str(path), torch.float32.itemsize)     # de-quantized to float32
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                             dtype=torch.float32)
+            except Exception as e:  # transformers raises many kinds for a bad GGUF
+                raise ModelSpecError(f"Could not read GGUF file {path}: {e}",
+                                     "Check that it is a complete GGUF file of a model architecture transformers "
+                                     "supports") from e
         _write_dequantized(model, tokenizer, cache_dir)
     loaded = _load_pretrained(str(cache_dir), spec, local_only=True)
     loaded.fingerprint = fingerprint
     return loaded
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file once for the config, once for the tokenizer and once for the weights
+    (load_gguf_checkpoint in transformers/modeling_gguf_pytorch_utils.py builds a new gguf.GGUFReader each time,
+    importing the class from the gguf module when called). The parse is the slow part of a first load: 15 s for
+    Gemma 3 270M, whose 262k-token vocabulary is read field by field in Python. Inside this block the module's
+    GGUFReader returns the reader already built for the same file (a read-only memory map, which nothing mutates);
+    the class is put back on the way out."""
+    real = gguf.GGUFReader
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 MEMO_BYTES = 4 * 2**20          # file-hashes.json: ~100 bytes per file hashed

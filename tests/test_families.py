@@ -13,6 +13,7 @@ An engine that cannot serve a family is refused in one line (exit 2, no tracebac
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from transformers import (
 )
 
 from layerscope.cli import main
+from layerscope.decoding import costmodel
 from layerscope.draft.engines import ENGINES
 from layerscope.models import byte_tokenizer
 
@@ -68,7 +70,16 @@ FAMILIES = {
 }
 LAYERS = "1,4,6"                   # a three-layer set inside 0..7
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "small_cost_curve")
+
+
+@pytest.fixture
+def small_cost_curve(monkeypatch):
+    """bench measures the machine's cost curve for its predicted speedups before it decodes (two thirds of a
+    family's time here); this test checks the decoding, not the predictions, so the curve is a real one over
+    fewer sizes: 1..8 tokens, one prefix length, timed once."""
+    monkeypatch.setattr(costmodel, "cost_curve",
+                        functools.partial(costmodel.cost_curve, max_tokens=8, cache_lengths=(64,), repeats=1))
 
 
 def model_dir(root: Path, family: str) -> Path:
@@ -123,7 +134,7 @@ def test_a_family_goes_through_every_step(family, tmp_path, capsys):
     assert online
 
     report = run_json(capsys, "bench", "--model", model, "--draft", from_capture, "--prompts", "builtin",
-                      "--limit", 2, "--max-new-tokens", 24, "--k", "1,2", "--tree", "--tree-budget", 6,
+                      "--limit", 2, "--max-new-tokens", 12, "--k", "1,2", "--tree", "--tree-budget", 6,
                       "--tree-top-k", 2, "--tree-depth", 3, "--lookup", 2, "--no-peers", *store)
     names = [r["name"] for r in report["results"]]
     assert len(names) >= 5, names            # plain decoding, K=1, K=2, the tree, the chain with lookup
