@@ -75,8 +75,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "small_cost_curve")
 
 @pytest.fixture
 def small_cost_curve(monkeypatch):
-    """bench measures the machine's cost curve for its predicted speedups before it decodes (two thirds of a
-    family's time here); this test checks the decoding, not the predictions, so the curve is a real one over
+    """bench measures the machine's cost curve for its predicted speedups before it decodes (1.6 of a family's
+    ~6 s here, profiled); this test checks the decoding, not the predictions, so the curve is a real one over
     fewer sizes: 1..8 tokens, one prefix length, timed once."""
     monkeypatch.setattr(costmodel, "cost_curve",
                         functools.partial(costmodel.cost_curve, max_tokens=8, cache_lengths=(64,), repeats=1))
