@@ -23,6 +23,7 @@ from layerscope.validate import OneLineParser
 
 COMMAND_MODULES = [
     "capture",
+    "import_states", "export_states",
     "captures",
     "analyze",
     "select",

@@ -127,6 +127,55 @@ def load_model(spec: str = DEFAULT_MODEL, store=None) -> LoadedModel:
                          f"'{ALIASES[DEFAULT_MODEL].hf_id}', a directory or a .gguf path")
 
 
+@dataclass
+class ModelWeights:
+    """Where a model's weights lie, without building the model: a safetensors directory (an alias or GGUF file:
+    its de-quantized copy in the store; a directory; a hub id: its local cache) and the model's fingerprint, the
+    one `load_model` gives it. A tiny random model has no directory: `loaded` holds it (building it is cheap)."""
+    spec: str
+    fingerprint: str
+    config: object
+    directory: Path | None
+    loaded: LoadedModel | None = None
+
+
+def model_weights(spec: str = DEFAULT_MODEL, store=None) -> ModelWeights:
+    """The ModelWeights of `spec` (the specs `load_model` takes). An alias or GGUF file not yet de-quantized is
+    loaded once to write its copy (a GGUF file holds quantized blocks no tensor can be read from alone)."""
+    from transformers import AutoConfig  # heavy: see the module docstring
+
+    spec = (spec or "").strip()
+    if spec == "tiny-llama" or spec.startswith("tiny-llama:"):
+        loaded = load_model(spec, store)
+        return ModelWeights(spec, loaded.fingerprint, loaded.model.config, None, loaded)
+    if spec in ALIASES or spec.endswith(".gguf"):
+        path = alias_gguf(spec, store) if spec in ALIASES else Path(spec).expanduser()
+        if not path.is_file():
+            raise ModelSpecError(f"GGUF file {spec} does not exist", "Check the path, or use 'smollm2-135m'")
+        fingerprint = "gguf-" + _cached_file_hash(path, _store_root(store))
+        directory = _model_cache_dir(store, fingerprint)
+        if not (directory / "model.safetensors").is_file():
+            load_model(spec, store)
+        return ModelWeights(spec, fingerprint, AutoConfig.from_pretrained(str(directory)), directory)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        config, _ = _read_config(str(path), True)
+        check_config(config, str(path), torch.float32.itemsize)
+        return ModelWeights(spec, _fingerprint_pretrained(str(path), config), config, path)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download  # only for hub ids
+        try:
+            directory = Path(snapshot_download(spec, local_files_only=True))
+        except Exception as e:  # huggingface_hub raises several kinds for an id not in the cache
+            raise ModelSpecError(f"Model {spec!r} is not in the local Hugging Face cache ({_short(e)})",
+                                 "Download it first (huggingface-cli download), or give its directory") from e
+        config, _ = _read_config(spec, True)
+        check_config(config, spec, torch.float32.itemsize)
+        return ModelWeights(spec, _fingerprint_pretrained(spec, config), config, directory)
+    load_model(spec, store)        # every other spec: load_model's one-line refusal
+    raise ModelSpecError(f"Unknown model spec {spec!r}", "Use an alias, a directory, a .gguf file or a hub id")
+
+
 # ----------------------------------------------------------------------------- the aliases' GGUF files
 
 def alias_gguf(spec: str, store=None, *, assemble: bool = True) -> Path | None:

@@ -28,10 +28,12 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import sqlite3
+import struct
 import tempfile
 import time
 import warnings
@@ -150,6 +152,36 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     def write(fd, tmp):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    _write_via_temp(path, write)
+
+
+SAFETENSORS_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32",
+                     torch.int64: "I64", torch.bool: "BOOL"}
+
+
+def atomic_stream_tensors(path: Path, entries) -> None:
+    """Write a safetensors file one tensor at a time, atomically: `entries` is [(name, dtype, shape, make)], and
+    make() returns that tensor when its turn comes, so only one tensor is in memory at once (a chunk larger than
+    memory can be written). Tensors are laid out in the order given; a tensor whose dtype or shape differs from
+    its entry raises ValueError and nothing is left at `path`."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+
+    def write(fd, tmp):
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for name, dtype, shape, make in entries:
+                t = make()
+                if t.dtype != dtype or list(t.shape) != list(shape):
+                    raise ValueError(f"tensor {name} is {t.dtype} {list(t.shape)}, not {dtype} {list(shape)}")
+                f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
             f.flush()
             os.fsync(f.fileno())
     _write_via_temp(path, write)

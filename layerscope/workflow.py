@@ -21,6 +21,9 @@ import torch
 
 from layerscope import disk, layerset, preflight
 from layerscope.capture import run as capture_mod
+from layerscope.capture.export_states import export_states as export_capture_states
+from layerscope.capture.import_states import ImportOptions, ImportResult
+from layerscope.capture.import_states import import_states as import_dump
 from layerscope.capture.run import CaptureOptions, CaptureResult
 from layerscope.capture.stored import open_capture
 from layerscope.decoding import bench as bench_mod
@@ -82,6 +85,21 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
     result = capture_mod.capture(target, prompt_set, store, progress=progress, should_stop=should_stop,
                                  **asdict(options))
     return Captured(result, prompt_set, target)
+
+
+def import_states(directory: str | Path, model: str, options: ImportOptions, store: Store, *,
+                  progress: Callable[[capture_mod.CaptureProgress], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> ImportResult:
+    """An engine's hidden-state dump (speculators, SpecForge) of `model`, stored as a capture under captures/<key>."""
+    options.validate()                                      # bad options fail before the target's ends load
+    disk.writable(store)
+    return import_dump(directory, model, store, options, progress=progress, should_stop=should_stop)
+
+
+def export_states(store: Store, capture_key: str, layers: Sequence[int], out: str | Path,
+                  progress: Callable[[int, int], None] | None = None) -> dict:
+    """A stored capture written as speculators' offline training data for `layers` (+ the last layer) at `out`."""
+    return export_capture_states(open_capture(store, capture_key), out, list(layers), progress=progress)
 
 
 # ---------------------------------------------------------------------------- 2. analyze

@@ -178,7 +178,7 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
             done[(s, e)] = p
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             p.unlink(missing_ok=True)      # not a complete chunk (damaged on disk): write it again
-    tokens_done = sum(_chunk_tokens(p) for p in done.values())
+    tokens_done = sum(chunk_tokens(p) for p in done.values())
     torch.manual_seed(opts.seed)
     for start in range(0, len(prompts), opts.batch_size):
         end = min(start + opts.batch_size, len(prompts))
@@ -227,7 +227,7 @@ def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None
                 "--skip-long to leave such prompts out")
 
 
-def _chunk_tokens(path: Path) -> int:
+def chunk_tokens(path: Path) -> int:
     with safe_open(str(path), framework="pt") as sf:
         return sf.get_slice("token_id").get_shape()[0]
 
@@ -297,7 +297,7 @@ def _write_rank_batches(batches, loaded, encoded, opts, partial, t0, progress, s
         if path.is_file():
             try:
                 read_header(path)
-                tokens += _chunk_tokens(path)
+                tokens += chunk_tokens(path)
                 continue
             except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
                 path.unlink(missing_ok=True)       # not a complete chunk (damaged on disk): write it again
@@ -425,7 +425,7 @@ def predictive_entropy(lm_head, final: torch.Tensor, scale: float = 1.0, softcap
 
 
 def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opts, chunks, seconds) -> dict:
-    chunk_list = [{"file": p.name, "start": s, "end": e, "tokens": _chunk_tokens(p), "bytes": p.stat().st_size,
+    chunk_list = [{"file": p.name, "start": s, "end": e, "tokens": chunk_tokens(p), "bytes": p.stat().st_size,
                    "sha256": file_sha256(p)} for s, e, p in chunks]
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
