@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from layerscope.cli import main
+from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.data import make_batch, target_argmax, windows_of
 from layerscope.draft.fit import TrainingCancelled
 from layerscope.draft.loss import Teacher, evaluate, ttt_loss
-from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.draft.online import (
     Conversations,
