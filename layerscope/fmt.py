@@ -33,6 +33,7 @@ NAMES = {
     "val_accuracy": "held-out agreement", "objective": "own objective", "mrmr": "mRMR",
     "compartment_cohesion": "compartment cohesion", "tau": "τ", "speedup": "speedup", "probe": "probe agreement",
     "entropy-topk": "entropy-topk", "tokens_per_s": "tokens/s",
+    "simulated_acc_len": "simulated_acc_len (SpecForge's Σ∏ agreement: draft tokens, no bonus token, not τ)",
 }
 
 

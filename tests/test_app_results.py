@@ -156,6 +156,7 @@ def test_the_speculate_page_flags_drafts_that_did_not_learn(app_store, copy_of):
     drafts = frame_with(at, "held-out agreement per step")
     assert list(drafts["layers"]) == ["[1, 2]", "[1, 2, 3]"]             # in full, as text: no hidden third pill
     assert list(drafts["tokens seen"]) == ["—", "48,450"]               # never 4.845e+04
+    assert list(drafts["simulated_acc_len"]) == ["0.003", "0.347"]       # 0.31 + 0.31 * 0.12: SpecForge's, no bonus
     assert drafts["flag"][0].startswith("held-out agreement 0.3% ≈ 0") and drafts["flag"][1] == ""
     warnings = [plain(w.value) for w in at.warning]
     assert any(w.startswith("1 of 2 drafts may not have learned (flat [1, 2])") for w in warnings), warnings

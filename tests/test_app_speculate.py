@@ -36,6 +36,8 @@ def test_drafts_table_and_the_store_picker():
     row = speculate.drafts_frame(drafts).iloc[0]
     assert row["layers"] == "[1, 2]" and row["tokens seen"] == 5000 and row["trained in"] == "72 s"
     assert row["held-out agreement per step"] == "25.0%, 12.5%" and row["stored as"] == "abc" and row["flag"] == ""
+    assert row["simulated_acc_len"] == "0.281"                         # 0.25 + 0.25 * 0.125, no bonus token
+    assert speculate.simulated_of(0.25) is None and speculate.simulated_of(None) is None   # older: position 1 alone
     stored = [drafts[0], {"name": "b", "layers": [3], "steps": 50, "capture_key": "k2", "path": "/store/drafts/b"}]
     choices = speculate.stored_choices(stored, drafts, "k1")
     assert list(choices) == ["/store/drafts/b"] and choices["/store/drafts/b"][1] == "b [3] · 50 steps · capture k2"
@@ -73,7 +75,7 @@ def test_a_benchmark_run_as_a_table():
 
 def test_a_study_as_a_table_and_its_lines():
     rows = [{"strategies": ["default"], "layers": [1, 2], "tau": 1.3, "mean_entropy": 1.0, "mean_cka": 0.5,
-             "aggregate_entropy": 2.0, "seeds": [{"curve": [[10, 0.1]]}]},
+             "aggregate_entropy": 2.0, "seeds": [{"curve": [[10, 0.1]]}], "val_accuracy": [0.5, 0.5, 0.5]},
             {"strategies": ["manual"], "layers": [3], "tau": 1.4, "mean_entropy": 1.1, "mean_cka": 0.0,
              "aggregate_entropy": 1.5}]
     mine = [{"name": "mine", "layers": [3]}]
@@ -81,6 +83,7 @@ def test_a_study_as_a_table_and_its_lines():
                                                                       "max_new_tokens": 48, "depth": 3}}
     df = speculate.study_frame(rows, mine)
     assert list(df["set"]) == ["default", "mine"] and list(df["mean CKA"]) == ["0.500", fmt.NOT_APPLICABLE]
+    assert list(df["simulated_acc_len"]) == ["0.875", fmt.MISSING]     # 0.5 + 0.25 + 0.125; no agreement recorded
     assert speculate.study_heading(res, 1, 2) == ("Latest study: 2 sets · 300 training steps each · 8 builtin prompts × "
                                                   "48 tokens · K = 3 · cpu")
     assert speculate.study_heading(res, 0, 2).startswith("Study #1: ")

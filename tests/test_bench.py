@@ -61,7 +61,7 @@ def test_bench_library_run(tiny, draft_dirs, prompts):
     assert list(results) == names
     for r in doc["results"]:
         peer = r["name"] in ("autoregressive", "hf-generate", "hf-prompt-lookup")
-        extra = set() if peer else {"layers", "decoding"}
+        extra = set() if peer else {"layers", "decoding", "spec_decode"}
         if r["name"] not in ("autoregressive", "low chain k=4"):
             extra.add("paired")
         assert set(r) == ENTRY_KEYS | extra
@@ -82,8 +82,15 @@ def test_bench_library_run(tiny, draft_dirs, prompts):
         first = [e.accepted_mask[0] for e in events if e.accepted_mask]
         assert results[name]["acceptance_by_position"][0] == pytest.approx(sum(first) / len(first))
         assert [u.tau for u in updates if u.contender == name][-1] == pytest.approx(results[name]["tau"])
+        own = [e for e in events if e.accepted_mask]                    # vLLM's names count what the run streamed
+        m = results[name]["spec_decode"]
+        assert (m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"]) == (
+            len(own), sum(e.drafted for e in own), sum(e.accepted for e in own))
+        assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
+        assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
     text = bench.format_table(report)
     assert "hf-prompt-lookup" in text and "acc@4" in text and "NO" not in text
+    assert "num_accepted_tokens_per_pos" in text and "mean_acceptance_length" in text
     assert "95% bootstrap intervals over the 3 prompts" in text
 
 
@@ -103,6 +110,8 @@ def test_a_chain_with_prompt_lookup_counts_the_lookup_steps_apart(tiny, draft_di
     assert entry["lookup"] == {"steps": len(looked), "draft_steps": len(own), "drafted": sum(e.drafted for e in looked),
                                "accepted": sum(e.accepted for e in looked)}
     assert entry["acceptance_by_position"][0] == pytest.approx(sum(e.accepted_mask[0] for e in own) / len(own))
+    assert entry["spec_decode"]["num_drafts"] == len(own)                # vLLM's names: the draft's own steps
+    assert entry["spec_decode"]["num_accepted_tokens"] == sum(e.accepted for e in own)
     assert "low chain k=2 + lookup 3: prompt lookup proposed" in bench.format_table(updates[-1].report)
     with pytest.raises(LayerScopeError, match="--lookup"):
         bench.BenchOptions(draft_lookup=-1).validate()
@@ -207,3 +216,21 @@ def test_stop_tokens_eos_from_the_generation_config_and_pad_falls_back_to_eos(ti
     model = copy.copy(tiny.model)
     model.generation_config = config
     assert bench.stop_tokens(dataclasses.replace(tiny, model=model, tokenizer=no_pad)) == ([257, 10], None)
+
+
+def test_the_acceptance_histogram_has_vllms_names_and_counts():
+    """Planted steps: a prefill, five chain steps of depth 4 accepting 0, 2, 4, 1, 4 tokens, one of depth 2 (the
+    end of the budget) accepting 1, one that drafted nothing and one prompt lookup step accepting 3 of 3.
+    vLLM counts the six draft steps: 22 draft tokens, 12 accepted, by position 5, 3, 2, 2 (steps that accepted
+    at least 1, 2, 3, 4), mean acceptance length 1 + 12 / 6 = 3."""
+    def step(depth, accepted, proposer="draft"):
+        mask = tuple(i < accepted for i in range(depth))
+        return StepEvent(1, depth, accepted, mask, 7, (7,) * (accepted + 1), 0.01, proposer)
+    t = bench.Tally()
+    for e in [StepEvent(0, 0, 0, (), 7, (7,), 0.01, "none"), step(4, 0), step(4, 2), step(4, 4), step(4, 1),
+              step(4, 4), step(2, 1), step(0, 0), step(3, 3, "lookup")]:
+        t.add_event(e)
+    assert t.spec_decode() == {"num_drafts": 6, "num_draft_tokens": 22, "num_accepted_tokens": 12,
+                               "num_accepted_tokens_per_pos": [5, 3, 2, 2], "mean_acceptance_length": 3.0}
+    assert t.acceptance_by_position() == [5 / 6, 3 / 6, 2 / 5, 2 / 5]    # the depth-2 step drafted positions 1-2
+    assert bench.Tally().spec_decode()["mean_acceptance_length"] is None

@@ -52,6 +52,9 @@ def test_ship_writes_bfloat16_weights_that_load_and_a_trained_md(tiny, tiny_draf
         assert torch.equal(want, b), name                # exactly the bf16 rounding of the trained weights
     text = (out / "TRAINED.md").read_text()
     assert "layerscope train-draft --model tiny-llama" in text and "tokens seen" in text
+    a1, a2, a3 = meta["val_accuracy"]
+    assert f"simulated_acc_len (SpecForge's Σ∏ of that agreement: draft tokens per verification, no bonus token, " \
+           f"not τ): {a1 + a1 * a2 + a1 * a2 * a3:.3f}" in text
     assert (out / "model.safetensors").stat().st_size < (Path(tiny_draft) / "model.safetensors").stat().st_size
 
 

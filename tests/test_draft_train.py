@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from layerscope.cli import main
 from layerscope.draft.checkpoint import load_draft, read_meta
 from layerscope.draft.data import batch_plan, split_conversations
 from layerscope.draft.fit import TrainingCancelled
+from layerscope.draft.loss import simulated_acc_len
 from layerscope.draft.train import draft_for, target_weights, train_draft
 from layerscope.errors import DraftError
 
@@ -106,9 +109,13 @@ def test_cli_trains_and_prints_json(tiny, tiny_capture, session_store, tmp_path,
             "--out", str(out), "--json", "--store", str(session_store.root)]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"out", "layers", "steps", "train_tokens", "seconds", "val_accuracy"}
+    assert set(result) == {"out", "layers", "steps", "train_tokens", "seconds", "val_accuracy", "simulated_acc_len"}
     assert result["out"] == str(out) and result["layers"] == [1, 3] and result["steps"] == 3
     assert len(result["val_accuracy"]) == 3 and result["train_tokens"] > 0
+    a1, a2, a3 = result["val_accuracy"]                 # SpecForge's Σ∏ of the agreement it reports, no bonus token
+    assert result["simulated_acc_len"] == pytest.approx(a1 + a1 * a2 + a1 * a2 * a3, abs=1e-5)
+    assert read_meta(out)["simulated_acc_len"] == result["simulated_acc_len"]
+    assert read_meta(out)["val_accuracy"] == result["val_accuracy"]
     assert load_draft(out, tiny).aux_layers == [1, 3]
     args = ["train-draft", tiny_capture.key, "--strategy", "default", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
             "--out", str(tmp_path / "d2"), "--json", "--store", str(session_store.root)]
@@ -117,3 +124,17 @@ def test_cli_trains_and_prints_json(tiny, tiny_capture, session_store, tmp_path,
     assert main(["train-draft", tiny_capture.key, "--steps", "3", "--store", str(session_store.root)]) == 2
     assert "--layers or --strategy" in capsys.readouterr().err
     assert main(["train-draft", tiny_capture.key, "--layers", "1,9", "--steps", "3", "--store", str(session_store.root)]) == 2
+
+
+def test_simulated_acc_len_is_specforges_sum_of_running_products():
+    assert simulated_acc_len([0.5, 0.5, 0.5]) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert simulated_acc_len([1.0, 1.0, 1.0, 1.0]) == 4.0       # a perfect draft: every draft token, no bonus token
+    assert simulated_acc_len([0.8, 0.0, 1.0]) == pytest.approx(0.8)   # nothing after a step that never agrees
+    assert simulated_acc_len([]) == 0.0
+    # steps that agree independently: it is the expected accepted prefix of a chain, by enumerating the outcomes
+    acc = [0.9, 0.6, 0.3]
+    expected = 0.0
+    for outcome in itertools.product([True, False], repeat=3):
+        p = math.prod(a if ok else 1 - a for a, ok in zip(acc, outcome))
+        expected += p * next((i for i, ok in enumerate(outcome) if not ok), 3)
+    assert simulated_acc_len(acc) == pytest.approx(expected) == pytest.approx(0.9 + 0.54 + 0.162)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from layerscope.cli import main
+from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.data import make_batch, target_argmax, windows_of
 from layerscope.draft.fit import TrainingCancelled
 from layerscope.draft.loss import Teacher, evaluate, ttt_loss
@@ -239,9 +240,13 @@ def test_cli_trains_several_sets_online_and_returns_them_again(tiny, tmp_path, c
     assert [d["layers"] for d in out["drafts"]] == [[1, 2], [0, 3]]
     for d in out["drafts"]:
         assert set(d) >= {"layers", "path", "tokens_seen", "val_accuracy", "curve"} and len(d["val_accuracy"]) == 3
+        a1, a2, a3 = d["val_accuracy"]                  # SpecForge's Σ∏ of the reported agreement, no bonus token
+        assert d["simulated_acc_len"] == pytest.approx(a1 + a1 * a2 + a1 * a2 * a3, abs=1e-5)
+        assert read_meta(d["path"])["simulated_acc_len"] == d["simulated_acc_len"]
     assert main(args) == 0
     again = json.loads(capsys.readouterr().out)
     assert [d["path"] for d in again["drafts"]] == [d["path"] for d in out["drafts"]] and again["cached"]
+    assert [d["simulated_acc_len"] for d in again["drafts"]] == [d["simulated_acc_len"] for d in out["drafts"]]
     assert main(["train-draft", "--model", "tiny-llama", "--layers", "1,9", "--steps", "3",
                  "--store", str(tmp_path / "s")]) == 2
     assert "out of range" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 import itertools
 import json
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,6 +93,10 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
         assert set(r.proxies) == versions and all(set(v) == {"mean_entropy", "mean_cka", "aggregate_entropy"}
                                                    for v in r.proxies.values())
         assert r.proxies["linear, H≥0.5"]["aggregate_entropy"] == pytest.approx(r.aggregate_entropy)
+        for x in [r, *(SimpleNamespace(**s) for s in r.seeds)]:   # SpecForge's Σ∏ of the reported agreement
+            a1, a2, a3 = x.val_accuracy
+            assert x.simulated_acc_len == pytest.approx(a1 + a1 * a2 + a1 * a2 * a3)
+        assert r.val_accuracy[0] == pytest.approx(sum(s["val_accuracy"][0] for s in r.seeds) / 2)
     assert rows[0].proxies["linear, H≥0.5"] != rows[0].proxies["cosine, H≥0.5"]
     assert {(c["proxy"], c["version"]) for c in report.correlations} == \
         {(p, v) for p in ("mean_entropy", "mean_cka", "aggregate_entropy") for v in versions} | \
@@ -104,10 +109,11 @@ def test_study_with_controls_seeds_intervals_and_proxy_versions(tiny, tiny_captu
     out = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert {"rows", "verdict", "correlations", "options"} <= set(out)
     assert out["options"]["seeds"] == [0, 1] and out["options"]["kernel"] == "linear"
-    for key in ("tau", "tau_ci", "delta_vs_default", "delta_ci", "seeds", "proxies"):
+    for key in ("tau", "tau_ci", "delta_vs_default", "delta_ci", "seeds", "proxies", "simulated_acc_len"):
         assert key in out["rows"][0]
     text = format_study(report)
     assert report.verdict in text and "tau 95% CI" in text and "cosine, no filter" in text
+    assert "sim.acc.len" in text and f"{rows[0].simulated_acc_len:.3f}" in text and "no bonus token" in text
 
 
 def test_study_rerun_is_served_from_the_store_and_skips_a_proxy_version_that_keeps_no_tokens(

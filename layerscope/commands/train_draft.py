@@ -15,7 +15,7 @@ from dataclasses import fields
 
 import torch
 
-from layerscope import preflight, workflow
+from layerscope import fmt, preflight, workflow
 from layerscope.capture.stored import open_capture
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
 from layerscope.draft import builtin
@@ -150,7 +150,8 @@ def run_online(args, store) -> int:
         seen = f"{d.tokens_seen} tokens seen" + (f" ({d.tokens_seen_total} with the draft it continued)"
                                                  if d.tokens_seen_total is not None else "")
         print(f"  layers {d.layers}: {seen}; held-out agreement per TTT step {acc} "
-              f"(draft vocabulary covers {d.val_coverage:.1%}); curve (tokens:step-1) {curve}")
+              f"(draft vocabulary covers {d.val_coverage:.1%}); {fmt.NAMES['simulated_acc_len']} "
+              f"{fmt.number(d.simulated_acc_len)}; curve (tokens:step-1) {curve}")
         print(f"    {d.path}")
     return 0
 
@@ -197,13 +198,15 @@ def run_capture(args, store) -> int:
                                  progress=on_progress)
     meta = trained.meta
     result = {"out": str(trained.path), "layers": meta["layers"], "steps": meta["budget"]["resolved_steps"],
-              "train_tokens": meta["train_tokens"], "seconds": meta["seconds"], "val_accuracy": meta["val_accuracy"]}
+              "train_tokens": meta["train_tokens"], "seconds": meta["seconds"], "val_accuracy": meta["val_accuracy"],
+              "simulated_acc_len": meta["simulated_acc_len"]}
     if args.json:
         print_json(result)
     else:
         acc = ", ".join(f"{a:.3f}" for a in result["val_accuracy"])
         print(f"draft on layers {result['layers']}: {result['steps']} steps over {result['train_tokens']} training "
-              f"tokens in {result['seconds']:.1f} s; held-out agreement per TTT step (every position): {acc}")
+              f"tokens in {result['seconds']:.1f} s; held-out agreement per TTT step (every position): {acc}; "
+              f"{fmt.NAMES['simulated_acc_len']} {fmt.number(result['simulated_acc_len'])}")
         for note in meta.get("serving_notes", []):
             print(f"note: {note}")
         print(f"saved to {trained.path}")

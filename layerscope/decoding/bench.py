@@ -10,7 +10,9 @@ Every contender decodes the same prompts with the same `max_new_tokens`, greedil
 Per contender: τ = tokens produced / target forwards (prefill included; 1 for plain decoding),
 acceptance at each draft position (the share of verification steps whose i-th draft token was
 accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
-`lossless` = every output equals autoregressive's token for token; all also per prompt category.
+`lossless` = every output equals autoregressive's token for token; all also per prompt category. A draft's
+entry also has `spec_decode`: its acceptance histogram under vLLM's metric names (num_drafts,
+num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, mean_acceptance_length; Tally.spec_decode).
 Prompts are the outer loop, so a change in machine load touches every contender alike.
 
 Honest numbers: each entry also carries its per-prompt totals (`per_prompt`: tokens, forwards, seconds,
@@ -155,6 +157,18 @@ class Tally:
 
     def acceptance_by_position(self) -> list[float]:
         return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def spec_decode(self) -> dict:
+        """The acceptance histogram under the names of vLLM's spec-decode metrics, over the draft's own steps
+        (prompt lookup's steps are in `lookup`): num_drafts (verification steps that drafted at least one
+        token), num_draft_tokens (tokens drafted; a tree: its nodes), num_accepted_tokens, and
+        num_accepted_tokens_per_pos[i] (steps whose draft token at position i+1 was accepted: a histogram of
+        accepted lengths read cumulatively). mean_acceptance_length = 1 + num_accepted_tokens / num_drafts,
+        vLLM's, bonus token included; τ also counts the prefill and any step that drafted nothing."""
+        drafts, accepted = (self.drafted_at[0] if self.drafted_at else 0), self.accepted - self.lookup_accepted
+        return {"num_drafts": drafts, "num_draft_tokens": self.drafted - self.lookup_drafted,
+                "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": list(self.accepted_at),
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
 @dataclass
@@ -495,6 +509,8 @@ def _entry(c: Contender, t: Tally, baseline: Tally, short: bool = False) -> dict
         entry["decoding"] = c.decoding
     entry |= {"tau": t.tau, "acceptance_by_position": t.acceptance_by_position(), "tokens_per_s": tps,
               "speedup": tps / base if tps and base else None, "lossless": t.lossless}
+    if c.kind == "draft" and not short:
+        entry["spec_decode"] = t.spec_decode()
     if c.kind == "draft" and c.lookup_tokens:
         entry["lookup"] = {"steps": t.lookup_steps, "draft_steps": t.drafted_at[0] if t.drafted_at else 0,
                            "drafted": t.lookup_drafted, "accepted": t.lookup_accepted}
@@ -558,6 +574,7 @@ def format_table(report: BenchReport) -> str:
     lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
     lines += [lookup_note(r) for r in report.results if r.get("lookup")]
+    lines += spec_decode_lines(report)
     if report.intervals:
         lines.append(interval_note(report.intervals))
         vs_reference = [r for r in report.results if r.get("paired")]
@@ -576,6 +593,19 @@ def format_table(report: BenchReport) -> str:
                              _f(e["speedup"]) + ("x" if e["speedup"] else ""), "yes" if e["lossless"] else "NO"])
         lines += ["", fmt.table(["category", "contender", "tau", "tok/s", "speedup", "lossless"], rows, left=2)]
     return "\n".join(lines)
+
+
+def spec_decode_lines(report: BenchReport) -> list[str]:
+    """The drafts' acceptance histograms under vLLM's metric names (Tally.spec_decode); [] without a draft."""
+    rows = [[r["name"], str(m["num_drafts"]), str(m["num_draft_tokens"]), str(m["num_accepted_tokens"]),
+             ",".join(map(str, m["num_accepted_tokens_per_pos"])), _f(m["mean_acceptance_length"])]
+            for r in report.results if (m := r.get("spec_decode"))]
+    if not rows:
+        return []
+    head = ["contender", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+            "mean_acceptance_length"]
+    return ["", "vLLM's spec-decode metrics of the drafts' own steps (mean_acceptance_length = 1 + "
+                "num_accepted_tokens / num_drafts, bonus token included):", fmt.table(head, rows, left=2)]
 
 
 def _curve_line(report: BenchReport) -> str:

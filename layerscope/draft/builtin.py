@@ -17,6 +17,7 @@ from pathlib import Path
 
 from layerscope.draft.checkpoint import load_draft, read_meta, save_draft
 from layerscope.draft.init_from import weights_sha256
+from layerscope.draft.loss import simulated_acc_len
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL
 from layerscope.store import ENTRY_NAME_RE
@@ -136,6 +137,8 @@ def trained_md(model: str, layers: list[int], meta: dict, command: str) -> str:
         seen,
         "- held-out agreement with the target's greedy token per draft position: "
         + ", ".join(f"{a:.3f}" for a in acc),
+        f"- simulated_acc_len (SpecForge's Σ∏ of that agreement: draft tokens per verification, no bonus token, "
+        f"not τ): {simulated_acc_len(acc):.3f}",
         f"- saved in {SHIP_DTYPE} without the embedding (it uses the target's)",
         "",
     ]

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from layerscope import distributed
-from layerscope.draft.loss import Teacher, ttt_loss
+from layerscope.draft.loss import Teacher, simulated_acc_len, ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.draft.progress import EvalProgress, FitProgress, TrainProgress
 from layerscope.errors import DraftError
@@ -460,12 +460,14 @@ def draft_meta(layers: list[int], o: TrainOptions, state: FitState, set_index: i
     ({"capture_key": ...} or {"online": {...}}) and train_tokens; started: the draft it continued
     (init_from.StartingPoint.records[set_index]), recorded with the tokens seen over both runs."""
     acc, loss, positions, cov = state.last_eval[set_index] if state.last_eval else ([], None, None, None)
+    acc = [round(a, 5) for a in acc]
     return {"target_fingerprint": target.fingerprint, "target_model": target.spec,
             "capture_key": data.get("capture_key"), "layers": list(layers), "strategy": strategy,
             **({"online": data["online"]} if "online" in data else {}),
             "budget": {"steps": o.steps, "tokens": o.tokens, "time_s": o.time_s, "resolved_steps": state.step},
             "seed": o.seed, "options": asdict(o),
-            "val_accuracy": [round(a, 5) for a in acc], "val_loss": loss, "val_positions": positions,
+            "val_accuracy": acc, "val_loss": loss, "val_positions": positions,
+            "simulated_acc_len": round(simulated_acc_len(acc), 5) if acc else None,     # SpecForge's; no bonus token
             "val_coverage": None if cov is None else round(cov, 5), "coverage": data.get("coverage"),
             "train_tokens": data["train_tokens"], "tokens_seen": state.tokens,
             "curve": [[c[0], c[1]] for c in state.curves[set_index]], "loss_curve": state.loss_curves[set_index],

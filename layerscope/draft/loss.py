@@ -9,10 +9,14 @@ forward returns), p_t = softmax(z), q = softmax(draft logits):
     loss      = sum_j 0.8^j (kl_j + feature_weight * feature_j)
 Cross-entropy against p_t minus p_t's own entropy has the same gradient as cross-entropy, and reads as a KL.
 Optional Gaussian noise of std `noise_std` on the auxiliary hidden states (training only, as speculators does).
+
+The held-out evaluation (`evaluate`) gives the agreement per TTT step; `simulated_acc_len` sums its running
+products, SpecForge's eval/simulated_acc_len (the number its evaluator picks checkpoints by).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,3 +111,24 @@ def evaluate(head: DraftHead, split: Split, windows, J, teacher: Teacher, batch_
     head.train(was_training)
     acc = [c / t if t else 0.0 for c, t in zip(correct, total)]
     return acc, (loss_sum / n if n else None), total[0], (covered / total[0] if total[0] else 0.0)
+
+
+def simulated_acc_len(agreement: Sequence[float]) -> float:
+    """SpecForge's simulated acceptance length: sum over k of prod_{j<=k} acc_j, over the TTT steps given.
+
+    acc_j is `evaluate`'s agreement at TTT step j: the share of every counted held-out position whose draft
+    argmax at step j equals the target's greedy token, with steps 1..j-1 fed the true tokens (teacher-forced,
+    the draft's own hidden states). It is unconditional: a position counts at step j whether or not steps < j
+    agreed there. A chain of depth K accepts on average sum_k P(steps 1..k agree) = sum_k prod_{j<=k}
+    P(acc_j | steps < j agreed) draft tokens per verification (where they agreed, decoding fed the draft exactly
+    the tokens training did); this replaces each conditional share by the unconditional acc_j, so it is an
+    estimate, below the chain's own when agreements go together (the usual case).
+
+    Draft tokens only: it does NOT count the bonus token the target adds at every verification, so it is
+    not τ (tokens per target forward, bonus included): τ ≈ 1 + simulated_acc_len for a chain of depth
+    len(agreement). [0.5, 0.5, 0.5] -> 0.5 + 0.25 + 0.125 = 0.875; [] -> 0.0."""
+    total, running = 0.0, 1.0
+    for a in agreement:
+        running *= float(a)
+        total += running
+    return total

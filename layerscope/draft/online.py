@@ -59,7 +59,7 @@ from layerscope.draft.fit import (
     final_norm,
     fit,
 )
-from layerscope.draft.loss import evaluate
+from layerscope.draft.loss import evaluate, simulated_acc_len
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
 from layerscope.errors import DraftError
@@ -142,6 +142,10 @@ class DraftResult:
     val_coverage: float
     curve: list                          # [[tokens seen, [agreement per TTT step]], ...]
     tokens_seen_total: int | None = None  # a continued draft (--init-from): its tokens before + tokens_seen
+    simulated_acc_len: float | None = None  # of val_accuracy (loss.simulated_acc_len; set here, whatever is passed)
+
+    def __post_init__(self):
+        self.simulated_acc_len = round(simulated_acc_len(self.val_accuracy), 5) if self.val_accuracy else None
 
 
 @dataclass

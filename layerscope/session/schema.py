@@ -216,6 +216,9 @@ BENCH_ROW_SCHEMA = ("obj", {
     # bench.add_intervals: per-prompt totals and bootstrap intervals over the prompts (absent in older results)
     "per_prompt": opt(("map", ("list", "num", 100_000))), "tau_ci": opt(CI), "speedup_ci": opt(CI),
     "acceptance": opt("num"), "acceptance_ci": opt(CI),
+    "spec_decode": opt(("obj", {"num_drafts": opt("int"), "num_draft_tokens": opt("int"),     # vLLM's names
+                                "num_accepted_tokens": opt("int"), "num_accepted_tokens_per_pos": opt(("list", "int", 1000)),
+                                "mean_acceptance_length": opt("num")}, False)),
     "paired": opt(("obj", {"vs": req("str"), **{m: opt(("obj", {"delta": opt("num"), "ci": opt(CI)}, False))
                                                   for m in ("tau", "speedup", "acceptance")}}, False)),
 }, False)

@@ -40,6 +40,7 @@ from layerscope.draft import init_from
 from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.fit import TrainOptions
+from layerscope.draft.loss import simulated_acc_len
 from layerscope.draft.online import OnlineOptions, train_online
 from layerscope.draft.probe import ProbeOptions
 from layerscope.draft.progress import OnlineProgress
@@ -124,6 +125,7 @@ class StudyRow:
     proxies: dict = field(default_factory=dict)         # version ("linear, H≥0.5") -> {proxy: value}
     drafts: list[str] = field(default_factory=list)     # one per seed
     probe: dict | None = None            # the probe's SetScore.to_json(): agreement, explained_variance, lambda, ...
+    simulated_acc_len: float | None = None   # SpecForge's Σ∏ of val_accuracy (draft/loss.py; no bonus token)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -402,16 +404,19 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
             sc = select.score_set(v, layers, o.lam)
             proxies[name] = {p: sc[p] for p in PROXIES}
         per_seed = [{"seed": seed, **c["seeds"][j], "val_accuracy": metas[j].get("val_accuracy", []),
+                     "simulated_acc_len": simulated_acc_len(metas[j].get("val_accuracy") or []),
                      "curve": metas[j].get("curve", []), "draft": str(p)} for j, (seed, p) in enumerate(zip(seeds, paths))]
+        val_acc = _mean_lists([m.get("val_accuracy", []) for m in metas])
         rows.append(StudyRow(
             layers, strategies, score["mean_entropy"], score["mean_cka"], score["aggregate_entropy"],
-            _mean_lists([m.get("val_accuracy", []) for m in metas]), c["tau"], c["speedup"],
+            val_acc, c["tau"], c["speedup"],
             _mean([e["tokens_per_s"] for e in entries]), _mean_lists([e["acceptance_by_position"] for e in entries]),
             all(e["lossless"] for e in entries), str(paths[0]), tau_ci=c["tau_ci"], acceptance=c["acceptance"],
             acceptance_ci=c["acceptance_ci"], speedup_ci=c["speedup_ci"], delta_vs_default=c["delta_vs_default"],
             delta_ci=c["delta_ci"], paired=c["paired"], seeds=per_seed, tau_seed_range=c["tau_seed_range"],
             tau_seed_sd=c["tau_seed_sd"], proxies=proxies, drafts=[str(p) for p in paths],
-            probe=probed.sets[i].to_json() if probed is not None else None))
+            probe=probed.sets[i].to_json() if probed is not None else None,
+            simulated_acc_len=simulated_acc_len(val_acc) if val_acc else None))
 
     taus = [r.tau for r in rows]
     corr = {p: spearman([getattr(r, p) for r in rows], taus) for p in PROXIES}
@@ -472,13 +477,15 @@ def budget_text(options: dict) -> str:
 def format_study(report: StudyReport) -> str:
     """The verdict, the table (τ with its interval, the paired difference to the default rule, the seed
     spread), and the proxies' rank correlations with τ: the study's own and the best version of each."""
-    head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "probe", "tau", "tau 95% CI",
+    head = ["layers", "strategy", "entropy", "redundancy", "agg.entropy", "val acc@1", "sim.acc.len", "probe", "tau",
+            "tau 95% CI",
             "vs default", "diff 95% CI", "seed range", "speedup", "lossless"]
     rows = []
     f3 = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
     for r in report.rows:
         rows.append([",".join(map(str, r.layers)), "/".join(r.strategies), f"{r.mean_entropy:.3f}", f"{r.mean_cka:.3f}",
                      f"{r.aggregate_entropy:.3f}", f"{r.val_accuracy[0]:.3f}" if r.val_accuracy else "-",
+                     f3(r.simulated_acc_len),
                      f3(r.probe["agreement"]) if r.probe else "-",
                      f3(r.tau), fmt.ci(r.tau_ci, "tau"), f"{r.delta_vs_default:+.3f}" if r.delta_vs_default is not None else "-",
                      fmt.ci(r.delta_ci, "delta"), f3(r.tau_seed_range) if len(r.seeds) > 1 else "-",
@@ -495,6 +502,8 @@ def format_study(report: StudyReport) -> str:
     lines.append("")
     lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy; "
                  "probe = the training-free ridge map's held-out agreement, layerscope/draft/probe.py).")
+    lines.append("val acc@1 = the drafts' held-out agreement at draft position 1; sim.acc.len = "
+                 + fmt.NAMES["simulated_acc_len"] + ", over the TTT steps' agreement (mean over seeds).")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(
         f"{k} {v:+.2f}" if v is not None else f"{k} n/a" for k, v in report.spearman.items()))
     by_proxy: dict[str, list[dict]] = {}

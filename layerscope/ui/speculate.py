@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from layerscope import fmt, layerset
+from layerscope.draft.loss import simulated_acc_len
 from layerscope.study.run import online_settings
 from layerscope.ui import sanity
 from layerscope.ui.recommend import set_label
@@ -54,12 +55,24 @@ def online_curves(series: dict) -> dict[str, list[list[float]]]:
     return curves
 
 
+SIMULATED_NOTE = ("simulated_acc_len: SpecForge's Σ over draft positions k of the product of the held-out "
+                  "agreement at positions 1..k (teacher-forced, so an estimate): the draft tokens a chain of that "
+                  "depth would accept per verification. No bonus token, so it is not τ: τ ≈ 1 + simulated_acc_len.")
+
+
+def simulated_of(val_accuracy) -> float | None:
+    """simulated_acc_len of a draft's or a study row's held-out agreement per TTT step; None without that list
+    (older records keep one number, position 1 alone)."""
+    return simulated_acc_len(val_accuracy) if isinstance(val_accuracy, list) and val_accuracy else None
+
+
 def drafts_frame(drafts) -> pd.DataFrame:
     """The session's drafts as the page lists them, each with its collapse flag (sanity.collapse_reasons)."""
     flags = sanity.collapse_reasons(drafts)
     return pd.DataFrame([{"name": d["name"], "layers": fmt.layers(d["layers"]), "steps": d.get("steps"),
                           "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
                           "held-out agreement per step": ", ".join(fmt.percent(a) for a in (d.get("val_accuracy") or [])),
+                          "simulated_acc_len": fmt.number(simulated_of(d.get("val_accuracy"))),
                           "trained in": fmt.duration(d["seconds"]) if d.get("seconds") else None,
                           "stored as": Path(d["path"]).name, "flag": flag or ""} for d, flag in zip(drafts, flags)])
 
@@ -180,6 +193,7 @@ def study_frame(rows, layer_sets) -> pd.DataFrame:
                           "seed range": fmt.tau(r.get("tau_seed_range")) if len(r.get("seeds") or []) > 1 else "",
                           "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),
                           "held-out agreement @1": fmt.percent(sanity.agreement(r.get("val_accuracy"))),
+                          "simulated_acc_len": fmt.number(simulated_of(r.get("val_accuracy"))),
                           "mean entropy": fmt.number(r["mean_entropy"]),
                           "mean CKA": fmt.number(r["mean_cka"]) if len(r["layers"]) > 1 else fmt.NOT_APPLICABLE,
                           "aggregate entropy": fmt.number(r["aggregate_entropy"]),

@@ -90,6 +90,7 @@ def session_drafts(s, store, labels_of: dict[str, str], colors: dict) -> None:
     st.subheader("Drafts of this session")
     if s.drafts:
         table(speculate.drafts_frame(s.drafts), key="ls_spec_drafts", filename="drafts")
+        st.caption(speculate.SIMULATED_NOTE)
         collapsed = sanity.collapse_warning(s.drafts)
         if collapsed:
             st.warning(md_text(collapsed), icon=":material/warning:")
@@ -202,7 +203,7 @@ def study(s, i: int, colors: dict) -> None:
         st.info(md_text(res["verdict"]), icon=":material/gavel:")
     table(speculate.study_frame(rows, s.layer_sets), key="ls_spec_study_table", filename="study")
     st.caption("[lo, hi]: 95% paired bootstrap intervals over the prompts; seed range: max − min of τ over the "
-               "training seeds; mean CKA n/a: a one-layer set has no pair of layers.")
+               "training seeds; mean CKA n/a: a one-layer set has no pair of layers. " + speculate.SIMULATED_NOTE)
     cdf = speculate.correlations_frame(res)
     if cdf is not None:
         table(cdf, key="ls_spec_study_corr", filename="study-correlations")
