@@ -222,12 +222,17 @@ def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=No
     if real_out is None:                                     # into the store's drafts/
         disk.writable(store)
     cap = open_capture(store, capture_key)
+    cap.require_every_position("training a draft", TRAIN_FIX)
     if sets:
         sets = layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
             disk.need_space(real_out or store.root, draft_bytes(shape, sets[0], int(draft_vocab)), "the draft")
     return cap, list(sets), real_out
+
+
+TRAIN_FIX = "Train online (train-draft --model, the app's online training), or capture again without --sample-positions"
+PROBE_FIX = "Choose a strategy that reads the statistics only, or capture again without --sample-positions"
 
 
 RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a comma and a space

@@ -11,10 +11,11 @@ manifest.json, a JSON object (capture.build_manifest writes it; `validate_manife
     num_layers N, hidden_size d      the model's; states 0..N are kept (0 = embeddings, N = the final state)
     has_prenorm_final                whether the chunks hold `prenorm_final`
     sample_positions  null: every position of every conversation is kept (absent in older captures: the same);
-                      an integer s (--sample-positions): each conversation of n tokens keeps a uniform sample of
-                      min(s, n - 1) of its positions 1..n-1 (position 0, the attention sink the statistics always
-                      drop, is never kept), seeded by the capture's seed and the conversation's index, in
-                      position order. `position` holds the true positions. Such a capture serves statistics only:
+                      an integer s (--sample-positions): each conversation of n tokens keeps min(s, n - 1) of its
+                      positions 1..n-1 (position 0, the attention sink the statistics always drop, never), in
+                      position order: a uniform sample of its response positions, or when it has fewer than s all
+                      of them and a uniform sample of its prompt positions for the rest (the statistics read
+                      response tokens by default), seeded by the capture's seed and the conversation's index. `position` holds the true positions. Such a capture serves statistics only:
                       what reads neighbouring tokens (training a draft, the probe, a study) refuses it
                       (CaptureReader.require_every_position)
     prompts           [{id, category}] of the conversations, in order

@@ -6,8 +6,8 @@ Per batch of conversations:
                 (state N is post-norm; the pre-norm output of the last layer is kept too), the
                 predictive entropy (nats) of the next-token distribution, token id, position,
                 conversation index, prompt/response flag;
-     With --sample-positions s, only a seeded sample of min(s, n - 1) positions of each conversation is kept
-                (sample_rows; format.py's `sample_positions`): statistics only.
+     With --sample-positions s, only a seeded sample of min(s, n - 1) positions of each conversation is kept,
+                response positions first (sample_rows; format.py's `sample_positions`): statistics only.
   3. write      one chunk file (float16 states, bfloat16 where they would overflow; float32 entropies) per batch, atomically.
 Before the first batch the capture reports its Estimate (capture.size: bytes per token, tokens, total, free space;
 a CaptureProgress of phase "estimate") and refuses, nothing written, when it is over --max-store-bytes.
@@ -427,17 +427,24 @@ def _eos_ids(loaded: LoadedModel) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def sample_rows(lengths: list[int], sample_positions: int | None, seed: int, first_conversation: int = 0) -> torch.Tensor:
-    """The rows a chunk keeps of conversations of `lengths` tokens laid end to end (LongTensor, ascending): every
-    row, or per conversation a uniform sample of size.kept_positions positions among 1..n-1 (position 0, the
-    attention sink, never), seeded by (seed, the conversation's index in the capture): the same whatever the batch."""
+def sample_rows(lengths: list[int], prompt_lengths: list[int], sample_positions: int | None, seed: int,
+                first_conversation: int = 0) -> torch.Tensor:
+    """The rows a chunk keeps of conversations of `lengths` tokens (the first `prompt_lengths` of each its prompt)
+    laid end to end (LongTensor, ascending): every row, or per conversation size.kept_positions positions among
+    1..n-1 (position 0, the attention sink, never): a uniform sample of its response positions, and when it has
+    fewer than s of them all of them and a uniform sample of its prompt positions for the rest (the statistics use
+    response tokens by default). Seeded by (seed, the conversation's index in the capture): the same whatever the
+    batch."""
     if sample_positions is None:
         return torch.arange(sum(lengths))
     out, offset = [], 0
-    for i, n in enumerate(lengths):
+    for i, (n, p) in enumerate(zip(lengths, prompt_lengths)):
         g = torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + first_conversation + i) % 2**64)
         k = size.kept_positions(n, sample_positions)
-        out.append(offset + 1 + torch.randperm(n - 1, generator=g)[:k].sort().values if k else torch.zeros(0, dtype=torch.long))
+        first = max(int(p), 1)                                  # the response's first position (never 0)
+        response = first + torch.randperm(n - first, generator=g)[:k]
+        prompt = 1 + torch.randperm(first - 1, generator=g)[:k - response.numel()]
+        out.append(offset + torch.cat([prompt, response]).sort().values)
         offset += n
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
@@ -463,7 +470,7 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
     finally:
         hook.remove()
     valid = mask.bool().to(loaded.device)
-    rows = sample_rows([len(s) for s in seqs], sample_positions, seed, first_conversation)
+    rows = sample_rows([len(s) for s in seqs], [len(p) for p in prompts], sample_positions, seed, first_conversation)
     keep = rows.to(loaded.device)
     states = [h[valid][keep] for h in out.hidden_states] + [last_layer_out["h"][valid][keep]]
     dtype = state_dtype(states)                              # float16 unless a state would overflow it
