@@ -3,6 +3,7 @@
     bytes_per_token(N, d)      (N + 1 + 1 pre-norm) x d x 2 (float16 states) + 17 (the token table)
     kept_positions(n, s)       tokens a conversation of n tokens stores: n, or with --sample-positions s, min(s, n - 1)
                                (position 0, the attention sink the statistics always drop, is never sampled)
+    approx_tokens(text)        a prompt's tokens before tokenizing (the app's estimate before the model loads)
     estimate(lengths, ...)     an Estimate: bytes per token, tokens (prompts exact once tokenized, responses at most
                                max_new_tokens each: an upper bound), total bytes with every chunk's header
 """
@@ -34,6 +35,11 @@ def capture_bytes(tokens: int, num_layers: int, hidden_size: int, prenorm: bool 
 def header_bytes(num_layers: int, prenorm: bool = True) -> int:
     """At most the bytes of one chunk's safetensors header (its length field and JSON)."""
     return 8 + HEADER_BYTES_PER_TENSOR * (int(num_layers) + 1 + int(prenorm) + 5)
+
+
+def approx_tokens(text: str) -> int:
+    """Tokens of a prompt's text before the tokenizer has run: characters / CHARS_PER_TOKEN, at least 1."""
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
 def kept_positions(length: int, sample_positions: int | None) -> int:
