@@ -165,7 +165,9 @@ def test_cli_capture_json_then_cached_and_listed(tmp_path):
     first = run_cli(*args, store=tmp_path)
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
-    assert set(out) == {"key", "model", "num_layers", "hidden_size", "prompts", "tokens", "cached", "seconds", "path"}
+    assert set(out) == {"key", "model", "num_layers", "hidden_size", "prompts", "tokens", "sample_positions", "cached",
+                        "seconds", "path"}
+    assert out["sample_positions"] is None
     assert out["num_layers"] == 4 and out["prompts"] == 3 and not out["cached"]
     second = json.loads(run_cli(*args, store=tmp_path).stdout)
     assert second["cached"] and second["key"] == out["key"]
