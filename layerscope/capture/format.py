@@ -15,8 +15,9 @@ manifest.json, a JSON object (capture.build_manifest writes it; `validate_manife
                       positions 1..n-1 (position 0, the attention sink the statistics always drop, never), in
                       position order: a uniform sample of its response positions, or when it has fewer than s all
                       of them and a uniform sample of its prompt positions for the rest (the statistics read
-                      response tokens by default), seeded by the capture's seed and the conversation's index. `position` holds the true positions. Such a capture serves statistics only:
-                      what reads neighbouring tokens (training a draft, the probe, a study) refuses it
+                      response tokens by default), seeded by the capture's seed and the conversation's index.
+                      `position` holds the true positions. Such a capture serves statistics only: what reads
+                      neighbouring tokens (training a draft, the probe, a study) refuses it
                       (CaptureReader.require_every_position)
     prompts           [{id, category}] of the conversations, in order
     conversations     how many; the chunks cover [0, conversations) contiguously, in order

@@ -502,7 +502,8 @@ def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opt
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
         "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,
-        "has_prenorm_final": True, "sample_positions": opts.sample_positions, "prompt_set": prompt_set.name, "prompt_set_hash": prompt_set.content_hash,
+        "has_prenorm_final": True, "sample_positions": opts.sample_positions, "prompt_set": prompt_set.name,
+        "prompt_set_hash": prompt_set.content_hash,
         "prompts": [{"id": p.id, "category": p.category} for p in prompts[: max((e for _, e, _ in chunks), default=0)]],
         "conversations": sum(e - s for s, e, _ in chunks), "tokens": sum(c["tokens"] for c in chunk_list),
         "options": asdict(opts), "chunks": chunk_list, "seconds": round(seconds, 3),
