@@ -112,7 +112,8 @@ def test_generation_reports_every_token_and_cancels_mid_batch(tiny, store):
     with pytest.raises(CaptureCancelled, match="0 of 2 conversations are saved"):
         capture(tiny, prompts, store, max_new_tokens=16, batch_size=2, progress=seen.append,
                 should_stop=lambda: any(p.generated >= 3 for p in seen))
-    assert [p.generated for p in seen] == [0, 1, 2, 3]           # stopped after the 3rd new token
+    assert seen[0].phase == "estimate" and seen[0].estimate is not None    # stated before the first batch
+    assert [p.generated for p in seen[1:]] == [0, 1, 2, 3]       # stopped after the 3rd new token
     assert list_captures(store) == []
     assert list((store.root / "captures").glob("*/chunk-*")) == []   # the cut-short batch was not saved
 
