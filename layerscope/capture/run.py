@@ -167,10 +167,7 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     if progress:
         progress(CaptureProgress("estimate", 0, len(prompts), 0, 0.0, time.perf_counter() - t0, estimate=plan))
     check_budget(plan, opts)
-    disk.need_space(store.root, size.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
-                                                            opts.batch_size, loaded.num_layers, loaded.hidden_size,
-                                                            partial_capture_dir(store, key), opts.sample_positions),
-                    f"capture {key}")
+    disk.need_space(store.root, size.capture_need(plan, partial_capture_dir(store, key)), f"capture {key}")
     if distributed.active():     # under torchrun every rank writes its range of the batches (_capture_ranks)
         return _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
 

@@ -105,11 +105,8 @@ def estimate(lengths, max_new_tokens: int, num_layers: int, hidden_size: int, *,
                     tokens * bpt + chunks * header_bytes(num_layers), prompts_exact, sample_positions)
 
 
-def capture_need(encoded, max_new_tokens: int, max_tokens: int | None, batch_size: int, num_layers: int,
-                 hidden_size: int, partial: Path | None = None, sample_positions: int | None = None) -> int:
-    """Bytes a capture of the prompts `encoded` (token ids) may still write: `estimate`'s total less the chunks
-    already in `partial`."""
-    total = estimate([len(ids) for ids in encoded], max_new_tokens, num_layers, hidden_size, max_tokens=max_tokens,
-                     batch_size=batch_size, sample_positions=sample_positions).total
+def capture_need(plan: Estimate, partial: Path | None = None) -> int:
+    """Bytes a capture may still write: its Estimate's total less the chunks already in `partial`."""
+    total = plan.total
     done = sum(f.stat().st_size for f in Path(partial).glob("chunk-*.safetensors")) if partial and Path(partial).is_dir() else 0
     return max(0, total - done)
