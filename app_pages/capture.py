@@ -5,13 +5,15 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, models
+from layerscope import fmt, models, preflight
+from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import list_captures
 from layerscope.ui import apply, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
 from layerscope.ui.widgets import guard, job_status, md_text, number_field, poll_interval, show_error, table
+from layerscope.validate import parse_size
 
 s, store = page_header("Capture hidden states",
                        "The target answers each prompt itself (as EAGLE-3 training data is made); one forward pass then "
@@ -28,7 +30,9 @@ on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or models.DEF
       "limit": bind_view(s, "cap_limit", "ls_w_cap_limit", 16, clamp=(1, 100_000)),
       "new": bind_view(s, "cap_new", "ls_w_cap_new", 48, clamp=(1, 4096)),
       "batch": bind_view(s, "cap_batch", "ls_w_cap_batch", 8, clamp=(1, 256)),
-      "seed": bind_view(s, "cap_seed", "ls_w_cap_seed", 0, clamp=(0, 2**31 - 1))}
+      "seed": bind_view(s, "cap_seed", "ls_w_cap_seed", 0, clamp=(0, 2**31 - 1)),
+      "sample": bind_view(s, "cap_sample", "ls_w_cap_sample", 0, clamp=(0, 1_000_000)),
+      "budget": bind_view(s, "cap_budget", "ls_w_cap_budget", "")}
 
 job = manager.latest(s.id, "capture")
 view = job.view() if job else None
@@ -66,6 +70,22 @@ with left:
     c3, c4 = st.columns(2)
     number_field(c3, "Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch", on_change=on["batch"])
     number_field(c4, "Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed", on_change=on["seed"])
+    c5, c6 = st.columns(2)
+    number_field(c5, "Sample positions (0 = all)", min_value=0, max_value=1_000_000, step=64, key="ls_w_cap_sample",
+                 on_change=on["sample"], help="Keep a seeded sample of at most this many token positions per "
+                 "conversation (response positions first, never position 0): a smaller capture for the statistics "
+                 "only; drafts cannot be trained from it")
+    c6.text_input("Storage budget", key="ls_w_cap_budget", on_change=on["budget"], placeholder="none, e.g. 2G",
+                  help="Refuse the capture when its estimate is larger: 500M, 2G, 1.5GiB (empty: no budget)")
+
+# the capture's options as the page has them (CaptureOptions: the one source of the others' defaults)
+budget, budget_ok = None, False          # Start capture stays off while the budget does not read as a size
+with guard("storage budget"):
+    text = st.session_state.ls_w_cap_budget.strip()
+    budget, budget_ok = parse_size(text) if text else None, True
+options = CaptureOptions(limit=int(st.session_state.ls_w_cap_limit), max_new_tokens=int(st.session_state.ls_w_cap_new),
+                         batch_size=int(st.session_state.ls_w_cap_batch), seed=int(st.session_state.ls_w_cap_seed),
+                         sample_positions=int(st.session_state.ls_w_cap_sample) or None, max_store_bytes=budget)
 
 with right:
     st.subheader("Prompt preview")
@@ -81,11 +101,30 @@ with right:
             st.dataframe(pd.DataFrame(rows), hide_index=True, height=260, width="stretch")
         if not readable:
             prompt_spec = None
+        else:
+            st.subheader("Storage")
+            with guard("storage estimate"):
+                plan = preflight.capture_estimate(store, st.session_state.ls_w_cap_model.strip(), ps.prompts, options)
+                if plan is None:
+                    st.caption("The estimate needs the model's config: it shows once the model has loaded here (a "
+                               "first capture), and the capture states it before its first batch.")
+                else:
+                    e1, e2, e3 = st.columns(3)
+                    e1.metric("Per token", fmt.size(plan.bytes_per_token),
+                              help=f"{plan.states} hidden states of d={plan.hidden_size} in float16, and the token table")
+                    e2.metric("Estimated size", fmt.size(plan.total), help="At most: every response at its full length")
+                    e3.metric("Free on disk", fmt.size(plan.free))
+                    st.caption(md_text(plan.lines()[1]))
+                    if plan.over_budget:
+                        st.warning(f"Over the budget of {fmt.size(plan.budget)}: the capture would be refused. Take "
+                                   "fewer prompts, fewer new tokens per response, or sample positions.")
+                    elif plan.total > plan.free:
+                        st.warning(f"The disk has {fmt.size(plan.free)} free, less than the estimate.")
     else:
         st.info("Upload a prompt file to preview it.")
 
 running = view is not None and view.running
-if st.button("Start capture", type="primary", icon=":material/play_arrow:", disabled=running or not prompt_spec,
+if st.button("Start capture", type="primary", icon=":material/play_arrow:", disabled=running or not prompt_spec or not budget_ok,
              key="ls_cap_start"):
     model = st.session_state.ls_w_cap_model.strip()
     if not model:
@@ -94,9 +133,9 @@ if st.button("Start capture", type="primary", icon=":material/play_arrow:", disa
         with guard("start capture"):
             # the session takes the model and prompt set from the finished capture, never from a failed one
             job = manager.submit(s.id, "capture", tasks.capture_job(
-                model=model, prompts=prompt_spec, limit=int(st.session_state.ls_w_cap_limit),
-                max_new_tokens=int(st.session_state.ls_w_cap_new), batch_size=int(st.session_state.ls_w_cap_batch),
-                seed=int(st.session_state.ls_w_cap_seed), store=store, analysis_options=s.analysis_options),
+                model=model, prompts=prompt_spec, limit=options.limit, max_new_tokens=options.max_new_tokens,
+                batch_size=options.batch_size, seed=options.seed, sample_positions=options.sample_positions,
+                max_store_bytes=options.max_store_bytes, store=store, analysis_options=s.analysis_options),
                 title=f"Capture of {model}")
             view = job.view()
 

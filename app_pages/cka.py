@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import fmt, plots
+from layerscope.stats.analysis import sample_note
 from layerscope.ui import apply
 from layerscope.ui.apply import kernel_of
 from layerscope.ui.state import bind_view, commit
@@ -41,7 +42,8 @@ if stats is not None:
     kernel = kernel_of(stats)
     c3.markdown(f"**{fmt.count(stats['tokens_kept'])}** of {fmt.count(stats['tokens_total'])} tokens · "
                 f"{fmt.count(stats['outliers_dropped'])} outliers dropped · threshold {stats['threshold']:.2f} nats · "
-                f"{kernel} kernel · layer {n} is the final state ({stats.get('final_state', 'post-norm')})")
+                f"{kernel} kernel · layer {n} is the final state ({stats.get('final_state', 'post-norm')})"
+                + (f" · tokens {sample_note(stats['sample_positions'])}" if stats.get("sample_positions") else ""))
 
     picks = apply.manual_layers(s)
     tool = st.radio("Mouse on the heatmap", ["drag a box", "click cells"], horizontal=True, key="ls_w_cka_tool",

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import layerset, plots
-from layerscope.stats.analysis import AnalysisOptions
+from layerscope.stats.analysis import AnalysisOptions, sample_note
 from layerscope.stats.entropy import KERNELS
 from layerscope.ui import apply
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
@@ -148,6 +148,9 @@ if stats is not None:
     m[3].metric("Sinks dropped", f"{tok.get('sink_dropped', 0):,}", help="position 0 of every conversation")
     m[4].metric("Below threshold", f"{tok.get('low_entropy_dropped', 0):,}")
     m[5].metric("Threshold", f"{stats['threshold']:.2f} nats")
+    if stats.get("sample_positions") is not None:
+        st.caption(f"The capture's tokens are {sample_note(stats['sample_positions'])}: these statistics come from a "
+                   "sample, and drafts cannot be trained from this capture.")
 
     v1, v2 = st.columns(2)
     v3 = v1

@@ -14,6 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from layerscope import fmt
 from layerscope.store import Store, StoreWriteError, write_error
 
 MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
@@ -47,7 +48,8 @@ def need_space(directory: Path, nbytes: int | None, what: str) -> None:
 
 
 def mib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    """A size in an error message: fmt.size, never below MiB (a step's estimate reads 0.5 MiB, not 512.0 KiB)."""
+    return fmt.size(n) if n >= 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def directory_writable(directory: Path) -> None:

@@ -9,6 +9,7 @@ Plain functions, strings out; nothing here imports Streamlit. Every kind of numb
     speedup      1.42×
     percent      24.5%                       (acceptance, agreement: a share of 1 as a percentage)
     duration     72 s · 20 min · 2.5 h       (seconds as words; one decimal below 10 s: 0.4 s)
+    size         512 B · 3.4 KiB · 1.2 GiB   (bytes, in powers of 1024, one decimal)
     interval     1.133 [1.091, 1.160]        (every interval: the value, then [lo, hi] in the same form;
                  1.42× [1.30, 1.55]           a × unit once, on the value)
 
@@ -63,6 +64,17 @@ def number(x, digits: int = 3) -> str:
     if 0 < a < 10 ** -digits:
         return f"{x:.2g}"
     return f"{x:.{digits}f}"
+
+
+def size(n) -> str:
+    """Bytes as people read them: 512 B, 3.4 KiB, 340.0 MiB, 1.2 GiB, 2.0 TiB (powers of 1024, one decimal)."""
+    if missing(n):
+        return MISSING
+    n = float(n)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def tau(x) -> str:

@@ -1,6 +1,7 @@
 """Preflight: what a command can check before it loads a model or trains, checked first (the disk checks
 themselves are in `disk`, a capture's size in `capture.size`).
 
+    capture_estimate(store, model, ps, o) what a capture will write, before the target loads (the app's Capture page)
     prompt_spec(spec)                    a prompt set that exists and can be opened (builtin, sharegpt, a file)
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
     output(path)                         a directory about to be written whole (--out): the path rule, writable
@@ -13,7 +14,8 @@ themselves are in `disk`, a capture's size in `capture.size`).
 Estimates of what a step writes (bytes), from the target's shape when it can be read without loading
 the weights (`target_shape`: tiny-llama, a model directory's or the Hugging Face cache's config.json,
 the de-quantized copy of a GGUF in the store); None when it cannot, and then only the store is checked:
-    capture     tokens x (N + 1 (+1 pre-norm)) x d x 2 (float16 states) + 17 per token (the token table)
+    capture     tokens x (N + 1 (+1 pre-norm)) x d x 2 (float16 states) + 17 per token (the token table): capture.size;
+                the capture itself states it again once the prompts are tokenized, and refuses over --max-store-bytes
     draft       its parameter count x 4 (float32 at most)
     checkpoint  the drafts' parameters x 4 x 3 (weights and Adam's two moments); online training holds two
                 for a moment when it replaces one, so it needs twice that
@@ -30,6 +32,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from layerscope import disk, jsonsafe, layerset, models, paths
+from layerscope.capture import size
 from layerscope.capture.stored import open_capture
 from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
 from layerscope.draft.model import DraftConfig, DraftHead
@@ -106,6 +109,21 @@ def _gguf_config(spec: str, store: Store) -> Path | None:
     except (LayerScopeError, OSError, AttributeError):
         return None
     return Path(store.path("models", f"gguf-{digest}")) / "config.json" if digest else None
+
+
+def capture_estimate(store: Store, model: str, prompts, options) -> size.Estimate | None:
+    """What a capture of `prompts` (a list of Prompt, the limit applied) with CaptureOptions `options` will write,
+    before the target loads: from its config (target_shape) and the prompts' characters (size.approx_tokens; the
+    capture tokenizes them and states the exact estimate before its first batch), with the store's free space and
+    the budget. None when the config cannot be read without loading the model."""
+    shape = target_shape(model, store)
+    if shape is None:
+        return None
+    plan = size.estimate([size.approx_tokens(p.turns[0]) for p in prompts], options.max_new_tokens,
+                         int(shape.num_hidden_layers), int(shape.hidden_size), max_tokens=options.max_tokens,
+                         batch_size=options.batch_size, sample_positions=options.sample_positions, prompts_exact=False)
+    plan.free, plan.budget = disk.free_bytes(store.root), options.max_store_bytes
+    return plan
 
 
 # ---------------------------------------------------------------------------- options and paths
@@ -222,12 +240,17 @@ def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=No
     if real_out is None:                                     # into the store's drafts/
         disk.writable(store)
     cap = open_capture(store, capture_key)
+    cap.require_every_position("training a draft", TRAIN_FIX)
     if sets:
         sets = layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
             disk.need_space(real_out or store.root, draft_bytes(shape, sets[0], int(draft_vocab)), "the draft")
     return cap, list(sets), real_out
+
+
+TRAIN_FIX = "Train online (train-draft --model, the app's online training), or capture again without --sample-positions"
+PROBE_FIX = "Choose a strategy that reads the statistics only, or capture again without --sample-positions"
 
 
 RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a comma and a space

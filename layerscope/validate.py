@@ -2,6 +2,7 @@
 
     check_number("temperature", t, minimum=0, maximum=100, fix="Use 0 for greedy responses")
     parse_count("500k"), parse_duration("1h30m")   # numbers as people write them: 500_000 tokens, 5400 seconds
+    parse_size("500M"), parse_size("1.5GiB")       # bytes: 500_000_000, 1_610_612_736 (k/M/G/T: 1000s, KiB..: 1024s)
     OneLineParser(...)       # argparse: every `type=float` is finite_float; an error is one line, exit 2
 
 Options dataclasses call `check_number` in their `validate()` (the one source of their limits); the CLI's
@@ -58,6 +59,7 @@ def _range(minimum, maximum, above: bool, below: bool) -> str:
 # ---------------------------------------------------------------------------- numbers people write
 
 COUNT_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*")     # 2M, 500k, 120000
+SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?\s*b?\s*", re.IGNORECASE)   # 500M, 2GB, 1.5GiB
 DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([hms]?)")        # one part of 1h30m, 45m, 600s, 90
 
 
@@ -69,6 +71,21 @@ def parse_count(text: str) -> int:
     n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
     if not 1 <= n < 1e15:
         raise LayerScopeError(f"{text!r} is not a positive token count", "Write it like 2M, 500k or 120000")
+    return int(n)
+
+
+def parse_size(text: str) -> int:
+    """Bytes: '500M' / '500MB' -> 500_000_000, '2G' -> 2_000_000_000, '1.5GiB' -> 1_610_612_736, '4096' -> 4096
+    (k, M, G, T in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024; a trailing B is optional; at least 1)."""
+    fix = "Write it like 500M, 2G, 1.5GiB or 750000000 (bytes)"
+    m = SIZE_RE.fullmatch(str(text))
+    if not m:
+        raise LayerScopeError(f"{text!r} is not a size", fix)
+    unit = (m.group(2) or "").lower()
+    base = 1024 if m.group(3) else 1000
+    n = float(m.group(1)) * base ** ("kmgt".index(unit) + 1 if unit else 0)
+    if not 1 <= n < 2**63:
+        raise LayerScopeError(f"{text!r} is not a positive size", fix)
     return int(n)
 
 

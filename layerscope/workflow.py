@@ -138,6 +138,7 @@ def probe_input(store: Store, capture_key: str, options: probe_mod.ProbeOptions 
     """A capture and its target's weights (default: the capture's model), for layerscope/draft/probe.py and the
     `probe` selection strategy; probe results are cached in `store`."""
     cap = open_capture(store, capture_key)
+    cap.require_every_position("the probe", preflight.PROBE_FIX)                 # before the load
     target = load(model or cap.manifest["model"], store)
     return probe_mod.ProbeInput(cap, probe_mod.TargetWeights.of(target), options or probe_mod.ProbeOptions(), store)
 
@@ -239,6 +240,7 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
           progress: Callable | None = None) -> Studied:
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study/run.py."""
     cap = open_capture(store, capture_key)
+    cap.require_every_position("a study (it trains drafts on the capture)", preflight.TRAIN_FIX)
     preflight.study(store, model or cap.manifest["model"], options)     # before the model loads
     target = load(model or cap.manifest["model"], store)
     o = replace(options, train=with_budget(options.train, target.device))

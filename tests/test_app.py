@@ -151,6 +151,26 @@ def test_capture_page_shows_its_widgets_and_a_preview(app_store):
     assert at.query_params["session"] == sid(at)       # a refresh comes back to this session
 
 
+def test_capture_page_estimate_follows_its_options(app_store):
+    """The storage estimate from the model's config, before any capture: it follows the options, and warns over a
+    budget (which then reaches the capture job; an unreadable budget keeps Start off)."""
+    at = new_app().run()
+    at.switch_page("app_pages/capture.py").run()
+    at.text_input(key="ls_w_cap_model").set_value("tiny-llama").run()
+    shown = lambda: {m.label: m.value for m in at.metric}       # noqa: E731
+    assert shown()["Per token"] == "785 B"                       # tiny-llama: 6 states x d=64 x 2 + 17
+    first = shown()["Estimated size"]
+    at.number_input(key="ls_w_cap_new").set_value(400).run()
+    assert shown()["Estimated size"] != first and not at.warning
+    at.text_input(key="ls_w_cap_budget").set_value("100k").run()
+    assert any("Over the budget of 97.7 KiB" in w.value for w in at.warning)
+    at.number_input(key="ls_w_cap_sample").set_value(4).run()     # 16 conversations x 4 positions: far below
+    assert not at.warning and shown()["Estimated size"] == fmt.size(16 * 4 * 785 + 2 * (8 + 128 * 11))  # 2 chunk headers
+    at.text_input(key="ls_w_cap_budget").set_value("lots").run()
+    assert at.button(key="ls_cap_start").disabled and "not a size" in at.error[0].value
+    no_exception(at)
+
+
 def test_capture_run_fills_the_session_and_the_store(app_store, captured):
     at = new_app(captured).run()
     at.switch_page("app_pages/capture.py").run()

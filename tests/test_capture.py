@@ -112,7 +112,8 @@ def test_generation_reports_every_token_and_cancels_mid_batch(tiny, store):
     with pytest.raises(CaptureCancelled, match="0 of 2 conversations are saved"):
         capture(tiny, prompts, store, max_new_tokens=16, batch_size=2, progress=seen.append,
                 should_stop=lambda: any(p.generated >= 3 for p in seen))
-    assert [p.generated for p in seen] == [0, 1, 2, 3]           # stopped after the 3rd new token
+    assert seen[0].phase == "estimate" and seen[0].estimate is not None    # stated before the first batch
+    assert [p.generated for p in seen[1:]] == [0, 1, 2, 3]       # stopped after the 3rd new token
     assert list_captures(store) == []
     assert list((store.root / "captures").glob("*/chunk-*")) == []   # the cut-short batch was not saved
 
@@ -165,7 +166,9 @@ def test_cli_capture_json_then_cached_and_listed(tmp_path):
     first = run_cli(*args, store=tmp_path)
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
-    assert set(out) == {"key", "model", "num_layers", "hidden_size", "prompts", "tokens", "cached", "seconds", "path"}
+    assert set(out) == {"key", "model", "num_layers", "hidden_size", "prompts", "tokens", "sample_positions", "cached",
+                        "seconds", "path"}
+    assert out["sample_positions"] is None
     assert out["num_layers"] == 4 and out["prompts"] == 3 and not out["cached"]
     second = json.loads(run_cli(*args, store=tmp_path).stdout)
     assert second["cached"] and second["key"] == out["key"]

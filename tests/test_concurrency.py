@@ -93,5 +93,5 @@ def test_a_waiting_capture_can_be_cancelled(tmp_path, tiny, one_thread):
             raise AssertionError("not cancelled")
         except CaptureCancelled as e:
             assert "another process" in str(e)
-    assert phases == ["waiting"] and list_captures(store) == []
+    assert phases == ["estimate", "waiting"] and list_captures(store) == []      # the estimate comes first
     assert capture(tiny, prompts, store, limit=2, max_new_tokens=2).key == key     # the lock is free again

@@ -10,7 +10,7 @@ from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.errors import CaptureError, DraftError, LayerScopeError, ModelSpecError
 from layerscope.models import load_model
-from layerscope.validate import check_number, parse_count, parse_duration
+from layerscope.validate import check_number, parse_count, parse_duration, parse_size
 
 
 @pytest.mark.parametrize("value, kw, ok", [
@@ -37,12 +37,18 @@ def test_budgets_read_as_people_write_them():
     for bad in ("", "45x", "0", "m"):
         with pytest.raises(LayerScopeError, match="duration"):
             parse_duration(bad)
+    assert parse_size("500M") == parse_size("500MB") == 500_000_000 and parse_size("2G") == 2_000_000_000
+    assert parse_size("1.5GiB") == 1_610_612_736 and parse_size("64 kib") == 65_536 and parse_size("4096") == 4096
+    for bad in ("", "2X", "-5M", "0", "GiB", "1.5 GiBs"):
+        with pytest.raises(LayerScopeError, match="size"):
+            parse_size(bad)
 
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("limit", 0), ("limit", 2.5),
     ("limit", math.nan), ("max_new_tokens", 0), ("batch_size", -4), ("max_tokens", math.inf), ("seed", 1.5),
-    ("max_prompt_tokens", 0), ("skip_long", "yes"),
+    ("max_prompt_tokens", 0), ("skip_long", "yes"), ("sample_positions", 0), ("sample_positions", 2.5),
+    ("max_store_bytes", 0), ("max_store_bytes", math.nan),
 ])
 def test_capture_options_refuse_non_finite_and_out_of_range(field, value):
     with pytest.raises(CaptureError, match=field):

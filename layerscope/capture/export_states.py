@@ -55,6 +55,7 @@ def export_states(cap: CaptureReader, out, layers: list[int],
     if not layers or bad or len(set(layers)) != len(layers):
         raise CaptureError(f"--layers {layers} must be distinct layers in 0..{N - 1}",
                            f"Pick the draft's layers; the last layer (vLLM id {N}) is added by itself")
+    cap.require_every_position("speculators' training data", "Export a capture made without --sample-positions")
     if not cap.manifest.get("has_prenorm_final"):
         raise CaptureError(f"Capture {cap.key} has no pre-norm final states, which speculators trains against",
                            "Capture again with this version (or import a speculators dump, which holds them)")

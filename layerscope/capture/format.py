@@ -5,11 +5,20 @@
     captures/<key>.partial/chunk-...                           a capture in progress (same chunk names; no manifest)
 
 manifest.json, a JSON object (capture.build_manifest writes it; `validate_manifest` is the schema):
-    key               24 hex characters: the directory's name (store.make_key of what was captured)
+    key               24 hex characters: the directory's name (store.make_key of what was captured: capture_key)
     format            a positive integer (capture.FORMAT_VERSION, 1 so far)
     model, fingerprint, prompt_set, prompt_set_hash, created (ISO time), seconds, options, final_state
     num_layers N, hidden_size d      the model's; states 0..N are kept (0 = embeddings, N = the final state)
     has_prenorm_final                whether the chunks hold `prenorm_final`
+    sample_positions  null: every position of every conversation is kept (absent in older captures: the same);
+                      an integer s (--sample-positions): each conversation of n tokens keeps min(s, n - 1) of its
+                      positions 1..n-1 (position 0, the attention sink the statistics always drop, never), in
+                      position order: a uniform sample of its response positions, or when it has fewer than s all
+                      of them and a uniform sample of its prompt positions for the rest (the statistics read
+                      response tokens by default), seeded by the capture's seed and the conversation's index.
+                      `position` holds the true positions. Such a capture serves statistics only: what reads
+                      neighbouring tokens (training a draft, the probe, a study) refuses it
+                      (CaptureReader.require_every_position)
     prompts           [{id, category}] of the conversations, in order
     conversations     how many; the chunks cover [0, conversations) contiguously, in order
     tokens            how many; the sum of the chunks' tokens
@@ -44,7 +53,7 @@ import torch
 from safetensors import safe_open
 
 from layerscope import jsonsafe
-from layerscope.errors import StoreError
+from layerscope.errors import CaptureError, StoreError
 
 MAX_MANIFEST_BYTES = 64 * 2**20
 MAX_HEADER_BYTES = 100 * 2**20
@@ -152,6 +161,8 @@ def validate_manifest(m, key: str) -> None:
     need(m.get("conversations") == start, f"'conversations' is {m.get('conversations')!r}, the chunks hold {start}")
     need(m.get("tokens") == sum(c["tokens"] for c in chunks),
          f"'tokens' is {m.get('tokens')!r}, the chunks hold {sum(c['tokens'] for c in chunks)}")
+    sample = m.get("sample_positions")
+    need(sample is None or (_is_int(sample) and sample >= 1), "'sample_positions' must be null or a positive integer")
     prompts = m.get("prompts", [])
     need(isinstance(prompts, list) and all(isinstance(p, dict) for p in prompts), "'prompts' must be a list of objects")
 
@@ -260,10 +271,17 @@ class CaptureReader:
         self._verified: set[str] = set()
         self.offsets = torch.tensor([0] + [n for _, n in self.chunks]).cumsum(0)
         self.num_tokens = int(self.offsets[-1])
+        self.sample_positions = self.manifest.get("sample_positions")     # None: every position is kept
         self._tokens = None
 
     def __repr__(self) -> str:
         return f"CaptureReader({self.key}, {self.num_tokens} tokens, layers 0..{self.num_layers})"
+
+    def require_every_position(self, what: str, fix: str) -> None:
+        """CaptureError (one line) when this capture keeps a sample of positions: `what` reads neighbouring tokens."""
+        if self.sample_positions is not None:
+            raise CaptureError(f"Capture {self.key} keeps a sample of {self.sample_positions} positions per "
+                               f"conversation (--sample-positions); {what} needs every position", fix)
 
     def _chunk(self, f: str) -> str:
         """Path of chunk `f`, its checksum verified the first time this reader reads it."""

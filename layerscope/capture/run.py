@@ -6,7 +6,11 @@ Per batch of conversations:
                 (state N is post-norm; the pre-norm output of the last layer is kept too), the
                 predictive entropy (nats) of the next-token distribution, token id, position,
                 conversation index, prompt/response flag;
+     With --sample-positions s, only a seeded sample of min(s, n - 1) positions of each conversation is kept,
+                response positions first (sample_rows; format.py's `sample_positions`): statistics only.
   3. write      one chunk file (float16 states, bfloat16 where they would overflow; float32 entropies) per batch, atomically.
+Before the first batch the capture reports its Estimate (capture.size: bytes per token, tokens, total, free space;
+a CaptureProgress of phase "estimate") and refuses, nothing written, when it is over --max-store-bytes.
 Peak memory is one batch, whatever the number of prompts. The store key is a hash of
 (model fingerprint, prompt-set content, options, format version); an identical request is served
 from the store, and an interrupted one resumes from its finished chunks.
@@ -43,7 +47,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from layerscope import disk, distributed
+from layerscope import disk, distributed, fmt
 from layerscope.capture import size
 from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header, state_dtype
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
@@ -67,6 +71,9 @@ class CaptureOptions:
     temperature: float = 0.0           # 0 = greedy responses
     skip_long: bool = False            # drop prompts that do not fit the context (else refuse the capture)
     max_prompt_tokens: int | None = None   # drop prompts longer than this (keeps batches of ShareGPT compact)
+    sample_positions: int | None = None    # keep a seeded sample of at most this many positions per conversation
+                                           # (statistics only: training and the probe need every position)
+    max_store_bytes: int | None = None     # refuse a capture whose estimate (capture.size) is larger (None: no budget)
 
     def validate(self) -> None:
         """One rule for every option (layerscope.validate): finite numbers of the right kind, in range."""
@@ -82,19 +89,25 @@ class CaptureOptions:
         check("temperature", self.temperature, 0, 100, "Use 0 for greedy responses")
         check("max_prompt_tokens", self.max_prompt_tokens, 1, None, "Pass --max-prompt-tokens 1 or more, or leave it "
               "out", integer=True, optional=True)
+        check("sample_positions", self.sample_positions, 1, None, "Pass --sample-positions 1 or more, or leave it "
+              "out to keep every position", integer=True, optional=True)
+        check("max_store_bytes", self.max_store_bytes, 1, None, "Pass --max-store-bytes as a size such as 500M or 2G, "
+              "or leave it out", integer=True, optional=True)
         if not isinstance(self.skip_long, bool):
             raise CaptureError(f"skip_long must be true or false (got {self.skip_long!r})", "Pass --skip-long or not")
 
 
 @dataclass
 class CaptureProgress:
-    phase: str                 # "waiting" (another process writes this capture) | "generate" | "record" | "done"
+    phase: str                 # "estimate" (before the first batch) | "waiting" (another process writes this capture)
+                               # | "generate" | "record" | "done"
     conversations_done: int
     conversations_total: int
     tokens_done: int           # tokens recorded so far
     tokens_per_s: float        # recorded tokens per second of wall time, generation included
     elapsed_s: float
     generated: int = 0         # "generate": new tokens generated so far for the current batch (of max_new_tokens)
+    estimate: size.Estimate | None = None    # "estimate": what the capture will write (capture.size)
 
 
 @dataclass
@@ -112,8 +125,14 @@ class CaptureCancelled(CaptureError):
 
 
 def capture_key(loaded: LoadedModel, prompt_set: PromptSet, options: CaptureOptions) -> str:
-    return make_key({"model": loaded.fingerprint, "prompts": prompt_set.content_hash,
-                     "options": asdict(options), "format": FORMAT_VERSION})
+    """The key of what is captured: the model, the prompts, the options that change what is stored (the budget
+    does not; sample_positions only when set, so the key of a capture of every position is what it always was)."""
+    opts = asdict(options)
+    del opts["max_store_bytes"]
+    if opts["sample_positions"] is None:
+        del opts["sample_positions"]
+    return make_key({"model": loaded.fingerprint, "prompts": prompt_set.content_hash, "options": opts,
+                     "format": FORMAT_VERSION})
 
 
 def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progress: Callable | None = None,
@@ -144,9 +163,11 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
     else:
         _check_lengths(encoded, prompts, opts, loaded.context_length)
     disk.writable(store)              # a read-only or full store fails before the first batch is computed
-    disk.need_space(store.root, size.capture_need(encoded, opts.max_new_tokens, opts.max_tokens,
-                                                            opts.batch_size, loaded.num_layers, loaded.hidden_size,
-                                                            partial_capture_dir(store, key)), f"capture {key}")
+    plan = plan_capture(loaded, encoded, opts, store)
+    if progress:
+        progress(CaptureProgress("estimate", 0, len(prompts), 0, 0.0, time.perf_counter() - t0, estimate=plan))
+    check_budget(plan, opts)
+    disk.need_space(store.root, size.capture_need(plan, partial_capture_dir(store, key)), f"capture {key}")
     if distributed.active():     # under torchrun every rank writes its range of the batches (_capture_ranks)
         return _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop)
 
@@ -197,7 +218,8 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
         if should_stop is not None and should_stop():     # stopped mid-batch: this batch's responses are cut short
             raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
         report("record")
-        tensors = record(loaded, encoded[start:end], responses, first_conversation=start)
+        tensors = record(loaded, encoded[start:end], responses, first_conversation=start,
+                         sample_positions=opts.sample_positions, seed=opts.seed)
         atomic_save_tensors(partial / chunk_name(start, end), tensors)
         tokens_done += tensors["token_id"].numel()
     if progress:
@@ -216,6 +238,26 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
     path = finish_capture(store, key, manifest)
     return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
+
+
+def plan_capture(loaded: LoadedModel, encoded, opts: CaptureOptions, store: Store) -> size.Estimate:
+    """The capture's Estimate (capture.size) for the tokenized prompts `encoded`, with the store's free space and
+    the budget."""
+    plan = size.estimate([len(ids) for ids in encoded], opts.max_new_tokens, loaded.num_layers, loaded.hidden_size,
+                         max_tokens=opts.max_tokens, batch_size=opts.batch_size, sample_positions=opts.sample_positions)
+    plan.free, plan.budget = disk.free_bytes(store.root), opts.max_store_bytes
+    return plan
+
+
+def check_budget(plan: size.Estimate, opts: CaptureOptions) -> None:
+    """CaptureError (one line, nothing written) when the estimate is over --max-store-bytes."""
+    if plan.over_budget:
+        sample = "" if opts.sample_positions is not None else ", or --sample-positions N for statistics only"
+        raise CaptureError(
+            f"The capture would store up to {fmt.size(plan.total)} ({fmt.count(plan.tokens)} tokens x "
+            f"{fmt.count(plan.bytes_per_token)} bytes), over the budget of {fmt.size(plan.budget)} (--max-store-bytes)",
+            f"Take fewer prompts (--limit), shorter answers (--max-new-tokens) or fewer tokens (--max-tokens)"
+            f"{sample}; nothing was written")
 
 
 def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None:
@@ -306,7 +348,8 @@ def _write_rank_batches(batches, loaded, encoded, opts, partial, t0, progress, s
         if progress:
             progress(CaptureProgress("generate", start, len(encoded), tokens, 0.0, time.perf_counter() - t0))
         responses = generate_responses(loaded, encoded[start:end], opts, should_stop=should_stop)
-        tensors = record(loaded, encoded[start:end], responses, first_conversation=start)
+        tensors = record(loaded, encoded[start:end], responses, first_conversation=start,
+                         sample_positions=opts.sample_positions, seed=opts.seed)
         atomic_save_tensors(path, tensors)
         tokens += tensors["token_id"].numel()
 
@@ -381,10 +424,33 @@ def _eos_ids(loaded: LoadedModel) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def sample_rows(lengths: list[int], prompt_lengths: list[int], sample_positions: int | None, seed: int,
+                first_conversation: int = 0) -> torch.Tensor:
+    """The rows a chunk keeps of conversations of `lengths` tokens (the first `prompt_lengths` of each its prompt)
+    laid end to end (LongTensor, ascending): every row, or per conversation size.kept_positions positions among
+    1..n-1 (position 0, the attention sink, never): a uniform sample of its response positions, and when it has
+    fewer than s of them all of them and a uniform sample of its prompt positions for the rest (the statistics use
+    response tokens by default). Seeded by (seed, the conversation's index in the capture): the same whatever the
+    batch."""
+    if sample_positions is None:
+        return torch.arange(sum(lengths))
+    out, offset = [], 0
+    for i, (n, p) in enumerate(zip(lengths, prompt_lengths)):
+        g = torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + first_conversation + i) % 2**64)
+        k = size.kept_positions(n, sample_positions)
+        first = max(int(p), 1)                                  # the response's first position (never 0)
+        response = first + torch.randperm(n - first, generator=g)[:k]
+        prompt = 1 + torch.randperm(first - 1, generator=g)[:k - response.numel()]
+        out.append(offset + torch.cat([prompt, response]).sort().values)
+        offset += n
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
 @torch.no_grad()
 def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[int]],
-           first_conversation: int = 0) -> dict[str, torch.Tensor]:
-    """One right-padded forward over prompt+response; returns the chunk's tensors (see CaptureReader)."""
+           first_conversation: int = 0, sample_positions: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One right-padded forward over prompt+response; returns the chunk's tensors (see CaptureReader): every token,
+    or with `sample_positions` the rows `sample_rows` keeps (their true positions in `position`)."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), loaded.tokenizer.pad_token_id, dtype=torch.long)
@@ -401,15 +467,18 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
     finally:
         hook.remove()
     valid = mask.bool().to(loaded.device)
-    states = [h[valid] for h in out.hidden_states] + [last_layer_out["h"][valid]]
+    rows = sample_rows([len(s) for s in seqs], [len(p) for p in prompts], sample_positions, seed, first_conversation)
+    keep = rows.to(loaded.device)
+    states = [h[valid][keep] for h in out.hidden_states] + [last_layer_out["h"][valid][keep]]
     dtype = state_dtype(states)                              # float16 unless a state would overflow it
     hidden = {f"hidden.{l}": h.to(dtype).cpu() for l, h in enumerate(states[:-1])}
     hidden["prenorm_final"] = states[-1].to(dtype).cpu()
-    entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid], *head_transform(loaded.model.config))
-    position = torch.cat([torch.arange(len(s)) for s in seqs])
-    conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])
-    is_response = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(seqs, prompts)])
-    return {**hidden, "entropy": entropy.float(), "token_id": ids[mask.bool()].int(), "position": position.int(),
+    entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid][keep],
+                                 *head_transform(loaded.model.config))
+    position = torch.cat([torch.arange(len(s)) for s in seqs])[rows]
+    conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])[rows]
+    is_response = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(seqs, prompts)])[rows]
+    return {**hidden, "entropy": entropy.float(), "token_id": ids[mask.bool()][rows].int(), "position": position.int(),
             "conversation": conversation.int(), "is_response": is_response}
 
 
@@ -430,7 +499,8 @@ def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opt
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
         "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,
-        "has_prenorm_final": True, "prompt_set": prompt_set.name, "prompt_set_hash": prompt_set.content_hash,
+        "has_prenorm_final": True, "sample_positions": opts.sample_positions, "prompt_set": prompt_set.name,
+        "prompt_set_hash": prompt_set.content_hash,
         "prompts": [{"id": p.id, "category": p.category} for p in prompts[: max((e for _, e, _ in chunks), default=0)]],
         "conversations": sum(e - s for s, e, _ in chunks), "tokens": sum(c["tokens"] for c in chunk_list),
         "options": asdict(opts), "chunks": chunk_list, "seconds": round(seconds, 3),

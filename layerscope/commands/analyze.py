@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from layerscope import workflow
 from layerscope.commands.common import Progress, open_store, print_json
-from layerscope.stats.analysis import AnalysisOptions, LayerStats
+from layerscope.stats.analysis import AnalysisOptions, LayerStats, sample_note
 from layerscope.stats.entropy import KERNELS
 
 NAME = "analyze"
@@ -58,9 +58,11 @@ def token_line(stats) -> str:
     scope = "response tokens" if t.get("response_only") else "all tokens"
     cap = f", capped at {t['cap']}" if t.get("cap") and t.get("tokens_eligible", 0) > t["cap"] else ""
     rule = f"quantile {t['quantile']:g} = " if t.get("quantile") is not None else ""
+    sampled = f"; the capture's tokens are {sample_note(stats.sample_positions)}" if stats.sample_positions else ""
     return (f"tokens: {stats.tokens_kept} of {stats.tokens_total} kept ({scope}; dropped {t.get('sink_dropped', 0)} "
             f"position-0 sinks, {stats.outliers_dropped} massive-activation outliers, "
-            f"{t.get('low_entropy_dropped', 0)} below the entropy threshold {rule}{stats.threshold:.3g} nats{cap})")
+            f"{t.get('low_entropy_dropped', 0)} below the entropy threshold {rule}{stats.threshold:.3g} nats{cap}"
+            f"{sampled})")
 
 
 def kernel_name(kernel: str) -> str:

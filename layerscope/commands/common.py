@@ -62,6 +62,10 @@ class Progress:
                                  refresh=False)
         self.bar.refresh()
 
+    def note(self, line: str) -> None:
+        """A line on stderr above the bar (the bar is redrawn below it)."""
+        self.bar.write(line, file=sys.stderr)
+
     def close(self) -> None:
         self.bar.close()
 

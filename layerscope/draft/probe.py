@@ -233,6 +233,8 @@ class Positions:
 
 def positions(cap, o: ProbeOptions) -> Positions:
     """The counted positions (draft.train's rule; p − 1 in the same conversation) of each split."""
+    cap.require_every_position("the probe", "Choose a strategy that reads the statistics only, or capture again "
+                               "without --sample-positions")
     tok = cap.tokens()
     conv = tok["conversation"]
     n = len(conv)

@@ -128,6 +128,7 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     device = torch.device(device) if device is not None else target_embed.device
     J = o.ttt_steps
 
+    cap.require_every_position("training a draft", "Train online, or capture again without --sample-positions")
     held_out = split_conversations(cap.tokens()["conversation"], o.val_fraction, o.seed)
     train, val = load_splits(cap, held_out, layers)
     val.target_next = target_argmax(val.final, target_lm_head)

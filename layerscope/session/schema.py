@@ -199,7 +199,7 @@ STATS_SCHEMA = ("obj", {     # LayerStats.to_dict() less its arrays; every field
     "prompts_used": opt("int"), "threshold": opt("num"), "compartments": opt(PAIRS),
     "compartments_by_k": opt(("map", PAIRS)), "tokens": opt(("map", "json")), "options": opt(("map", "json")),
     "requested": opt(("map", "json")), "final_state": opt("str"), "model": opt("str"), "cka_route": opt("str"),
-    "key": opt("str"), "seconds": opt("num"), "version": opt("int"),
+    "key": opt("str"), "seconds": opt("num"), "version": opt("int"), "sample_positions": opt("int"),
 }, False)
 LAYER_SET_SCHEMA = ("obj", {"name": req("name"), "layers": req("json"), "strategy": opt("str")}, True)
 DRAFT_SCHEMA = ("obj", {

@@ -106,6 +106,7 @@ class LayerStats:
     seconds: float = 0.0
     version: int = VERSION
     kernel: str = "linear"               # token preparation of entropy and CKA: "linear" or "cosine"
+    sample_positions: int | None = None  # the capture kept a sample of this many positions per conversation (None: all)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -226,11 +227,20 @@ def analyze(cap, store=None, options: AnalysisOptions | None = None,
         threshold=tok["threshold"], tokens=tok, token_entropy=eligible, prompts_used=len(groups),
         final_state=cap.manifest.get("final_state", "post-norm"), model=str(cap.manifest.get("model", "")),
         options=asdict(options), key=key, seconds=round(time.perf_counter() - t0, 3), kernel=options.kernel,
+        sample_positions=cap.sample_positions,
     )
     if store is not None:
         store.put_json("analysis", key, stats.to_dict())
     report(1.0, "done")
     return stats
+
+
+def sample_note(sample_positions) -> str:
+    """How statistics from a sampled capture say so (the CLI, the app's statistics pages, the report); '' for a
+    capture of every position."""
+    if sample_positions is None:
+        return ""
+    return f"from a sample of at most {int(sample_positions):,} positions per conversation (--sample-positions)"
 
 
 def _rows(m: torch.Tensor | None) -> list[list[float]] | None:

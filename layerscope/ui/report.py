@@ -14,6 +14,7 @@ from plotly.offline import get_plotlyjs
 from layerscope import fmt, layerset, plots
 from layerscope.decoding.bench import interval_note
 from layerscope.session.model import Session, now_iso
+from layerscope.stats.analysis import sample_note
 from layerscope.ui import recommend, sanity
 from layerscope.ui.recommend import set_label
 
@@ -69,7 +70,8 @@ def session_report(s: Session) -> str:
         kernel = (stats.get("options") or {}).get("kernel", "linear")
         parts.append("<h2>Layer statistics</h2>" + _table([{
             "tokens kept": stats.get("tokens_kept"), "of": stats.get("tokens_total"),
-            "threshold (nats)": stats.get("threshold"), "α": stats.get("alpha"), "kernel": kernel}]))
+            "threshold (nats)": stats.get("threshold"), "α": stats.get("alpha"), "kernel": kernel,
+            **({"tokens": sample_note(stats["sample_positions"])} if stats.get("sample_positions") else {})}]))
         default, _ = layerset.default_layers(n)
         sets = [(x["name"], x["layers"]) for x in s.layer_sets] + [("default", default)]
         parts.append(_figure(plots.entropy_curve({"dataset-level": stats["entropy"]}, sets=sets, final_state=final,

@@ -75,14 +75,20 @@ def capture_summary(manifest: dict) -> dict:
 
 @job_task
 def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
-                store, analysis_options: dict | None = None):
+                store, analysis_options: dict | None = None, sample_positions: int | None = None,
+                max_store_bytes: int | None = None):
     """workflow.capture (the model from the app's cache), then the default statistics (workflow.analyze)."""
-    options = CaptureOptions(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+    options = CaptureOptions(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                             sample_positions=sample_positions, max_store_bytes=max_store_bytes)
+    options.validate()                        # bad options fail where the page starts the job
 
     def run(job):
         t0 = time.perf_counter()
 
         def progress(p):
+            if p.estimate is not None:            # before the first batch: what the capture will write
+                job.update(0.05, "; ".join(p.estimate.lines()), estimate_bytes=p.estimate.total)
+                return
             total = max(p.conversations_total, 1)
             step = batch_size / total
             within = 0.8 * min(p.generated / max(max_new_tokens, 1), 1.0) if p.phase == "generate" else 0.8
