@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from layerscope import fmt
+from layerscope.draft.loss import simulated_acc_len
 
 # One color per layer set, in the order the sets are given; the default rule is always grey.
 SET_COLORS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22"]
@@ -609,13 +610,17 @@ def learning_curves(curves: Mapping[str, Sequence], *, step: int = 0,
                     title: str | None = "Held-out agreement as the drafts see more tokens",
                     layers: Mapping[str, Sequence[int]] | None = None, colors: Mapping | None = None) -> go.Figure:
     """One line per layer set: agreement at TTT step `step`+1 (every held-out position; the estimate of
-    first-position acceptance for step 0) against tokens seen.
+    first-position acceptance for step 0) against tokens seen; the hover shows every step's agreement and
+    SpecForge's simulated_acc_len (draft.loss.simulated_acc_len) at each point.
 
     curves: {set name: [[tokens seen, [agreement per TTT step]], ...]} (layerscope.json's "curve")."""
     fig = go.Figure()
     for i, (name, points) in enumerate(curves.items()):
-        pts = [(int(t), float(a[step])) for t, a in points if len(_as_list(a)) > step]
-        fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[a for _, a in pts], mode="lines+markers", name=str(name),
+        pts = [(int(t), [float(v) for v in _as_list(a)]) for t, a in points if len(_as_list(a)) > step]
+        hover = [" / ".join(f"{v:.1%}" for v in a) + f"<br>simulated_acc_len {simulated_acc_len(a):.3f}" for _, a in pts]
+        fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[a[step] for _, a in pts], mode="lines+markers", name=str(name),
+                                 customdata=hover, hovertemplate="%{x:,} tokens: agreement per draft step %{customdata}"
+                                 "<extra>%{fullData.name}</extra>",
                                  line=dict(color=set_color(str(name), i, (layers or {}).get(name), colors))))
     fig.update_xaxes(title="tokens seen")
     fig.update_yaxes(title=f"agreement, draft step {step + 1}", tickformat=".0%", rangemode="tozero")

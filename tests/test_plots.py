@@ -180,3 +180,11 @@ def test_figure_image_png_and_svg_rendered_by_chromium():
     assert svg.startswith("<svg") and "export check" in svg and svg.rstrip().endswith("</svg>")
     with pytest.raises(ValueError):
         image_export.figure_image(fig, "gif")
+
+
+def test_learning_curves_hover_every_step_and_simulated_acc_len():
+    fig = plots.learning_curves({"a": [[1000, [0.5, 0.5, 0.5]], [2000, [0.8, 0.5]]]})
+    trace = fig.data[0]
+    assert list(trace.x) == [1000, 2000] and list(trace.y) == [0.5, 0.8]
+    assert trace.customdata[0] == "50.0% / 50.0% / 50.0%<br>simulated_acc_len 0.875"   # 0.5 + 0.25 + 0.125
+    assert trace.customdata[1].endswith("simulated_acc_len 1.200")                      # 0.8 + 0.4
