@@ -332,7 +332,7 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     with a predicted speedup, the curve used, and the choice of the auto contenders; still lossless."""
     args = ["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(draft_dir),
             "--prompts", "builtin", "--limit", "2", "--max-new-tokens", "6", "--no-peers",
-            "--k", "1,2", "--tree", "auto", "--k", "auto"]
+            "--k", "1,2", "--tree", "auto", "--k", "auto", "--auto-even-if-slower"]
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     names = [r["name"] for r in doc["results"]]
@@ -354,6 +354,29 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     assert names[5:] == [f"low auto chain k={k} + lookup 3"] and len(names) == 6
     assert doc["results"][5]["lossless"] and doc["results"][5]["predicted_speedup"] is None
     assert set(doc["results"][5]["lookup"]) == {"steps", "draft_steps", "drafted", "accepted"}
+
+
+def test_bench_auto_says_no_when_nothing_pays(tmp_path, draft_dir, capsys):
+    """An untrained draft accepts almost nothing, so no depth or tree reaches its break-even tau (> 1: a draft
+    step costs time): `--k auto --tree auto` says so and decodes plainly; every draft row shows its break-even tau
+    and a verdict in words."""
+    args = ["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(draft_dir),
+            "--prompts", "builtin", "--limit", "2", "--max-new-tokens", "6", "--no-peers", "--k", "1",
+            "--k", "auto", "--tree", "auto"]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in doc["results"]]
+    assert names == ["autoregressive", "low", "low auto plain"]
+    plain = doc["results"][2]
+    assert plain["chosen"] == {"plain": True} and plain["lossless"] and plain["acceptance_by_position"] == []
+    cal = plain["calibrated"]
+    assert cal["speedup"] < 1.0 and cal["tau"] < cal["break_even_tau"]
+    chain = doc["results"][1]
+    assert chain["break_even_tau"] > 1.0
+    assert chain["verdict"].startswith(f"tau {chain['tau']:.2f} is below the break-even tau {chain['break_even_tau']:.2f}")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "break-even tau" in text and "no depth or tree pays on this machine" in text and "decoded plainly" in text
 
 
 def test_cost_curve_figure():

@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tree", nargs="?", const="fixed", default=None, choices=["fixed", "auto"],
                    help="also decode each draft with an EAGLE-2 tree (the --tree-* shape); `--tree auto`: the "
                         "shape with the best speedup predicted for this machine")
+    p.add_argument("--auto-even-if-slower", action="store_true",
+                   help="with --k auto / --tree auto: run the pick even when it is predicted to lose to plain decoding "
+                        "(by default auto then says so and decodes plainly)")
     p.add_argument("--tree-budget", type=int, default=t.budget, help="draft tokens verified per tree (default %(default)s)")
     p.add_argument("--tree-top-k", type=int, default=t.top_k, help="children per expanded node (default %(default)s)")
     p.add_argument("--tree-depth", type=int, default=t.depth, help="tree depth (default %(default)s)")
@@ -89,6 +92,7 @@ def options_from_args(args) -> BenchOptions:
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         ks=tuple(dict.fromkeys(ks)), trees=trees, peers=not args.no_peers,
                         lookup_tokens=args.prompt_lookup, draft_lookup=args.lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
+                        auto_even_if_slower=args.auto_even_if_slower,
                         machine=machine_options(args))
 
 

@@ -76,6 +76,7 @@ class BenchOptions:
     draft_lookup: int = 0            # > 0: also each draft's chain with prompt lookup first (specdec `lookup`)
     auto_k: bool = False             # also the chain depth with the best predicted speedup (`plan`)
     auto_tree: bool = False          # also the tree shape with the best predicted speedup
+    auto_even_if_slower: bool = False  # run auto's pick even when it is predicted to lose to plain decoding
     machine: MachineOptions = field(default_factory=MachineOptions)   # the quiet rule; wait_s: --wait-quiet
 
     def validate(self) -> None:
@@ -335,6 +336,11 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: Bench
                                       eos_token_id=eos, progress=seen)
         chain = costmodel.best_chain(curve, profile) if options.auto_k else None
         picks = ([chain] if chain else []) + ([costmodel.best_tree(curve, profile)] if options.auto_tree else [])
+        if picks and not options.auto_even_if_slower and max(p.speedup for p in picks) < 1.0:
+            best = max(picks, key=lambda p: p.speedup)       # nothing pays: auto says so and decodes plainly
+            out.append(Contender(f"{name} auto plain", "autoregressive", "auto: plain decoding", None,
+                                 auto=best.to_json() | {"declined": True}))
+            continue
         for p in picks:
             out.append(Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
                                  p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
@@ -363,12 +369,18 @@ def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmo
     for c, entry in zip(contenders, report.results):
         if c.kind == "autoregressive":
             entry["predicted_speedup"] = 1.0
+            if c.auto is not None:                          # auto declined: nothing was predicted to pay
+                entry["chosen"] = {"plain": True}
+                entry["calibrated"] = {"decoding": c.auto["decoding"], "tau": c.auto["tau"],
+                                       "speedup": c.auto["speedup"], "break_even_tau": c.auto["break_even_tau"]}
         elif c.kind == "draft" and c.lookup_tokens:      # the cost model knows no lookup steps
             entry["predicted_speedup"] = None
         elif c.kind == "draft":
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
             entry["predicted_speedup"] = tau * curve.target_s(1) / costmodel.step_seconds(curve, k=k, tree=tree, tau=tau)
+            entry["break_even_tau"] = costmodel.break_even_tau(curve, k=k, tree=tree)
+            entry["verdict"] = verdict(entry["tau"], entry["break_even_tau"], c.decoding)
             if c.auto is not None:
                 entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
                 entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
@@ -560,19 +572,20 @@ def format_table(report: BenchReport) -> str:
     """The report as plain-text tables: overall, then per category."""
     depth = max((len(r["acceptance_by_position"]) for r in report.results), default=0)
     pred = report.cost_curve is not None
-    head = ["contender", "layers", "tau", *[f"acc@{i + 1}" for i in range(depth)], "tok/s", "speedup",
-            *(["predicted"] if pred else []), "lossless"]
+    head = ["contender", "layers", "tau", *(["break-even tau"] if pred else []), *[f"acc@{i + 1}" for i in range(depth)],
+            "tok/s", "speedup", *(["predicted"] if pred else []), "lossless"]
     rows = []
     for r in report.results:
         acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
         rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", fmt.interval(r["tau"], r.get("tau_ci"), "tau"),
-                     *acc, _f(r["tokens_per_s"], 1), fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
+                     *([_f(r.get("break_even_tau"))] if pred else []), *acc, _f(r["tokens_per_s"], 1), fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}",
              fmt.table(head, rows, left=2)]
     lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
+    lines += [f"{r['name']}: {r['verdict']}" for r in report.results if r.get("verdict") and not r.get("chosen")]
     lines += [lookup_note(r) for r in report.results if r.get("lookup")]
     lines += spec_decode_lines(report)
     if report.intervals:
@@ -615,10 +628,25 @@ def _curve_line(report: BenchReport) -> str:
     return "cost curve: " + machine.line(report.cost_curve_machine, "predicted speedups").removeprefix("machine: ")
 
 
+def verdict(tau: float, break_even: float, decoding: str) -> str:
+    """One line in words: "tau 1.44 is below the break-even tau 2.08 of chain k=3: it loses to plain decoding
+    on this machine" (or "above ...: it pays")."""
+    if tau > break_even:
+        return f"tau {tau:.2f} is above the break-even tau {break_even:.2f} of {decoding}: it pays on this machine"
+    return (f"tau {tau:.2f} is below the break-even tau {break_even:.2f} of {decoding}: it loses to plain decoding "
+            "on this machine")
+
+
 def auto_note(entry: dict) -> str:
     """What an `auto` contender chose and predicted, beside what it measured: "low auto chain k=2: chose
-    K=2; the calibration predicted 1.08x, measured 1.02x (1.05x predicted from its measured tau)"."""
+    K=2; the calibration predicted 1.08x, measured 1.02x (1.05x predicted from its measured tau)"; or, when
+    nothing was predicted to pay, why it decoded plainly."""
     chosen = entry.get("chosen") or {}
+    if chosen.get("plain"):
+        cal = entry["calibrated"]
+        return (f"{entry['name']}: no depth or tree pays on this machine: the best, {cal['decoding']}, was predicted "
+                f"{_f(cal['speedup'])}x (calibrated tau {_f(cal['tau'])} below its break-even tau "
+                f"{_f(cal['break_even_tau'])}), so auto decoded plainly (--auto-even-if-slower runs it anyway)")
     what = f"K={chosen['k']}" if "k" in chosen else \
         "tree " + " ".join(f"{k}={v}" for k, v in (chosen.get("tree") or {}).items())
     predicted = (entry.get("calibrated") or {}).get("speedup")

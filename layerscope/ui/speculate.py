@@ -129,11 +129,13 @@ def bench_frame(res: dict, drafts) -> tuple[pd.DataFrame, str | None]:
     df = pd.DataFrame([{
         "contender": r["name"], "layers": fmt.layers(r["layers"]) if r.get("layers") else "",
         "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
+        **({"break-even τ": fmt.number(r.get("break_even_tau"), 2) if r.get("break_even_tau") else ""}
+           if res.get("cost_curve") else {}),
         "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),     # what was measured first
         **{f"acc@{i + 1}": fmt.percent(((r.get("acceptance_by_position") or []) + [None] * depth_max)[i])
            for i in range(depth_max)},
         "tokens/s": fmt.number(r.get("tokens_per_s"), 1), "decoding": r.get("decoding", ""),
-        **({"chosen K": (r.get("chosen") or {}).get("k"),
+        **({"chosen K": "plain" if (r.get("chosen") or {}).get("plain") else (r.get("chosen") or {}).get("k"),
             "calibration predicted": fmt.speedup((r.get("calibrated") or {}).get("speedup"))}
            if any(x.get("chosen") for x in rows) else {}),
         **({"Δτ vs reference": fmt.interval((r.get("paired") or {}).get("tau", {}).get("delta"),

@@ -165,6 +165,8 @@ def bench_run(s, i: int, colors: dict) -> None:
     for r in rows:
         if r.get("chosen"):
             st.markdown(md_text(auto_note(r)))
+        elif r.get("verdict"):
+            st.caption(md_text(f"{r['name']}: {r['verdict']}"))
     if res.get("machine"):
         (st.caption if res["machine"].get("quiet") else st.warning)(md_text(machine.line(res["machine"])))
     for w in res.get("warnings") or []:
