@@ -578,7 +578,8 @@ def format_table(report: BenchReport) -> str:
     for r in report.results:
         acc = [f"{a:.2f}" for a in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
         rows.append([r["name"], ",".join(map(str, r.get("layers", []))) or "-", fmt.interval(r["tau"], r.get("tau_ci"), "tau"),
-                     *([_f(r.get("break_even_tau"))] if pred else []), *acc, _f(r["tokens_per_s"], 1), fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
+                     *([_f(r.get("break_even_tau"))] if pred else []), *acc, _f(r["tokens_per_s"], 1),
+                     fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
                      "yes" if r["lossless"] else "NO"])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}",
