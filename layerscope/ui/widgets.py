@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import html
 import io
 import logging
 import re
@@ -293,7 +292,7 @@ def highlighted_tokens(pieces) -> str:
     }
     spans = []
     for text, kind in pieces:
-        t = html.escape(text).replace("\n", "↵<br>")
+        t = fmt.escape(text).replace("\n", "↵<br>")
         spans.append(f'<span style="{style.get(kind, "")}">{t}</span>')
     return ('<div style="font-family:ui-monospace,monospace;font-size:0.9rem;line-height:1.6;'
             'white-space:pre-wrap;border:1px solid #ddd;border-radius:6px;padding:0.6rem;">'
