@@ -149,6 +149,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def test_an_uploaded_prompt_file_is_kept_only_while_its_capture_runs(manager, store):
+    path = tasks.save_upload(store, "mine.jsonl", b'{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
+    job = manager.submit("s7", "capture", tasks.capture_job(model="tiny-llama", prompts=str(path), limit=2,
+                                                            max_new_tokens=4, batch_size=2, seed=0, store=store))
+    assert job.wait(TIMEOUT) and job.view().state == DONE, (job.error, job.fix)
+    assert has_capture(store, job.result["key"]) and job.result["conversations"] == 2
+    assert not path.parent.exists()                                # the capture read it; nothing else needs it
+
+
 def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store, tmp_path):
     missing = str(tmp_path / "no-such-model.gguf")
     with pytest.raises(LayerScopeError) as here:
