@@ -13,7 +13,7 @@ import streamlit as st
 from layerscope import fmt, plots
 from layerscope.errors import LayerScopeError
 from layerscope.ui import image_export
-from layerscope.ui.jobs import JobView, get_manager
+from layerscope.ui.jobs import INTERRUPTED, JobView, get_manager
 from layerscope.ui.worker import CANCELLED, DONE, FAILED
 
 log = logging.getLogger("layerscope.ui")
@@ -207,6 +207,8 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
                 st.rerun()
     elif view.state == FAILED:
         show_error(view.error or "The job failed", view.fix)
+    elif view.state == INTERRUPTED:
+        st.warning(f"{md_text(view.error)}. {md_text(view.fix)}.", icon=":material/restart_alt:")
     elif view.state == CANCELLED:
         st.warning(f"{md_text(view.title)} was cancelled after {fmt.duration(view.elapsed)}. "
                    + (view.fix or ""), icon=":material/stop_circle:")
