@@ -19,6 +19,7 @@ The command line's plain-text tables (the benchmark's, the study's) are laid out
 
 from __future__ import annotations
 
+import html
 import math
 import re
 from collections.abc import Sequence
@@ -129,6 +130,17 @@ def name(raw) -> str:
         return MISSING
     raw = str(raw)
     return NAMES.get(raw, raw.replace("_", " "))
+
+
+def escape(text) -> str:
+    """User text (a set, draft, session or capture name, a model spec, a prompt's category) as plain text wherever
+    HTML is read: the HTML report and every Plotly text (legend names, titles, axis and tick labels, hover text,
+    annotations), where plotly.js renders <a href>, <span style>, <b>, <br> and entities. The one escaping rule:
+    &, < and > become entities that plotly.js and browsers both show as the characters, and so does the { of
+    "%{" (plotly.js fills in %{...} in trace names and hover text); quotes are left alone (plotly.js does not read
+    &quot;, and no user text is put inside an attribute). User text never goes into a hovertemplate string itself:
+    it goes in as data (customdata, a trace name)."""
+    return html.escape("" if text is None else str(text), quote=False).replace("%{", "%&#123;")
 
 
 _OFFSET = re.compile(r"([+-]\d\d)(\d\d)$")

@@ -39,7 +39,8 @@ def _matrix(values) -> list[list[float]]:
 
 
 def _named_sets(sets) -> list[tuple[str, list[int]]]:
-    """`sets` as [(name, layers)], from a mapping, a list of pairs, or objects with .name/.layers."""
+    """`sets` as [(name, layers)], from a mapping, a list of pairs, or objects with .name/.layers; the names
+    escaped for display (`fmt.escape`: a set's name is user text)."""
     if not sets:
         return []
     if isinstance(sets, Mapping):
@@ -53,7 +54,7 @@ def _named_sets(sets) -> list[tuple[str, list[int]]]:
                 items.append((getattr(s, "name", None) or getattr(s, "strategy", "set"), s.layers))
             else:
                 items.append((s[0], s[1]))
-    return [(str(name), [int(x) for x in _as_list(layers)]) for name, layers in items]
+    return [(fmt.escape(name), [int(x) for x in _as_list(layers)]) for name, layers in items]
 
 
 BASELINE_COLORS = {"autoregressive": "#9e9e9e", "hf-generate": "#bdbdbd", "hf-prompt-lookup": "#d6d6d6"}
@@ -93,7 +94,7 @@ def layer_label(layer: int, num_layers: int, final_state: str = "post-norm") -> 
 
 def _base_layout(fig: go.Figure, title: str | None, **kw) -> go.Figure:
     fig.update_layout(
-        title=dict(text=title, x=0.0, xanchor="left") if title else None,
+        title=dict(text=fmt.escape(title), x=0.0, xanchor="left") if title else None,
         margin=dict(l=60, r=20, t=60 if title else 30, b=50),
         legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1.0),
         hovermode="closest",
@@ -119,7 +120,7 @@ def entropy_curve(
     """
     if not curves:
         raise ValueError("entropy_curve needs at least one curve")
-    named = [(name, [float(v) for v in _as_list(vals)]) for name, vals in curves.items()]
+    named = [(fmt.escape(name), [float(v) for v in _as_list(vals)]) for name, vals in curves.items()]
     n_points = len(named[0][1])
     if n_points == 0 or any(len(v) != n_points for _, v in named):
         raise ValueError("every curve needs one value per layer 0..N, all of the same length")
@@ -134,7 +135,7 @@ def entropy_curve(
                       dash="solid" if i == 0 else "dot"),
             marker=dict(size=5),
             customdata=labels,
-            hovertemplate="layer %{customdata}<br>" + name + ": %{y:.4f}<extra></extra>",
+            hovertemplate="layer %{customdata}<br>%{fullData.name}: %{y:.4f}<extra></extra>",
         ))
     base = named[0][1]
     for i, (name, layers) in enumerate(_named_sets(sets)):
@@ -269,7 +270,7 @@ def cka_heatmap(
             x=inside, y=[-0.5 - 0.9 * (k + 1)] * len(inside), mode="markers", name=f"{name} {layers}",
             marker=dict(size=10, color=color, symbol=SET_SYMBOLS[k % len(SET_SYMBOLS)]),
             unselected=dict(marker=dict(opacity=1.0)),      # a cell selection must not dim the set markers
-            hovertemplate=f"{name}: layer %{{x}}<extra></extra>", cliponaxis=False,
+            customdata=[name] * len(inside), hovertemplate="%{customdata}: layer %{x}<extra></extra>", cliponaxis=False,
         ))
     # picked layers: a red frame around their diagonal cells (shapes: a chart selection does not dim them)
     for p in sorted({int(p) for p in picks if 0 <= int(p) < n}):
@@ -321,10 +322,10 @@ def acceptance_bars(
     for i, (name, rates) in enumerate(acceptance.items()):
         rates = [float(r) for r in _as_list(rates)]
         fig.add_trace(go.Bar(
-            x=[f"pos {k + 1}" for k in range(len(rates))], y=rates, name=str(name),
+            x=[f"pos {k + 1}" for k in range(len(rates))], y=rates, name=fmt.escape(name),
             marker=dict(color=set_color(str(name), i, (layers or {}).get(name), colors)),
             text=[fmt.percent(r) for r in rates], textposition="outside", cliponaxis=False,
-            hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>",
+            hovertemplate="%{fullData.name}<br>%{x}: %{y:.1%}<extra></extra>",
         ))
     _base_layout(fig, title, barmode="group", showlegend=len(acceptance) > 1)
     fig.update_yaxes(title="accepted", range=[0, 1.12], tickformat=".0%")
@@ -381,7 +382,7 @@ def set_comparison(
         raise ValueError("set_comparison needs at least one metric present in the rows")
     fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[fmt.name(m) for m in metrics],
                         horizontal_spacing=0.08)
-    names = [f"{r.get('name', '?')} {fmt.layers(r.get('layers', []))}" for r in rows]
+    names = [f"{fmt.escape(r.get('name', '?'))} {fmt.layers(r.get('layers', []))}" for r in rows]
     bar_colors = [set_color(str(r.get("name", "")), i, r.get("layers"), colors) for i, r in enumerate(rows)]
     for c, m in enumerate(metrics, start=1):
         ys = [None if r.get(m) is None else float(r[m]) for r in rows]
@@ -400,6 +401,16 @@ def set_comparison(
     return fig
 
 
+def _contender(row: Mapping) -> str:
+    """A benchmark contender as it reads on an axis: its name (escaped: user text) and its layers."""
+    return fmt.escape(str(row.get("name"))) + (f" {fmt.layers(row['layers'])}" if row.get("layers") else "")
+
+
+def _study_set(row: Mapping) -> str:
+    """A study's set as it reads on an axis: its strategies (escaped: a hand-made set's name) and its layers."""
+    return fmt.escape("/".join(row["strategies"])) + f" {fmt.layers(row['layers'])}"
+
+
 def bench_comparison(
     results: Sequence[Mapping],
     *,
@@ -411,7 +422,7 @@ def bench_comparison(
     if not results:
         raise ValueError("bench_comparison needs at least one result")
     fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain)"], horizontal_spacing=0.12)
-    names = [str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else "") for r in results]
+    names = [_contender(r) for r in results]
     bar_colors = [set_color(str(r.get("name", "")), i, r.get("layers"), colors) for i, r in enumerate(results)]
     tops = []
     for col, (metric, form) in enumerate((("tau", fmt.tau), ("speedup", fmt.speedup)), start=1):
@@ -450,16 +461,15 @@ def runs_comparison(
     if not runs:
         raise ValueError("runs_comparison needs at least one run")
     form = fmt.tau if metric == "tau" else fmt.speedup
-    names = list(dict.fromkeys(str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else "")
-                               for rows in runs.values() for r in rows))
+    names = list(dict.fromkeys(_contender(r) for rows in runs.values() for r in rows))
     fig = go.Figure()
     for i, (label, rows) in enumerate(runs.items()):
-        by = {str(r.get("name")) + (f" {fmt.layers(r['layers'])}" if r.get("layers") else ""): r for r in rows}
+        by = {_contender(r): r for r in rows}
         ys = [None if by.get(n, {}).get(metric) is None else float(by[n][metric]) for n in names]
         cis = [by.get(n, {}).get(f"{metric}_ci") for n in names]
         has = [bool(c) and None not in c and y is not None for c, y in zip(cis, ys)]
         fig.add_trace(go.Bar(
-            x=names, y=ys, name=str(label), marker=dict(color=CURVE_COLORS[i % len(CURVE_COLORS)] if i < 2
+            x=names, y=ys, name=fmt.escape(label), marker=dict(color=CURVE_COLORS[i % len(CURVE_COLORS)] if i < 2
                                                        else SET_COLORS[i % len(SET_COLORS)]),
             text=[None if y is None else form(y) for y in ys], textposition="inside", insidetextanchor="start",
             textfont=dict(size=10, color="white"),
@@ -507,7 +517,7 @@ def study_intervals(
     dotted line, and each training seed's τ as small marks. rows: `study --json` rows."""
     if not rows:
         raise ValueError("study_intervals needs at least one row")
-    names = ["/".join(r["strategies"]) + f" {fmt.layers(r['layers'])}" for r in rows]
+    names = [_study_set(r) for r in rows]
     taus = [r.get("tau") for r in rows]
     ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
     fig = go.Figure()
@@ -563,7 +573,7 @@ def study_proxies(
 
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[head(p, f) for p, f, _ in panels],
                         shared_yaxes=True, horizontal_spacing=0.04 if len(panels) > 3 else 0.06)
-    names = ["/".join(r["strategies"]) + f" {fmt.layers(r['layers'])}" for r in rows]
+    names = [_study_set(r) for r in rows]
     taus = [r.get("tau") for r in rows]
     ci = [r.get("tau_ci") or [t, t] for r, t in zip(rows, taus)]
     for j, (proxy, _, x) in enumerate(panels):
@@ -618,7 +628,7 @@ def learning_curves(curves: Mapping[str, Sequence], *, step: int = 0,
     for i, (name, points) in enumerate(curves.items()):
         pts = [(int(t), [float(v) for v in _as_list(a)]) for t, a in points if len(_as_list(a)) > step]
         hover = [" / ".join(f"{v:.1%}" for v in a) + f"<br>simulated_acc_len {simulated_acc_len(a):.3f}" for _, a in pts]
-        fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[a[step] for _, a in pts], mode="lines+markers", name=str(name),
+        fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[a[step] for _, a in pts], mode="lines+markers", name=fmt.escape(name),
                                  customdata=hover, hovertemplate="%{x:,} tokens: agreement per draft step %{customdata}"
                                  "<extra>%{fullData.name}</extra>",
                                  line=dict(color=set_color(str(name), i, (layers or {}).get(name), colors))))
@@ -667,7 +677,7 @@ def entropy_overlay(
     """
     if not curves:
         raise ValueError("entropy_overlay needs at least one curve")
-    named = [(str(name), [float(v) for v in _as_list(vals)]) for name, vals in curves.items()]
+    named = [(fmt.escape(name), [float(v) for v in _as_list(vals)]) for name, vals in curves.items()]
     if any(len(v) < 2 for _, v in named):
         raise ValueError("every curve needs values for layers 0..N with N >= 1")
     relative = len({len(v) for _, v in named}) > 1
@@ -682,7 +692,7 @@ def entropy_overlay(
                       width=2, dash="solid" if i == 0 else "dash"),
             marker=dict(size=5, symbol=SET_SYMBOLS[i % len(SET_SYMBOLS)]),
             customdata=[f"{layer_label(l, n, final)} of {n}" for l in range(n + 1)],
-            hovertemplate=name + "<br>layer %{customdata}<br>%{y:.4f}<extra></extra>",
+            hovertemplate="%{fullData.name}<br>layer %{customdata}<br>%{y:.4f}<extra></extra>",
         ))
     _base_layout(fig, title)
     if relative:
@@ -712,14 +722,14 @@ def cka_difference_heatmap(
     num_layers = n - 1
     top = max((abs(v) for row in z for v in row), default=0.0) or 1e-6
     labels = [layer_label(i, num_layers, final_state) for i in range(n)]
-    a, b = names
+    a, b = (fmt.escape(x) for x in names)
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(n)), y=list(range(n)), zmin=-top, zmax=top, colorscale="RdBu", reversescale=True,
         customdata=[[[labels[i], labels[j]] for j in range(n)] for i in range(n)], name="ΔCKA",
         colorbar=dict(title=dict(text=f"ΔCKA ({a} − {b})"), thickness=14),
         hovertemplate="layer %{customdata[0]} × layer %{customdata[1]}<br>ΔCKA %{z:+.4f}<extra></extra>",
     ))
-    _base_layout(fig, title or f"CKA difference {a} − {b} ({kernel} kernel, {estimator})",
+    _base_layout(fig, title or f"CKA difference {names[0]} − {names[1]} ({kernel} kernel, {estimator})",
                  height=max(480, min(760, 18 * n + 200)))
     ticks = list(range(0, n, 1 if n <= 32 else 5))
     fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",

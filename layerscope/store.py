@@ -50,7 +50,7 @@ from layerscope import jsonsafe
 from layerscope.errors import StoreError
 from layerscope.paths import LINK_FIX, entry_problem
 
-ENTRY_KINDS = ("captures", "drafts", "models", "sessions")   # directory kinds the size limit evicts
+ENTRY_KINDS = ("captures", "drafts", "models", "sessions", "uploads")   # directory kinds the size limit evicts
 DEFAULT_SIZE_LIMIT = 50 * 2**30
 KEY_RE = re.compile(r"[0-9a-f]{24}")               # a key make_key makes, in full (a capture's, a session's capture)
 ENTRY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")   # any entry directory name (no dots: temp names have them)

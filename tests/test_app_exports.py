@@ -203,3 +203,26 @@ def test_session_report_shows_intervals_and_the_study_verdict():
     assert "95% bootstrap intervals over the 40 prompts" in page
     assert "1.130 [1.097, 1.162]" in page and "+0.007 [-0.016, +0.030]" in page and "0.012" in page
     assert "No difference at this budget: &lt;b&gt;x&lt;/b&gt;" in page      # the verdict as plain text
+
+
+def test_session_report_shows_every_name_as_plain_text_figures_included():
+    link, paint = '<a href="https://evil.example/">click</a>', '<span style="position:fixed">X</span>'
+    n = 6
+    s = Session(name=link, model=paint, capture={"num_layers": n}, device=link,
+                bench_results=[{"prompts": 4, "prompt_set": paint, "max_new_tokens": 8, "device": "cpu",
+                                "results": [{"name": "autoregressive", "tau": 1.0, "speedup": 1.0},
+                                            {"name": link, "layers": [1, 3], "tau": 1.2, "speedup": 1.1}]}])
+    ent = [1.0 + 0.1 * i for i in range(n + 1)]
+    s.set_stats({"capture_key": "k", "num_layers": n, "hidden_size": 8, "alpha": 1.0, "entropy": ent,
+                 "entropy_normalized": ent, "entropy2": ent,
+                 "cka": [[1.0 if i == j else 0.5 for j in range(n + 1)] for i in range(n + 1)]})
+    s.add_layer_set(link, [1, 3])
+    s.add_layer_set(paint, [2, 4])
+    page = session_report(s)
+    body = page[page.index("</head>"):]                      # the head holds plotly.js itself
+    assert body.count("Plotly.newPlot") == 3                  # entropy, CKA, benchmark: each with the names
+    assert "<a" not in body and "<span" not in body
+    decoded = body.replace("\\u003c", "<").replace("\\u003e", ">").replace("\\u0026", "&").replace('\\"', '"')
+    assert "<a" not in decoded and "<span" not in decoded     # nor inside the figures' JSON
+    assert "&lt;a href=\"https://evil.example/\"&gt;click&lt;/a&gt;" in decoded     # shown, as text
+    assert "&lt;span style=\"position:fixed\"&gt;X&lt;/span&gt;" in decoded

@@ -188,3 +188,59 @@ def test_learning_curves_hover_every_step_and_simulated_acc_len():
     assert list(trace.x) == [1000, 2000] and list(trace.y) == [0.5, 0.8]
     assert trace.customdata[0] == "50.0% / 50.0% / 50.0%<br>simulated_acc_len 0.875"   # 0.5 + 0.25 + 0.125
     assert trace.customdata[1].endswith("simulated_acc_len 1.200")                      # 0.8 + 0.4
+
+
+# User text as it may come: a link, a paint-over, a hovertemplate variable and Plotly's own line break.
+LINK = '<a href="https://evil.example/">click me</a>'
+PAINT = '<span style="position:fixed;top:0;left:0;font-size:400px">X</span>'
+HOSTILE = [LINK, PAINT, "50%{y} <br>b & c"]
+
+
+def _every_figure_with(name: str, other: str) -> dict[str, go.Figure]:
+    """Every builder that shows user text (set, draft, capture, run names), given `name` and `other` as that text."""
+    ent = [1.0 + 0.1 * i for i in range(6)]
+    bench = [{"name": name, "layers": [1, 3], "tau": 1.2, "tau_ci": [1.1, 1.3], "speedup": 1.1},
+             {"name": other, "tau": 1.0, "speedup": 1.0}]
+    study = [{"strategies": [name], "layers": [1, 3], "tau": 1.2, "tau_ci": [1.1, 1.3],
+              "proxies": {"v": {"mean_entropy": 1.0}}, "seeds": [{"tau": 1.2}]},
+             {"strategies": ["default"], "layers": [2, 4], "tau": 1.1, "proxies": {"v": {"mean_entropy": 2.0}}}]
+    return {
+        "entropy_curve": plots.entropy_curve({name: ent}, sets={other: [1, 3]}, title=f"Entropy of {name}"),
+        "cka_heatmap": plots.cka_heatmap(_cka(6), sets=[(name, [1, 3])], title=f"CKA, {other}"),
+        "acceptance_bars": plots.acceptance_bars({name: [0.5, 0.3], other: [0.4, 0.2]}),
+        "set_comparison": plots.set_comparison([{"name": name, "layers": [1, 3], "mean_entropy": 1.0}]),
+        "bench_comparison": plots.bench_comparison(bench),
+        "runs_comparison": plots.runs_comparison({other: bench}),
+        "study_intervals": plots.study_intervals(study),
+        "study_proxies": plots.study_proxies(study, "v", ("mean_entropy",)),
+        "learning_curves": plots.learning_curves({name: [[100, [0.3]], [200, [0.4]]]}),
+        "entropy_overlay": plots.entropy_overlay({name: ent, other: ent}),
+        "cka_difference_heatmap": plots.cka_difference_heatmap(_cka(6) - _cka(6).T, names=(name, other)),
+    }
+
+
+def _strings(node):
+    """Every string in a figure's JSON, with the key it sits under."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if isinstance(v, str):
+                yield k, v
+            else:
+                yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from (_strings(v) if isinstance(v, (dict, list)) else [("", v)] if isinstance(v, str) else [])
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_user_text_is_plain_text_in_every_figure(name):
+    """Plotly renders <a href>, <span style>, <br> and entities in names, titles, ticks and hover text, and fills
+    in %{...} in a hovertemplate: a name reaches a figure escaped, and never as part of a hovertemplate."""
+    for builder, fig in _every_figure_with(name, PAINT if name != PAINT else LINK).items():
+        strings = list(_strings(json.loads(fig.to_json())))
+        shown = " ".join(v for _, v in strings)
+        assert "<a" not in shown and "<span" not in shown, builder
+        assert "&lt;" in shown or "<" not in name, builder                      # the name is there, escaped
+        for key, v in strings:
+            assert "%{y} " not in v, (builder, key, v)                          # never inside a hovertemplate
+            assert "<br>b" not in v, (builder, key, v)                          # the user's <br> stays text

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from layerscope.capture.stored import list_captures, open_capture, verify_captur
 from layerscope.errors import StoreError
 from layerscope.stats.analysis import AnalysisOptions, analysis_key, analyze
 from layerscope.store import Store, StoreWarning, _MemoryIndex, atomic_save_tensors, atomic_write_json, make_key
+from layerscope.ui.tasks import save_upload
 
 
 def test_make_key_is_canonical():
@@ -319,3 +321,15 @@ def test_store_files_are_readable_by_the_group_and_others(tmp_path):
     atomic_write_json(tmp_path / "a.json", {"a": 1})
     for f in ("chunk.safetensors", "a.json"):
         assert stat.S_IMODE((tmp_path / f).stat().st_mode) == 0o644, f
+
+
+def test_uploads_count_in_the_size_limit_and_go_least_recently_used_first(tmp_path):
+    store = Store(tmp_path)
+    d = store.path("drafts", "mine")
+    d.mkdir(parents=True)
+    (d / "w.bin").write_bytes(b"x" * 1000)
+    store.index.set("used/drafts/mine", time.time() + 60)          # the draft was used after the upload
+    path = save_upload(store, "my prompts.jsonl", b'{"prompt": "hi"}\n' * 100)
+    assert path.is_file() and path.parent.parent == store.root / "uploads"
+    assert store.evict(limit_bytes=1500) == [f"uploads/{path.parent.name}"]        # over the limit with it: it goes
+    assert not path.exists() and store.path("drafts", "mine").exists()

@@ -7,23 +7,32 @@ the last one kills its worker and checks that the next job gets a fresh one.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from streamlit.testing.v1 import AppTest
 
 from layerscope.capture.stored import has_capture, list_captures
 from layerscope.errors import LayerScopeError
 from layerscope.models import load_model
+from layerscope.session import storage
+from layerscope.session.model import Session
 from layerscope.store import Store
 from layerscope.ui import tasks
-from layerscope.ui.jobs import JobManager, worker_mode
+from layerscope.ui.jobs import INTERRUPTED, JobManager, process_stamp, worker_mode
 from layerscope.ui.worker import CANCELLED, DONE, FAILED, Task, job_task
 
 TIMEOUT = 300
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+SERVER = Path(__file__).with_name("server_child.py")
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +158,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def test_an_uploaded_prompt_file_is_kept_only_while_its_capture_runs(manager, store):
+    path = tasks.save_upload(store, "mine.jsonl", b'{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
+    job = manager.submit("s7", "capture", tasks.capture_job(model="tiny-llama", prompts=str(path), limit=2,
+                                                            max_new_tokens=4, batch_size=2, seed=0, store=store))
+    assert job.wait(TIMEOUT) and job.view().state == DONE, (job.error, job.fix)
+    assert has_capture(store, job.result["key"]) and job.result["conversations"] == 2
+    assert not path.parent.exists()                                # the capture read it; nothing else needs it
+
+
 def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store, tmp_path):
     missing = str(tmp_path / "no-such-model.gguf")
     with pytest.raises(LayerScopeError) as here:
@@ -192,3 +210,43 @@ def test_a_killed_worker_fails_its_job_and_the_next_job_gets_a_fresh_worker(mana
     [fresh] = manager.worker_pids()
     assert fresh != pid and manager.worker_models()["tiny-llama"] == {**manager.worker_models()["tiny-llama"],
                                                                       "pid": fresh, "loads": 1}
+
+
+def test_a_job_whose_server_was_killed_shows_as_interrupted_with_how_to_resume(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    owner = Session().id
+    storage.save(Session(id=owner, model="tiny-llama"), Store(root))
+    server = subprocess.Popen([sys.executable, str(SERVER), str(root), owner], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert server.stdout.readline().strip() == "running"               # the capture decodes in its worker
+        record = json.loads((root / "jobs" / f"{owner}.capture.json").read_text())
+        assert len(record["processes"]) == 2                                # the server and its worker
+    finally:
+        server.kill()                                                       # the server stops mid-job
+        server.wait()
+    wait_until(lambda: not any(process_stamp(int(p.split(":")[0])) == p for p in record["processes"]), timeout=60)
+
+    monkeypatch.setenv("LAYERSCOPE_STORE", str(root))                      # the restarted server, on the same store
+    monkeypatch.setenv("LAYERSCOPE_WORKER", "thread")
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["session"] = owner
+    at.run()
+    at.switch_page("app_pages/capture.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = [w.value.replace("\\", "") for w in at.warning if "interrupted" in w.value]    # Markdown escapes off
+    assert len(shown) == 1 and "Capture of tiny-llama was interrupted: the server stopped while it ran" in shown[0]
+    assert "Start the capture again with the same options: it resumes from the chunks it finished" in shown[0]
+    assert not (root / "jobs" / f"{owner}.capture.json").exists()          # said once; the page keeps the job
+    again = JobManager(mode="thread", records=root / "jobs").latest(owner, "capture")
+    assert again is None
+
+
+def test_a_running_job_is_not_taken_for_interrupted(store, tmp_path):
+    records = tmp_path / "jobs"
+    m = JobManager(mode="thread", records=records)
+    job = m.submit("s9", "capture", capture(store, seed=9), title="Capture")
+    wait_until(lambda: (records / "s9.capture.json").exists() or job.view().state not in ("queued", "running"))
+    assert JobManager(mode="thread", records=records).latest("s9", "capture") is None   # its server lives
+    assert job.wait(TIMEOUT) and job.view().state == DONE and not (records / "s9.capture.json").exists()
+    assert job.view().state != INTERRUPTED

@@ -23,6 +23,12 @@ A job function receives its `Job` and reports through it: `job.update(progress, 
 A `LayerScopeError` becomes a readable error with its fix; any other exception is logged to the
 server log with its traceback and shown as a short message, never as a traceback.
 
+A job that runs a `Task` leaves a record in the store (`<store>/jobs/<owner>.<kind>.json`: its title, when it
+started, the server's and the worker's process) while it runs. A server that stops mid-job (a restart, a kill)
+cannot remove it, so after the restart `latest(owner, kind)` finds the record, sees that neither process lives,
+and shows the job as INTERRUPTED with one line on how to resume (a capture and online training resume from what
+they kept when started again with the same options).
+
 A job may carry a typed `tag` saying what it computes (`StatsTag`: which capture, which options), so
 a page can tell whether the latest job of a kind is the one it wants.
 """
@@ -30,30 +36,62 @@ a page can tell whether the latest job of a kind is the one it wants.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+import re
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import Any, Callable
 
 import streamlit as st
 
+from layerscope import fmt
 from layerscope.errors import LayerScopeError
+from layerscope.store import atomic_write_json, default_root
 from layerscope.ui.worker import CANCELLED, DONE, FAILED, JobCancelled, Outcome, Task, Worker, WorkerDied, run_job
 
 log = logging.getLogger("layerscope.jobs")
 
 QUEUED, RUNNING = "queued", "running"
-FINISHED = (DONE, FAILED, CANCELLED)
+INTERRUPTED = "interrupted"         # the server stopped while the job ran (found after a restart)
+FINISHED = (DONE, FAILED, CANCELLED, INTERRUPTED)
 MODES = ("process", "thread")
-__all__ = ["CANCELLED", "DONE", "FAILED", "FINISHED", "QUEUED", "RUNNING", "Job", "JobCancelled", "JobManager",
+__all__ = ["CANCELLED", "DONE", "FAILED", "FINISHED", "INTERRUPTED", "QUEUED", "RUNNING", "Job", "JobCancelled", "JobManager",
            "JobView", "StatsTag", "Task", "get_manager", "worker_mode"]
 
 
 CANCEL_GRACE_S = 10.0    # a job in the worker that has not stopped this long after Cancel has its worker stopped
 WORKER_IMPORTS = ("layerscope.ui.tasks",)   # what a worker imports before its first job: the job builders
+
+
+RECORD_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# how to resume, per job kind: the same action again (what each keeps while it runs)
+RESUME = {
+    "capture": "Start the capture again with the same options: it resumes from the chunks it finished",
+    "train": "Start the training again with the same options: online training resumes from its last checkpoint "
+             "(training from a capture starts over)",
+}
+
+
+def process_stamp(pid: int) -> str | None:
+    """A process's id and start time ("pid:ticks", from /proc): a pid reused by another process reads otherwise.
+    None when the process does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except OSError:
+            pass
+        return f"{pid}:?"
 
 
 def worker_mode(value: str | None = None) -> str:
@@ -216,7 +254,9 @@ class JobManager:
     recent ones for polling."""
 
     def __init__(self, max_running: int | None = None, keep: int = 200, mode: str | None = None,
-                 cancel_grace_s: float = CANCEL_GRACE_S):
+                 cancel_grace_s: float = CANCEL_GRACE_S, records: str | os.PathLike | Callable[[], Path] | None = None):
+        """records: the directory of running jobs' records, or a function that says it at each use (the app's:
+        `<store>/jobs` of the store in use, `default_root`); None keeps none."""
         if max_running is None:
             max_running = int(os.environ.get("LAYERSCOPE_JOBS", "1"))
         self.max_running = max(1, max_running)
@@ -229,6 +269,7 @@ class JobManager:
         self.cancel_grace_s = cancel_grace_s
         self._idle: list[Worker] = []        # started workers not running a job (at most max_running in all)
         self._busy: list[Worker] = []
+        self.records = records
 
     def submit(self, owner: str, kind: str, fn: Callable[[Job], Any], *, title: str | None = None,
                tag: StatsTag | None = None) -> Job:
@@ -261,12 +302,65 @@ class JobManager:
                 return
             with job._lock:
                 job.state, job.started, job.message = RUNNING, time.time(), "starting"
+            self._write_record(job)
             if self.mode == "process" and isinstance(job.fn, Task):
                 self._run_in_worker(job)
             else:
                 self._settle(job, run_job(job.fn, job, job.title))
         finally:
             self._slots.release()
+            self._drop_record(job)
+
+    # ------------------------------------------------------------------ records of running jobs (restarts)
+    def _record_path(self, owner: str, kind: str) -> Path | None:
+        if self.records is None or not RECORD_NAME_RE.fullmatch(owner) or not RECORD_NAME_RE.fullmatch(kind):
+            return None
+        return Path(self.records() if callable(self.records) else self.records) / f"{owner}.{kind}.json"
+
+    def _write_record(self, job: Job, worker: Worker | None = None) -> None:
+        """Say in the store that `job` runs here (Task jobs only: the others are the server's own)."""
+        path = self._record_path(job.owner, job.kind)
+        if path is None or not isinstance(job.fn, Task):
+            return
+        processes = [process_stamp(os.getpid())] + ([process_stamp(worker.pid)] if worker is not None else [])
+        try:
+            atomic_write_json(path, {"id": job.id, "owner": job.owner, "kind": job.kind, "title": job.title,
+                                     "started": job.started, "processes": [p for p in processes if p]})
+        except Exception as e:       # best effort: a read-only store keeps no records
+            log.warning("could not write the record of job %s: %s", job.id, e)
+
+    def _drop_record(self, job: Job) -> None:
+        path = self._record_path(job.owner, job.kind)
+        if path is None:
+            return
+        try:
+            if json.loads(path.read_text()).get("id") == job.id:
+                path.unlink()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def _interrupted_locked(self, owner: str, kind: str) -> Job | None:
+        """The job of a record whose processes are all gone (the server stopped while it ran), as an INTERRUPTED
+        job with one line on how to resume; the record goes. None when there is none, or it runs elsewhere."""
+        path = self._record_path(owner, kind)
+        if path is None or not path.is_file():
+            return None
+        try:
+            rec = json.loads(path.read_text())
+            if rec["id"] in self._jobs or any(process_stamp(int(p.split(":")[0])) == p for p in rec["processes"]):
+                return None                                  # running here, or in a server that still lives
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            rec = {"id": f"{kind}-record", "title": kind}    # a damaged record: the job is as lost
+        started = rec.get("started") if isinstance(rec.get("started"), (int, float)) else None
+        title = str(rec.get("title") or kind)
+        when = f" (started {fmt.when(datetime.fromtimestamp(started).astimezone().isoformat())})" if started else ""
+        job = Job(id=str(rec.get("id")), owner=owner, kind=kind, title=title, fn=None, state=INTERRUPTED,
+                  message="interrupted", started=started, finished=started,
+                  error=f"{title} was interrupted: the server stopped while it ran{when}",
+                  fix=RESUME.get(kind, f"Start the {kind} again"))
+        self._jobs[job.id] = job
+        path.unlink(missing_ok=True)
+        return job
 
     def _settle(self, job: Job, outcome: Outcome, where: str = "") -> None:
         if outcome.traceback:        # a bug, not a user error: the traceback goes to the server log
@@ -315,6 +409,7 @@ class JobManager:
         """Send the job's Task to a worker, pump its messages into `job` until it finishes, pass a cancel on."""
         try:
             worker = self._take_worker(job)
+            self._write_record(job, worker)
         except OSError as e:
             job._finish(FAILED, error=f"Could not start the worker process for {job.title} ({e})",
                         fix="Check the server's memory and process limits, or set LAYERSCOPE_WORKER=thread")
@@ -390,8 +485,10 @@ class JobManager:
             self._jobs.pop(j.id, None)
 
     def latest(self, owner: str, kind: str) -> Job | None:
+        """The newest job of `owner` and `kind`: one this server runs or ran, else one a stopped server left
+        running (INTERRUPTED)."""
         with self._lock:
-            return self._latest_locked(owner, kind)
+            return self._latest_locked(owner, kind) or self._interrupted_locked(owner, kind)
 
     def get(self, job_id: str) -> Job | None:
         with self._lock:
@@ -420,6 +517,6 @@ def get_manager() -> JobManager:
     except LayerScopeError as e:      # a deployment setting: said in the server log, the app keeps working
         log.error("%s. %s; jobs run in a worker process", e.problem, e.fix)
         mode = "process"
-    manager = JobManager(mode=mode)
+    manager = JobManager(mode=mode, records=lambda: default_root() / "jobs")
     manager.start_worker()
     return manager

@@ -1,12 +1,11 @@
 """A session as one self-contained HTML report: figures, tables and the verdict, readable offline.
 
 `session_report(session)` -> str. plotly.js is inlined once (the page opens without a network); every
-piece of user text (session, set and draft names, model specs) is HTML-escaped. No Streamlit here.
+piece of user text (session, set and draft names, model specs) is escaped by `fmt.escape`, the rule the figures
+use too. No Streamlit here.
 """
 
 from __future__ import annotations
-
-import html
 
 import pandas as pd
 from plotly.offline import get_plotlyjs
@@ -25,15 +24,15 @@ th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}.verdict{bac
 padding:.8rem 1rem}.note{color:#666;font-size:.9rem}.warn{background:#fff4e5;border-left:4px solid #ff9800;padding:.5rem 1rem}"""
 
 
-def _e(text) -> str:
-    return html.escape("" if text is None else str(text))
+_e = fmt.escape
 
 
 def _table(rows: list[dict]) -> str:
+    """Rows as an HTML table; every text cell and header escaped by `fmt.escape` (numbers formatted by pandas)."""
     if not rows:
         return ""
-    df = pd.DataFrame(rows)
-    return df.to_html(index=False, escape=True, na_rep=fmt.MISSING, float_format=fmt.number, border=0)
+    df = pd.DataFrame([{_e(k): _e(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows])
+    return df.to_html(index=False, escape=False, na_rep=fmt.MISSING, float_format=fmt.number, border=0)
 
 
 def _figure(fig) -> str:

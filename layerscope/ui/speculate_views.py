@@ -5,8 +5,6 @@ the backend. The page (app_pages/speculate.py) keeps its forms and the order of 
 
 from __future__ import annotations
 
-import html
-
 import streamlit as st
 
 from layerscope import fmt, machine, plots
@@ -72,7 +70,7 @@ def bench_details(v) -> None:
         st.plotly_chart(plots.tau_over_time(taus[-400:], title=f"τ per step: {cur} (live)"),
                         key="ls_spec_live_tau", config=plots.figure_config("tau-live"))
     if m.get("text"):
-        st.markdown(f"**Generating** ({html.escape(str(m.get('text_of')))}): " + legend_html(), unsafe_allow_html=True)
+        st.markdown(f"**Generating** ({fmt.escape(m.get('text_of'))}): " + legend_html(), unsafe_allow_html=True)
         st.markdown(highlighted_tokens(m["text"]), unsafe_allow_html=True)
 
 

@@ -44,7 +44,9 @@ def load_in_job(job, spec: str, store):
 # ---------------------------------------------------------------------------- prompts
 
 def save_upload(store, name: str, data: bytes) -> Path:
-    """Keep an uploaded prompt file in the store (content-addressed) so capture can read it by path."""
+    """Keep an uploaded prompt file in the store (content-addressed: uploads/<digest>/<name>) so capture can read it
+    by path. An upload is a store entry: counted by the size limit, evicted least recently used, and removed by the
+    capture that used it when it ends (`release_upload`); the Capture page saves it again while it holds the file."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in Path(name).name)[:80] or "prompts.txt"
     if not safe.lower().endswith((".jsonl", ".txt", ".csv")):
         raise PromptSetError(f"{name} is not a .jsonl, .txt or .csv file",
@@ -53,7 +55,23 @@ def save_upload(store, name: str, data: bytes) -> Path:
     path = Path(store.path("uploads", digest)) / safe
     if not path.is_file():
         atomic_write_bytes(path, data)
+    store.touch("uploads", digest)
     return path
+
+
+def upload_of(store, spec: str) -> str | None:
+    """The upload entry (its digest) a prompt spec names, when it is a file `save_upload` kept; else None."""
+    path = Path(spec)
+    if path.parent.parent == Path(store.root) / "uploads" and store.path("uploads", path.parent.name) == path.parent:
+        return path.parent.name
+    return None
+
+
+def release_upload(store, spec: str) -> None:
+    """A capture that read an uploaded prompt file has ended (done, failed or cancelled): its upload goes."""
+    digest = upload_of(store, spec)
+    if digest is not None:
+        store.remove("uploads", digest)
 
 
 def load_prompt_set(spec: str, limit: int | None, seed: int):
@@ -102,8 +120,11 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
                        conversations_total=p.conversations_total)
 
         job.update(0.0, f"reading prompt set {prompts}")
-        done = workflow.capture(model, prompts, options, store, load=lambda spec, st: load_in_job(job, spec, st),
-                                progress=progress, should_stop=job.should_stop)
+        try:
+            done = workflow.capture(model, prompts, options, store, load=lambda spec, st: load_in_job(job, spec, st),
+                                    progress=progress, should_stop=job.should_stop)
+        finally:
+            release_upload(store, prompts)        # an uploaded prompt file is kept only while its capture runs
         result, prompt_set = done.result, done.prompt_set
         out = {"key": result.key, "cached": result.cached, "seconds": result.seconds, "tokens": result.tokens,
                "summary": capture_summary(result.manifest), "model": model, "prompt_set": prompt_set.name,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import html
 import io
 import logging
 import re
@@ -14,7 +13,7 @@ import streamlit as st
 from layerscope import fmt, plots
 from layerscope.errors import LayerScopeError
 from layerscope.ui import image_export
-from layerscope.ui.jobs import JobView, get_manager
+from layerscope.ui.jobs import INTERRUPTED, JobView, get_manager
 from layerscope.ui.worker import CANCELLED, DONE, FAILED
 
 log = logging.getLogger("layerscope.ui")
@@ -208,6 +207,8 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
                 st.rerun()
     elif view.state == FAILED:
         show_error(view.error or "The job failed", view.fix)
+    elif view.state == INTERRUPTED:
+        st.warning(f"{md_text(view.error)}. {md_text(view.fix)}.", icon=":material/restart_alt:")
     elif view.state == CANCELLED:
         st.warning(f"{md_text(view.title)} was cancelled after {fmt.duration(view.elapsed)}. "
                    + (view.fix or ""), icon=":material/stop_circle:")
@@ -293,7 +294,7 @@ def highlighted_tokens(pieces) -> str:
     }
     spans = []
     for text, kind in pieces:
-        t = html.escape(text).replace("\n", "↵<br>")
+        t = fmt.escape(text).replace("\n", "↵<br>")
         spans.append(f'<span style="{style.get(kind, "")}">{t}</span>')
     return ('<div style="font-family:ui-monospace,monospace;font-size:0.9rem;line-height:1.6;'
             'white-space:pre-wrap;border:1px solid #ddd;border-radius:6px;padding:0.6rem;">'
