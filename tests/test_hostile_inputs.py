@@ -1,0 +1,104 @@
+"""Hostile inputs: damaged drafts, model configs, archives and option values are each refused in one line
+before anything large is allocated, through the real CLI (in this process) where a command reads them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from layerscope import cli, models
+from layerscope.draft.checkpoint import save_draft
+from layerscope.draft.model import DraftConfig, DraftHead
+from layerscope.errors import DraftError, ModelSpecError
+from tests.helpers import untrained_draft
+from tests.test_reliability import cli_line
+
+
+@pytest.fixture(scope="module")
+def base_draft(tmp_path_factory, tiny):
+    return save_draft(tmp_path_factory.mktemp("drafts") / "base", untrained_draft(tiny.model), {"aux_layers": [1, 2, 3]},
+                      target=tiny)
+
+
+def damaged(base, tmp_path, config=None, tensors=None, raw=None):
+    """A copy of `base` with config.json fields replaced, tensors changed, or model.safetensors replaced by `raw`."""
+    path = tmp_path / "draft"
+    shutil.copytree(base, path)
+    if config:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors:
+        t = load_file(path / "model.safetensors")
+        tensors(t)
+        save_file(t, path / "model.safetensors")
+    if raw is not None:
+        (path / "model.safetensors").write_bytes(raw)
+    return path
+
+
+def _negative_d2t(t):
+    t["d2t"][5] = -1000
+
+
+def _duplicate_d2t(t):
+    t["d2t"][1] = t["d2t"][0] - 1        # draft ids 0 and 1 both map to the same target id
+
+
+DRAFTS = {     # name: (damage, what the one line says)
+    "huge intermediate_size": (dict(config={"intermediate_size": 10**9}), "intermediate_size must be in [1, "),
+    "huge draft_vocab_size": (dict(config={"draft_vocab_size": 10**9}), "draft_vocab_size must be in [1, "),
+    "negative heads": (dict(config={"num_attention_heads": -3}), "num_attention_heads must be in [1, "),
+    "negative d2t": (dict(tensors=_negative_d2t), "outside the target vocabulary"),
+    "d2t twice one id": (dict(tensors=_duplicate_d2t), "d2t and t2d disagree"),
+    "not safetensors": (dict(raw=b"not a safetensors file at all " * 20), "is not a readable safetensors file"),
+    "config and weights differ": (dict(config={"intermediate_size": 64}), "does not match its config.json"),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTS))
+@pytest.mark.parametrize("command", ["check-draft", "bench", "export"])
+def test_damaged_draft_is_one_line_in_every_command(name, command, base_draft, tmp_path, capsys):
+    damage, said = DRAFTS[name]
+    path = damaged(base_draft, tmp_path, **damage)
+    store = ["--store", str(tmp_path / "store")]
+    argv = {"check-draft": ["check-draft", path, "--target", "tiny-llama"],
+            "bench": ["bench", "--draft", path, "--model", "tiny-llama", "--limit", "1", "--max-new-tokens", "2",
+                      "--no-peers", *store],
+            "export": ["export", path, "--for", "vllm", "--out", tmp_path / "out", "--target", "tiny-llama", *store]}
+    code, line = cli_line(capsys, *argv[command])
+    assert code == 2 and said in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_draft_beyond_the_memory_is_refused_before_it_is_built():
+    config = DraftConfig(hidden_size=2**16, target_hidden_size=2**16, vocab_size=2**22, draft_vocab_size=2**22,
+                         aux_layers=[1, 2, 3], num_attention_heads=64, num_key_value_heads=8, head_dim=1024,
+                         intermediate_size=2**18)
+    with pytest.raises(DraftError, match=r"The draft needs about \d+\.\d GiB .* of memory is available"):
+        DraftHead(config)
+
+
+def test_model_config_with_a_hundred_thousand_layers_is_refused(tmp_path):
+    config = LlamaConfig(num_hidden_layers=100_000, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=260)
+    with pytest.raises(ModelSpecError, match=r"num_hidden_layers in the config of m must be at most 1024"):
+        models.check_config(config, "m", 4)
+    deep = LlamaConfig(num_hidden_layers=1000, hidden_size=8, intermediate_size=16, num_attention_heads=1,
+                       num_key_value_heads=1, vocab_size=260)
+    models.check_config(deep, "m", 4)        # the layers' own cost counts, and 1000 small ones fit
+
+
+def test_vocab_maps_are_checked_wherever_a_head_is_built(tiny):
+    head = untrained_draft(tiny.model)
+    d2t, t2d = head.d2t.clone(), head.t2d.clone()
+    d2t[-1] = 10**6
+    with pytest.raises(DraftError, match="outside the target vocabulary"):
+        DraftHead(head.config, d2t=d2t, t2d=t2d)
+    with pytest.raises(DraftError, match="whole numbers/booleans"):
+        DraftHead(head.config, d2t=head.d2t.float(), t2d=t2d)
+    assert torch.equal(DraftHead(head.config, d2t=head.d2t, t2d=head.t2d).d2t, head.d2t)
