@@ -3,8 +3,13 @@ before anything large is allocated, through the real CLI (in this process) where
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import os
 import shutil
+import tracemalloc
+import zipfile
 
 import pytest
 import torch
@@ -14,9 +19,12 @@ from transformers import LlamaConfig
 from layerscope import cli, models
 from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.model import DraftConfig, DraftHead
-from layerscope.errors import DraftError, ModelSpecError
+from layerscope.errors import DraftError, ModelSpecError, SessionError
+from layerscope.session import share
+from layerscope.store import Store
 from tests.helpers import untrained_draft
 from tests.test_reliability import cli_line
+from tests.test_session import session_with_drafts  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +110,43 @@ def test_vocab_maps_are_checked_wherever_a_head_is_built(tiny):
     with pytest.raises(DraftError, match="whole numbers/booleans"):
         DraftHead(head.config, d2t=head.d2t.float(), t2d=t2d)
     assert torch.equal(DraftHead(head.config, d2t=head.d2t, t2d=head.t2d).d2t, head.d2t)
+
+
+# ---------------------------------------------------------------------------- session archives
+
+def _archive_with(data: bytes, entry: str, payload: bytes, listed: int | None = None) -> bytes:
+    """`data` with draft `entry`'s model.safetensors replaced by `payload` (deflated), session.json listing
+    `listed` bytes for it (default: its true size) and its true sha256."""
+    src = zipfile.ZipFile(io.BytesIO(data))
+    doc = json.loads(src.read("session.json"))
+    d = next(d for d in doc["drafts"] if d["entry"] == entry)
+    d["files"]["model.safetensors"] = {"bytes": len(payload) if listed is None else listed,
+                                       "sha256": hashlib.sha256(payload).hexdigest()}
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for info in src.infolist():
+            name = info.filename
+            z.writestr(name, json.dumps(doc).encode() if name == "session.json" else
+                       payload if name == f"drafts/{entry}/model.safetensors" else src.read(name))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("payload, listed, said", [
+    (bytes(64 * 2**20), None, "would inflate"),                      # 64 MiB of zeros in a few hundred KiB
+    (os.urandom(3 * 2**20), 1000, "session.json lists 1000"),         # a size other than the listed one
+])
+def test_session_archive_members_are_sized_before_they_inflate(tmp_path, store, session_with_drafts, payload, listed,
+                                                                said):
+    data = _archive_with(share.export_bytes(session_with_drafts, drafts=True), "b" * 24, payload, listed)
+    other = Store(tmp_path / "other-store")
+    try:
+        tracemalloc.start()
+        with pytest.raises(SessionError, match=said):
+            share.import_archive(data, other, source="shared.zip")
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 2 * 2**20, peak                # nothing was inflated
+        assert not (tmp_path / "other-store" / "drafts").exists() or not list((tmp_path / "other-store" / "drafts").iterdir())
+    finally:
+        tracemalloc.stop()
+        other.close()
