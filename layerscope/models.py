@@ -94,6 +94,14 @@ class LoadedModel:
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 
+    def check_room(self, prompt_tokens: int, new_tokens: int, prompt_option: str, new_option: str) -> None:
+        """The one rule for a prompt and its answer: together inside the model's context (a ModelSpecError naming
+        both options and the context otherwise, before anything is decoded past it)."""
+        if prompt_tokens + new_tokens > self.context_length:
+            raise ModelSpecError(f"{prompt_option} {prompt_tokens} plus {new_option} {new_tokens} is more than the "
+                                 f"{self.context_length} tokens of {self.spec}'s context",
+                                 f"Lower them so they add up to {self.context_length} or less")
+
 
 def default_device() -> tuple[torch.device, torch.dtype]:
     """CUDA + bf16 when present, else CPU + fp32."""

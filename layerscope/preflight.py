@@ -202,10 +202,7 @@ def study(store: Store, model: str, options) -> None:
     prompt_spec(options.prompts)
     if options.online is not None:
         prompt_spec(options.online.prompts)
-    n = options.sets_per_pass
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise LayerScopeError(f"sets per pass must be a whole number >= 1 (got {n!r})",
-                             "Pass --sets-per-pass 1 or more, or leave it out to train every set in one pass")
+    options.validate()
     if options.outcomes is not None:
         outcomes_folder(options.outcomes)
     shape = target_shape(model, store)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from layerscope import cli, models
+from layerscope import models
 from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.errors import DraftError, ModelSpecError, SessionError
@@ -150,3 +150,44 @@ def test_session_archive_members_are_sized_before_they_inflate(tmp_path, store, 
     finally:
         tracemalloc.stop()
         other.close()
+
+
+# ---------------------------------------------------------------------------- numeric options, per command
+
+@pytest.fixture(scope="module")
+def a_capture(tiny_capture):
+    return tiny_capture.key
+
+
+OPTIONS = [    # (argv after the command, what the one line says)
+    ("bench", ["--max-new-tokens", "1000000000"], "--max-new-tokens must be in [1, 1048576]"),
+    ("bench", ["--max-new-tokens", "0"], "--max-new-tokens must be in [1, 1048576]"),
+    ("bench", ["--max-new-tokens", "1000"], "is more than the 1024 tokens of tiny-llama's context"),
+    ("bench", ["--max-prompt-tokens", "-1"], "--max-prompt-tokens must be in [1, 1048576]"),
+    ("profile", ["--max-tokens", "1000000000"], "--max-tokens must be in [2, 512]"),
+    ("profile", ["--max-tokens", "1"], "--max-tokens must be in [2, 512]"),
+    ("profile", ["--repeats", "1000000000"], "--repeats must be in [1, 50]"),
+    ("profile", ["--repeats", "0"], "--repeats must be in [1, 50]"),
+    ("train-draft", ["--threads", "10000"], "--threads must be in [1, "),
+    ("train-draft", ["--threads", "0"], "--threads must be in [1, "),
+    ("train-draft", ["--model", "tiny-llama", "--prompts", "builtin", "--max-new-tokens", "1000", "--tokens", "1k"],
+     "--max-prompt-tokens 256 plus --max-new-tokens 1000 is more than the 1024 tokens"),
+    ("train-draft", ["--model", "tiny-llama", "--prompts", "builtin", "--max-new-tokens", "900", "--tokens", "1k"],
+     "--max-prompt-tokens 256 plus --max-new-tokens 900 is more than the 1024 tokens"),
+    ("study", ["--random-sets", "1000000"], "--random-sets must be in [0, 64]"),
+    ("study", ["--random-sets", "-1"], "--random-sets must be in [0, 64]"),
+    ("study", ["--k", "0"], "--k must be in [1, 64]"),
+    ("study", ["--sets-per-pass", "0"], "--sets-per-pass must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("command, argv, said", OPTIONS, ids=[f"{c} {' '.join(a)}" for c, a, _ in OPTIONS])
+def test_numeric_option_extremes_are_one_line(command, argv, said, a_capture, session_store, tmp_path, capsys):
+    store = ["--store", str(session_store.root)]
+    base = {"bench": ["bench", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "1", "--no-peers"],
+            "profile": ["profile", "--model", "tiny-llama"],
+            "train-draft": ["train-draft", a_capture, "--layers", "1,2", "--steps", "1", "--out", tmp_path / "d"]
+            if "--model" not in argv else ["train-draft", "--layers", "1,2", "--out", tmp_path / "d"],
+            "study": ["study", a_capture, "--model", "tiny-llama", "--prompts", "builtin"]}[command]
+    code, line = cli_line(capsys, *base, *argv, *store)
+    assert code == 2 and said in line, line
