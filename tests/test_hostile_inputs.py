@@ -191,3 +191,12 @@ def test_numeric_option_extremes_are_one_line(command, argv, said, a_capture, se
             "study": ["study", a_capture, "--model", "tiny-llama", "--prompts", "builtin"]}[command]
     code, line = cli_line(capsys, *base, *argv, *store)
     assert code == 2 and said in line, line
+
+
+def test_the_free_space_refusal_names_its_margin(tmp_path, monkeypatch):
+    from layerscope import disk
+    from layerscope.store import StoreWriteError
+
+    monkeypatch.setattr(disk, "free_bytes", lambda directory: 27 * 2**20)      # 27 MiB free, 22.6 MiB needed
+    with pytest.raises(StoreWriteError, match=r"keeps 5% more plus 8 MiB .*\(31\.7 MiB in all\).* 27\.0 MiB free"):
+        disk.need_space(tmp_path, int(22.6 * 2**20), "the capture")
