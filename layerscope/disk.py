@@ -42,8 +42,9 @@ def need_space(directory: Path, nbytes: int | None, what: str) -> None:
         return
     free = free_bytes(directory)
     if free < nbytes * MARGIN + RESERVE:
-        raise StoreWriteError(f"Not enough free space for {what}: it needs about {mib(nbytes)}, the disk holding "
-                              f"{directory} has {mib(free)} free",
+        raise StoreWriteError(f"Not enough free space for {what}: it needs about {mib(nbytes)}, and LayerScope keeps "
+                              f"{MARGIN - 1:.0%} more plus {RESERVE >> 20} MiB for the index ({mib(int(nbytes * MARGIN + RESERVE))} "
+                              f"in all); the disk holding {directory} has {mib(free)} free",
                               "Free disk space or pass --store on a larger disk (nothing was written)")
 
 

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from layerscope import jsonsafe
 from layerscope.errors import LayerScopeError, ModelSpecError
 from layerscope.store import StoreWriteError, atomic_write_bytes, default_root, staged
+from layerscope.validate import check_number
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,14 @@ class LoadedModel:
     @property
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
+
+    def check_room(self, prompt_tokens: int, new_tokens: int, prompt_option: str, new_option: str) -> None:
+        """The one rule for a prompt and its answer: together inside the model's context (a ModelSpecError naming
+        both options and the context otherwise, before anything is decoded past it)."""
+        if prompt_tokens + new_tokens > self.context_length:
+            raise ModelSpecError(f"{prompt_option} {prompt_tokens} plus {new_option} {new_tokens} is more than the "
+                                 f"{self.context_length} tokens of {self.spec}'s context",
+                                 f"Lower them so they add up to {self.context_length} or less")
 
 
 def default_device() -> tuple[torch.device, torch.dtype]:
@@ -471,6 +480,11 @@ def _fingerprint_pretrained(source: str, config) -> str:
 # ----------------------------------------------------------------------------- the one check of a config
 
 MEMORY_SHARE = 0.9          # of the available memory a model may take
+# Beyond its parameters each decoder layer costs its module objects (~35-50 KiB measured for a Llama layer in
+# transformers 5) and milliseconds to build: 10^5 small layers fit the parameter estimate, then take minutes
+# and gigabytes to build. The deepest real decoders have ~130 layers.
+LAYER_OVERHEAD = 64 * 2**10
+MAX_LAYERS = 1024
 
 
 def check_config(config, source: str, bytes_per_param: int) -> None:
@@ -509,13 +523,24 @@ def check_config(config, source: str, bytes_per_param: int) -> None:
         if getattr(text, "head_dim", None) is None and not _size(text, "kv_lora_rank") and d % heads:
             raise ModelSpecError(f"The config of {source} gives hidden_size = {d}, not a multiple of num_attention_heads = "
                                  f"{heads}, and no head_dim", fix)
+    layers = _size(text, "num_hidden_layers")
+    check_number(f"num_hidden_layers in the config of {source}", layers, maximum=MAX_LAYERS, error=ModelSpecError,
+                 fix=f"{fix} (the deepest real decoders have ~130 layers)")
     params = param_count(config)
-    need, available = params * bytes_per_param, _available_memory()
+    check_memory(params * bytes_per_param + layers * LAYER_OVERHEAD, "The model",
+                 "Choose a smaller model, close other programs, or run on a machine with more memory",
+                 detail=f"{params / 1e9:.2f} billion parameters estimated from its config, {bytes_per_param} bytes each, "
+                        f"and {layers} layers at {LAYER_OVERHEAD >> 10} KiB each")
+
+
+def check_memory(need: int, what: str, fix: str, *, detail: str = "", cuda: bool | None = None,
+                 error: type[LayerScopeError] = ModelSpecError) -> None:
+    """The one memory check before something large is built (a model, a draft): `error` in one line when `need`
+    bytes exceed MEMORY_SHARE of the memory available (the GPU's when `cuda`, default: when there is one)."""
+    available = _available_memory(torch.cuda.is_available() if cuda is None else cuda)
     if available is not None and need > MEMORY_SHARE * available:
-        raise ModelSpecError(
-            f"The model needs about {need / 2**30:.1f} GiB ({params / 1e9:.2f} billion parameters estimated from its config, "
-            f"{bytes_per_param} bytes each) but only {available / 2**30:.1f} GiB of memory is available",
-            "Choose a smaller model, close other programs, or run on a machine with more memory")
+        raise error(f"{what} needs about {need / 2**30:.1f} GiB{f' ({detail})' if detail else ''} but only "
+                    f"{available / 2**30:.1f} GiB of memory is available ({MEMORY_SHARE:.0%} of it may be taken)", fix)
 
 
 def param_count(config) -> int:
@@ -550,8 +575,9 @@ def _size(config, name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def _available_memory() -> int | None:
-    if torch.cuda.is_available():
+def _available_memory(cuda: bool = True) -> int | None:
+    """Bytes free on the GPU (`cuda` and there is one), else the system's available memory (None: unknown)."""
+    if cuda and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return int(free)
     try:

@@ -25,17 +25,17 @@ Every failure is a LayerScopeError (one line, exit 2 in the CLI) and nothing has
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 from huggingface_hub import try_to_load_from_cache
 
 from layerscope import disk, jsonsafe, layerset, models, paths
 from layerscope.capture import size
 from layerscope.capture.stored import open_capture
 from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
-from layerscope.draft.model import DraftConfig, DraftHead
+from layerscope.draft.model import DraftConfig
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.prompts.sets import check_spec, load_prompts
 from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
@@ -48,13 +48,11 @@ MAX_CONFIG_BYTES = 4 * 2**20
 # ---------------------------------------------------------------------------- estimates
 
 def draft_params(shape, layers, draft_vocab: int) -> int:
-    """Parameters and buffers of a draft reading `layers` of a target with config `shape` (counted on the
-    meta device: exact, nothing allocated)."""
+    """Parameters and buffers of a draft reading `layers` of a target with config `shape` (DraftConfig.shapes:
+    exact, nothing allocated)."""
     vocab = int(shape.vocab_size)
     config = DraftConfig.from_target(shape, sorted(set(layers)), min(int(draft_vocab), vocab))
-    with torch.device("meta"):
-        head = DraftHead(config)
-    return sum(t.numel() for t in head.state_dict().values())
+    return sum(math.prod(s) for s in config.shapes().values())
 
 
 def draft_bytes(shape, layers, draft_vocab: int) -> int:
@@ -204,10 +202,7 @@ def study(store: Store, model: str, options) -> None:
     prompt_spec(options.prompts)
     if options.online is not None:
         prompt_spec(options.online.prompts)
-    n = options.sets_per_pass
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise LayerScopeError(f"sets per pass must be a whole number >= 1 (got {n!r})",
-                             "Pass --sets-per-pass 1 or more, or leave it out to train every set in one pass")
+    options.validate()
     if options.outcomes is not None:
         outcomes_folder(options.outcomes)
     shape = target_shape(model, store)

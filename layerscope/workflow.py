@@ -215,6 +215,7 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     preflight.prompt_spec(options.prompts)
     spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
     target = load(spec, store)
+    target.check_room(options.max_prompt_tokens, options.max_new_tokens, "--max-prompt-tokens", "--max-new-tokens")
     heads = bench_mod.load_drafts(target, drafts)
     prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)

@@ -178,7 +178,7 @@ def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model
             "--tokens", "1k"]
     assert cli.main(argv + ["--sets-per-pass", "0"]) == 2
     err = capsys.readouterr().err
-    assert "sets per pass must be a whole number >= 1" in err and "Traceback" not in err
+    assert "--sets-per-pass must be at least 1" in err and "Traceback" not in err
     a_file = tmp_path / "outcomes.json"
     a_file.write_text("{}")
     assert cli.main(argv + ["--outcomes", str(a_file)]) == 2

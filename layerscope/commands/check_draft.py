@@ -45,6 +45,9 @@ def run(args) -> int:
             print(f"  info verifier     `{spec['verifier']}` resolves from here")
         for w in report.get("warnings", []):
             print(f"  warn {w}")
+    if report["weights"]:
+        raise DraftError(f"{report['directory']} does not load: " + "; ".join(report["weights"]),
+                         "Its weights are damaged or not those its config.json describes; train or export the draft again")
     if not report["ok"]:
         raise DraftError(f"Engines would not read the trained layers {report['trained']}: "
                          + "; ".join(report["problems"]),

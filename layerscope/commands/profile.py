@@ -11,6 +11,7 @@ from layerscope.decoding.specdec import DEFAULT_K
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft
 from layerscope.models import DEFAULT_MODEL
+from layerscope.validate import check_number
 
 NAME = "profile"
 HELP = ("measure the target's cost curve (seconds of a forward over T = 1..32 new tokens) and a draft step on "
@@ -33,16 +34,19 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    check_number("--max-tokens", args.max_tokens, minimum=2, maximum=costmodel.MAX_TOKENS_LIMIT, integer=True)
+    check_number("--repeats", args.repeats, minimum=1, maximum=costmodel.MAX_REPEATS, integer=True)
     store = open_store(args)
     path = builtin.resolve(args.draft, args.model, store) if args.draft else None
     if path:
         preflight.draft_dir(path)           # before the model loads
     target = workflow.load_target(args.model, store)
+    target.check_room(max(costmodel.CACHE_LENGTHS), args.max_tokens, "the longest prefix measured", "--max-tokens")
     draft = load_draft(path, target) if path else None
     options = machine_options(args)
     with Progress("profile", unit="") as bar:
-        curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=max(args.max_tokens, 2),
-                                     repeats=max(args.repeats, 1), machine_options=options,
+        curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=args.max_tokens,
+                                     repeats=args.repeats, machine_options=options,
                                      progress=lambda message: bar.update(0, None, phase=message))
     taus = costmodel.break_even_taus(curve)
     doc = curve.to_json() | {"model": target.spec, "break_even_tau": taus[f"chain k={DEFAULT_K}"],

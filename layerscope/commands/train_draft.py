@@ -10,6 +10,7 @@ the same command run again resumes from the last checkpoint or returns the finis
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -23,7 +24,7 @@ from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.errors import DraftError
-from layerscope.validate import parse_count, parse_duration
+from layerscope.validate import check_number, parse_count, parse_duration
 
 NAME = "train-draft"
 HELP = ("train EAGLE-3 draft heads reading layer sets: online (--model, the target in the loop, several sets per "
@@ -87,8 +88,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     if args.threads is not None:
-        if args.threads < 1:
-            raise DraftError(f"--threads must be 1 or more (got {args.threads})", "Pass --threads 1 or leave it out")
+        check_number("--threads", args.threads, minimum=1, maximum=os.cpu_count() or 1, integer=True, error=DraftError,
+                     fix=f"Pass --threads 1..{os.cpu_count() or 1} (this machine's cores) or leave it out")
         torch.set_num_threads(args.threads)
     if (args.key is None) == (args.model is None):
         raise DraftError("Give a capture KEY to train from a capture, or --model to train online (one of them)",

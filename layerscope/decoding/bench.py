@@ -58,6 +58,9 @@ from layerscope.validate import check_number
 MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
 
 
+MAX_NEW_TOKENS = 2**20               # any --max-new-tokens or --max-prompt-tokens; the model's context decides below
+
+
 @dataclass
 class BenchOptions:
     """What a benchmark decodes and with which contenders: the one source of the bench defaults."""
@@ -87,7 +90,8 @@ class BenchOptions:
             raise LayerScopeError("no chain depth given", "Write it like --k 4 or --k 2,3,4")
         for k in self.ks:
             check_number("--k", k, minimum=1, integer=True, fix="Write it like --k 4 or --k 2,3,4")
-        check_number("--max-new-tokens", self.max_new_tokens, minimum=1, integer=True, fix="Pass --max-new-tokens 1 or more")
+        check_number("--max-new-tokens", self.max_new_tokens, minimum=1, maximum=MAX_NEW_TOKENS, integer=True)
+        check_number("--max-prompt-tokens", self.max_prompt_tokens, minimum=1, maximum=MAX_NEW_TOKENS, integer=True)
         check_number("--limit", self.limit, minimum=1, integer=True, fix="Pass --limit 1 or more")
         check_number("--lookup", self.draft_lookup, minimum=0, integer=True, fix="Pass 0 (off) or more, e.g. --lookup 4")
 

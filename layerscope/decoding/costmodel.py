@@ -43,6 +43,8 @@ from layerscope.store import make_key
 MAX_TOKENS = 32                      # verification forwards measured over T = 1..MAX_TOKENS new tokens
 DRAFT_ROWS = 8                       # draft forwards measured over 1..DRAFT_ROWS rows (tree levels: top_k rows)
 CACHE_LENGTHS = (128, 512)           # prefix lengths the target curve is averaged over
+MAX_TOKENS_LIMIT = 512               # the longest verification forward `profile --max-tokens` may measure
+MAX_REPEATS = 50                     # timings per point `profile --repeats` may take
 REPEATS = 2                          # timings per (T, cache length); the median is kept
 CALIBRATION_DEPTH = 8                # draft depths a calibration measures
 CALIBRATION_RANKS = 8                # draft ranks a calibration tells apart (deeper ranks count as misses)

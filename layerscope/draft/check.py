@@ -8,7 +8,8 @@ draft was trained on, before anything is served.
     verifier_problem(name, dir)     why speculators cannot resolve a converted draft's verifier (None if it can)
 
 Each engine's reading rule is layerscope/draft/engines.py's read_layers; the directory's own agreement is
-layerscope/draft/checkpoint.py's draft_layers (the rule load_draft applies).
+layerscope/draft/checkpoint.py's draft_layers (the rule load_draft applies), and its weights file is checked
+against its config.json from the header (checkpoint.check_weights, load_draft's check too).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import safe_open
 
 from layerscope.draft import engines
-from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
+from layerscope.draft.checkpoint import check_weights, draft_layers, read_config, read_layers_record, read_meta, weights_header
 from layerscope.draft.engines import TargetFacts
+from layerscope.draft.model import DraftConfig, check_vocab_maps
 from layerscope.errors import DraftError
 
 
@@ -81,6 +83,8 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
             if checked and row["library_reads"] != trained and not refused:
                 problems.append(f"speculators' own from_pretrained reads {row['library_reads']} "
                                 f"({row['library_source']}), not the trained {trained}")
+    weights = _weights_problems(directory, cfg, trained, converted)
+    problems += weights
     if not problems:               # the engines read the trained set: do the draft's other files say it too?
         try:                       # (layers.json included: load_draft's rule, which bench and export apply)
             draft_layers(directory, cfg, meta, read_layers_record(directory))
@@ -99,7 +103,7 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
                             "target's, so serving is unaffected); export it again with `layerscope export --for "
                             "speculators`")
     return {"directory": str(directory), "trained": trained, "target": facts.to_dict(), "rows": rows,
-            "problems": problems, "ok": not problems, "warnings": warnings, "speculators": spec}
+            "problems": problems, "weights": weights, "ok": not problems, "warnings": warnings, "speculators": spec}
 
 
 def verifier_problem(name: str | None, directory: Path) -> str | None:
@@ -123,6 +127,22 @@ def verifier_problem(name: str | None, directory: Path) -> str | None:
                 "the Hub, which needs network access (and a token for a gated model)")
     return (f"the verifier `{name}` is neither a model folder here nor a Hugging Face id: speculators cannot load "
             "this draft; put the target's folder or Hugging Face id in speculators_config.verifier.name_or_path")
+
+
+def _weights_problems(directory: Path, cfg: dict, trained: list[int], converted: bool) -> list[str]:
+    """What is wrong with model.safetensors, from its header (load_draft's check_weights against config.json for a
+    LayerScope directory; a speculators one, whose names and config differ, is checked to be a safetensors file)."""
+    try:
+        if converted:
+            weights_header(directory / "model.safetensors")
+        else:
+            config = DraftConfig.from_hf_config(cfg, trained)
+            check_weights(directory, config)
+            with safe_open(str(directory / "model.safetensors"), framework="pt") as f:   # two small tensors
+                check_vocab_maps(f.get_tensor("d2t"), f.get_tensor("t2d"), config)
+    except DraftError as e:
+        return [e.problem]
+    return []
 
 
 def _tensor_names(directory: Path) -> set[str]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from layerscope import jsonsafe
@@ -198,32 +198,58 @@ def load_draft(path, target=None) -> DraftHead:
         raise DraftError(f"{path}/config.json describes {cfg.get('architectures')}, not an EAGLE-3 Llama draft",
                          f"LayerScope loads drafts with architectures [\"{ARCHITECTURE}\"]")
     config = DraftConfig.from_hf_config(cfg, draft_layers(path, cfg, meta, read_layers_record(path)))
+    check_weights(path, config)          # names, shapes and dtypes from the header: nothing large is read yet
+    if target is not None:
+        check_fits(config, meta, target, path)
+        config.target_num_layers = int(target.num_layers)
     try:
         tensors = load_file(str(path / "model.safetensors"))
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise DraftError(f"{path}/model.safetensors is unreadable ({e})", "Train or copy the draft again") from e
     tensors.pop("embed_tokens.weight", None)   # a foreign checkpoint may carry the target's embedding
-    if target is not None:
-        check_fits(config, meta, target, path)
-        config.target_num_layers = int(target.num_layers)
-    head = DraftHead(config, d2t=tensors.get("d2t"), t2d=tensors.get("t2d"))
-    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in tensors.items()}
-    if expected != found:
-        missing = sorted(set(expected) - set(found))
-        extra = sorted(set(found) - set(expected))
-        wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
-        raise DraftError(f"{path}/model.safetensors does not match its config.json (missing {missing}, unexpected "
-                         f"{extra}, wrong shape {[(k, found[k], expected[k]) for k in wrong]})",
-                         "The checkpoint is damaged or from another architecture; train it again")
+    head = DraftHead(config, d2t=tensors.get("d2t"), t2d=tensors.get("t2d"))    # checks the memory and d2t/t2d
     head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()})
-    if int((head.d2t + torch.arange(config.draft_vocab_size)).max()) >= config.vocab_size:
-        raise DraftError(f"{path}: d2t maps draft ids past the target vocabulary of {config.vocab_size}",
-                         "The checkpoint is damaged; train it again")
     if target is not None:
         head.set_embedding(target.model.get_input_embeddings().weight)
         head.to(target.device)
     return head.eval()
+
+
+WEIGHT_DTYPES = {"F32", "F16", "BF16"}
+MAP_DTYPES = {"d2t": {"I64", "I32"}, "t2d": {"BOOL", "U8"}}
+
+
+def weights_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header, without reading a tensor (safetensors checks
+    that the header's offsets cover the file exactly, so the shapes are bounded by the file's size). DraftError
+    when the file is not a safetensors file."""
+    try:
+        with safe_open(str(f), framework="pt") as h:
+            return {k: (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape())) for k in h.keys()}
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise DraftError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})",
+                         "The draft's weights are damaged or another kind of file; train or copy the draft again") from None
+
+
+def check_weights(path, config: DraftConfig) -> None:
+    """The one check of a draft's model.safetensors against its config.json, from the header alone: the tensors
+    DraftConfig.shapes() names (the target's embedding may be there too), each of that shape, floating point
+    weights, whole-number d2t and boolean t2d. DraftError naming what differs."""
+    f = Path(path) / "model.safetensors"
+    found = weights_header(f)
+    found.pop("embed_tokens.weight", None)
+    expected = config.shapes()
+    if {k: v[1] for k, v in found.items()} != expected:
+        missing = sorted(set(expected) - set(found))
+        extra = sorted(set(found) - set(expected))
+        wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k][1])
+        raise DraftError(f"{f} does not match its config.json (missing {missing[:5]}, unexpected {extra[:5]}, wrong "
+                         f"shape {[(k, found[k][1], expected[k]) for k in wrong[:5]]})",
+                         "The checkpoint is damaged or from another architecture; train it again")
+    bad = [(k, dtype) for k, (dtype, _) in found.items() if dtype not in MAP_DTYPES.get(k, WEIGHT_DTYPES)]
+    if bad:
+        raise DraftError(f"{f} holds tensors of the wrong type ({', '.join(f'{k}: {t}' for k, t in bad[:5])})",
+                         "The checkpoint is damaged; train it again")
 
 
 def check_fits(config: DraftConfig, meta: dict, target, path) -> None:

@@ -22,9 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerscope import models
 from layerscope.errors import DraftError
+from layerscope.validate import check_number
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The sizes a draft's config may give, inclusive: beyond the largest real targets (hidden 16384, MLP 53248, 262144
+# tokens, 128 heads, 10M positions), far below what would overflow an allocation. A config.json is checked against
+# them before anything is built (DraftConfig.__post_init__), and its tensors' bytes against the memory (DraftHead).
+SIZE_LIMITS = {"hidden_size": 2**16, "target_hidden_size": 2**16, "vocab_size": 2**22, "draft_vocab_size": 2**22,
+               "num_attention_heads": 2**10, "num_key_value_heads": 2**10, "head_dim": 2**12,
+               "intermediate_size": 2**20, "max_position_embeddings": 2**25}
 
 
 @dataclass
@@ -44,6 +52,19 @@ class DraftConfig:
     target_num_layers: int | None = None   # N of the target, when known
 
     def __post_init__(self):
+        fix = "The draft's config.json is damaged or not an EAGLE-3 draft's; train or export the draft again"
+        for name, top in SIZE_LIMITS.items():
+            check_number(f"The draft's {name}", getattr(self, name), minimum=1, maximum=top, integer=True,
+                         error=DraftError, fix=fix)
+        check_number("The draft's rms_norm_eps", self.rms_norm_eps, minimum=0, maximum=1, above=True, below=True,
+                     error=DraftError, fix=fix)
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
+            raise DraftError(f"The draft's num_key_value_heads = {self.num_key_value_heads} does not divide its "
+                             f"num_attention_heads = {self.num_attention_heads}, or its head_dim = {self.head_dim} "
+                             "is odd", fix)
+        if self.draft_vocab_size > self.vocab_size:
+            raise DraftError(f"The draft's draft_vocab_size = {self.draft_vocab_size} exceeds its vocab_size = "
+                             f"{self.vocab_size}", fix)
         self.aux_layers = [int(l) for l in self.aux_layers]
         if not self.aux_layers:
             raise DraftError("A draft needs at least one auxiliary layer", "Pass a layer set such as 2,15,27")
@@ -58,6 +79,24 @@ class DraftConfig:
     @property
     def k(self) -> int:
         return len(self.aux_layers)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensors and their shapes (DraftHead's state_dict), computed without building anything."""
+        d, hd, ff, V = self.hidden_size, self.head_dim, self.intermediate_size, self.draft_vocab_size
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        out = {"midlayer.self_attn.q_proj.weight": (q, 2 * d), "midlayer.self_attn.k_proj.weight": (kv, 2 * d),
+               "midlayer.self_attn.v_proj.weight": (kv, 2 * d), "midlayer.self_attn.o_proj.weight": (d, q),
+               "midlayer.mlp.gate_proj.weight": (ff, d), "midlayer.mlp.up_proj.weight": (ff, d),
+               "midlayer.mlp.down_proj.weight": (d, ff)}
+        out.update({f"midlayer.{n}.weight": (d,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")})
+        out.update({"norm.weight": (d,), "lm_head.weight": (V, d), "fc.weight": (d, self.k * self.target_hidden_size),
+                    "d2t": (V,), "t2d": (self.vocab_size,)})
+        return out
+
+    def nbytes(self) -> int:
+        """The bytes of a built head on the CPU: its weights in float32, d2t int64, t2d bool."""
+        size = {"d2t": 8, "t2d": 1}
+        return sum(math.prod(shape) * size.get(name, 4) for name, shape in self.shapes().items())
 
     @classmethod
     def from_target(cls, target_config, aux_layers, draft_vocab_size: int, vocab_size: int | None = None) -> "DraftConfig":
@@ -183,6 +222,29 @@ def rope_of(target_config) -> dict:
 # choice); they change the distribution a draft is trained toward. A draft's own logits are never transformed
 # (vLLM's and SGLang's llama_eagle3.py build their LogitsProcessor without a soft cap).
 # ----------------------------------------------------------------------------- vocabulary
+
+def check_vocab_maps(d2t, t2d, config: DraftConfig) -> None:
+    """The one check of a draft's vocabulary maps (built, loaded or imported): d2t [V] of whole numbers mapping each
+    draft id i to the target id i + d2t[i], every one inside the target vocabulary and none twice; t2d [vocab] of
+    booleans, true at exactly those target ids. A DraftError naming what is wrong otherwise."""
+    V, vocab = config.draft_vocab_size, config.vocab_size
+    fix = "The draft's vocabulary maps are damaged; train the draft again (build_draft_vocab makes them)"
+    if t2d is None or not isinstance(d2t, torch.Tensor) or not isinstance(t2d, torch.Tensor):
+        raise DraftError("A draft needs both d2t and t2d", fix)
+    if d2t.shape != (V,) or t2d.shape != (vocab,):
+        raise DraftError(f"d2t/t2d have shapes {tuple(d2t.shape)}/{tuple(t2d.shape)}, expected ({V},)/({vocab},)", fix)
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool or t2d.dtype not in (torch.bool, torch.uint8):
+        raise DraftError(f"d2t/t2d are {d2t.dtype}/{t2d.dtype}, expected whole numbers/booleans", fix)
+    targets = d2t.long() + torch.arange(V, device=d2t.device)
+    low, high = int(targets.min()), int(targets.max())
+    if low < 0 or high >= vocab:
+        raise DraftError(f"d2t maps draft ids to target ids {low}..{high}, outside the target vocabulary 0..{vocab - 1}", fix)
+    chosen = torch.zeros(vocab, dtype=torch.bool, device=targets.device)
+    chosen[targets] = True
+    if int(chosen.sum()) != V or t2d.max() > 1 or not torch.equal(chosen, t2d.bool().to(chosen.device)):
+        raise DraftError(f"d2t and t2d disagree (d2t maps {V} draft ids to {int(chosen.sum())} distinct target ids, "
+                         f"t2d marks {int(t2d.bool().sum())})", fix)
+
 
 def build_draft_vocab(token_ids: torch.Tensor, V: int, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The V most frequent target ids in `token_ids` (ties and unseen ids by ascending id), sorted.
@@ -334,6 +396,10 @@ class DraftHead(nn.Module):
                  d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
         super().__init__()
         c = self.config = config
+        if torch.get_default_device().type != "meta":      # the one memory check before a draft is built
+            models.check_memory(c.nbytes(), "The draft", "Check that its config.json describes the draft you meant "
+                                "(its sizes give the memory), close other programs, or use a machine with more memory",
+                                cuda=False, error=DraftError)
         self.midlayer = DraftLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -344,9 +410,8 @@ class DraftHead(nn.Module):
         self.rotary = Rotary(c)
         if d2t is None:
             d2t, t2d = torch.zeros(c.draft_vocab_size, dtype=torch.long), torch.ones(c.vocab_size, dtype=torch.bool)
-        if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.vocab_size,):
-            raise DraftError(f"d2t/t2d have shapes {tuple(d2t.shape)}/{tuple(t2d.shape)}, expected "
-                             f"({c.draft_vocab_size},)/({c.vocab_size},)", "Build them with build_draft_vocab")
+        else:
+            check_vocab_maps(d2t, t2d, c)
         self.register_buffer("d2t", d2t.long())
         self.register_buffer("t2d", t2d.bool())
         self.register_buffer("embed_weight", None, persistent=False)

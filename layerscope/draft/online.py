@@ -172,6 +172,7 @@ def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, p
     """The conversations of o.prompts (train split for ShareGPT) that fit, with o.responses answers."""
     prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.sample_seed, cache=store.root / "prompts")
     prompts = [(p, chat_ids(target.tokenizer, p)) for p in prompt_set.prompts]
+    target.check_room(o.max_prompt_tokens, o.max_new_tokens, "--max-prompt-tokens", "--max-new-tokens")
     room = target.context_length - o.max_new_tokens
     prompts = [(p, ids) for p, ids in prompts if len(ids) <= min(o.max_prompt_tokens, room)]
     if not prompts:

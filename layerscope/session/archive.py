@@ -11,6 +11,9 @@ An exported archive may also carry the session's drafts (format 2):
 
 `write` makes the bytes; `read` takes them apart, refusing anything else (member names from a fixed set,
 nothing pointing outside the archive's folder, sizes, JSON, safetensors, the format marker) and
+checking every member's sizes before it inflates one (the declared size against the limits and, for a draft
+file, against session.json's list; the compression ratio against MAX_RATIO; each read a block at a time and
+never past its declared size), and
 `drafts_in` checks the draft files against their list. An archive is written as the lowest format it
 needs: a format 1 archive (no drafts) reads as before. The `session` object itself is checked by check.py.
 """
@@ -22,6 +25,7 @@ import io
 import json
 import re
 import zipfile
+import zlib
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -44,6 +48,7 @@ MAX_ARCHIVE_BYTES = MAX_JSON_BYTES + MAX_ARRAYS_BYTES   # the archive itself (co
 MAX_DRAFTS_BYTES = 4 * 2**30                  # all draft files of one archive together (uncompressed)
 MAX_DRAFT_JSON_BYTES = 4 * 2**20              # each JSON file of a draft
 DRAFT_REQUIRED = ("config.json", "model.safetensors")
+MAX_RATIO = 200                               # a member over 1 MiB inflating more than this is refused unread
 DRAFT_MEMBER_RE = re.compile(r"drafts/([A-Za-z0-9][A-Za-z0-9_-]{0,127})/(" +
                              "|".join(re.escape(f) for f in DRAFT_FILES) + ")")
 FILE_SCHEMA = ("obj", {"bytes": req(("range", 0, MAX_DRAFTS_BYTES)), "sha256": req("str")}, True)
@@ -123,18 +128,30 @@ def read(data: bytes, source: str, with_arrays: bool = True,
             big = [n for n, m in members.items() if m[2].endswith(".json") and infos[n].file_size > MAX_DRAFT_JSON_BYTES]
             if big:
                 refuse(source, f"{big[0]} is larger than {MAX_DRAFT_JSON_BYTES >> 20} MiB")
+        bombs = [i for n, i in infos.items() if n in (JSON_MEMBER, ARRAYS_MEMBER) or (with_drafts and n in members)
+                 if i.file_size > 2**20 and i.file_size > MAX_RATIO * max(i.compress_size, 1)]
+        if bombs:
+            refuse(source, f"{bombs[0].filename[:200]} would inflate {bombs[0].file_size / max(bombs[0].compress_size, 1):.0f} "
+                   f"times (to {bombs[0].file_size >> 20} MiB); an archive LayerScope writes inflates at most {MAX_RATIO} times "
+                   "(nothing was unpacked)")
         files: dict[str, dict[str, bytes]] = {}
         try:
-            raw = z.read(JSON_MEMBER)
-            blob = z.read(ARRAYS_MEMBER) if with_arrays and ARRAYS_MEMBER in infos else None
+            raw = _inflate(z, infos[JSON_MEMBER])
+            doc = _parse(raw, source)
+            if with_drafts:
+                listed = _listed_sizes(doc)
+                for n, m in members.items():
+                    if (m[1], m[2]) not in listed:
+                        refuse(source, f"{n[:200]} is not in session.json's list: the draft files in the archive and "
+                               "in session.json differ (nothing was unpacked)")
+                    if listed[(m[1], m[2])] != infos[n].file_size:
+                        refuse(source, f"{n[:200]} holds {infos[n].file_size} bytes but session.json lists "
+                               f"{listed[(m[1], m[2])]} for it (nothing was unpacked)")
+            blob = _inflate(z, infos[ARRAYS_MEMBER]) if with_arrays and ARRAYS_MEMBER in infos else None
             for n, m in (members.items() if with_drafts else ()):
-                files.setdefault(m[1], {})[m[2]] = z.read(n)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+                files.setdefault(m[1], {})[m[2]] = _inflate(z, infos[n])
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, zlib.error) as e:
             refuse(source, f"the archive is corrupted ({e})")
-    try:
-        doc = jsonsafe.loads(raw, what=JSON_MEMBER, error=SessionError, max_bytes=MAX_JSON_BYTES, allow_nan=False)
-    except SessionError as e:
-        refuse(source, e.problem)
     arrays: dict[str, torch.Tensor] = {}
     if blob is not None:
         try:
@@ -153,6 +170,36 @@ def read(data: bytes, source: str, with_arrays: bool = True,
                            "Update LayerScope and import it again")
     require(isinstance(doc.get("session"), dict), source, "session.json has no 'session' object")
     return doc, arrays, files
+
+
+def _inflate(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """A member's bytes, read a block at a time and never past the size its entry declares (which the caller has
+    checked): a member whose data inflates further is refused as corrupted, not held in memory."""
+    out = bytearray()
+    with z.open(info) as f:
+        while block := f.read(1 << 20):
+            out += block
+            if len(out) > info.file_size:
+                raise ValueError(f"{info.filename[:200]} inflates past its declared {info.file_size} bytes")
+    return bytes(out)
+
+
+def _parse(raw: bytes, source: str) -> dict:
+    try:
+        return jsonsafe.loads(raw, what=JSON_MEMBER, error=SessionError, max_bytes=MAX_JSON_BYTES, allow_nan=False)
+    except SessionError as e:
+        refuse(source, e.problem)
+
+
+def _listed_sizes(doc) -> dict[tuple[str, str], int]:
+    """{(draft entry, file name): bytes} as session.json lists them (what is malformed there is drafts_in's to say)."""
+    out = {}
+    for d in (doc.get("drafts") if isinstance(doc, dict) and isinstance(doc.get("drafts"), list) else []):
+        files = d.get("files") if isinstance(d, dict) else None
+        for name, f in (files.items() if isinstance(files, dict) else ()):
+            if isinstance(f, dict) and is_int(f.get("bytes")):
+                out[(str(d.get("entry")), name)] = f["bytes"]
+    return out
 
 
 def drafts_in(doc: dict, files: dict[str, dict[str, bytes]], source: str) -> list[dict]:

@@ -55,6 +55,7 @@ from layerscope.stats.paired import PromptRuns
 from layerscope.store import make_key
 from layerscope.study import outcomes
 from layerscope.study.outcomes import Outcome, OutcomeFolder
+from layerscope.validate import check_number
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
 PROXIES = ("mean_entropy", "mean_cka", "aggregate_entropy")
@@ -91,11 +92,23 @@ class StudyOptions:
                                                        # and benchmark, study/outcomes.py), read back instead of
                                                        # training again: a long study across machines
 
+    def validate(self) -> None:
+        """The study's numbers by layerscope.validate's one rule, then its benchmark's (BenchOptions.validate)."""
+        check_number("--random-sets", self.random_sets, minimum=0, maximum=MAX_RANDOM_SETS, integer=True)
+        check_number("--k", self.k, minimum=1, maximum=MAX_K, integer=True)
+        check_number("--sets-per-pass", self.sets_per_pass, minimum=1, integer=True, optional=True,
+                     fix="Pass --sets-per-pass 1 or more, or leave it out to train every set in one pass")
+        self.bench_options().validate()
+
     def bench_options(self) -> bench.BenchOptions:
         """The benchmark of the study: these prompts, one chain of depth K per draft, no HF peers."""
         return bench.BenchOptions(prompts=self.prompts, limit=self.limit, seed=self.seed,
                                   max_new_tokens=self.max_new_tokens, max_prompt_tokens=self.max_prompt_tokens,
                                   ks=(self.depth,), peers=False, machine=self.machine)
+
+
+MAX_RANDOM_SETS = 64          # random control sets: each is a draft trained and benchmarked
+MAX_K = 64                    # layers per set
 
 
 @dataclass
