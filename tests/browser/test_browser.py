@@ -367,8 +367,11 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(page)
     page.get_by_role("button", name="Save").click()
     page.get_by_text("Saved as “browser test”").wait_for()
+    page.get_by_role("button", name="Make a share link").click()
+    wait_idle(page)
     link = page.locator("[data-testid='stCode']").first.inner_text().strip()
-    assert link.endswith(f"/cka?session={session_id}"), link
+    snapshot = re.search(r"/cka\?session=([0-9a-f]{12})$", link).group(1)
+    assert snapshot != session_id, link              # a snapshot of the session: later changes are not in it
     with page.expect_download(timeout=120_000) as d:
         page.get_by_role("button", name="Download report (HTML)").click()
     assert d.value.suggested_filename == "layerscope-report-browser_test.html"     # from the name, made safe
@@ -376,7 +379,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert report.startswith("<!DOCTYPE html>") and "browser test" in report and "Recommended: " in report
     shot(page, "7-sessions")
 
-    # --- the share link in a new page opens the same session: same heatmap, same sets
+    # --- the share link in a new page (another person) opens the snapshot read-only: same heatmap, same sets
     other = browser.new_page(viewport={"width": 1400, "height": 1000})
     other.set_default_timeout(120_000)
     other.goto(link)
@@ -387,12 +390,15 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert "hand-picked [1, 3]" in shared["names"]
     other.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
     other.locator("[data-testid='stSidebar']").get_by_text("browser test").wait_for()
+    other.get_by_text("Read-only: someone else's session").wait_for()
     shot(other, "8-shared-link")
     other.close()
     # --- a new capture keeps the session's sets that still fit (these do: the same model)
     goto_page(page, "Capture")
     set_number(page, "Prompts (limit)", 4)
     page.get_by_role("button", name="Start capture").click()
+    wait_idle(page)
+    page.get_by_role("button", name="Replace in this session").click()     # it asks first: the session has a capture
     page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
     wait_idle(page)
     page.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
