@@ -14,14 +14,17 @@ import streamlit as st
 
 st.set_page_config(page_title="LayerScope", page_icon=":material/layers:", layout="wide")
 
-from layerscope.ui import sidebar  # noqa: E402  (after set_page_config)
+from layerscope.ui import access, sidebar  # noqa: E402  (after set_page_config)
 from layerscope.ui.apply import collect  # noqa: E402
 from layerscope.ui.state import active_session, dismiss_notes, notes, pop_notice  # noqa: E402
+from layerscope.ui.views import read_only_banner  # noqa: E402
 from layerscope.ui.widgets import CANCEL_OWNER_KEY, guard, md_text  # noqa: E402
 
 PAGES = [
     # Home is the default page (the bare URL); every step's page has its own URL, /capture included.
-    st.Page("app_pages/home.py", title="Home", icon=":material/home:", url_path="home", default=True),
+    st.Page("app_pages/home.py", title="Home", icon=":material/home:", url_path="index", default=True),
+    # the default page answers the bare URL only; /home (a link someone wrote out) opens it too
+    st.Page("app_pages/home.py", title="Home", url_path="home", visibility="hidden"),
     st.Page("app_pages/capture.py", title="Capture", icon=":material/download:", url_path="capture"),
     st.Page("app_pages/entropy.py", title="Entropy", icon=":material/show_chart:", url_path="entropy"),
     st.Page("app_pages/cka.py", title="CKA heatmap", icon=":material/grid_on:", url_path="cka"),
@@ -31,10 +34,13 @@ PAGES = [
     st.Page("app_pages/sessions.py", title="Sessions", icon=":material/folder_shared:", url_path="sessions"),
 ]
 
+access.gate()             # with LAYERSCOPE_TOKEN set: nothing shows until the token is given
+access.remember()         # this browser's owner token (and access) kept in its cookies
 st.session_state[CANCEL_OWNER_KEY] = {}   # a full run: the first panel drawn for a job gets its cancel button
 session = active_session()
 collect(session)          # results of jobs that finished since the last run land in the session
 page = st.navigation(PAGES, position="sidebar", expanded=True)
+read_only_banner()        # a session this browser does not own: read-only, with "Make my copy"
 notice = pop_notice()
 if notice:
     kind, text = notice

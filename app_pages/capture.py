@@ -8,7 +8,7 @@ import streamlit as st
 from layerscope import fmt, models, preflight
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import list_captures
-from layerscope.ui import apply, tasks
+from layerscope.ui import apply, state, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
@@ -124,20 +124,55 @@ with right:
         st.info("Upload a prompt file to preview it.")
 
 running = view is not None and view.running
+PENDING = "ls_cap_pending"        # Start capture was pressed in a session a capture would replace: asking first
+
+
+model = st.session_state.ls_w_cap_model.strip()
+
+
+def start_capture(target) -> None:
+    """Start the capture job of the page's choices in session `target` (the session takes the model and prompt
+    set from the finished capture, never from a failed one)."""
+    global job, view
+    job = manager.submit(target.id, "capture", tasks.capture_job(
+        model=model, prompts=prompt_spec, limit=options.limit, max_new_tokens=options.max_new_tokens,
+        batch_size=options.batch_size, seed=options.seed, sample_positions=options.sample_positions,
+        max_store_bytes=options.max_store_bytes, store=store, analysis_options=target.analysis_options),
+        title=f"Capture of {model}")
+    view = job.view()
+
+
 if st.button("Start capture", type="primary", icon=":material/play_arrow:", disabled=running or not prompt_spec or not budget_ok,
              key="ls_cap_start"):
-    model = st.session_state.ls_w_cap_model.strip()
     if not model:
         show_error("No model given", f"Type a model spec or pick one of {', '.join(KNOWN)}")
+    elif apply.capture_replaces(s):
+        st.session_state[PENDING] = True
     else:
         with guard("start capture"):
-            # the session takes the model and prompt set from the finished capture, never from a failed one
-            job = manager.submit(s.id, "capture", tasks.capture_job(
-                model=model, prompts=prompt_spec, limit=options.limit, max_new_tokens=options.max_new_tokens,
-                batch_size=options.batch_size, seed=options.seed, sample_positions=options.sample_positions,
-                max_store_bytes=options.max_store_bytes, store=store, analysis_options=s.analysis_options),
-                title=f"Capture of {model}")
-            view = job.view()
+            start_capture(s)
+at_risk = apply.capture_replaces(s)
+if st.session_state.get(PENDING) and at_risk and not running:
+    with st.container(border=True):
+        st.warning("This session already has " + md_text("; ".join(at_risk)) + ". A new capture replaces its "
+                   "capture, and removes the layer sets and drafts that do not fit it. Start it in a new session "
+                   "instead? This one stays as it is.", icon=":material/help:")
+        a, b, c = st.columns(3)
+        if a.button("Start in a new session", type="primary", key="ls_cap_new_session", icon=":material/add:"):
+            st.session_state.pop(PENDING, None)
+            with guard("start capture"):
+                fresh = state.new_session_for_capture(s)
+                start_capture(fresh)
+                st.rerun()
+        if b.button("Replace in this session", key="ls_cap_replace", icon=":material/sync:"):
+            st.session_state.pop(PENDING, None)
+            with guard("start capture"):
+                start_capture(s)
+        if c.button("Cancel", key="ls_cap_cancel"):
+            st.session_state.pop(PENDING, None)
+            st.rerun()
+else:
+    st.session_state.pop(PENDING, None)
 
 
 def m_total(v) -> int | None:

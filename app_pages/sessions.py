@@ -10,13 +10,15 @@ import streamlit as st
 from layerscope import fmt
 from layerscope.session import share, storage
 from layerscope.ui import report
-from layerscope.ui.state import session_title, switch_to
+from layerscope.ui.access import me
+from layerscope.ui.state import SHARE, commit, make_share_snapshot, session_title, switch_to
 from layerscope.ui.views import page_header
 from layerscope.ui.widgets import guard, md_text, table
 
 s, store = page_header("Sessions",
                        "A session is everything on these pages: the capture, analysis options, statistics, layer sets, "
-                       "drafts and benchmark results. It is saved as you work; give it a name to list it here. "
+                       "drafts and benchmark results. It is saved as you work and belongs to this browser; give it a "
+                       "name to list it here. A share link opens a read-only snapshot; whoever opens it edits a copy. "
                        "Files are JSON + safetensors in one .zip, checked on import; nothing is ever unpickled.")
 
 
@@ -38,12 +40,20 @@ with left:
             if not name.strip():
                 st.error("**A session needs a name to be saved.** Type one above.")
             else:
-                storage.save(s, store, name=name)
+                commit(s, name=name)
                 st.success(f"Saved as “{md_text(s.name)}”.")
     summary.markdown(f"**{md_text(session_title(s))}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
-    st.markdown("**Share link** (opens this session, on this server, on the CKA page):")
-    st.code(share_link(s.id), language=None, wrap_lines=True)     # the whole link, even in a narrow column
+    shared = s.view.get(SHARE) if isinstance(s.view.get(SHARE), dict) else None
+    if st.button("Make a share link" if shared is None else "Make a new share link (of the session as it is now)",
+                 key="ls_sess_share", icon=":material/share:"):
+        with guard("share link"):
+            make_share_snapshot(s)
+            shared = s.view[SHARE]
+    if shared is not None:
+        st.markdown(f"**Share link** (a read-only snapshot of this session, as it was {fmt.when(shared.get('at'))}; "
+                    "later changes are not in it; on this server, on the CKA page):")
+        st.code(share_link(shared["id"]), language=None, wrap_lines=True)     # the whole link, even in a narrow column
     with_drafts = st.checkbox("Include drafts", key="ls_w_sess_with_drafts", disabled=not s.drafts,
                               help="Put each draft's files (weights and JSON) into the archive, so the session's "
                                    "benchmarks and exports work on another server; without it drafts stay paths")
@@ -75,7 +85,7 @@ with right:
         marker = (up.name, up.size)
         if st.session_state.get("ls_sess_imported") != marker:
             with guard("import session"):
-                imported = share.import_archive(up.getvalue(), store, source=up.name)
+                imported = share.import_archive(up.getvalue(), store, source=up.name, owner=me())
                 st.session_state["ls_sess_imported"] = marker
                 st.session_state["ls_sess_imported_id"] = imported.session.id
                 st.session_state["ls_sess_imported_drafts"] = len(imported.drafts)
@@ -91,10 +101,10 @@ with right:
                     st.rerun()
 
 st.divider()
-st.subheader("Saved sessions")
+st.subheader("Your saved sessions")
 show_all = st.toggle("Also list unnamed (autosaved) sessions", key="ls_w_sess_all")
 with guard("list sessions"):
-    rows = storage.list_sessions(store, include_unnamed=show_all)
+    rows = storage.list_sessions(store, include_unnamed=show_all, owner=me())     # this browser's own
     if not rows:
         st.caption("No saved sessions yet.")
     else:
@@ -116,5 +126,5 @@ with guard("list sessions"):
             if c3.button("Delete", key="ls_sess_delete", icon=":material/delete:", disabled=pick == s.id,
                          help="The session open in this tab cannot be deleted"):
                 with guard("delete session"):
-                    storage.delete(store, pick)
+                    storage.delete(store, pick, owner=me())
                     st.rerun()

@@ -18,7 +18,7 @@ from layerscope.draft.checkpoint import load_draft, save_draft
 from layerscope.errors import SessionError
 from layerscope.session import share, storage
 from layerscope.session.archive import MAX_ARCHIVE_BYTES, PLAIN_FORMAT
-from layerscope.session.model import Session
+from layerscope.session.model import Session, owner_hash
 from layerscope.store import Store
 from tests.helpers import untrained_draft
 
@@ -70,14 +70,14 @@ def test_store_save_load_list_delete(store):
     assert not list(path.parent.glob("*.tmp"))
     back = storage.load(store, s.id)
     assert back.name == "first look" and back.to_json() == s.to_json()
-    other = Session(model="smollm2-135m")
+    other = Session(model="smollm2-135m", owner=owner_hash("this browser"))
     storage.save(other, store)
     listed = storage.list_sessions(store)
     assert {r["id"] for r in listed} == {s.id, other.id}
     named = storage.list_sessions(store, include_unnamed=False)
     assert [r["id"] for r in named] == [s.id]
     assert named[0]["layer_sets"] == [[2, 3], [1, 4]] and named[0]["tokens"] == 321
-    storage.delete(store, other.id)
+    storage.delete(store, other.id, owner=owner_hash("this browser"))
     assert not storage.exists(store, other.id)
     with pytest.raises(SessionError, match="No saved session"):
         storage.load(store, other.id)
@@ -431,3 +431,55 @@ def test_archives_without_drafts_import_as_before(store, tmp_path):
         assert json.loads(zipfile.ZipFile(io.BytesIO(plain)).read("session.json"))["layerscope_session"] == 1
     finally:
         other.close()
+
+
+# ---------------------------------------------------------------------------- owners and snapshots
+
+def test_only_the_owner_saves_over_or_deletes_a_session_and_a_snapshot_never_changes(store):
+    mine, theirs = owner_hash("browser A"), owner_hash("browser B")
+    s = _full_session()
+    s.owner = mine
+    storage.save(s, store, name="A's look")
+    stolen = storage.load(store, s.id)
+    stolen.owner, stolen.notes = theirs, "overwritten"
+    with pytest.raises(SessionError, match="someone else"):
+        storage.save(stolen, store)
+    with pytest.raises(SessionError, match="not yours to delete"):
+        storage.delete(store, s.id, owner=theirs)
+    with pytest.raises(SessionError, match="not yours to delete"):
+        storage.delete(store, s.id, owner=None)
+    assert storage.load(store, s.id).notes == "" and storage.load(store, s.id).editable_by(mine)
+    assert not storage.load(store, s.id).editable_by(theirs)
+    assert [r["id"] for r in storage.list_sessions(store, owner=theirs)] == []
+
+    snap = storage.snapshot(s, store)
+    assert snap.id != s.id and snap.frozen and snap.origin == s.id
+    s.layer_sets = []
+    storage.save(s, store)                                # the owner goes on working: the snapshot stays
+    kept = storage.load(store, snap.id)
+    assert [x["layers"] for x in kept.layer_sets] == [[2, 3], [1, 4]] and not kept.editable_by(mine)
+    kept.notes = "changed"
+    with pytest.raises(SessionError, match="shared snapshot"):
+        storage.save(kept, store)
+    with pytest.raises(SessionError, match="not yours to delete"):
+        storage.delete(store, snap.id, owner=mine)
+    assert [r["id"] for r in storage.list_sessions(store, owner=mine)] == [s.id]     # snapshots are not listed
+
+    mine_copy = kept.copy(owner=theirs)                   # a fork copies: the snapshot is untouched
+    storage.save(mine_copy, store)
+    assert mine_copy.editable_by(theirs) and storage.load(store, snap.id).notes != "changed"
+    storage.delete(store, s.id, owner=mine)
+    assert not storage.exists(store, s.id) and storage.exists(store, snap.id)
+
+
+def test_an_import_is_named_apart_from_its_original_and_owned_by_the_importer(store):
+    s = _full_session()
+    s.name, s.owner = "first look", owner_hash("browser A")
+    storage.save(s, store)
+    me = owner_hash("browser B")
+    imported = share.import_bytes(share.export_bytes(s), store, owner=me)
+    assert imported.id != s.id and imported.name == "first look (imported)" and imported.owner == me
+    assert storage.load(store, s.id).name == "first look"
+    again = share.import_bytes(share.export_bytes(imported), Store(store.root / "other"), owner=me)
+    assert again.name == "first look (imported)"              # once, not twice
+    assert share.imported_name("x" * 120).endswith(" (imported)") and len(share.imported_name("x" * 120)) == 120

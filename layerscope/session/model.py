@@ -11,6 +11,7 @@ heatmap even when that installation does not hold the capture.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -33,6 +34,12 @@ ARRAY_KEYS = ARRAY_FIELDS
 
 def new_id() -> str:
     return secrets.token_hex(6)
+
+
+def owner_hash(token: str) -> str:
+    """What a session records of its owner: 24 hex characters of sha256 over the browser's secret token (the
+    token itself is never stored, so the store cannot be read for a way to act as the owner)."""
+    return hashlib.sha256(f"layerscope-owner:{token}".encode()).hexdigest()[:24]
 
 
 def now_iso() -> str:
@@ -59,6 +66,9 @@ class Session:
     device: str | None = None
     notes: str = ""
     view: dict = field(default_factory=dict)    # the app's view choices (estimator, kernel, compartments, threshold, run)
+    owner: str | None = None                # owner_hash of the browser that made it; None: made before owners (read-only)
+    frozen: bool = False                    # a snapshot behind a share link: never saved over
+    origin: str | None = None               # the session this one is a copy or snapshot of
     created: str = field(default_factory=now_iso)
     updated: str = field(default_factory=now_iso)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -75,6 +85,19 @@ class Session:
 
     def title(self) -> str:
         return self.name or f"unsaved session {self.id}"
+
+    def editable_by(self, owner: str | None) -> bool:
+        """The one rule of who may change a session: its owner, and nobody for a snapshot or an ownerless one."""
+        return not self.frozen and owner is not None and self.owner == owner
+
+    def copy(self, *, owner: str | None, frozen: bool = False, name: str | None = None) -> Session:
+        """A copy under a new id (arrays shared: tensors are never changed in place); the original is untouched."""
+        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "arrays"}
+        body = json.loads(json.dumps(body))
+        body.update(id=new_id(), owner=owner, frozen=frozen, origin=self.id, name=name if name is not None else self.name)
+        out = Session(**body)
+        out.arrays = dict(self.arrays)
+        return out
 
     def set_stats(self, stats: dict) -> None:
         """Keep a snapshot of layer statistics (a LayerStats.to_dict()): arrays as tensors, the rest as JSON."""

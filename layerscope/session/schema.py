@@ -255,6 +255,7 @@ SCHEMA = ("obj", {           # one spec per Session field (model.py checks that 
     "drafts": ("list", DRAFT_SCHEMA, LIST_MAX), "bench_results": ("list", BENCH_SCHEMA, LIST_MAX),
     "study": ("list", STUDY_SCHEMA, STUDY_MAX), "device": opt("str"), "notes": ("text", NOTES_MAX),
     "created": opt("str"), "updated": opt("str"), "view": VIEW_SCHEMA,
+    "owner": opt("key"), "frozen": "bool", "origin": opt("id"),
 }, True)
 SESSION_FIELDS = tuple(SCHEMA[1])
 

@@ -20,6 +20,7 @@ from layerscope.errors import LayerScopeError, SessionError
 from layerscope.session import archive
 from layerscope.session.check import refuse
 from layerscope.session.model import Session, new_id
+from layerscope.session.schema import NAME_MAX
 from layerscope.session.storage import exists, load, save
 from layerscope.store import ENTRY_NAME_RE, staged, write_error
 
@@ -80,17 +81,29 @@ class Imported:
     drafts: list[str] = field(default_factory=list)     # the draft folders the archive brought, in this store
 
 
-def import_bytes(data: bytes, store, *, source: str = "the uploaded file") -> Session:
+IMPORTED = " (imported)"
+
+
+def imported_name(name: str | None) -> str | None:
+    """An imported session's name: the original's with " (imported)", so the two read apart (once, within NAME_MAX)."""
+    if not name or name.endswith(IMPORTED):
+        return name
+    return name[:NAME_MAX - len(IMPORTED)].rstrip() + IMPORTED
+
+
+def import_bytes(data: bytes, store, *, source: str = "the uploaded file", owner: str | None = None) -> Session:
     """Validate an archive and save it into the store (with its drafts, if it carries any); the session."""
-    return import_archive(data, store, source=source).session
+    return import_archive(data, store, source=source, owner=owner).session
 
 
-def import_archive(data: bytes, store, *, source: str = "the uploaded file") -> Imported:
-    """Validate an archive and save it into the store. Keeps its id unless a different session owns it.
+def import_archive(data: bytes, store, *, source: str = "the uploaded file", owner: str | None = None) -> Imported:
+    """Validate an archive and save it into the store as `owner`'s session, named "<name> (imported)" and
+    editable (a snapshot imported is a session again). Keeps its id unless a different session has it.
     Drafts inside are checked and written to the store's drafts/ (all or none) before the session, whose
     draft paths then point at them."""
     doc, tensors, files = archive.read(data, source, with_drafts=True)
     session = Session.from_doc(doc, tensors, source)
+    session.name, session.owner, session.frozen = imported_name(session.name), owner, False
     placed = _install_drafts(archive.drafts_in(doc, files, source), store, source)
     for d in session.drafts:
         d["path"] = placed.get(d["path"], d["path"])

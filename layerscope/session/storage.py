@@ -3,6 +3,9 @@
 Saving writes atomically (temp file + rename) after checking the archive it is about to write with the
 checks import makes, so a session that saves always loads again. A stored archive is read only if it is a
 regular file (not a link, pipe or device) under the size limit. Stored sessions never hold drafts.
+
+Who may change a stored session is `Session.editable_by`; here it is enforced where it matters: `save` never
+writes over a snapshot (frozen) or over a session of another owner, and `delete` removes only the owner's own.
 """
 
 from __future__ import annotations
@@ -51,9 +54,31 @@ def save(session: Session, store, *, name: str | None = None, touch: bool = True
                            f"{MAX_ARCHIVE_BYTES >> 20} MiB that import accepts", "Remove old benchmark runs or studies")
     Session.from_bytes(data, source="This session")     # the checks import makes: what saves, loads again
     path = _archive_path(store, session.id)
+    stored = _stored(path)
+    if stored is not None and (stored.frozen or stored.owner != session.owner):
+        raise SessionError(f"Session {session.id} is {'a shared snapshot' if stored.frozen else 'someone else’s'}: "
+                           "it is never saved over", "Make your own copy of it and change that")
     atomic_write_bytes(path, data)
     _drop_stale_temps(path.parent)
     return path
+
+
+def _stored(path: Path) -> Session | None:
+    """The session stored at `path` (without its tensors), or None when there is none or it does not read."""
+    if not path.is_file():
+        return None
+    try:
+        return Session.from_bytes(_read_file(path, "The stored session"), arrays=False)
+    except SessionError:
+        return None
+
+
+def snapshot(session: Session, store) -> Session:
+    """An immutable copy of `session` under a new id, for a share link: what the link shows never changes
+    (a later save of `session` does not touch it; a new link is a new snapshot)."""
+    snap = session.copy(owner=session.owner, frozen=True)
+    save(snap, store, touch=False)
+    return snap
 
 
 def _drop_stale_temps(directory: Path, age_s: float = 3600.0) -> None:
@@ -97,16 +122,27 @@ def load(store, sid: str) -> Session:
     return session
 
 
-def delete(store, sid: str) -> None:
+def delete(store, sid: str, *, owner: str | None) -> None:
+    """Delete the stored session `sid` if `owner` owns it (Session.editable_by); else a SessionError."""
     _check_id(sid)
+    stored = load(store, sid) if exists(store, sid) else None
+    if stored is not None and not stored.editable_by(owner):
+        raise SessionError(f"Session {sid} is not yours to delete"
+                           + (" (a shared snapshot: its link must keep working)" if stored.frozen else ""),
+                           "Only the browser that made a session can delete it")
     if hasattr(store, "remove"):
         store.remove("sessions", sid)
     else:
         _archive_path(store, sid).unlink(missing_ok=True)
 
 
-def list_sessions(store, *, include_unnamed: bool = True) -> list[dict]:
-    """Summaries of stored sessions, most recently updated first. A broken entry is listed with `error`."""
+ANY = object()      # list_sessions(owner=ANY): every session of the store (the store's own view, not the app's)
+
+
+def list_sessions(store, *, include_unnamed: bool = True, owner=ANY) -> list[dict]:
+    """Summaries of stored sessions, most recently updated first. A broken entry is listed with `error`.
+    With `owner` (an owner_hash): only that owner's sessions, snapshots left out (broken entries too: whose
+    they are cannot be read)."""
     root = Path(store.path("sessions", "0" * 12)).parent
     out = []
     if not root.is_dir():
@@ -118,14 +154,19 @@ def list_sessions(store, *, include_unnamed: bool = True) -> list[dict]:
         try:
             s = Session.from_bytes(_read_file(path, f"Session {d.name}"), source=f"Session {d.name}", arrays=False)
         except SessionError as e:
+            if owner is not ANY:
+                continue
             out.append({"id": d.name, "name": None, "error": str(e), "updated": ""})
             continue
         if s.name is None and not include_unnamed:
+            continue
+        if owner is not ANY and (s.owner != owner or s.frozen):
             continue
         out.append({
             "id": s.id, "name": s.name, "model": s.model, "prompt_set": s.prompt_set,
             "capture_key": s.capture_key, "tokens": s.capture.get("tokens"),
             "num_layers": s.num_layers, "layer_sets": [x["layers"] for x in s.layer_sets],
             "drafts": len(s.drafts), "benchmarks": len(s.bench_results), "updated": s.updated,
+            "owner": s.owner, "frozen": s.frozen, "origin": s.origin,
         })
     return sorted(out, key=lambda r: r.get("updated") or "", reverse=True)

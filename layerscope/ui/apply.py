@@ -69,6 +69,19 @@ def _set_capture(s: Session, key: str, summary: dict, model: str | None, prompt_
     _fit_sets_to(s, summary.get("num_layers"))
 
 
+def capture_replaces(s: Session) -> list[str]:
+    """What a new capture in `s` would replace or may remove (its capture; the layer sets, drafts and results made
+    on it), as phrases; [] when the session has no capture yet. The Capture page asks before it does that."""
+    if not s.capture_key:
+        return []
+    said = [f"its capture {s.capture_key}" + (f" of {s.model}" if s.model else "")]
+    for n, what in ((len(s.layer_sets), "layer set"), (len(s.drafts), "draft"),
+                    (len(s.bench_results) + len(s.study), "benchmark or study result")):
+        if n:
+            said.append(f"{n} {what}{'s' if n > 1 else ''}")
+    return said
+
+
 def capture_result(s: Session, result: dict) -> None:
     """A finished capture job: the session now analyses that capture (and has its statistics)."""
     _set_capture(s, result["key"], result["summary"], result.get("model"), result.get("prompt_set"))

@@ -3,6 +3,11 @@
 The session id rides in the URL (``?session=ID``), so a browser refresh or a share link opens the
 same session: it is loaded from the store, where every change is saved at once (`commit`). A tab
 keeps its `Session` object in `st.session_state` between reruns.
+
+A session this browser does not own (someone else's, an old one without an owner, or a shared snapshot) opens
+read-only: the tab works on an unsaved copy of it under a new id, owned by this browser, while the URL still
+names the original. The first change (or "Make my copy") saves the copy and the URL moves to it; the original
+is never written. Jobs are keyed by the copy's id, so a viewer never sees or cancels the owner's jobs.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ import streamlit as st
 from layerscope.errors import SessionError
 from layerscope.session import storage
 from layerscope.session.model import Session
-from layerscope.session.schema import valid_id
+from layerscope.session.schema import NAME_MAX, valid_id
 from layerscope.store import Store, default_root
+from layerscope.ui.access import me
 from layerscope.ui.models import device_label
 
 SESSION_KEY = "ls_session"
 NOTICE_KEY = "ls_session_notice"
 STAMP_KEY = "ls_session_stamp"      # mtime of the stored archive this tab last read or wrote
+VIEWING_KEY = "ls_session_viewing"  # the id of the read-only session this tab shows through an unsaved copy
 
 
 @st.cache_resource(show_spinner=False)
@@ -43,7 +50,10 @@ def active_session() -> Session:
     store = get_store()
     wanted = _query_session_id()
     current: Session | None = st.session_state.get(SESSION_KEY)
-    if current is not None and (wanted is None or wanted == current.id):
+    viewing = st.session_state.get(VIEWING_KEY)
+    if current is not None and viewing is not None and wanted in (None, viewing):
+        s = current         # the unsaved copy of a read-only session: nothing stored to refresh from yet
+    elif current is not None and (wanted is None or wanted == current.id):
         s = current
         stamp = _stamp(store, s.id)
         if stamp is not None and stamp != st.session_state.get(STAMP_KEY):
@@ -56,12 +66,13 @@ def active_session() -> Session:
     elif wanted is not None:
         s = _open(store, wanted)
     else:
-        s = Session()
+        s = Session(owner=me())
     st.session_state[SESSION_KEY] = s
     if s is not current:
         st.session_state[STAMP_KEY] = _stamp(store, s.id)
-    if _query_session_id() != s.id:
-        st.query_params["session"] = s.id
+    shown = st.session_state.get(VIEWING_KEY) or s.id
+    if _query_session_id() != shown:
+        st.query_params["session"] = shown
     return s
 
 
@@ -73,37 +84,100 @@ def _stamp(store, sid: str):
 
 
 def _open(store, sid: str) -> Session:
+    st.session_state.pop(VIEWING_KEY, None)
     if not valid_id(sid):
         st.session_state[NOTICE_KEY] = ("warning", f"?session={sid[:40]} is not a session id; started a new session.")
-        return Session()
+        return Session(owner=me())
     if not storage.exists(store, sid):
         # A tab refreshed before anything was saved, or a link to a session this server does not hold.
         st.session_state[NOTICE_KEY] = ("info", f"Session {sid} is not saved on this server; this is a new, empty session.")
-        return Session(id=sid)
+        return Session(id=sid, owner=me())
     try:
-        return storage.load(store, sid)
+        return _for_this_browser(storage.load(store, sid))
     except SessionError as e:
         st.session_state[NOTICE_KEY] = ("error", f"{e.problem}. {e.fix}")
-        return Session()
+        return Session(owner=me())
+
+
+def _for_this_browser(s: Session) -> Session:
+    """`s` itself when this browser may change it; else an unsaved copy of it that this browser owns, with the
+    tab marked as viewing `s` read-only (the URL keeps naming `s` until the copy is saved)."""
+    if s.editable_by(me()):
+        st.session_state.pop(VIEWING_KEY, None)
+        return s
+    st.session_state[VIEWING_KEY] = s.id
+    return s.copy(owner=me(), name=f"{s.name} (copy)"[:NAME_MAX] if s.name else None)
+
+
+SHARE = "share"          # s.view[SHARE]: {"id", "at"} of the snapshot the session's share link opens
+
+
+def make_share_snapshot(s: Session) -> Session:
+    """Save `s` and an immutable snapshot of it, the target of its share link (remembered in s.view[SHARE]):
+    what the link shows never changes, whatever the session does next; a new link is a new snapshot."""
+    commit(s)
+    snap = storage.snapshot(s, get_store())
+    s.view[SHARE] = {"id": snap.id, "at": snap.updated}
+    commit(s)
+    return snap
+
+
+def make_my_copy() -> None:
+    """Save the tab's copy of the read-only session it shows as this browser's own (the 'Make my copy' action)."""
+    s = st.session_state.get(SESSION_KEY)
+    if s is not None and viewing() is not None:
+        commit(s)
+
+
+def viewing() -> str | None:
+    """The id of the read-only session this tab shows (through its unsaved copy), or None."""
+    return st.session_state.get(VIEWING_KEY)
+
+
+def new_session() -> Session:
+    """Start a new, empty session of this browser in the tab (the 'New session' action); the old one stays saved."""
+    s = Session(owner=me())
+    switch_to(s)
+    return s
+
+
+def new_session_for_capture(s: Session) -> Session:
+    """A new session of this browser carrying the Capture page's choices and the analysis options of `s`, saved
+    and made the tab's session: a capture started there replaces nothing of `s`."""
+    fresh = Session(owner=me(), analysis_options=dict(s.analysis_options),
+                    view={k: v for k, v in s.view.items() if k.startswith("cap_") or k == "image_format"})
+    switch_to(fresh)
+    commit(fresh)
+    return fresh
 
 
 def switch_to(s: Session) -> None:
-    """Make `s` the tab's active session (after opening or importing one)."""
+    """Make `s` the tab's active session (after opening or importing one); one this browser does not own opens
+    read-only, through an unsaved copy."""
+    st.session_state.pop(VIEWING_KEY, None)
+    s = _for_this_browser(s) if storage.exists(get_store(), s.id) else s
     st.session_state[SESSION_KEY] = s
     st.session_state[STAMP_KEY] = _stamp(get_store(), s.id)
-    st.query_params["session"] = s.id
+    st.query_params["session"] = st.session_state.get(VIEWING_KEY) or s.id
     # widgets that show the previous session's values (names, picks, choices) start afresh
     for k in [k for k in st.session_state if str(k).startswith(("ls_w_", "ls_sets_", "ls_cka_", "ls_spec_"))]:
         del st.session_state[k]
 
 
-def commit(s: Session) -> None:
-    """Save the session into the store now (atomic), so refreshes and share links see this state."""
+def commit(s: Session, *, name: str | None = None) -> None:
+    """Save the session into the store now (atomic), so refreshes see this state; with `name`, under that name.
+    The unsaved copy of a read-only session is saved as this browser's own session, and the URL moves to it."""
+    if not s.editable_by(me()):
+        raise SessionError("Read-only: someone else's session", "Make a copy to edit (the Make my copy button)")
     s.device = s.device or device_label()
     store = get_store()
-    storage.save(s, store)
+    storage.save(s, store, name=name)
     if st.session_state.get(SESSION_KEY) is s:
         st.session_state[STAMP_KEY] = _stamp(store, s.id)
+        if st.session_state.pop(VIEWING_KEY, None) is not None:
+            st.query_params["session"] = s.id
+            st.session_state[NOTICE_KEY] = ("info", f"Your change went into your own copy, session {s.id}; "
+                                                    f"the session you opened stays as it was.")
 
 
 def pop_notice():

@@ -7,7 +7,7 @@ import streamlit as st
 from layerscope.capture.stored import has_capture
 from layerscope.ui import apply
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import active_session, get_store
+from layerscope.ui.state import active_session, get_store, make_my_copy, viewing
 from layerscope.ui.widgets import job_status, poll_interval, wait_briefly
 
 
@@ -73,3 +73,14 @@ def page_header(title: str, caption: str):
     st.title(title)
     st.caption(caption)
     return s, store
+
+
+def read_only_banner() -> None:
+    """When the tab shows a session this browser does not own: say so, and offer the copy that makes it editable."""
+    original = viewing()
+    if original is None:
+        return
+    st.info(f"Read-only: someone else's session (or a shared snapshot), {original}. Make a copy to edit: anything "
+            "you change is saved as your own copy, and the session you opened stays as it is.",
+            icon=":material/visibility:")
+    st.button("Make my copy", key="ls_make_copy", icon=":material/content_copy:", on_click=make_my_copy)

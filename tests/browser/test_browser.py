@@ -367,8 +367,11 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(page)
     page.get_by_role("button", name="Save").click()
     page.get_by_text("Saved as “browser test”").wait_for()
+    page.get_by_role("button", name="Make a share link").click()
+    wait_idle(page)
     link = page.locator("[data-testid='stCode']").first.inner_text().strip()
-    assert link.endswith(f"/cka?session={session_id}"), link
+    snapshot = re.search(r"/cka\?session=([0-9a-f]{12})$", link).group(1)
+    assert snapshot != session_id, link              # a snapshot of the session: later changes are not in it
     with page.expect_download(timeout=120_000) as d:
         page.get_by_role("button", name="Download report (HTML)").click()
     assert d.value.suggested_filename == "layerscope-report-browser_test.html"     # from the name, made safe
@@ -376,7 +379,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert report.startswith("<!DOCTYPE html>") and "browser test" in report and "Recommended: " in report
     shot(page, "7-sessions")
 
-    # --- the share link in a new page opens the same session: same heatmap, same sets
+    # --- the share link in a new page (another person) opens the snapshot read-only: same heatmap, same sets
     other = browser.new_page(viewport={"width": 1400, "height": 1000})
     other.set_default_timeout(120_000)
     other.goto(link)
@@ -387,12 +390,15 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert "hand-picked [1, 3]" in shared["names"]
     other.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
     other.locator("[data-testid='stSidebar']").get_by_text("browser test").wait_for()
+    other.get_by_text("Read-only: someone else's session").wait_for()
     shot(other, "8-shared-link")
     other.close()
     # --- a new capture keeps the session's sets that still fit (these do: the same model)
     goto_page(page, "Capture")
     set_number(page, "Prompts (limit)", 4)
     page.get_by_role("button", name="Start capture").click()
+    wait_idle(page)
+    page.get_by_role("button", name="Replace in this session").click()     # it asks first: the session has a capture
     page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
     wait_idle(page)
     page.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
@@ -461,3 +467,45 @@ def test_a_reload_shows_a_running_training_live_on_its_page_again(server, browse
     page.get_by_role("button", name="Cancel training").click()
     main.get_by_text(re.compile(r"Draft for default .* was cancelled")).wait_for(timeout=120_000)
     page.close()
+
+
+def test_a_second_browser_cannot_change_the_first_ones_session_and_home_opens(server, browser):
+    """Two browser contexts (two people): B opening A's ?session= sees it read-only, its change becomes B's own copy,
+    and A's session lists only with A; A's ownership survives a reload (the cookie); /home?session= opens Home."""
+    a = open_app(browser, server, timeout_ms=60_000)
+    a.get_by_role("button", name="New session").click()
+    wait_idle(a)
+    goto_page(a, "Sessions")
+    name = a.get_by_role("textbox", name="Name")
+    name.fill("owned by A")
+    name.press("Enter")
+    a.get_by_role("button", name="Save", exact=True).click()
+    a.get_by_text("Saved as “owned by A”").wait_for()
+    a_id = re.search(r"session=([0-9a-f]{12})", a.url).group(1)
+    assert any(c["name"] == "layerscope_owner" for c in a.context.cookies())
+    a.reload()                                       # the cookie brings A back as the owner
+    wait_idle(a)
+    a.get_by_text("Your saved sessions").wait_for()
+    assert a.get_by_text("Read-only: someone else").count() == 0
+
+    b = browser.new_page(viewport={"width": 1400, "height": 1000})     # a new context: another person
+    b.set_default_timeout(60_000)
+    b.goto(f"{server}/sessions?session={a_id}")
+    b.get_by_text("Read-only: someone else's session").wait_for()
+    wait_idle(b)
+    assert a_id in b.url
+    assert b.get_by_text("owned by A", exact=True).count() == 0     # not in B's list
+    b.get_by_role("button", name="Make my copy").click()
+    b.get_by_text("Your change went into your own copy").wait_for()
+    b_id = re.search(r"session=([0-9a-f]{12})", b.url).group(1)
+    assert b_id != a_id
+    b.goto(f"{server}/home?session={a_id}")
+    b.get_by_text("The workflow, and where this session is").wait_for()
+    assert b.get_by_text("Page not found").count() == 0
+    b.get_by_text("Read-only: someone else's session").wait_for()
+    a.reload()
+    wait_idle(a)
+    a.get_by_text("Your saved sessions").wait_for()
+    assert a.get_by_text("Read-only: someone else").count() == 0 and f"session={a_id}" in a.url
+    b.close()
+    a.close()
