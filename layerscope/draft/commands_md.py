@@ -46,10 +46,11 @@ ENGINE_READS = {
 
 
 def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, target: str, out: Path,
-                draft_vocab: int, note: str | None = None, check_as: str | None = None) -> str:
+                draft_vocab: int, note: str | None = None, check_as: str | None = None, fc_norm: bool = False) -> str:
     """COMMANDS.md: the command lines to train at scale, serve and benchmark this draft with `engine`.
     target: how the commands name the target; note: what to change on another machine (TargetName.note);
-    check_as: the LayerScope model spec for `layerscope check-draft` (default `target`)."""
+    check_as: the LayerScope model spec for `layerscope check-draft` (default `target`); fc_norm: the draft
+    has the per-layer norm before fc (its engine notes)."""
     vllm = engines.vllm_ids(layers)
     space = " ".join(str(i) for i in vllm)
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
@@ -68,7 +69,7 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
         head += [f"**The target's name.** {note}", ""]
     reads, ignores = ENGINE_READS[engine]
     head += [f"**What {engine} reads here:** {reads}. **Ignored:** {ignores}.", ""]
-    notes = engines.notes(engine, layers, facts)
+    notes = engines.notes(engine, layers, facts, fc_norm=fc_norm)
     if notes:
         head += ["Notes:", *[f"- {n}" for n in notes], ""]
     serve_vllm = ["## Serve (vLLM)", "", "```bash",
