@@ -62,6 +62,11 @@ with train_col:
                               help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
         seed = number_field(c3, "Seed", min_value=0, step=1, key="ls_w_spec_seed",
                                on_change=bind_view(s, "spec_seed", "ls_w_spec_seed", 0, clamp=(0, 2**31 - 1)))
+        fc_norm = st.checkbox("Norm each layer before fc (fc_norm)", key="ls_w_spec_fc_norm",
+                              on_change=bind_view(s, "spec_fc_norm", "ls_w_spec_fc_norm", tasks.train_defaults().fc_norm,
+                                                  options=[False, True]),
+                              help="EAGLE-3.1: an RMSNorm on each auxiliary layer's state before fc, so the layers with "
+                                   "the largest states do not dominate it; vLLM, SGLang, SpecForge and speculators load it")
         if mode == "capture":
             if not have_capture:
                 st.warning(f"Capture {s.capture_key} is not in this store, so drafts cannot be trained from it here. "
@@ -82,7 +87,8 @@ with train_col:
                 with guard("start training"):
                     manager.submit(s.id, "train", tasks.train_job(
                         store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
-                        name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed)}),
+                        name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed),
+                                 "fc_norm": bool(fc_norm)}),
                         title=f"Draft for {name} {list(layers)}")
                     st.rerun()
         else:
@@ -115,7 +121,8 @@ with train_col:
                     manager.submit(s.id, "train", tasks.online_train_job(
                         store=store, model=s.model, sets=[(name, list(layers), strategy) for name, layers, strategy in chosen],
                         options={"prompts": prompts, "limit": int(limit), "responses": responses,
-                                 "tokens": int(kilo) * 1000, "ttt_steps": int(ttt), "seed": int(seed)}),
+                                 "tokens": int(kilo) * 1000, "ttt_steps": int(ttt), "seed": int(seed),
+                                 "fc_norm": bool(fc_norm)}),
                         title=f"Online drafts for {len(chosen)} set(s)")
                     st.rerun()
 

@@ -7,6 +7,9 @@ that session through ``?session=ID``.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from layerscope.draft import builtin
 from layerscope.session import storage
 from tests.test_app import captured, copy_of, new_app, no_exception, plain, settle, start_tiny_capture  # noqa: F401
@@ -91,15 +94,31 @@ def test_training_options_stay_after_navigating_away(app_store, copy_of):
     at.switch_page(SPEC).run()
     at.number_input(key="ls_w_spec_steps").set_value(7)
     at.number_input(key="ls_w_spec_seed").set_value(3)
+    assert at.checkbox(key="ls_w_spec_fc_norm").value is False             # TrainOptions' default
+    at.checkbox(key="ls_w_spec_fc_norm").check()
     at.run()
     at.switch_page(ENTROPY).run()
     at.switch_page(SPEC).run()
     no_exception(at)
     assert at.number_input(key="ls_w_spec_steps").value == 7
     assert at.number_input(key="ls_w_spec_seed").value == 3
+    assert at.checkbox(key="ls_w_spec_fc_norm").value is True
     other = new_app(copy_of).run()
     other.switch_page(SPEC).run()
     assert other.number_input(key="ls_w_spec_steps").value == 7
+
+
+def test_the_fc_norm_box_trains_a_draft_with_fc_norm(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page(SPEC).run()
+    at.number_input(key="ls_w_spec_steps").set_value(2)
+    at.checkbox(key="ls_w_spec_fc_norm").check().run()
+    at.button(key="ls_spec_train").click().run()
+    settle(at)
+    no_exception(at)
+    path = Path(at.session_state["ls_session"].drafts[0]["path"])
+    assert json.loads((path / "config.json").read_text())["fc_norm"] is True
+    assert json.loads((path / "layerscope.json").read_text())["options"]["fc_norm"] is True
 
 
 def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store, copy_of):

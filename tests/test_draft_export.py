@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from layerscope.draft import engines
+from layerscope.draft.check import check_draft
 from layerscope.draft.checkpoint import load_draft, save_draft
+from layerscope.draft.engine_export import export_draft
 from layerscope.draft.train import target_weights, train_draft
 from layerscope.errors import DraftError
 from layerscope.models import tiny_model
@@ -126,6 +129,43 @@ def test_save_replaces_whole_or_not_at_all(trained, tmp_path):
     save_draft(path, head, {"note": "second"})
     assert json.loads((path / "layerscope.json").read_text())["note"] == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]          # no temporary directories left
+
+
+def test_fc_norm_round_trips_through_training_save_load_and_the_engines_exports(tiny, tiny_capture, tmp_path):
+    # trained with fc_norm (and the closed-form fc start, which reads fc's input through the norms)
+    head, report = train_draft(tiny_capture, [1, 2, 3], *target_weights(tiny), steps=3, batch_size=2, seq_len=32,
+                               draft_vocab=100, target=tiny, strategy="manual", fc_norm=True, warm_start=1)
+    norms = {f"fc_norm.{i}.weight" for i in range(3)}
+    assert report.meta["options"]["fc_norm"] is True
+    path = save_draft(tmp_path / "d", head, report.meta, target=tiny)
+    assert json.loads((path / "config.json").read_text())["fc_norm"] is True
+    assert json.loads((path / "layerscope.json").read_text())["fc_norm"] is True
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == ENGINE_NAMES | norms
+        saved = {k: f.get_tensor(k) for k in norms}
+    back = load_draft(path, tiny)
+    assert back.config.fc_norm and torch.equal(logits_of(back, tiny)[0], logits_of(head.to(back.fc.weight.device), tiny)[0])
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in saved.items())
+    facts = engines.target_facts(tiny)
+    for engine, config_files in (("vllm", ["config.json"]), ("sglang", ["config.json"]),
+                                 ("specforge", ["config.json", "draft_config.json"])):
+        out = export_draft(path, engine, tmp_path / engine, facts)
+        assert all(json.loads((out / f).read_text())["fc_norm"] is True for f in config_files), engine
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            assert all(torch.equal(f.get_tensor(k), v) for k, v in saved.items()), engine
+        assert "fc_norm needs a" in (out / "COMMANDS.md").read_text()                       # the engine's release
+        checked = check_draft(out, facts)
+        assert checked["ok"] and checked["fc_norm"]["config"] and checked["fc_norm"]["weights"] == 3, checked["problems"]
+    # a config.json that no longer asks for the norms its weights hold: check-draft says so, load_draft refuses
+    cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps({**cfg, "fc_norm": False}))
+    bad = check_draft(tmp_path / "vllm", facts)
+    assert not bad["ok"] and any("does not ask for fc_norm" in p for p in bad["problems"])
+    with pytest.raises(DraftError, match="fc_norm"):
+        load_draft(tmp_path / "vllm")
+    # the one engine that cannot build it: speculators sizes its norms by the draft's width, not the target's
+    assert engines.refusal("speculators", [1, 2, 3], facts, (64, 32)).startswith("speculators builds fc_norm")
+    assert engines.refusal("vllm", [1, 2, 3], facts, (64, 32)) is None
 
 
 def test_serving_notes_flag_what_engines_cannot_load(tiny, tiny_capture, tmp_path):

@@ -160,3 +160,33 @@ def test_forward_without_embedding_says_what_to_do():
     head = DraftHead(DraftConfig.from_target(target_config(), [1], 20))
     with pytest.raises(DraftError, match="load_draft"):
         head(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, D), torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_fc_norm_norms_each_layer_before_fc_and_nothing_else():
+    """fc_norm (EAGLE-3.1): one RMSNorm per auxiliary layer, on its own d-wide chunk, before fc; a fresh draft with
+    it has the same seeded weights as one without and gains of 1, so it differs only by the normalisation."""
+    torch.manual_seed(0)
+    plain = DraftHead(DraftConfig.from_target(target_config(), [1, 3, 5], 20))
+    torch.manual_seed(0)
+    normed = DraftHead(DraftConfig.from_target(target_config(), [1, 3, 5], 20, fc_norm=True))
+    extra = {k: v for k, v in normed.state_dict().items() if k not in plain.state_dict()}
+    assert sorted(extra) == ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]    # the engines' names
+    assert all(torch.equal(v, torch.ones(D)) for v in extra.values())
+    assert all(torch.equal(v, normed.state_dict()[k]) for k, v in plain.state_dict().items())
+    # layers with very different scales, as a target's are: each chunk is brought to rms 1 on its own
+    aux = torch.cat([torch.randn(2, 5, D) * s for s in (0.5, 8.0, 200.0)], dim=-1)
+    with torch.no_grad():
+        for norm in normed.fc_norm:                          # gains other than 1, one per layer
+            norm.weight.copy_(torch.rand(D) + 0.5)
+        chunks = aux.chunk(3, dim=-1)
+        by_hand = torch.cat([n.weight * c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)
+                             for n, c in zip(normed.fc_norm, chunks)], dim=-1)
+        assert torch.allclose(normed.fuse(aux), by_hand @ normed.fc.weight.T, atol=1e-5)
+        assert torch.allclose(plain.fuse(aux), aux @ plain.fc.weight.T, atol=1e-4)
+        assert not torch.allclose(normed.fuse(aux), plain.fuse(aux), atol=1e-2)
+    hf = normed.config.to_hf_config()
+    assert hf["fc_norm"] is True and plain.config.to_hf_config()["fc_norm"] is False
+    assert DraftConfig.from_hf_config(hf).fc_norm is True
+    assert DraftConfig.from_hf_config({k: v for k, v in hf.items() if k != "fc_norm"}).fc_norm is False
+    with pytest.raises(DraftError, match="fc_norm"):
+        DraftConfig.from_hf_config({**hf, "fc_norm": "yes"})

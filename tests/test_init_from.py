@@ -134,3 +134,28 @@ def test_a_continued_run_holds_out_what_its_starting_draft_held_out(tiny, starte
     (Path(first.path) / "layerscope.json").write_text(json.dumps(old))
     again = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**wider, steps=2, init_from=(first.path,))).drafts[0]
     assert set(meta(again.path)["online"]["val_ids"]) == set(held)
+
+
+def test_fc_norm_is_trained_recorded_and_kept_by_a_continued_draft(tiny, started, capsys, one_thread):
+    store, plain = started                                             # trained without fc_norm
+    args = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10",
+            "--layers", "1,2", "--steps", "2", "--batch-size", "3", "--seq-len", "64", "--draft-vocab", "64",
+            "--val-conversations", "2", "--eval-points", "2", "--store", str(store.root), "--json"]
+    assert main(args + ["--fc-norm"]) == 0
+    path = json.loads(capsys.readouterr().out)["drafts"][0]["path"]
+    assert json.loads((Path(path) / "config.json").read_text())["fc_norm"] is True
+    assert meta(path)["fc_norm"] is True and meta(path)["options"]["fc_norm"] is True
+    w = weights(path)
+    assert sorted(k for k in w if k.startswith("fc_norm.")) == ["fc_norm.0.weight", "fc_norm.1.weight"]
+    assert not torch.equal(w["fc_norm.0.weight"], torch.ones_like(w["fc_norm.0.weight"]))   # trained, not left at 1
+    # continued with fc_norm, the draft starts from its own norms; a run that differs is refused, naming the option
+    still = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, lr=1e-30, fc_norm=True,
+                                                                      init_from=(path,))).drafts[0]
+    assert all(torch.equal(w[k], weights(still.path)[k]) for k in w)
+    with pytest.raises(DraftError, match="Pass --fc-norm"):
+        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, init_from=(path,)))
+    with pytest.raises(DraftError, match="Pass --no-fc-norm"):
+        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, fc_norm=True, init_from=(plain.path,)))
+    # off, the option leaves a run's store key as it was before it existed; on, it is another run
+    assert "fc_norm" not in OnlineOptions(**SMALL, steps=1).run_fields()
+    assert OnlineOptions(**SMALL, steps=1, fc_norm=True).run_fields()["fc_norm"] is True

@@ -76,11 +76,11 @@ def tiny_target(tmp_path_factory):
     return load_model(str(folder))
 
 
-def built_draft(target, layers, draft_vocab, path, seed=0):
+def built_draft(target, layers, draft_vocab, path, seed=0, fc_norm=False):
     """A DraftHead for `target` with every weight random (norm gains too, so no two tensors can be swapped
     unnoticed), saved as LayerScope saves a trained draft."""
     emb = target.model.get_input_embeddings().weight
-    cfg = DraftConfig.from_target(target.model.config, layers, draft_vocab, vocab_size=emb.shape[0])
+    cfg = DraftConfig.from_target(target.model.config, layers, draft_vocab, vocab_size=emb.shape[0], fc_norm=fc_norm)
     g = torch.Generator().manual_seed(seed)
     d2t, t2d = build_draft_vocab(torch.randint(0, cfg.vocab_size, (20 * cfg.vocab_size,), generator=g),
                                  draft_vocab, cfg.vocab_size)
@@ -188,6 +188,21 @@ def test_speculators_loads_and_runs_a_tiny_llama_export_as_layerscope(speculator
     monkeypatch.chdir(out)                      # speculators resolves the verifier from the working directory
     assert check_draft(out, target_facts(tiny_target))["warnings"] == []
     assert_speculators_runs_it_as_layerscope(speculators, out, head, tiny_target, layers)
+
+
+def test_speculators_loads_and_runs_a_fc_norm_export_as_layerscope(speculators, tiny_target, tmp_path, monkeypatch):
+    """fc_norm (EAGLE-3.1): the export says so in Eagle3SpeculatorConfig.fc_norm, speculators builds one RMSNorm per
+    layer and loads the draft's fc_norm.{i}.weight into them (the key check), and its forward, which norms each
+    layer's chunk before fc, gives DraftHead's logits. The gains are random, so a norm left out or swapped shows."""
+    layers = [1, 2, 3]
+    head, draft = built_draft(tiny_target, layers, 100, tmp_path / "draft", fc_norm=True)
+    out = export_draft(draft, "speculators", tmp_path / "export", target_facts(tiny_target), target=tiny_target)
+    assert json.loads((out / "config.json").read_text())["fc_norm"] is True
+    assert check_draft(out, target_facts(tiny_target))["fc_norm"]["weights"] == 3
+    monkeypatch.chdir(out)                      # speculators resolves the verifier from the working directory
+    assert_speculators_runs_it_as_layerscope(speculators, out, head, tiny_target, layers)
+    model = speculators.SpeculatorModel.from_pretrained(str(out))
+    assert model.fc_norm is not None and len(model.fc_norm) == 3
 
 
 def test_speculators_convert_cli_writes_the_export_tensors(speculators, tiny_target, tmp_path):

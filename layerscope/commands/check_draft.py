@@ -40,6 +40,13 @@ def run(args) -> int:
             if "library_reads" in r:
                 print(f"       {'':<12} (that is vLLM's reading; speculators' own from_pretrained reads "
                       f"{r['library_reads']} from {r['library_source']})")
+            if r["checked"]:
+                for note in r["notes"]:
+                    print(f"       {'':<12} {note}")
+        norm = report["fc_norm"]
+        if norm["config"] is not None:
+            print(f"  info fc_norm      {'on' if norm['config'] else 'off'} in config.json ({norm['weights']} "
+                  f"fc_norm weights in model.safetensors)")
         spec = report.get("speculators")
         if spec and not spec["verifier_problem"]:
             print(f"  info verifier     `{spec['verifier']}` resolves from here")

@@ -74,6 +74,10 @@ def add_arguments(p) -> None:
                    help="Gaussian noise added to the auxiliary hidden states in training (0 = off)")
     p.add_argument("--freeze-lm-head", action=argparse.BooleanOptionalAction, default=T["freeze_lm_head"],
                    help="keep lm_head at the target's rows and the final norm at the target's (frozen)")
+    p.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=T["fc_norm"],
+                   help="an RMSNorm on each auxiliary layer's state before fc (EAGLE-3.1: the layers' states have very "
+                        "different norms, and the largest dominate fc); saved as fc_norm, which vLLM, SGLang, "
+                        "SpecForge and speculators read")
     p.add_argument("--warm-start", type=int, default=T["warm_start"],
                    help="steps of data for a closed-form (ridge) fc before gradient training (0 = off)")
     p.add_argument("--init-from", action="append", default=None, metavar="DRAFT",
@@ -164,7 +168,7 @@ def recipe(args) -> dict:
                 seed=args.seed, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, warmup=args.warmup,
                 eval_points=args.eval_points, draft_vocab=args.draft_vocab, feature_loss=args.feature_loss,
                 noise_std=args.noise_std, freeze_lm_head=args.freeze_lm_head, warm_start=args.warm_start,
-                init_from=args.init_from)
+                init_from=args.init_from, fc_norm=args.fc_norm)
 
 
 def fmt_s(s) -> str:

@@ -77,7 +77,7 @@ def ship(src, model: str, command: str, *, root: Path | None = None, target=None
     meta = read_meta(src)
     head = load_draft(src, target)
     layers = [int(x) for x in meta.get("layers") or head.aux_layers]
-    written = {"format", "saved", "dtype", "aux_layers", "draft_vocab_size", "serving_notes"}   # save_draft's own
+    written = {"format", "saved", "dtype", "aux_layers", "draft_vocab_size", "fc_norm", "serving_notes"}   # save_draft's own
     shipped = {"from": str(src.name), "command": command, "dtype": SHIP_DTYPE}
     start = continued_from(meta, Path(root or ROOT) / SHIPPED[model])     # read before the slot is replaced
     if start is not None:

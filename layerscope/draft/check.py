@@ -3,7 +3,8 @@ draft was trained on, before anything is served.
 
     check_draft(directory, facts)   a row per engine (what it reads, from where, pass or fail), the problems
                                     (a silent fallback to an engine's default set, other layers, files that
-                                    disagree, fc's width against the record) and, for a converted speculators
+                                    disagree, fc's width against the record, fc_norm's config, weights and record
+                                    that disagree) and, for a converted speculators
                                     directory, whether its verifier resolves and it carries the embedding
     verifier_problem(name, dir)     why speculators cannot resolve a converted draft's verifier (None if it can)
 
@@ -20,7 +21,8 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import safe_open
 
 from layerscope.draft import engines
-from layerscope.draft.checkpoint import check_weights, draft_layers, read_config, read_layers_record, read_meta, weights_header
+from layerscope.draft.checkpoint import (check_weights, draft_layers, fc_norm_widths, read_config, read_layers_record,
+                                        read_meta, weights_header)
 from layerscope.draft.engines import TargetFacts
 from layerscope.draft.model import DraftConfig, check_vocab_maps
 from layerscope.errors import DraftError
@@ -48,6 +50,8 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
     problems = []
     if width is not None and width != len(trained):
         problems.append(f"fc reads {width} layers but layerscope.json records {len(trained)} ({trained})")
+    norm = fc_norm_report(directory, cfg, meta, len(trained))
+    problems += norm.pop("problems")
     converted = "speculators_model_type" in cfg
     if only:
         wanted = list(only)
@@ -63,7 +67,7 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
                                 "directory like this one")
             continue
         reads, source = engines.read_layers(engine, cfg, facts)
-        refused = engines.refusal(engine, trained, facts)
+        refused = engines.refusal(engine, trained, facts, norm["widths"])
         checked = engine in wanted
         ok = refused is None and reads == trained
         if refused:
@@ -74,7 +78,8 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
             status = f"SILENT FALLBACK to {reads}: {source}"
         else:
             status = f"READS OTHER LAYERS {reads} than the trained {trained}"
-        row = {"engine": engine, "reads": reads, "source": source, "ok": ok, "checked": checked, "status": status}
+        row = {"engine": engine, "reads": reads, "source": source, "ok": ok, "checked": checked, "status": status,
+               "notes": engines.fc_norm_notes(engine) if norm["config"] else []}
         rows.append(row)
         if checked and not ok:
             problems.append(f"{engine}: {status}")
@@ -103,7 +108,34 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
                             "target's, so serving is unaffected); export it again with `layerscope export --for "
                             "speculators`")
     return {"directory": str(directory), "trained": trained, "target": facts.to_dict(), "rows": rows,
-            "problems": problems, "weights": weights, "ok": not problems, "warnings": warnings, "speculators": spec}
+            "problems": problems, "weights": weights, "ok": not problems, "warnings": warnings, "speculators": spec,
+            "fc_norm": norm}
+
+
+def fc_norm_report(directory: Path, cfg: dict, meta: dict, k: int) -> dict:
+    """The per-layer norm before fc three ways: config.json's `fc_norm` (what every engine builds from), the
+    `fc_norm.{i}.weight` tensors in the checkpoint, and layerscope.json's record. Returns {"config", "weights",
+    "recorded", "widths" (for engines.refusal), "problems"}: a config that asks for it without k weights (vLLM
+    and speculators fail to load them), weights the config does not ask for (SGLang skips them without a word
+    and serves the draft without its norms), or a record that says otherwise."""
+    problems = []
+    try:
+        widths = fc_norm_widths(cfg)
+    except DraftError as e:
+        return {"config": None, "weights": 0, "recorded": meta.get("fc_norm"), "widths": None, "problems": [e.problem]}
+    on = widths is not None
+    names = _tensor_names(directory)
+    weights = sum(1 for n in names if n.startswith("fc_norm.") and n.endswith(".weight"))
+    if on and weights != k:
+        problems.append(f"config.json asks for fc_norm but model.safetensors has {weights} fc_norm weights for "
+                        f"{k} layers: engines cannot load it")
+    if not on and weights:
+        problems.append(f"model.safetensors has {weights} fc_norm weights but config.json does not ask for fc_norm: "
+                        "engines would serve the draft without the norms it was trained with")
+    recorded = meta.get("fc_norm")
+    if recorded is not None and bool(recorded) != on:
+        problems.append(f"layerscope.json records fc_norm {bool(recorded)} but config.json says {on}")
+    return {"config": on, "weights": weights, "recorded": recorded, "widths": widths, "problems": problems}
 
 
 def verifier_problem(name: str | None, directory: Path) -> str | None:

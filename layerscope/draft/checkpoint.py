@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from layerscope import jsonsafe
 from layerscope.draft import engines
 from layerscope.draft.engines import TargetFacts
-from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead
+from layerscope.draft.model import ARCHITECTURE, DraftConfig, DraftHead, fc_norm_of
 from layerscope.errors import DraftError
 from layerscope.store import as_write_error, staged
 
@@ -61,9 +61,9 @@ def serving_notes(config: DraftConfig) -> list[str]:
 
 # ----------------------------------------------------------------------------------------- contents
 
-def layers_record(layers: list[int], facts: TargetFacts | None) -> dict:
+def layers_record(layers: list[int], facts: TargetFacts | None, fc_norm: tuple[int, int] | None = None) -> dict:
     """layers.json: the set three ways and each engine's verdict for this target (None: target unknown,
-    the Llama/Qwen SGLang convention is assumed and said so)."""
+    the Llama/Qwen SGLang convention is assumed and said so); fc_norm: DraftConfig.fc_norm_widths."""
     assumed = facts is None
     facts = facts or TargetFacts(model_type="llama", num_layers=max(layers) + 1, dtype="float32")
     try:
@@ -72,8 +72,9 @@ def layers_record(layers: list[int], facts: TargetFacts | None) -> dict:
         sgl = None
     verdicts = {}
     for engine in engines.ENGINES:
-        reason = engines.refusal(engine, layers, facts)
-        verdicts[engine] = {"ok": reason is None, "reason": reason, "notes": engines.notes(engine, layers, facts)}
+        reason = engines.refusal(engine, layers, facts, fc_norm=fc_norm)
+        verdicts[engine] = {"ok": reason is None, "reason": reason,
+                            "notes": engines.notes(engine, layers, facts, fc_norm=fc_norm is not None)}
     return {
         "hf_hidden_states": list(layers),
         "vllm_speculators_ids": engines.vllm_ids(layers),
@@ -110,10 +111,10 @@ def write_draft(directory: Path, head: DraftHead, meta: dict | None, facts: Targ
     dtype = engines.dtype_name(dtype)
     info = {"format": FORMAT, "aux_layers": head.aux_layers, "draft_vocab_size": head.config.draft_vocab_size,
             "serving_notes": serving_notes(head.config), "dtype": dtype,
-            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(meta or {})}
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(meta or {}), "fc_norm": head.config.fc_norm}
     (directory / "config.json").write_text(json.dumps(engine_config(head.config, facts, dtype), indent=2))
     save_file(draft_tensors(head, dtype), str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts), indent=2))
+    (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts, head.config.fc_norm_widths), indent=2))
     (directory / "layerscope.json").write_text(json.dumps(info, indent=2, default=float))
 
 
@@ -165,6 +166,19 @@ def rescue(head: DraftHead, meta: dict | None, facts, dtype: str, path: Path) ->
 def read_config(path) -> dict:
     """config.json of a draft directory."""
     return _read_json(Path(path) / "config.json")
+
+
+def fc_norm_widths(cfg: dict) -> tuple[int, int] | None:
+    """DraftConfig.fc_norm_widths read from a config.json, LayerScope's or a converted speculators one (whose
+    hidden_size is under transformer_layer_config): None when it has no fc_norm."""
+    if not fc_norm_of(cfg):
+        return None
+    hidden = cfg.get("hidden_size") or (cfg.get("transformer_layer_config") or {}).get("hidden_size")
+    try:
+        return int(hidden), int(cfg.get("target_hidden_size") or hidden)
+    except (TypeError, ValueError):
+        raise DraftError("The draft's config.json has fc_norm but no hidden size to size it by",
+                         "Re-export the draft with `layerscope export`, or train it again") from None
 
 
 def read_meta(path) -> dict:

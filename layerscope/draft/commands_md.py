@@ -19,26 +19,27 @@ from layerscope.draft.engines import TargetFacts
 ENGINE_READS = {
     # engine: (what it reads from the export folder, what it ignores there); docs/drafts.md has the same table
     "vllm": ("config.json: `architectures` (LlamaForCausalLMEagle3), the top-level `eagle_aux_hidden_state_layer_ids`, "
-             "`draft_vocab_size`, `target_hidden_size`, the layer shape, `eagle_config.use_aux_hidden_state`; "
-             "model.safetensors: `fc`, `midlayer.*` (as `layers.0.*`, q/k/v and gate/up stacked), `norm`, `lm_head`, "
+             "`draft_vocab_size`, `target_hidden_size`, the layer shape, `eagle_config.use_aux_hidden_state`, `fc_norm`; "
+             "model.safetensors: `fc`, `fc_norm.*` (when on), `midlayer.*` (as `layers.0.*`, q/k/v and gate/up stacked), `norm`, `lm_head`, "
              "`d2t` (as `draft_id_to_target_id`)",
              "`t2d`, the SGLang ids under `eagle_config`, layers.json, layerscope.json, COMMANDS.md; the checkpoint "
              "has no `embed_tokens`, so the draft shares the target's embedding"),
     "sglang": ("config.json: `architectures`, `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang ids), "
-               "`draft_vocab_size`, the layer shape, `tie_word_embeddings` (false); model.safetensors: the same "
+               "`draft_vocab_size`, the layer shape, `tie_word_embeddings` (false), `fc_norm`; model.safetensors: the same "
                "weights under `model.`, `d2t` (as `hot_token_id = d2t + arange`)",
                "`t2d`, the top-level vLLM ids, layers.json, layerscope.json, COMMANDS.md; the EAGLE worker gives the "
                "draft the target's embedding"),
     "specforge": ("specforge.yaml (`model.aux_hidden_state_layer_ids` first, `target_model_path`, `target_backend`, "
                   "`draft_checkpoint_path` = this folder), draft_config.json (its `eagle_config` ids when the run "
-                  "config has none), vocab_mapping.pt (`d2t`, `t2d`)",
+                  "config has none, `fc_norm`), vocab_mapping.pt (`d2t`, `t2d`)",
                   "config.json's top-level vLLM ids, layers.json, layerscope.json, COMMANDS.md"),
     "speculators": ("config.json: `speculators_config.verifier.name_or_path` (the verifier's config for its depth "
                     "and hidden size, and its `lm_head` and final norm for the training loss), "
                     "`transformer_layer_config`, `eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`, "
-                    "`target_hidden_size`, `norm_before_residual` and the other norm flags; model.safetensors: "
-                    "`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d` and `embed_tokens` (the target's input "
-                    "embedding, which its forward embeds tokens with). vLLM serving this folder reads the same "
+                    "`target_hidden_size`, `norm_before_residual` and the other norm flags (`fc_norm` among them); "
+                    "model.safetensors: `fc`, `fc_norm.*` (when on), `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d` and "
+                    "`embed_tokens` (the target's input embedding, which its forward embeds tokens with). vLLM "
+                    "serving this folder reads the same "
                     "config and weights, loads `embed_tokens` and skips `t2d`",
                     "layers.json, layerscope.json, COMMANDS.md; the verifier's own embedding and `lm_head`, which "
                     "it copies in only when the checkpoint lacks them"),
@@ -46,10 +47,11 @@ ENGINE_READS = {
 
 
 def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, target: str, out: Path,
-                draft_vocab: int, note: str | None = None, check_as: str | None = None) -> str:
+                draft_vocab: int, note: str | None = None, check_as: str | None = None, fc_norm: bool = False) -> str:
     """COMMANDS.md: the command lines to train at scale, serve and benchmark this draft with `engine`.
     target: how the commands name the target; note: what to change on another machine (TargetName.note);
-    check_as: the LayerScope model spec for `layerscope check-draft` (default `target`)."""
+    check_as: the LayerScope model spec for `layerscope check-draft` (default `target`); fc_norm: the draft
+    has the per-layer norm before fc (its engine notes)."""
     vllm = engines.vllm_ids(layers)
     space = " ".join(str(i) for i in vllm)
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
@@ -68,7 +70,7 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
         head += [f"**The target's name.** {note}", ""]
     reads, ignores = ENGINE_READS[engine]
     head += [f"**What {engine} reads here:** {reads}. **Ignored:** {ignores}.", ""]
-    notes = engines.notes(engine, layers, facts)
+    notes = engines.notes(engine, layers, facts, fc_norm=fc_norm)
     if notes:
         head += ["Notes:", *[f"- {n}" for n in notes], ""]
     serve_vllm = ["## Serve (vLLM)", "", "```bash",

@@ -38,8 +38,10 @@ from layerscope.draft.checkpoint import (
     check_fits,
     draft_tensors,
     engine_config,
+    fc_norm_widths,
     layers_record,
     load_draft,
+    read_config,
     read_layers_record,
     read_meta,
     recorded_facts,
@@ -70,7 +72,7 @@ def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str 
     if facts.num_layers <= layers[-1]:
         raise DraftError(f"Draft reads layers {layers} but the target has {facts.num_layers} decoder layers",
                          "Export with the target the draft was trained for (--target)")
-    reason = engines.refusal(engine, layers, facts)
+    reason = engines.refusal(engine, layers, facts, head.config.fc_norm_widths)
     if reason:
         fix = ("Export for another engine (layers.json lists every engine's verdict for this target); LayerScope's "
                "own decoder (bench) runs the draft" if engines.family_refusal(engine, facts.model_type) else
@@ -101,7 +103,8 @@ def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str 
             write_specforge(tmp, head, facts, dtype, commands, named)
         (tmp / "COMMANDS.md").write_text(commands_md(engine, layers, facts, dtype, commands, named,
                                                      head.config.draft_vocab_size, name.note,
-                                                     target.spec if target is not None else trained.get("target_model")))
+                                                     target.spec if target is not None else trained.get("target_model"),
+                                                     fc_norm=head.config.fc_norm))
     return out
 
 
@@ -139,8 +142,9 @@ def engine_verdict(draft_dir, engine: str) -> dict:
     if not layers:
         raise DraftError(f"{draft_dir} has no record of the layers it was trained on (layerscope.json)",
                          "Export a draft LayerScope trained")
-    return {"engine": engine, "layers": layers, "target": facts, "refusal": engines.refusal(engine, layers, facts),
-            "notes": engines.notes(engine, layers, facts)}
+    widths = fc_norm_widths(read_config(draft_dir))
+    return {"engine": engine, "layers": layers, "target": facts, "refusal": engines.refusal(engine, layers, facts, widths),
+            "notes": engines.notes(engine, layers, facts, fc_norm=widths is not None)}
 
 
 def export_zip(draft_dir, engine: str, *, dtype: str | None = None, target_path: str | None = None) -> tuple[str, bytes]:
@@ -313,7 +317,9 @@ def speculators_config(head: DraftHead, facts: TargetFacts, dtype: str, verifier
         "target_hidden_size": head.config.target_hidden_size,
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
+        # Eagle3SpeculatorConfig.fc_norm (models/eagle3/config.py; exclusive with norm_before_fc), read back by
+        # vLLM's speculators reader since PR #46488 (vllm/transformers_utils/configs/speculators/algos.py)
+        "fc_norm": head.config.fc_norm,
         "norm_output": False,
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": engines.vllm_ids(head.aux_layers),
@@ -339,7 +345,7 @@ def write_speculators(directory: Path, head: DraftHead, meta: dict, facts: Targe
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in draft_tensors(head, dtype).items()}
     tensors["embed_tokens.weight"] = embedding.detach().to("cpu", TORCH_DTYPES[dtype]).contiguous()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts), indent=2))
+    (directory / "layers.json").write_text(json.dumps(layers_record(head.aux_layers, facts, head.config.fc_norm_widths), indent=2))
     info = {"format": FORMAT, "aux_layers": head.aux_layers, "draft_vocab_size": head.config.draft_vocab_size,
-            "serving_notes": serving_notes(head.config), **meta}
+            "serving_notes": serving_notes(head.config), **meta, "fc_norm": head.config.fc_norm}
     (directory / "layerscope.json").write_text(json.dumps(info, indent=2, default=float))

@@ -16,6 +16,10 @@ stream entering decoder layer l (= the output of decoder layer l-1). Each engine
     the embedding output; older Llama loops add a residual that is still None before layer 0 and fail.
 (**) SGLang sizes fc from the length of the id list since PR #24663 (May 2026); older releases take 3.
 
+fc_norm (EAGLE-3.1: an RMSNorm on each auxiliary state before fc, the top-level config key `fc_norm`, weights
+`fc_norm.{i}.weight`) is read by every engine in its 2026 releases (`fc_norm_notes` says which and what older
+ones do); `refusal` takes the draft's fc_norm widths for the one case an engine cannot build.
+
 Some engines run no EAGLE-3 draft at all for some target families, whatever the layers (`family_refusal`:
 vLLM's list of targets, SGLang targets without a capture hook or with a broken one).
 
@@ -138,11 +142,18 @@ def default_layers(engine: str, num_layers: int) -> list[int]:
     return layerset.default_rule(num_layers)
 
 
-def refusal(engine: str, layers: list[int], facts: TargetFacts) -> str | None:
-    """Why `engine` cannot serve or train a draft on `layers` of this target (None when it can)."""
+def refusal(engine: str, layers: list[int], facts: TargetFacts, fc_norm: tuple[int, int] | None = None) -> str | None:
+    """Why `engine` cannot serve or train a draft on `layers` of this target (None when it can).
+    fc_norm: the draft's (hidden_size, target_hidden_size) when it has the per-layer norm before fc, else None."""
     family = family_refusal(engine, facts.model_type)
     if family:
         return family
+    if fc_norm is not None and engine == "speculators" and fc_norm[0] != fc_norm[1]:
+        # Eagle3DraftModel builds each fc_norm RMSNorm at the draft's hidden size (`norm_class(self.hidden_size)`,
+        # src/speculators/models/eagle3/core.py) while the chunks it norms are target_hidden_size wide; vLLM, SGLang
+        # and SpecForge size theirs by target_hidden_size
+        return (f"speculators builds fc_norm at the draft's hidden size {fc_norm[0]}, and this draft's auxiliary "
+                f"states are {fc_norm[1]} wide")
     k = len(layers)
     if engine in ("vllm", "speculators") and k != 3:
         # vllm/model_executor/models/llama_eagle3.py: fc = ReplicatedLinear(target_hidden_size * 3, hidden_size);
@@ -164,9 +175,10 @@ def refusal(engine: str, layers: list[int], facts: TargetFacts) -> str | None:
     return None
 
 
-def notes(engine: str, layers: list[int], facts: TargetFacts) -> list[str]:
-    """What the user must know to serve `layers` on `engine` even when the engine takes them."""
-    out = []
+def notes(engine: str, layers: list[int], facts: TargetFacts, fc_norm: bool = False) -> list[str]:
+    """What the user must know to serve `layers` on `engine` even when the engine takes them (fc_norm: the draft
+    has the per-layer norm before fc)."""
+    out = fc_norm_notes(engine) if fc_norm else []
     if engine in ("vllm", "speculators") and 0 in layers:
         out.append("layer 0 (the embedding output) needs a vLLM whose decoder loop captures through "
                    "EagleModelMixin._maybe_add_hidden_state (vllm/model_executor/models/interfaces.py, 2026); "
@@ -186,6 +198,34 @@ def notes(engine: str, layers: list[int], facts: TargetFacts) -> list[str]:
         out.append("speculators convert ignores the ids in the draft's config.json and falls back to "
                    f"{default_layers('speculators', facts.num_layers)} unless they are passed in --algorithm-kwargs")
     return out
+
+
+def fc_norm_notes(engine: str) -> list[str]:
+    """Which releases of `engine` build the per-layer norm before fc from the top-level `fc_norm` key of the
+    draft's config and load `fc_norm.{i}.weight`, and what an older one does with such a draft."""
+    _check_engine(engine)
+    if engine == "vllm":
+        # vllm/model_executor/models/llama_eagle3.py: fc_norm (one RMSNorm per auxiliary state) built from the
+        # draft config and applied in combine_hidden_states, PR #42764 (May 2026)
+        return ["fc_norm needs a vLLM with PR #42764 (May 2026), whose llama_eagle3.py builds and applies it; an "
+                "older vLLM has no fc_norm.* parameters and does not load this checkpoint"]
+    if engine == "speculators":
+        # speculators: Eagle3SpeculatorConfig.fc_norm (src/speculators/models/eagle3/config.py, 0.9);
+        # vLLM's speculators reader copies it to the draft config since PR #46488 (June 2026,
+        # vllm/transformers_utils/configs/speculators/algos.py update_eagle3)
+        return ["fc_norm needs speculators 0.9 (Eagle3SpeculatorConfig.fc_norm) and, to serve, a vLLM whose "
+                "speculators reader passes the key on (PR #46488, June 2026); an older vLLM drops it and serves the "
+                "draft without the norms, without a word"]
+    if engine == "sglang":
+        # python/sglang/srt/models/llama_eagle3.py (2026): fc_norm = ModuleList of RMSNorm(target_hidden_size), one
+        # per auxiliary state, when getattr(config, "fc_norm") (or the older use_aux_norm); its load_weights skips
+        # names it has no parameter for, so an older release loads the draft and leaves the norms out
+        return ["fc_norm needs an SGLang whose llama_eagle3.py reads it (2026); an older release skips the "
+                "fc_norm.* weights without a word and serves the draft without the norms"]
+    # specforge/modeling/draft/llama3_eagle.py: fc_norm from the draft config (draft_config.json), applied in
+    # project_hidden_states; EAGLE-3.1 support, SpecForge PR #568 (May 2026)
+    return ["fc_norm needs a SpecForge with EAGLE-3.1 support (PR #568, May 2026), which builds it from "
+            "draft_config.json's fc_norm"]
 
 
 # ----------------------------------------------------------------------------------------- writing ids

@@ -67,6 +67,7 @@ class TrainOptions:
     warm_start: int = 0               # steps of data for the closed-form fc before gradient training
     clock: str = "wall"               # what a time budget counts: "wall" seconds, or "cpu" seconds of this process
     init_from: tuple[str, ...] = ()   # drafts to continue, one per layer set (draft/init_from.py); (): fresh heads
+    fc_norm: bool = False             # an RMSNorm on each auxiliary state before fc (EAGLE-3.1); off until measured
 
     def __post_init__(self):
         if isinstance(self.init_from, list):        # read back from JSON (a draft's layerscope.json, the app)
@@ -108,6 +109,8 @@ class TrainOptions:
         if self.init_from and self.warm_start:
             raise DraftError("--warm-start fits fc from scratch; a continued draft (--init-from) already has one",
                              "Leave out --warm-start when continuing a draft")
+        if not isinstance(self.fc_norm, bool):
+            raise DraftError(f"fc_norm must be true or false (got {self.fc_norm!r})", "Pass --fc-norm or --no-fc-norm")
         if self.freeze_lm_head and not self.init_lm_head:
             raise DraftError("freeze_lm_head keeps the target's lm_head rows, so it needs init_lm_head",
                              "Leave init_lm_head on, or do not freeze")
@@ -115,9 +118,12 @@ class TrainOptions:
 
     def key_fields(self) -> dict:
         """The options as they enter a store key: every field but init_from (where the starting drafts lie);
-        a continued run's key adds their weights' identity instead (init_from.key_part)."""
+        a continued run's key adds their weights' identity instead (init_from.key_part). fc_norm enters only
+        when on: a run without it keeps the key it had before the option existed."""
         d = asdict(self)
         d.pop("init_from")
+        if not d["fc_norm"]:
+            d.pop("fc_norm")
         return d
 
 
@@ -154,7 +160,8 @@ def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, fi
     out = []
     for i, s in enumerate(sets):
         torch.manual_seed(o.seed)
-        head = DraftHead(DraftConfig.from_target(target_config, s, V, vocab_size=vocab), embed.detach(), d2t, t2d).to(device)
+        config = DraftConfig.from_target(target_config, s, V, vocab_size=vocab, fc_norm=o.fc_norm)
+        head = DraftHead(config, embed.detach(), d2t, t2d).to(device)
         with torch.no_grad():
             if start is not None:
                 try:
@@ -286,7 +293,8 @@ class EpochSource:
 # ----------------------------------------------------------------------------- warm start
 
 class WarmStart:
-    """Normal equations of ridge regression g_t = W x_t, x_t = aux row t [k*d], toward y = final[t+1] [d]
+    """Normal equations of ridge regression g_t = W x_t, x_t = aux row t [k*d] as fc reads it (DraftHead.fc_input),
+    toward y = final[t+1] [d]
     (divided by the draft norm's weight, so that norm(fc(x)) reproduces the target's final state)."""
 
     def __init__(self, drafters: list[Drafter]):
@@ -298,7 +306,8 @@ class WarmStart:
         for i, (d, b) in enumerate(zip(drafters, batches)):
             if b is None or b["targets"][0].shape[0] == 0:
                 continue
-            x = b["aux"][b["masks"][0]].double()                                   # [M, k*d]
+            with torch.no_grad():                                                  # what fc reads (fc_norm applied)
+                x = d.head.fc_input(b["aux"][b["masks"][0]]).double()              # [M, k*d]
             y = (b["targets"][0] / d.head.norm.weight.detach().float().clamp_min(1e-6)).double()   # [M, d]
             self.xtx[i] = x.T @ x if self.xtx[i] is None else self.xtx[i] + x.T @ x
             self.xty[i] = x.T @ y if self.xty[i] is None else self.xty[i] + x.T @ y

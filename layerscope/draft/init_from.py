@@ -1,12 +1,13 @@
 """Continuing drafts: a training run that starts from drafts already trained instead of fresh heads.
 
-    start = starting_point(paths, sets, target, draft_vocab)     one stored draft per layer set, matched by layers
+    start = starting_point(paths, sets, target, draft_vocab, fc_norm)     one stored draft per layer set, by layers
     build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/fit.py)
     key_part(paths)                                                the weights' sha256, for the run's store key
 
 TrainOptions.init_from names the drafts (`train-draft --init-from DRAFT`, repeatable; `builtin` is the shipped
 one). Every set of the run needs exactly one of them reading its layers, and they must share one draft
-vocabulary (d2t), which the run keeps: a continued draft predicts the same tokens. The learning-rate schedule
+vocabulary (d2t), which the run keeps: a continued draft predicts the same tokens. The run's fc_norm must be the
+drafts' own (a continued draft keeps its shape; a mismatch is refused, naming the option). The learning-rate schedule
 starts again (warm-up, then cosine over the new budget): a warm restart, so the budget is what is added.
 Held out: what the starting drafts held out (draft/online.py continued_held_out), so the new learning curve
 never scores conversations they trained on. The new draft's layerscope.json records where it started (init_from: path, sha256, tokens it had seen) and
@@ -53,8 +54,9 @@ def key_part(paths) -> dict:
     return {"init": [weights_sha256(p) for p in paths]} if paths else {}
 
 
-def starting_point(paths, sets: list[list[int]], target, draft_vocab: int) -> StartingPoint | None:
-    """The drafts `paths` loaded against `target` (a LoadedModel) and matched to `sets`, or None for no paths."""
+def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_norm: bool = False) -> StartingPoint | None:
+    """The drafts `paths` loaded against `target` (a LoadedModel) and matched to `sets`, or None for no paths.
+    fc_norm: the run's (TrainOptions.fc_norm), which every starting draft must have too."""
     if not paths:
         return None
     by_layers: dict[tuple, tuple[Path, DraftHead]] = {}
@@ -74,6 +76,13 @@ def starting_point(paths, sets: list[list[int]], target, draft_vocab: int) -> St
                          + (f" ({unused} not trained)" if unused else ""),
                          "Give one --init-from draft per --layers set, reading the same layers")
     heads = [by_layers[s][1] for s in wanted]
+    for s in wanted:
+        path, head = by_layers[s]
+        if head.config.fc_norm != bool(fc_norm):
+            raise DraftError(f"The --init-from draft {path} was trained {'with' if head.config.fc_norm else 'without'} "
+                             f"fc_norm and this run is {'with' if fc_norm else 'without'} it",
+                             f"Pass {'--fc-norm' if head.config.fc_norm else '--no-fc-norm'} (a continued draft keeps "
+                             "its fc_norm)")
     d2t, t2d = heads[0].d2t.detach().cpu(), heads[0].t2d.detach().cpu()
     if any(not torch.equal(h.d2t.detach().cpu(), d2t) for h in heads[1:]):
         raise DraftError("The --init-from drafts have different draft vocabularies",

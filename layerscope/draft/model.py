@@ -2,6 +2,7 @@
 
 Tokens x_0..x_{T-1}; k auxiliary layers of the target (ascending hidden_states indices, README "Layer indices").
     g_t   = fc(concat_l hidden_states[l][t])                          [k*d] -> [d]
+    with fc_norm (EAGLE-3.1): g_t = fc(concat_l fc_norm[i](hidden_states[l][t])), one RMSNorm per layer
     step 1, row t:  (embed(x_{t+1}), g_t)      at position t      -> a1_t, predicts x_{t+2}
     step j, row t:  (embed(x_{t+j}), a^{j-1}_t) at position t+j-1 -> a^j_t, predicts x_{t+j+1}
 Inside the layer (as vLLM's and SGLang's `llama_eagle3.py` compute it):
@@ -9,8 +10,8 @@ Inside the layer (as vLLM's and SGLang's `llama_eagle3.py` compute it):
     h'  = h + o_proj(attn(q/k/v_proj(x)))                             residual on the feature stream
     a   = h' + mlp(post_attention_layernorm(h'))                      the pre-norm output, fed to the next step
     logits = lm_head(norm(a))                                         over the draft vocabulary
-Module and buffer names are the checkpoint names those engines load (`midlayer.*`, `fc`, `norm`,
-`lm_head`, `d2t`, `t2d`); the token embedding is the target's, frozen, shared and never saved.
+Module and buffer names are the checkpoint names those engines load (`midlayer.*`, `fc`, `fc_norm.{i}`,
+`norm`, `lm_head`, `d2t`, `t2d`); the token embedding is the target's, frozen, shared and never saved.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class DraftConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 2048
     target_num_layers: int | None = None   # N of the target, when known
+    fc_norm: bool = False            # an RMSNorm on each auxiliary state before fc (EAGLE-3.1; DraftHead.fc_input)
 
     def __post_init__(self):
         fix = "The draft's config.json is damaged or not an EAGLE-3 draft's; train or export the draft again"
@@ -91,6 +93,8 @@ class DraftConfig:
         out.update({f"midlayer.{n}.weight": (d,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")})
         out.update({"norm.weight": (d,), "lm_head.weight": (V, d), "fc.weight": (d, self.k * self.target_hidden_size),
                     "d2t": (V,), "t2d": (self.vocab_size,)})
+        if self.fc_norm:
+            out.update({f"fc_norm.{i}.weight": (self.target_hidden_size,) for i in range(self.k)})
         return out
 
     def nbytes(self) -> int:
@@ -98,14 +102,21 @@ class DraftConfig:
         size = {"d2t": 8, "t2d": 1}
         return sum(math.prod(shape) * size.get(name, 4) for name, shape in self.shapes().items())
 
+    @property
+    def fc_norm_widths(self) -> tuple[int, int] | None:
+        """(hidden_size, target_hidden_size) of a draft with fc_norm, None without: what engines.refusal checks."""
+        return (self.hidden_size, self.target_hidden_size) if self.fc_norm else None
+
     @classmethod
-    def from_target(cls, target_config, aux_layers, draft_vocab_size: int, vocab_size: int | None = None) -> "DraftConfig":
+    def from_target(cls, target_config, aux_layers, draft_vocab_size: int, vocab_size: int | None = None,
+                    fc_norm: bool = False) -> "DraftConfig":
         """Shape the draft like the target's decoder layers (heads, head_dim, MLP width, norm eps) with one flat
         rotary setting (rope_of). The layer stays a plain Llama layer whatever the target's own are (silu, standard
         RMSNorm, 1/sqrt(head_dim) scaling, full attention; no window, sinks, softcap or QK-norm): the engines build
         the draft from its own config.json alone (docs/internals.md, "Drafts for targets with per-layer-type
         settings"). head_dim is the target's even where heads * head_dim != hidden (Gemma 3 270M: 4 x 256 on 640).
-        vocab_size: rows of the target's embedding when they differ from config.vocab_size."""
+        vocab_size: rows of the target's embedding when they differ from config.vocab_size; fc_norm: the per-layer
+        norm before fc (DraftHead.fc_input)."""
         d = int(target_config.hidden_size)
         heads = int(target_config.num_attention_heads)
         return cls(hidden_size=d, target_hidden_size=d, vocab_size=int(vocab_size or target_config.vocab_size),
@@ -117,7 +128,7 @@ class DraftConfig:
                    rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-5)),
                    rope_parameters=rope_of(target_config),
                    max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048) or 2048),
-                   target_num_layers=int(target_config.num_hidden_layers))
+                   target_num_layers=int(target_config.num_hidden_layers), fc_norm=bool(fc_norm))
 
     def to_hf_config(self) -> dict:
         """config.json as vLLM and SGLang read an EAGLE-3 Llama draft (see docs/drafts.md)."""
@@ -151,6 +162,9 @@ class DraftConfig:
             "attention_bias": False,
             "mlp_bias": False,
             "torch_dtype": "float32",
+            # the per-layer RMSNorm before fc, said either way: vLLM, SGLang and SpecForge read this top-level key
+            # (getattr(config, "fc_norm", False)); see DraftHead.fc_input for the sources
+            "fc_norm": bool(self.fc_norm),
             # vLLM: id l = the input of decoder layer l = hidden_states[l]  (our convention)
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
             # SGLang: reads only this nested key and captures the output of layer id, i.e. hidden_states[id+1]
@@ -178,13 +192,26 @@ class DraftConfig:
                        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
                        intermediate_size=int(cfg["intermediate_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                       rope_parameters=rope, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048))
+                       rope_parameters=rope, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+                       fc_norm=fc_norm_of(cfg))
         except (KeyError, TypeError, ValueError) as e:
             raise DraftError(f"The draft's config.json is missing or has a bad value for {e}",
                              "Use a config.json written by LayerScope or an EAGLE-3 Llama draft config") from None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def fc_norm_of(cfg: dict) -> bool:
+    """Whether a draft's config.json asks for the per-layer norm before fc: the top-level `fc_norm` every engine
+    reads (a missing key is False there too). A non-boolean value is refused: an engine would read its truth."""
+    value = cfg.get("fc_norm", False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise DraftError(f"The draft's config.json has fc_norm = {value!r}, not true or false",
+                         "Write \"fc_norm\": true or false (or train the draft again)")
+    return value
 
 
 def rope_of(target_config) -> dict:
@@ -404,6 +431,9 @@ class DraftHead(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.fc = nn.Linear(c.k * c.target_hidden_size, c.hidden_size, bias=False)  # last: other inits do not depend on k
+        # gains start at 1 and draw no random numbers: a fresh draft with fc_norm has the same Linear weights as one
+        # without (same seed), and differs only by the normalisation
+        self.fc_norm = nn.ModuleList([RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.k)]) if c.fc_norm else None
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
@@ -436,9 +466,23 @@ class DraftHead(nn.Module):
                              "Load it with load_draft(path, target) or call set_embedding(target embedding)")
         return F.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
 
+    def fc_input(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """What fc reads: [B, T, k*d_target] (layers concatenated in ascending order) in fc's dtype, each layer's
+        d_target-wide chunk through its own RMSNorm when the draft has fc_norm. That is how the engines define it:
+        speculators `hidden_states.chunk(len(self.fc_norm), -1)`, each chunk normed, concatenated, then fc
+        (src/speculators/models/eagle3/core.py, Eagle3DraftModel.forward; config field Eagle3SpeculatorConfig.fc_norm,
+        models/eagle3/config.py); SGLang's LlamaModel.forward the same with `self.fc_norm[i] =
+        RMSNorm(target_hidden_size)` (python/sglang/srt/models/llama_eagle3.py); SpecForge's project_hidden_states
+        (specforge/modeling/draft/llama3_eagle.py); vLLM's combine_hidden_states (vllm/model_executor/models/
+        llama_eagle3.py, since PR #42764). Weights `fc_norm.{i}.weight` in all of them."""
+        x = aux_hidden.to(self.fc.weight.dtype)
+        if self.fc_norm is None:
+            return x
+        return torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, k*d_target] (layers concatenated in ascending order) -> g [B, T, d]."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        return self.fc(self.fc_input(aux_hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B,T,d] -> logits over the draft vocabulary [B,T,V]."""
