@@ -215,7 +215,10 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     preflight.prompt_spec(options.prompts)
     spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
     target = load(spec, store)
-    target.check_room(options.max_prompt_tokens, options.max_new_tokens, "--max-prompt-tokens", "--max-new-tokens")
+    target.check_room(1, options.max_new_tokens, "a prompt of one token", "--max-new-tokens")
+    # prompts longer than the room --max-new-tokens leaves are replaced like any prompt over --max-prompt-tokens
+    options = replace(options, max_prompt_tokens=min(options.max_prompt_tokens,
+                                                     target.context_length - options.max_new_tokens))
     heads = bench_mod.load_drafts(target, drafts)
     prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)

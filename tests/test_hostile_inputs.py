@@ -162,7 +162,7 @@ def a_capture(tiny_capture):
 OPTIONS = [    # (argv after the command, what the one line says)
     ("bench", ["--max-new-tokens", "1000000000"], "--max-new-tokens must be in [1, 1048576]"),
     ("bench", ["--max-new-tokens", "0"], "--max-new-tokens must be in [1, 1048576]"),
-    ("bench", ["--max-new-tokens", "1000"], "is more than the 1024 tokens of tiny-llama's context"),
+    ("bench", ["--max-new-tokens", "1024"], "is more than the 1024 tokens of tiny-llama's context"),
     ("bench", ["--max-prompt-tokens", "-1"], "--max-prompt-tokens must be in [1, 1048576]"),
     ("profile", ["--max-tokens", "1000000000"], "--max-tokens must be in [2, 512]"),
     ("profile", ["--max-tokens", "1"], "--max-tokens must be in [2, 512]"),

@@ -21,8 +21,7 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import safe_open
 
 from layerscope.draft import engines
-from layerscope.draft.checkpoint import (check_weights, draft_layers, fc_norm_widths, read_config, read_layers_record,
-                                        read_meta, weights_header)
+from layerscope.draft.checkpoint import check_weights, draft_layers, fc_norm_widths, read_config, read_layers_record, read_meta, weights_header
 from layerscope.draft.engines import TargetFacts
 from layerscope.draft.model import DraftConfig, check_vocab_maps
 from layerscope.errors import DraftError
