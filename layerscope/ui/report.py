@@ -61,7 +61,7 @@ def session_report(s: Session) -> str:
         "model": s.model, "prompt set": s.prompt_set, "capture": s.capture_key, "prompts": cap.get("conversations"),
         "tokens": cap.get("tokens"), "layers": f"0..{cap.get('num_layers')}" if cap.get("num_layers") else None}]))
     stats = s.stats_dict()
-    verdict = None
+    verdict = verdict_head = None
     colors = plots.palette([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts],
                            default=layerset.default_layers(s.num_layers)[0] if s.num_layers else None)
     if stats is not None:
@@ -83,6 +83,8 @@ def session_report(s: Session) -> str:
                                                title=f"CKA, {kernel} kernel ({estimator})")))
         rec = recommendation(s, stats)
         verdict = rec.text
+        verdict_head = ("Verdict" if rec.basis == "τ" else        # a measurement; else say what it rests on
+                        f"Recommendation (no measured τ: {f'an estimate from {rec.source}' if rec.basis else 'nothing measured yet'})")
         basis = f"ranked by {rec.basis} ({rec.source})" if rec.basis else "not ranked: nothing measured tells them apart"
         parts.append(f"<h2>Layer sets of {rec.k} layers, {_e(basis)}</h2>" + _table([{
             "rank": r.rank, "set": r.name, "layers": fmt.layers(r.layers),
@@ -91,7 +93,12 @@ def session_report(s: Session) -> str:
             "τ [95% interval]": fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None,
             "measured in": r.tau_source,
             "held-out agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
-            "probe agreement": fmt.percent(r.probe) if r.probe is not None else None,
+            "held-out positions": r.agreement_n, "training tokens": r.budget,
+            "probe agreement [95% interval]": (fmt.interval(r.probe, r.probe_ci, "percent")
+                                               if r.probe is not None else None),
+            "probe sample": (f"{fmt.count(sum(r.probe_counts))} positions, {len(r.probe_counts)} conversations"
+                             if r.probe_counts else None),
+            "tie": "tied at the top" if r.tied else "",
             "aggregate entropy (nats)": r.aggregate_entropy, "mean entropy": r.mean_entropy,
             "mean CKA": fmt.NOT_APPLICABLE if r.mean_cka is None else r.mean_cka,
             "flags": "; ".join(f.split(":")[0] for f in r.flags)} for r in rec.ranked]))
@@ -135,7 +142,7 @@ def session_report(s: Session) -> str:
             parts.append("<p>Spearman correlation with τ: " + " · ".join(
                 f"{_e(fmt.name(k))} {'n/a' if v is None else fmt.delta(v)}" for k, v in corr.items()) + "</p>")
     if verdict:
-        parts.insert(2, f"<div class='verdict'><b>Verdict.</b> {_e(verdict)}</div>")
+        parts.insert(2, f"<div class='verdict'><b>{_e(verdict_head)}.</b> {_e(verdict)}</div>")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
             f"<title>LayerScope report: {_e(title)}</title><style>{STYLE}</style>"
             f"<script>{get_plotlyjs()}</script></head><body>" + "\n".join(parts) + "</body></html>")

@@ -237,7 +237,9 @@ def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
             "strategy": meta.get("strategy"), "val_accuracy": meta.get("val_accuracy"),
             "target_fingerprint": meta.get("target_fingerprint"), "capture_key": meta.get("capture_key"),
             "steps": (meta.get("budget") or {}).get("resolved_steps"), "seconds": meta.get("seconds"),
-            "train_tokens": meta.get("train_tokens"), "tokens_seen": meta.get("tokens_seen"),
+            "train_tokens": meta.get("train_tokens"),
+            "tokens_seen": meta.get("tokens_seen_total", meta.get("tokens_seen")),   # a continued draft: both runs
+            "val_positions": meta.get("val_positions"),
             "curve": meta.get("curve")}
 
 
@@ -312,7 +314,8 @@ def offer_builtin(s) -> bool:
 @job_task
 def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
     """probe.score_sets on the capture: each set's held-out agreement of a closed-form ridge map (no training;
-    cached in the store per set). Result: {"capture_key", "sets": [{"layers", "agreement", "explained_variance"}]}."""
+    cached in the store per set). Result: {"capture_key", "sets": [{"layers", "agreement", "explained_variance",
+    "agreement_ci", "hits", "counts"}]} (hits and counts: per held-out conversation, the sample behind the agreement)."""
 
     def run(job):
         target = load_in_job(job, model, store)
@@ -321,7 +324,8 @@ def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
         report = probe.score_sets(cap, target, [list(x) for x in sets], store=store,
                                   progress=lambda frac, msg="": job.update(0.05 + 0.95 * float(frac), msg or None))
         return {"capture_key": capture_key, "seconds": report.seconds, "cached": report.cached,
-                "sets": [{"layers": list(x.layers), "agreement": x.agreement, "explained_variance": x.explained_variance}
+                "sets": [{"layers": list(x.layers), "agreement": x.agreement, "explained_variance": x.explained_variance,
+                          "agreement_ci": x.agreement_ci, "hits": x.hits, "counts": x.counts}
                          for x in report.sets]}
 
     return run
