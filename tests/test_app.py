@@ -25,6 +25,7 @@ from layerscope.draft.fit import TrainOptions
 from layerscope.session import share, storage
 from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
+from layerscope.ui import speculate
 from layerscope.ui.apply import toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
@@ -391,6 +392,7 @@ def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/speculate.py").run()
     no_exception(at)
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()          # the tiny capture starts online (small)
     assert at.selectbox(key="ls_w_spec_set").options[-1].startswith("default")
     at.number_input(key="ls_w_spec_steps").set_value(4).run()
     at.button(key="ls_spec_train").click().run()
@@ -405,9 +407,20 @@ def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
     assert at.dataframe[0].value["name"].tolist() == ["default"]
 
 
+def test_training_starts_online_when_the_capture_is_small(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/speculate.py").run()
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert speculate.small_capture_warning(s.capture)                        # the tiny capture is small ...
+    assert at.radio(key="ls_w_spec_mode").value == "online"                  # ... so training starts online
+    assert speculate.default_training_mode({"tokens": speculate.SMALL_CAPTURE_TOKENS}) == "capture"
+
+
 def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/speculate.py").run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()
     at.number_input(key="ls_w_spec_steps").set_value(3).run()
     at.button(key="ls_spec_train").click().run()
     settle(at)

@@ -19,6 +19,7 @@ from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.session import share, storage
 from layerscope.session.model import Session
 from layerscope.store import Store
+from layerscope.ui import sanity
 from layerscope.ui.report import session_report
 from layerscope.ui.tasks import draft_entry
 from tests.helpers import untrained_draft
@@ -57,6 +58,13 @@ def open_page(sid: str) -> AppTest:
 
 def error_lines(at: AppTest) -> list[str]:
     return [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]
+
+
+def test_the_benchmark_starts_from_enough_prompts(app_store, tiny):
+    at = open_page(session_with(app_store, tiny, [saved_draft(app_store, tiny, "three", (1, 2, 3))]))
+    n = at.number_input(key="ls_w_spec_bench_n").value
+    assert n >= sanity.ENOUGH_PROMPTS and not sanity.bench_warnings([], n)   # no "only N prompts" from the default
+    assert str(sanity.ENOUGH_PROMPTS) in at.number_input(key="ls_w_spec_bench_n").help
 
 
 def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, tiny):

@@ -108,6 +108,7 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     at.number_input(key="ls_w_spec_steps").set_value(2).run()
     at.button(key="ls_spec_train").click().run()            # the first set: pair [1, 3]
     settle(at)

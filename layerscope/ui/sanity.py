@@ -8,6 +8,7 @@ import statistics
 from layerscope import fmt
 
 FEW_PROMPTS = 10          # below this τ and speedup move a lot from one prompt set to the next
+ENOUGH_PROMPTS = 2 * FEW_PROMPTS   # what a comparison of drafts should use (BenchOptions.limit's default)
 FEW_SETS = 5              # a Spearman correlation over fewer sets is anecdote
 UNTRAINED_AGREEMENT = 0.02   # held-out agreement at draft position 1 below this: the draft predicts next to nothing
 SAME_TAU = 3              # this many drafts reading different layers at exactly one τ: they ignore their layers
@@ -91,7 +92,7 @@ def bench_warnings(rows, prompts: int) -> list[str]:
                    "machine or with more prompts.")
     if 0 < prompts < FEW_PROMPTS:
         out.append(f"Only {prompts} prompt(s): τ and speedup change a lot from one prompt to the next; compare drafts "
-                   f"on at least {2 * FEW_PROMPTS} held-out prompts before drawing a conclusion.")
+                   f"on at least {ENOUGH_PROMPTS} held-out prompts before drawing a conclusion.")
     return out
 
 

@@ -42,6 +42,12 @@ def small_capture_warning(capture: dict | None) -> str | None:
             f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.")
 
 
+def default_training_mode(capture: dict | None) -> str:
+    """Where the training widgets start: "online" when the capture is too small to train a useful draft
+    (small_capture_warning), else "capture"."""
+    return "online" if small_capture_warning(capture) else "capture"
+
+
 def is_online(metrics: dict) -> bool:
     """Whether a training job's metrics are an online run's (the target in the loop) rather than a capture's."""
     return "val" in metrics or metrics.get("phase") in ONLINE_PHASES

@@ -73,6 +73,11 @@ def capture_summary(manifest: dict) -> dict:
     return out
 
 
+def bench_defaults() -> BenchOptions:
+    """What the benchmark widgets start from: BenchOptions' defaults (20 prompts: sanity.ENOUGH_PROMPTS)."""
+    return BenchOptions()
+
+
 @job_task
 def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
                 store, analysis_options: dict | None = None, sample_positions: int | None = None,
