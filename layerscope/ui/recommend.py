@@ -17,7 +17,7 @@ that no strategy optimises and that covers at least two of them:
 and only within one set size (a set with more layers carries more, whatever they are). Every ranking states its
 sample: τ with its 95% interval, a draft's agreement with its held-out positions and training tokens, the probe's
 with its held-out positions and conversations and a 95% bootstrap interval over conversations. Drafts trained on
-different budgets (tokens seen more than BUDGET_RATIO apart) are not ranked by agreement against each other: the
+different budgets (tokens seen more than sanity.BUDGET_RATIO apart) are not ranked by agreement against each other: the
 largest group of one budget is, the others are left out and named, and with no such group the basis is refused (a
 benchmark's τ of such drafts is ranked, with the budgets named). Sets the evidence cannot tell apart from the best
 (`tied`: a paired bootstrap over the probe's conversations, a binomial interval over a draft's positions, the τ
@@ -238,7 +238,6 @@ def evidence(r: Ranked, basis: str | None) -> str | None:
     return None
 
 
-BUDGET_RATIO = 1.5    # drafts whose training tokens differ by more than this factor are not compared by agreement
 Z95 = 1.96
 MIN_CONVERSATIONS = 5   # fewer held-out conversations than this: the probe's sets are a tie, whatever the numbers
 
@@ -247,15 +246,20 @@ def _same_budget(rows: list[Ranked]) -> tuple[list[Ranked], list[Ranked]]:
     """(the rows to compare, the rows left out): the largest group of drafts whose training tokens lie within
     BUDGET_RATIO of each other; rows whose budget is unknown are kept (nothing says they differ)."""
     known = sorted((r for r in rows if r.budget), key=lambda r: r.budget)
-    if not known or known[-1].budget <= BUDGET_RATIO * known[0].budget:
+    if not sanity.different_budgets(_budget_rows(known)):
         return rows, []
-    group = max(([r for r in known if lo.budget <= r.budget <= BUDGET_RATIO * lo.budget] for lo in known), key=len)
+    group = max(([r for r in known if lo.budget <= r.budget <= sanity.BUDGET_RATIO * lo.budget] for lo in known),
+                key=len)
     left = [r for r in known if r not in group]
     return [r for r in rows if r not in left], left
 
 
+def _budget_rows(rows: list[Ranked]) -> list[dict]:
+    return [{"name": r.name, "layers": r.layers, "tokens": r.budget} for r in rows]
+
+
 def _budgets(rows: list[Ranked]) -> str:
-    return ", ".join(f"{r.name} {fmt.layers(r.layers)} {fmt.count(r.budget)}" for r in rows if r.budget)
+    return sanity.budgets_text(_budget_rows(rows))
 
 
 def tied(top: Ranked, r: Ranked, basis: str) -> bool:
@@ -407,10 +411,9 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
         text += (f" Left out of the ranking: {_budgets(left_out)} training tokens, a different budget from the drafts "
                  f"ranked ({_budgets([r for r in measured if r.budget])}); their agreement is not comparable.")
     if basis == "τ" and (source or "").startswith("benchmark"):
-        drafts = [r for r in measured if r.budget]
-        if len(drafts) >= 2 and drafts and max(r.budget for r in drafts) > BUDGET_RATIO * min(r.budget for r in drafts):
-            text += (f" Caution: the drafts behind these τ were trained on different budgets ({_budgets(drafts)} "
-                     "training tokens): a difference in τ may be the budget's, not the layers'.")
+        budgets = sanity.budget_warning(_budget_rows(measured))
+        if budgets:
+            text += " Caution: " + budgets
 
     disagreement = None
     if proxy_top is not None and proxy_top is not best and proxy_top.value(basis) is not None \

@@ -15,7 +15,7 @@ from layerscope import fmt, layerset, plots
 from layerscope.decoding.bench import interval_note
 from layerscope.session.model import Session, now_iso
 from layerscope.stats.analysis import sample_note
-from layerscope.ui import recommend, sanity
+from layerscope.ui import recommend, sanity, speculate
 from layerscope.ui.recommend import set_label
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2rem auto;padding:0 1rem;color:#222}
@@ -102,6 +102,8 @@ def session_report(s: Session) -> str:
             "aggregate entropy (nats)": r.aggregate_entropy, "mean entropy": r.mean_entropy,
             "mean CKA": fmt.NOT_APPLICABLE if r.mean_cka is None else r.mean_cka,
             "flags": "; ".join(f.split(":")[0] for f in r.flags)} for r in rec.ranked]))
+        if rec.best is not None:                                      # the page's notes on the recommended set
+            parts += [f"<p class='warn'>Note: {_e(flag)}.</p>" for flag in rec.best.flags]
         parts.append("<p class='note'>Entropy and CKA describe each set; every strategy maximises one of them, so "
                      "they do not rank. Sets are ranked by measured τ, else trained drafts' held-out agreement, else "
                      "the probe, within one set size.</p>")
@@ -120,6 +122,8 @@ def session_report(s: Session) -> str:
                               "lossless": r.get("lossless")} for r in rows]))
         if b.get("intervals"):
             parts.append(f"<p class='note'>{_e(interval_note(b['intervals']))}</p>")
+        for level, text in speculate.run_warnings(b, s.drafts):        # every warning the page showed
+            parts.append(f"<p class='{'note' if level == 'note' else 'warn'}'>{_e(text)}</p>")
         if rows:
             parts.append(_figure(plots.bench_comparison(rows, colors=colors)))
     if s.study:

@@ -10,6 +10,7 @@ from layerscope import fmt
 FEW_PROMPTS = 10          # below this τ and speedup move a lot from one prompt set to the next
 ENOUGH_PROMPTS = 2 * FEW_PROMPTS   # what a comparison of drafts should use (BenchOptions.limit's default)
 FEW_SETS = 5              # a Spearman correlation over fewer sets is anecdote
+BUDGET_RATIO = 1.5        # drafts whose training tokens differ by more than this factor compare budgets, not layers
 UNTRAINED_AGREEMENT = 0.02   # held-out agreement at draft position 1 below this: the draft predicts next to nothing
 SAME_TAU = 3              # this many drafts reading different layers at exactly one τ: they ignore their layers
 
@@ -81,6 +82,28 @@ def collapse_warning(rows, what: str = "drafts") -> str | None:
     return (f"{len(flagged)} of {len(rows)} {what} may not have learned ({names}): "
             + flagged[0][1] + ". Their τ says nothing about their layer sets; train longer or on more data "
             "(online training), then compare again.")
+
+
+def different_budgets(rows) -> bool:
+    """Whether the drafts `rows` ([{"tokens", ...}]; unknown tokens left out) were trained on budgets more than
+    BUDGET_RATIO apart."""
+    known = [int(r["tokens"]) for r in rows if r.get("tokens")]
+    return len(known) >= 2 and max(known) > BUDGET_RATIO * min(known)
+
+
+def budgets_text(rows) -> str:
+    """'default [2, 15, 27] 1,250,000, greedy [1, 9, 20] 17,000' (training tokens) of the drafts with a known budget."""
+    return ", ".join(f"{r.get('name') or 'draft'} {fmt.layers(r.get('layers'))} {fmt.count(r['tokens'])}"
+                     for r in rows if r.get("tokens"))
+
+
+def budget_warning(rows) -> str | None:
+    """A sentence when the drafts `rows` ([{"name", "layers", "tokens"}]) were trained on different budgets."""
+    if not different_budgets(rows):
+        return None
+    return (f"The drafts compared were trained on different budgets ({budgets_text(rows)} training tokens): a "
+            "difference in τ or agreement may be the budget's, not the layers'. Train them on one budget (the study "
+            "does) to compare layer sets.")
 
 
 def bench_warnings(rows, prompts: int) -> list[str]:
