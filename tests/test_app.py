@@ -227,6 +227,11 @@ def test_entropy_page_curve_histogram_counts_and_filter(app_store, copy_of):
     metrics = {m.label: m.value for m in at.metric}
     kept_filtered = int(metrics["Tokens kept"].replace(",", ""))
     assert metrics["Threshold"] == "0.50 nats" and kept_filtered > 0
+    line = next(c.value for c in at.caption if " captured = " in c.value)     # every captured token accounted for
+    captured, parts = line.split(" captured = ")
+    counts = [int(p.split(" ")[0].replace(",", "")) for p in parts.split(" + ")]
+    assert sum(counts) == int(metrics["Captured"].replace(",", "")) == int(captured.replace(",", ""))
+    assert "prompt tokens" in parts and f"{kept_filtered:,} kept" in parts
     figs = charts(at)
     curve, hist = figs[0], figs[1]
     assert len(curve["data"][0]["y"]) == 5 and curve["data"][0]["name"] == "dataset-level"
