@@ -70,7 +70,9 @@ if stats is not None:
                            "scored by how often it gives the target's next token on held-out conversations: evidence "
                            "no strategy optimises, without training a draft"
                            + ("" if unscored else " (every set here has its score)") + ".")
-                live_job(s.id, "probe", key="sets_probe")
+                probe_job = get_manager().latest(s.id, "probe")
+                if recommend.probe_job_current(probe_job.view() if probe_job else None, int(k)):
+                    live_job(s.id, "probe", key="sets_probe")
 
         def row_of(r):
             """One set's row: the evidence first (short headers: the table fits 1024 px), then the proxies."""

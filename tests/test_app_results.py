@@ -303,6 +303,11 @@ def test_the_probe_scores_the_sets_and_then_ranks_them(app_store, copy_of):
     assert "probe agreement" in text and "confirm it with drafts" in text
     assert "held-out positions of" in text and "conversation" in text          # the sample behind the ranking
     assert at.button(key="ls_sets_probe").disabled                  # every set has its score
+    assert any(m.value.startswith("Probe of") for m in at.success)
+    at.number_input(key="ls_w_sets_k").set_value(1).run()            # another size: its sets are not scored ...
+    no_exception(at)
+    assert not any(m.value.startswith("Probe of") for m in at.success)   # ... so no stale "done"
+    assert not at.button(key="ls_sets_probe").disabled
 
 
 def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):

@@ -442,6 +442,16 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
                           default.rank if default is not None else None)
 
 
+def probe_job_current(view, k: int) -> bool:
+    """Whether the Layer sets page shows the latest probe job's status at set size `k`: while it runs or when it
+    failed, and once done only when it scored a set of `k` layers (a "done" from another size is stale)."""
+    if view is None:
+        return False
+    if view.state != "done":
+        return True
+    return any(len(x.get("layers") or []) == int(k) for x in (view.result or {}).get("sets") or [])
+
+
 def set_label(names, layers, session_sets=()) -> str:
     """How a studied set reads: its first proposer, then the others ("default, also greedy"); "manual" (a
     set of the session) becomes the name the user gave it."""
