@@ -228,8 +228,8 @@ def test_the_report_keeps_every_warning_the_pages_showed():
     s = Session(model="m", bench_results=[bench_entry], drafts=drafts)
     page = html.unescape(session_report(s))
     shown = speculate.run_warnings(bench_entry, drafts)           # what the Speculative decoding page shows
-    assert {level for level, _ in shown} == {"warning"} and len(shown) == 3
+    assert {level for level, _ in shown} == {"warning"} and len(shown) == 4
     for _, text in shown:
         assert text in page, text
-    assert "machine: busy" in page and "Only 3 prompt(s)" in page
+    assert "machine: busy" in page and "Only 3 prompt(s)" in page and "4.2%, far below" in page
     assert "different budgets (shipped [2, 15, 27] 1,250,000, quick [1, 9, 20] 17,000" in page

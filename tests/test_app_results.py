@@ -208,6 +208,18 @@ def test_collapsed_or_untrained_drafts_are_flagged_with_the_reason():
     assert any("may not have learned" in w for w in sanity.study_warnings(five, prompts=40))
 
 
+def test_a_draft_far_below_the_others_or_below_the_floor_is_flagged():
+    # the 20-step draft: 4.2% against the shipped draft's 49.6%
+    drafts = [{"name": "shipped", "layers": [2, 15, 27], "val_accuracy": [0.496]},
+              {"name": "quick", "layers": [1, 9, 20], "val_accuracy": [0.042]}]
+    shipped, quick = sanity.collapse_reasons(drafts)
+    assert shipped is None and "far below the best other draft's 49.6%" in quick
+    assert "quick [1, 9, 20]" in sanity.collapse_warning(drafts)
+    assert "below 5.0%" in sanity.collapse_reasons([{"layers": [1], "val_accuracy": [0.04]}])[0]   # alone: the floor
+    close = [{"layers": [1, 2], "val_accuracy": [0.30]}, {"layers": [2, 3], "val_accuracy": [0.12]}]
+    assert sanity.collapse_reasons(close) == [None, None]                # behind, not far behind
+
+
 def test_the_speculate_page_flags_drafts_that_did_not_learn(app_store, copy_of):
     s = storage.load(app_store, copy_of)
     s.drafts = [{"name": "flat", "path": "/nowhere/flat", "layers": [1, 2], "val_accuracy": [0.003, 0.0], "steps": 300},

@@ -12,6 +12,8 @@ ENOUGH_PROMPTS = 2 * FEW_PROMPTS   # what a comparison of drafts should use (Ben
 FEW_SETS = 5              # a Spearman correlation over fewer sets is anecdote
 BUDGET_RATIO = 1.5        # drafts whose training tokens differ by more than this factor compare budgets, not layers
 UNTRAINED_AGREEMENT = 0.02   # held-out agreement at draft position 1 below this: the draft predicts next to nothing
+LOW_AGREEMENT = 0.05      # below this floor a draft has barely learned, whatever the others reach
+FAR_BELOW = 0.25          # ... and below this share of the best other draft's agreement it is far behind them
 SAME_TAU = 3              # this many drafts reading different layers at exactly one τ: they ignore their layers
 
 
@@ -44,15 +46,24 @@ def _same(values) -> dict:
 
 def collapse_reasons(rows) -> list[str | None]:
     """Why each draft may not have learned, or None. rows: [{"layers", "tau"?, "val_accuracy"?}] (drafts, benchmark
-    rows of drafts, study rows). A draft is flagged when its held-out agreement is about 0, when it accepted no draft
+    rows of drafts, study rows). A draft is flagged when its held-out agreement is about 0, below LOW_AGREEMENT, or
+    below FAR_BELOW of the best other draft's, when it accepted no draft
     token at all (τ exactly 1), when SAME_TAU or more drafts reading different layers reach exactly the same τ, or
     when drafts reading different layers have exactly the same held-out agreement: a draft that uses its layers
     differs from one that reads others, so exact ties say the drafts ignore their layers (collapsed to one answer)."""
     out: list[list[str]] = [[] for _ in rows]
+    accs = [agreement(r.get("val_accuracy")) for r in rows]
     for i, r in enumerate(rows):
-        a = agreement(r.get("val_accuracy"))
+        a = accs[i]
+        best_other = max((x for j, x in enumerate(accs) if j != i and x is not None), default=None)
         if a is not None and a < UNTRAINED_AGREEMENT:
             out[i].append(f"held-out agreement {fmt.percent(a)} ≈ 0: it has not learned to predict the target")
+        elif a is not None and best_other is not None and a < FAR_BELOW * best_other:
+            out[i].append(f"held-out agreement {fmt.percent(a)}, far below the best other draft's "
+                          f"{fmt.percent(best_other)}: it is undertrained (a smaller budget?) or broken")
+        elif a is not None and a < LOW_AGREEMENT:
+            out[i].append(f"held-out agreement {fmt.percent(a)}, below {fmt.percent(LOW_AGREEMENT)}: it has barely "
+                          "learned to predict the target")
         if r.get("tau") is not None and round(float(r["tau"]), 6) == 1.0:
             out[i].append("τ exactly 1: the target accepted none of its tokens")
     taus = [round(float(r["tau"]), 4) if r.get("tau") is not None and r.get("layers") else None for r in rows]
