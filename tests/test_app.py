@@ -20,7 +20,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import fmt
+from layerscope import store as store_module
 from layerscope.decoding import specdec
+from layerscope.decoding.bench import auto_note
 from layerscope.draft.fit import TrainOptions
 from layerscope.session import share, storage
 from layerscope.session.model import new_id
@@ -31,7 +33,7 @@ from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
 from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
-from layerscope.ui.widgets import display_frame, eta_seconds, option_changes
+from layerscope.ui.widgets import display_frame, eta_seconds, in_app_words, option_changes
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
@@ -410,6 +412,18 @@ def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
     assert Path(d["path"], "config.json").is_file()
     assert any(x.value.startswith("Draft for default") for x in at.success)
     assert at.dataframe[0].value["name"].tolist() == ["default"]
+
+
+def test_backend_messages_read_in_the_apps_words():
+    plain = {"name": "d auto", "chosen": {"plain": True},
+             "calibrated": {"decoding": "chain k=2", "speedup": 0.8, "tau": 1.3, "break_even_tau": 1.6}}
+    for text in (f"Free disk space or pass --store on a larger disk, then {store_module.RESUME}",
+                 auto_note(plain), "calibration for --k auto: d, prompt 1/2",
+                 "The progress is saved; run the same command again to continue",
+                 "Run the same command again to resume"):
+        said = in_app_words(text)
+        assert "command" not in said and "--" not in said, said
+    assert in_app_words("calibration for --k auto: d") == "calibration for K = auto: d"
 
 
 def test_training_starts_online_when_the_capture_is_small(app_store, copy_of):

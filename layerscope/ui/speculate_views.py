@@ -15,7 +15,7 @@ from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.ui import sanity, speculate, tasks
 from layerscope.ui.state import bind_view, commit
-from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, md_text, show_error, table
+from layerscope.ui.widgets import chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, show_error, table
 
 # ---------------------------------------------------------------------------- live panels (views.live_job's details)
 
@@ -162,7 +162,7 @@ def bench_run(s, i: int, colors: dict) -> None:
                else "No intervals: this run had a single prompt, or was saved before benchmarks kept per-prompt totals.")
     for r in rows:
         if r.get("chosen"):
-            st.markdown(md_text(auto_note(r)))
+            st.markdown(md_text(in_app_words(auto_note(r))))
         elif r.get("verdict"):
             st.caption(md_text(f"{r['name']}: {r['verdict']}"))
     for level, text in speculate.run_warnings(res, s.drafts):        # the report says the same (ui/report.py)
