@@ -357,8 +357,9 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
     if basis is None:
         best = default
         if default is not None:
-            text = (f"Recommended: the default rule {fmt.layers(default.layers)}, EAGLE-3's choice, as nothing measured "
-                    f"yet tells these {len(same)} sets of {k} layers apart.")
+            text = (f"Recommended: the default rule {fmt.layers(default.layers)}, EAGLE-3's choice, as "
+                    f"{'no comparable measurement' if refused else 'nothing measured'} yet tells these {len(same)} "
+                    f"sets of {k} layers apart.")
         else:
             text = f"No recommendation for sets of {k} layers yet: nothing measured tells these {len(same)} sets apart."
         text += "".join(" " + x for x in refused)
