@@ -24,7 +24,7 @@ manager = get_manager()
 # Every control's value lives in the session (s.view), so it survives leaving the page, a reload and a new tab.
 SOURCES = ["builtin", "sharegpt", "upload"]
 KNOWN = {**{spec: alias.about for spec, alias in models.ALIASES.items()},   # the models that need no download
-         "tiny-llama": "a random tiny model for demos"}
+         "tiny-llama": models.TINY_ABOUT}
 on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or models.DEFAULT_MODEL),
       "source": bind_view(s, "cap_source", "ls_w_cap_source", "builtin", options=SOURCES),
       "limit": bind_view(s, "cap_limit", "ls_w_cap_limit", 16, clamp=(1, 100_000)),

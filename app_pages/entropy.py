@@ -10,6 +10,7 @@ import streamlit as st
 from layerscope import layerset, plots
 from layerscope.stats.analysis import AnalysisOptions, sample_note
 from layerscope.stats.entropy import KERNELS
+from layerscope.stats.tokens import breakdown as token_breakdown
 from layerscope.ui import apply
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
@@ -148,6 +149,9 @@ if stats is not None:
     m[3].metric("Sinks dropped", f"{tok.get('sink_dropped', 0):,}", help="position 0 of every conversation")
     m[4].metric("Below threshold", f"{tok.get('low_entropy_dropped', 0):,}")
     m[5].metric("Threshold", f"{stats['threshold']:.2f} nats")
+    st.caption(f"{stats['tokens_total']:,} captured = "
+               + " + ".join(f"{count:,} {what}" for what, count in token_breakdown(
+                   {"tokens_total": stats["tokens_total"], "tokens_kept": stats["tokens_kept"], **tok})))
     if stats.get("sample_positions") is not None:
         st.caption(f"The capture's tokens are {sample_note(stats['sample_positions'])}: these statistics come from a "
                    "sample, and drafts cannot be trained from this capture.")

@@ -70,7 +70,9 @@ if stats is not None:
                            "scored by how often it gives the target's next token on held-out conversations: evidence "
                            "no strategy optimises, without training a draft"
                            + ("" if unscored else " (every set here has its score)") + ".")
-                live_job(s.id, "probe", key="sets_probe")
+                probe_job = get_manager().latest(s.id, "probe")
+                if recommend.probe_job_current(probe_job.view() if probe_job else None, int(k)):
+                    live_job(s.id, "probe", key="sets_probe")
 
         def row_of(r):
             """One set's row: the evidence first (short headers: the table fits 1024 px), then the proxies."""
@@ -80,7 +82,8 @@ if stats is not None:
             marks = ("★ " if r is rec.best else "") + r.name.replace(" = ", ", ") + (" ◆" if r.is_default else "")
             return {"rank": r.rank, "set": marks, "layers": fmt.layers(r.layers), "τ [95% CI]": tau,
                     "agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
-                    "probe": fmt.percent(r.probe) if r.probe is not None else None,
+                    "trained on": f"{fmt.count(r.budget)} tok" if r.budget else None,
+                    "probe [95% CI]": fmt.interval(r.probe, r.probe_ci, "percent") if r.probe is not None else None,
                     "aggr. entropy": r.aggregate_entropy, "mean entropy": r.mean_entropy,
                     "mean CKA": r.mean_cka, "flags": "; ".join(f.split(":")[0] for f in r.flags)}
 
@@ -93,15 +96,20 @@ if stats is not None:
                                                             help="Measured τ with its 95% interval"),
                   "agreement": st.column_config.TextColumn("agreement", alignment="right",
                                                            help="A trained draft's held-out agreement at position 1"),
-                  "probe": st.column_config.TextColumn("probe", alignment="right",
-                                                       help="The closed-form probe's held-out agreement"),
+                  "trained on": st.column_config.TextColumn(
+                      "trained on", alignment="right",
+                      help="The draft's training tokens: agreement is compared only between drafts of one budget"),
+                  "probe [95% CI]": st.column_config.TextColumn(
+                      "probe [95% CI]", alignment="right",
+                      help="The closed-form probe's held-out agreement, with a 95% bootstrap interval over the "
+                           "held-out conversations"),
                   "aggr. entropy": st.column_config.TextColumn(
                       "aggr. entropy", alignment="right",
                       help="Aggregate entropy (nats): describes the set (α = 2 entropy of its layers together); the "
                            "aggregate strategy maximises it, so it does not rank")})
         sources = sorted({r.tau_source for r in rec.ranked if r.tau_source})
-        st.caption("★ recommended · ◆ the default rule [2, N//2, N−3] · rank: by the evidence named above; — where "
-                   "that evidence did not measure the set"
+        st.caption("★ recommended · ◆ the default rule [2, N//2, N−3] · rank: by the evidence named above, sets "
+                   "the evidence cannot tell apart ranked level (a tie); — where that evidence did not measure the set"
                    + (f" · τ measured in {', '.join(sources)}" if sources and rec.basis != "τ" else "") + ".")
         if rec.other_sizes:
             with st.expander(f"{len(rec.other_sizes)} set(s) of another size (not ranked with sets of {int(k)} layers)"):

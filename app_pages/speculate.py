@@ -51,7 +51,8 @@ with train_col:
         labels = [f"{name} {layers}" for name, layers, _ in sets]
         train_running = any(j.kind == "train" for j in manager.active(s.id))
         mode = st.radio("Training data", ["capture", "online"], horizontal=True, key="ls_w_spec_mode",
-                        on_change=bind_view(s, "spec_mode", "ls_w_spec_mode", "capture", options=["capture", "online"]),
+                        on_change=bind_view(s, "spec_mode", "ls_w_spec_mode", speculate.default_training_mode(s.capture),
+                                            options=["capture", "online"]),
                         format_func={"capture": "from this capture", "online": "online: the target in the loop"}.get,
                         help="From the capture: quick, one set at a time, as much data as the capture holds. Online: the "
                              "target runs inside the training loop on as many conversations as you like, every chosen set "
@@ -158,7 +159,10 @@ else:
                       help="sharegpt-heldout: conversations no capture for training ever uses")
     b3, b4, b5, b6 = st.columns([1, 1, 1.3, 1.6])
     n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
-                                on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", 4, clamp=(1, 500)))
+                                on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", tasks.bench_defaults().limit,
+                                                    clamp=(1, 500)),
+                                help=f"Compare drafts on at least {sanity.ENOUGH_PROMPTS} prompts: with fewer, τ and "
+                                     "speedup change a lot from one prompt set to the next")
     new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
                                  on_change=bind_view(s, "bench_new", "ls_w_spec_bench_new", 48, clamp=(1, 2048)))
     auto_k = b5.toggle("K = auto", key="ls_w_spec_bench_auto",

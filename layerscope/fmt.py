@@ -48,6 +48,11 @@ def count(n) -> str:
     return MISSING if missing(n) else f"{int(round(float(n))):,}"
 
 
+def plural(n, noun: str) -> str:
+    """A count with its noun, singular for one: "1 thread", "2 threads", "1,024 cores"."""
+    return f"{count(n)} {noun}{'' if int(round(float(n))) == 1 else 's'}"
+
+
 def number(x, digits: int = 3) -> str:
     """Any other number: `digits` decimals below 100, one below 1000, none above; never an exponent cut short."""
     if missing(x):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from layerscope import blas
+from layerscope import blas, fmt
 from layerscope.errors import LayerScopeError
 from layerscope.validate import check_number
 
@@ -219,12 +219,12 @@ def classify(others: float, peak: float, load: float, n_cores: int, threads: int
         reasons.append("not measured (no /proc on this system)")
     free = max(n_cores - others, 0.0)
     if others >= options.max_others_cpu:
-        reasons.append(f"other processes used {_cores(others)} of {n_cores} cores"
+        reasons.append(f"other processes used {_cores(others)} of {fmt.plural(n_cores, 'core')}"
                        + (f", leaving {_cores(free)} for torch's {_threads(threads)}" if threads > free else ""))
     elif samples > 1 and peak >= options.max_peak_cpu:
-        reasons.append(f"other processes used up to {_cores(peak)} of {n_cores} cores in one interval")
+        reasons.append(f"other processes used up to {_cores(peak)} of {fmt.plural(n_cores, 'core')} in one interval")
     if threads > n_cores:
-        reasons.append(f"torch uses {_threads(threads)} on {n_cores} cores")
+        reasons.append(f"torch uses {_threads(threads)} on {fmt.plural(n_cores, 'core')}")
     return MachineState(not reasons, others, peak, load, n_cores, threads, window_s, samples, tuple(reasons), measured)
 
 
@@ -243,7 +243,7 @@ def _cores(x: float) -> str:
 
 
 def _threads(n: int) -> str:
-    return f"{n} thread{'s' if n != 1 else ''}"
+    return fmt.plural(n, "thread")
 
 
 def sample(window_s: float = 1.0, options: MachineOptions = MachineOptions()) -> MachineState:
@@ -359,7 +359,7 @@ def merge(states: Iterable[MachineState | dict | None]) -> MachineState | None:
 def details(s: MachineState) -> str:
     """'other processes used 0.04 of 2 cores (up to 0.10), load 1.9, 2 torch threads'."""
     peak = f" (up to {s.others_cpu_max:.2f})" if s.samples > 1 else ""
-    return (f"other processes used {s.others_cpu:.2f} of {s.cores} cores{peak}, load {s.load:.1f}, "
+    return (f"other processes used {s.others_cpu:.2f} of {fmt.plural(s.cores, 'core')}{peak}, load {s.load:.1f}, "
             f"torch {_threads(s.threads)}" + (f", {s.blas}" if s.blas else ""))
 
 

@@ -615,6 +615,12 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+TINY_MAX_LAYERS = 128          # the synthetic model stands in for 80- and 128-layer targets
+TINY_MAX_HIDDEN = 4096
+TINY_ABOUT = (f"a random tiny Llama with a byte tokenizer, for demos and tests (tiny-llama:layers=6,hidden=32,seed=1; "
+              f"layers 1..{TINY_MAX_LAYERS}, hidden a multiple of 8 in 8..{TINY_MAX_HIDDEN})")
+
+
 def _parse_tiny_options(spec: str) -> dict:
     if ":" not in spec:
         return {}
@@ -625,8 +631,10 @@ def _parse_tiny_options(spec: str) -> dict:
         if key.strip() not in names or not value.strip().isdigit():
             raise ModelSpecError(f"Bad tiny-llama option {part!r}", "Use e.g. tiny-llama:layers=6,hidden=32,seed=1")
         out[names[key.strip()]] = int(value)
-    fix = "Use e.g. tiny-llama:layers=6,hidden=32,seed=1 (layers 1..64, hidden a multiple of 8 in 8..4096)"
-    if not 1 <= out.get("num_layers", 4) <= 64 or out.get("hidden_size", 64) % 8 or not 8 <= out.get("hidden_size", 64) <= 4096:
+    fix = (f"Use e.g. tiny-llama:layers=6,hidden=32,seed=1 (layers 1..{TINY_MAX_LAYERS}, hidden a multiple of 8 in "
+           f"8..{TINY_MAX_HIDDEN})")
+    hidden = out.get("hidden_size", 64)
+    if not 1 <= out.get("num_layers", 4) <= TINY_MAX_LAYERS or hidden % 8 or not 8 <= hidden <= TINY_MAX_HIDDEN:
         raise ModelSpecError(f"Bad tiny-llama size in {spec!r}", fix)
     return out
 

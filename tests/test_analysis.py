@@ -10,7 +10,7 @@ from layerscope.errors import LayerScopeError
 from layerscope.stats import cka as C
 from layerscope.stats import entropy as E
 from layerscope.stats.analysis import ARRAY_FIELDS, AnalysisOptions, LayerStats, analyze, join_arrays, split_arrays, token_index
-from layerscope.stats.tokens import select_tokens
+from layerscope.stats.tokens import breakdown, select_tokens
 
 
 def table(T=40, seed=0):
@@ -33,6 +33,22 @@ def test_response_only_sinks_and_entropy_threshold():
     assert idx.tolist() == [i for i in range(40) if i % 10 >= 4 and i not in (5, 15)]
     idx, rep = select_tokens(t, None, response_only=False, min_entropy=None, max_tokens=None)
     assert rep["sink_dropped"] == 4 and rep["tokens_kept"] == 36 and 0 not in idx.tolist()
+
+
+def test_every_captured_token_is_accounted_for():
+    t = table()
+    t["entropy"][:] = 1.0
+    t["entropy"][[5, 15]] = 0.1
+    norms = torch.ones(3, 40)
+    norms[0, 6] = 50.0
+    _, rep = select_tokens(t, norms, min_entropy=0.5, max_tokens=10)
+    parts = dict(breakdown(rep))
+    assert sum(parts.values()) == rep["tokens_total"] == 40
+    assert parts["prompt tokens (response tokens only)"] == 16 and parts["massive activations"] == 1
+    assert parts["below the entropy threshold"] == 2 and parts["over the token cap"] == 11 and parts["kept"] == 10
+    # a report saved before prompt tokens were counted: they are the rest
+    old = {k: v for k, v in rep.items() if k not in ("prompt_dropped", "capped")}
+    assert breakdown(old) == breakdown(rep)
 
 
 def test_massive_activations_are_dropped():

@@ -20,18 +20,21 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from layerscope import fmt
+from layerscope import store as store_module
 from layerscope.decoding import specdec
+from layerscope.decoding.bench import auto_note
 from layerscope.draft.fit import TrainOptions
 from layerscope.session import share, storage
 from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
+from layerscope.ui import speculate
 from layerscope.ui.access import OWNER_KEY
 from layerscope.ui.apply import toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
 from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
-from layerscope.ui.widgets import display_frame, eta_seconds, option_changes
+from layerscope.ui.widgets import display_frame, eta_seconds, in_app_words, option_changes
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
@@ -233,6 +236,11 @@ def test_entropy_page_curve_histogram_counts_and_filter(app_store, copy_of):
     metrics = {m.label: m.value for m in at.metric}
     kept_filtered = int(metrics["Tokens kept"].replace(",", ""))
     assert metrics["Threshold"] == "0.50 nats" and kept_filtered > 0
+    line = next(c.value for c in at.caption if " captured = " in c.value)     # every captured token accounted for
+    captured, parts = line.split(" captured = ")
+    counts = [int(p.split(" ")[0].replace(",", "")) for p in parts.split(" + ")]
+    assert sum(counts) == int(metrics["Captured"].replace(",", "")) == int(captured.replace(",", ""))
+    assert "prompt tokens" in parts and f"{kept_filtered:,} kept" in parts
     figs = charts(at)
     curve, hist = figs[0], figs[1]
     assert len(curve["data"][0]["y"]) == 5 and curve["data"][0]["name"] == "dataset-level"
@@ -397,6 +405,7 @@ def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/speculate.py").run()
     no_exception(at)
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()          # the tiny capture starts online (small)
     assert at.selectbox(key="ls_w_spec_set").options[-1].startswith("default")
     at.number_input(key="ls_w_spec_steps").set_value(4).run()
     at.button(key="ls_spec_train").click().run()
@@ -411,9 +420,32 @@ def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
     assert at.dataframe[0].value["name"].tolist() == ["default"]
 
 
+def test_backend_messages_read_in_the_apps_words():
+    plain = {"name": "d auto", "chosen": {"plain": True},
+             "calibrated": {"decoding": "chain k=2", "speedup": 0.8, "tau": 1.3, "break_even_tau": 1.6}}
+    for text in (f"Free disk space or pass --store on a larger disk, then {store_module.RESUME}",
+                 auto_note(plain), "calibration for --k auto: d, prompt 1/2",
+                 "The progress is saved; run the same command again to continue",
+                 "Run the same command again to resume"):
+        said = in_app_words(text)
+        assert "command" not in said and "--" not in said, said
+    assert in_app_words("calibration for --k auto: d") == "calibration for K = auto: d"
+
+
+def test_training_starts_online_when_the_capture_is_small(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/speculate.py").run()
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert speculate.small_capture_warning(s.capture)                        # the tiny capture is small ...
+    assert at.radio(key="ls_w_spec_mode").value == "online"                  # ... so training starts online
+    assert speculate.default_training_mode({"tokens": speculate.SMALL_CAPTURE_TOKENS}) == "capture"
+
+
 def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/speculate.py").run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()
     at.number_input(key="ls_w_spec_steps").set_value(3).run()
     at.button(key="ls_spec_train").click().run()
     settle(at)
@@ -634,7 +666,8 @@ def test_session_report_is_one_self_contained_page(app_store, copy_of):
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt; **bold**" in page
     assert "<script src=" not in page and "<script type=\"text/javascript\" src=" not in page   # plotly.js inlined
     assert page.count("Plotly.newPlot") == 2                                # entropy curve and CKA heatmap
-    assert "Verdict." in page and "Recommended: " in page and "Layer sets of 2 layers" in page
+    assert "Recommendation (no measured τ: nothing measured yet)." in page and "Verdict." not in page
+    assert "Recommended: " in page and "Layer sets of 2 layers" in page
     HTMLParser().feed(page)                                                 # parses
 
     at = new_app(copy_of).run()

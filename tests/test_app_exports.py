@@ -6,6 +6,7 @@ drafts saved for the tiny target), so no capture has to run; the benchmark runs 
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import re
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from layerscope import machine
 from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.session import share, storage
 from layerscope.session.model import Session
 from layerscope.store import Store
+from layerscope.ui import sanity, speculate
 from layerscope.ui.report import session_report
 from layerscope.ui.tasks import draft_entry
 from tests.helpers import untrained_draft
@@ -57,6 +60,13 @@ def open_page(sid: str) -> AppTest:
 
 def error_lines(at: AppTest) -> list[str]:
     return [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]
+
+
+def test_the_benchmark_starts_from_enough_prompts(app_store, tiny):
+    at = open_page(session_with(app_store, tiny, [saved_draft(app_store, tiny, "three", (1, 2, 3))]))
+    n = at.number_input(key="ls_w_spec_bench_n").value
+    assert n >= sanity.ENOUGH_PROMPTS and not sanity.bench_warnings([], n)   # no "only N prompts" from the default
+    assert str(sanity.ENOUGH_PROMPTS) in at.number_input(key="ls_w_spec_bench_n").help
 
 
 def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, tiny):
@@ -226,3 +236,23 @@ def test_session_report_shows_every_name_as_plain_text_figures_included():
     assert "<a" not in decoded and "<span" not in decoded     # nor inside the figures' JSON
     assert "&lt;a href=\"https://evil.example/\"&gt;click&lt;/a&gt;" in decoded     # shown, as text
     assert "&lt;span style=\"position:fixed\"&gt;X&lt;/span&gt;" in decoded
+
+
+def test_the_report_keeps_every_warning_the_pages_showed():
+    busy = machine.classify(1.4, 1.4, 2.0, 2, 2, 5.0).to_json()
+    drafts = [{"name": "shipped", "path": "/d/shipped", "layers": [2, 15, 27], "val_accuracy": [0.496],
+               "tokens_seen": 1_250_000},
+              {"name": "quick", "path": "/d/quick", "layers": [1, 9, 20], "val_accuracy": [0.042], "tokens_seen": 17_000}]
+    bench_entry = {"prompts": 3, "prompt_set": "builtin", "max_new_tokens": 16, "device": "cpu", "machine": busy,
+                   "drafts": [{"name": d["name"], "path": d["path"]} for d in drafts],
+                   "results": [{"name": "autoregressive", "tau": 1.0, "tokens_per_s": 7.5, "lossless": True}]
+                   + [{"name": d["name"], "layers": d["layers"], "tau": t, "speedup": 1.1, "tokens_per_s": 8.0,
+                       "lossless": True} for d, t in zip(drafts, (1.6, 1.1))]}
+    s = Session(model="m", bench_results=[bench_entry], drafts=drafts)
+    page = html.unescape(session_report(s))
+    shown = speculate.run_warnings(bench_entry, drafts)           # what the Speculative decoding page shows
+    assert {level for level, _ in shown} == {"warning"} and len(shown) == 4
+    for _, text in shown:
+        assert text in page, text
+    assert "machine: busy" in page and "Only 3 prompt(s)" in page and "4.2%, far below" in page
+    assert "different budgets (shipped [2, 15, 27] 1,250,000, quick [1, 9, 20] 17,000" in page

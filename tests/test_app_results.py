@@ -5,12 +5,13 @@ the Home page, tables and charts as the pages draw them (AppTest on the tiny cap
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from layerscope import fmt
 from layerscope.session import storage
-from layerscope.ui import apply, recommend, sanity
+from layerscope.ui import apply, recommend, sanity, tasks
 from layerscope.ui.recommend import Evidence, Ranked
 from layerscope.ui.report import session_report
 from tests.test_app import captured, copy_of, frame_with, new_app, no_exception, plain, settle  # noqa: F401
@@ -92,6 +93,70 @@ def test_the_recommendation_follows_measurements_within_one_size_and_says_why():
     assert recommend.recommend(rows(), 3, ev).best.name == "default"
 
 
+def test_drafts_of_different_budgets_are_not_ranked_against_each_other():
+    layers = {r.name: tuple(r.layers) for r in rows()}
+    # the issue's case: the shipped draft (1.25M tokens) against a 20-step draft (17k tokens)
+    ev = Evidence(agreement={layers["default"]: 0.496, layers["greedy"]: 0.042},
+                  drafts={layers["default"]: {"positions": 4000, "tokens": 1_250_000},
+                          layers["greedy"]: {"positions": 4000, "tokens": 17_000}})
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.basis is None and "different budgets" in rec.text
+    assert "1,250,000" in rec.text and "17,000" in rec.text and "highest held-out agreement" not in rec.text
+    # two drafts of one budget rank; the third, of another budget, is named and left out
+    ev.agreement[layers["aggregate"]] = 0.03
+    ev.drafts[layers["aggregate"]] = {"positions": 4000, "tokens": 18_000}
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.basis == "held-out agreement" and rec.best.name == "greedy"
+    assert {r.name: r.rank for r in rec.ranked}["default"] is None
+    assert "Left out of the ranking: default [2, 15, 27] 1,250,000" in rec.text
+    assert "over 4,000 held-out positions, 17,000 training tokens" in rec.text
+    # a session's drafts carry their sample and budget (a continued draft: the tokens of both runs) into the evidence
+    entry = tasks.draft_entry("/d", {"layers": [1, 9, 20], "val_accuracy": [0.4], "val_positions": 96,
+                                     "tokens_seen": 17_000, "tokens_seen_total": 1_267_000})
+    got = recommend.evidence_of(SimpleNamespace(study=[], bench_results=[], drafts=[entry], view={}, capture_key=None))
+    assert got.drafts == {(1, 9, 20): {"positions": 96, "tokens": 1_267_000}}
+
+
+def test_every_ranking_states_its_sample_and_ties_are_called_ties():
+    layers = {r.name: tuple(r.layers) for r in rows()}
+    # the issue's probe: 15 vs 13 of 96 positions from 2 held-out conversations is a tie, said with the sample
+    probe = {layers["aggregate"]: ([8, 7], [48, 48]), layers["greedy"]: ([7, 6], [48, 48])}
+    ev = Evidence(probe={k: sum(h) / 96 for k, (h, _) in probe.items()},
+                  probe_sample={k: {"hits": h, "counts": c, "ci": [0.05, 0.3]} for k, (h, c) in probe.items()})
+    rec = recommend.recommend(rows(), 3, ev)
+    assert rec.basis == "probe agreement" and "A tie" in rec.text
+    assert "96 held-out positions of 2 conversation(s)" in rec.text and "15.6% [5.0%, 30.0%]" in rec.text
+    assert [r.rank for r in rec.ranked if r.probe is not None] == [1, 1] and all(r.tied for r in rec.ranked[:2])
+    # many conversations and a clear difference: no tie, the runner-up said with its sample
+    probe = {layers["aggregate"]: ([9] * 40, [10] * 40), layers["greedy"]: ([2] * 40, [10] * 40)}
+    ev = Evidence(probe={k: sum(h) / 400 for k, (h, _) in probe.items()},
+                  probe_sample={k: {"hits": h, "counts": c} for k, (h, c) in probe.items()})
+    rec = recommend.recommend(rows(), 3, ev)
+    assert "A tie" not in rec.text and rec.best.name == "aggregate" and [r.rank for r in rec.ranked[:2]] == [1, 2]
+    assert "next, greedy [1, 9, 20]: 20.0%" in rec.text
+    # drafts' agreement over few positions: a tie; over many: not
+    few = Evidence(agreement={layers["aggregate"]: 0.36, layers["greedy"]: 0.31},
+                   drafts={layers["aggregate"]: {"positions": 50}, layers["greedy"]: {"positions": 50}})
+    assert "A tie" in recommend.recommend(rows(), 3, few).text
+    many = Evidence(agreement=few.agreement, drafts={k: {"positions": 50_000} for k in few.agreement})
+    assert "A tie" not in recommend.recommend(rows(), 3, many).text
+
+
+def test_a_set_reading_the_embedding_is_never_recommended_on_a_tie():
+    # the issue's 64-layer model: every set at 100.0%, the best-ordered one reading layer 0
+    sets = [Ranked("aggregate", [0, 32, 61], 5.0, 3.0, 0.4, flags=recommend.flags([0, 32, 61], 64)),
+            Ranked("greedy", [1, 30, 60], 4.8, 3.1, 0.45), Ranked("entropy-topk", [3, 31, 62], 4.7, 3.2, 0.4)]
+    same = {"hits": [24, 24, 24], "counts": [24, 24, 24]}
+    ev = Evidence(probe={tuple(r.layers): 1.0 for r in sets}, probe_sample={tuple(r.layers): same for r in sets})
+    rec = recommend.recommend(sets, 3, ev)
+    assert [r.rank for r in rec.ranked] == [1, 1, 1] and "A tie" in rec.text
+    assert rec.ranked[0].name == "aggregate" and rec.best.name == "greedy" and not rec.best.flags
+    # with the default rule in the tie, the default rule
+    sets.append(Ranked("default", [2, 32, 61], 4.5, 2.9, 0.5, is_default=True))
+    ev.probe[(2, 32, 61)], ev.probe_sample[(2, 32, 61)] = 1.0, same
+    assert recommend.recommend(sets, 3, ev).best.name == "default"
+
+
 def tiny_study(s, measured: dict) -> dict:
     """A study result for the tiny session: {layers tuple: (τ, Δ vs default, Δ interval)}."""
     return {"rows": [{"strategies": ["default" if list(l) == [1, 2] else "manual"], "layers": list(l),
@@ -141,6 +206,18 @@ def test_collapsed_or_untrained_drafts_are_flagged_with_the_reason():
                {"layers": [1, 3], "tau": 1.41, "val_accuracy": [0.31]}]
     assert sanity.collapse_reasons(learned) == [None, None, None] and sanity.collapse_warning(learned) is None
     assert any("may not have learned" in w for w in sanity.study_warnings(five, prompts=40))
+
+
+def test_a_draft_far_below_the_others_or_below_the_floor_is_flagged():
+    # the issue's 20-step draft: 4.2% against the shipped draft's 49.6%
+    drafts = [{"name": "shipped", "layers": [2, 15, 27], "val_accuracy": [0.496]},
+              {"name": "quick", "layers": [1, 9, 20], "val_accuracy": [0.042]}]
+    shipped, quick = sanity.collapse_reasons(drafts)
+    assert shipped is None and "far below the best other draft's 49.6%" in quick
+    assert "quick [1, 9, 20]" in sanity.collapse_warning(drafts)
+    assert "below 5.0%" in sanity.collapse_reasons([{"layers": [1], "val_accuracy": [0.04]}])[0]   # alone: the floor
+    close = [{"layers": [1, 2], "val_accuracy": [0.30]}, {"layers": [2, 3], "val_accuracy": [0.12]}]
+    assert sanity.collapse_reasons(close) == [None, None]                # behind, not far behind
 
 
 def test_the_speculate_page_flags_drafts_that_did_not_learn(app_store, copy_of):
@@ -227,12 +304,22 @@ def test_the_probe_scores_the_sets_and_then_ranks_them(app_store, copy_of):
     assert s.view["probe"]["capture_key"] == s.capture_key and len(scores) >= 3
     assert all(0.0 <= a <= 1.0 for a in scores.values())
     ranked = frame_with(at, "τ [95% CI]")
-    assert list(ranked["probe"]) == [fmt.percent(scores[tuple(json.loads(l))]) for l in ranked["layers"]]
+    held = {tuple(x["layers"]): x for x in s.view["probe"]["sets"]}
+    assert list(ranked["probe [95% CI]"]) == [fmt.interval(scores[tuple(json.loads(l))],
+                                                           held[tuple(json.loads(l))]["agreement_ci"], "percent")
+                                              for l in ranked["layers"]]
+    assert all(x["counts"] and len(x["hits"]) == len(x["counts"]) for x in held.values())    # the sample is kept
     measured = [scores[tuple(json.loads(l))] for l in ranked["layers"]]
     assert measured == sorted(measured, reverse=True) and list(ranked["rank"])[0] == "1"
     text = plain(next(m.value for m in at.markdown if plain(m.value).startswith("Recommended: ")))
     assert "probe agreement" in text and "confirm it with drafts" in text
+    assert "held-out positions of" in text and "conversation" in text          # the sample behind the ranking
     assert at.button(key="ls_sets_probe").disabled                  # every set has its score
+    assert any(m.value.startswith("Probe of") for m in at.success)
+    at.number_input(key="ls_w_sets_k").set_value(1).run()            # another size: its sets are not scored ...
+    no_exception(at)
+    assert not any(m.value.startswith("Probe of") for m in at.success)   # ... so no stale "done"
+    assert not at.button(key="ls_sets_probe").disabled
 
 
 def test_the_compare_page_sets_benchmark_runs_side_by_side(app_store, copy_of):

@@ -92,6 +92,7 @@ def test_a_new_capture_keeps_the_sets_that_fit_and_says_which_did_not(app_store,
 def test_training_options_stay_after_navigating_away(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     at.number_input(key="ls_w_spec_steps").set_value(7)
     at.number_input(key="ls_w_spec_seed").set_value(3)
     assert at.checkbox(key="ls_w_spec_fc_norm").value is False             # TrainOptions' default
@@ -127,6 +128,7 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     storage.save(s, app_store)
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     at.number_input(key="ls_w_spec_steps").set_value(2).run()
     at.button(key="ls_spec_train").click().run()            # the first set: pair [1, 3]
     settle(at)
@@ -163,6 +165,7 @@ def test_letters_in_a_number_field_are_refused_not_turned_into_its_minimum(app_s
     Streamlit's own number input turns into its minimum (1 training step) without a word: set_value(None) is that."""
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     at.number_input(key="ls_w_spec_steps").set_value(40).run()
     at.number_input(key="ls_w_spec_steps").set_value(None).run()
     no_exception(at)

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import pytest
 
+from layerscope import fmt, workflow
 from layerscope import machine as m
-from layerscope import workflow
 from layerscope.cli import main
 from layerscope.decoding import bench
 from layerscope.decoding import costmodel as cm
@@ -33,6 +33,7 @@ from layerscope.machine import MachineOptions, MachineState, Snapshot
 from layerscope.study.run import StudyOptions, format_study, run_study
 from layerscope.ui import tasks
 from layerscope.ui.jobs import Job
+from layerscope.ui.models import device_label
 from tests.helpers import untrained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -299,3 +300,11 @@ def test_a_study_benchmarked_busy_says_so_in_its_verdict(tiny, tiny_capture, ses
     assert "busy machine" in report.verdict and "speedups and tokens/s are not trustworthy" in report.verdict
     assert "machine: busy — other processes used" in format_study(report)
     assert report.to_json()["machine"] == report.machine
+
+
+def test_one_thread_and_one_core_read_in_the_singular(one_thread):
+    assert device_label("cpu") == "cpu (1 thread)"
+    assert fmt.plural(1, "thread") == "1 thread" and fmt.plural(2, "core") == "2 cores"
+    one = m.classify(0.5, 0.5, 0.1, 1, 2, 1.0)
+    assert "of 1 core," in one.text and "torch uses 2 threads on 1 core" in one.text
+    assert "of 1 core," in m.details(one)

@@ -285,3 +285,19 @@ def test_verdict_names_a_proxy_only_when_its_interval_excludes_zero():
     assert "No proxy predicted τ reliably" in against and "Against the expected direction" in against
     assert "mean_entropy (linear, no filter): ρ = -0.80" in against
     assert proxy_verdict([{**probe, "rho": None, "ci": None}]) == ["Too few distinct sets to correlate the proxies with τ."]
+
+
+def test_each_score_states_its_sample_and_a_bootstrap_interval_over_conversations(synthetic):
+    store, cap, _, weights = synthetic
+    report = P.score_sets(cap, weights, [[PLANTED], [2]])
+    for s in report.sets:
+        assert s.positions == report.positions["held_out"] and s.conversations == report.conversations["held_out"]
+        assert len(s.hits) == len(s.counts) == s.conversations and all(0 <= h <= n for h, n in zip(s.hits, s.counts))
+        assert sum(s.hits) / sum(s.counts) == pytest.approx(s.agreement)
+        lo, hi = s.agreement_ci
+        assert lo <= s.agreement <= hi
+    # the interval resamples whole conversations: one conversation all right, one all wrong -> wide
+    assert P.agreement_interval([10, 0], [10, 10]) == pytest.approx([0.0, 1.0])
+    assert P.agreement_interval([5], [10]) is None                  # one conversation: no interval
+    out = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert P.ProbeReport.from_json(out).to_json() == out

@@ -96,3 +96,10 @@ def test_cli_numeric_options_fail_with_one_line(argv, match, tmp_path, capsys):
 def test_tiny_model_options_are_checked_before_building(spec):
     with pytest.raises(ModelSpecError, match="tiny-llama"):
         load_model(spec)
+
+
+def test_the_synthetic_model_reaches_80_and_128_layer_targets():
+    for n in (80, 128):
+        assert load_model(f"tiny-llama:layers={n},hidden=8").num_layers == n
+    with pytest.raises(ModelSpecError, match=r"layers 1\.\.128"):
+        load_model("tiny-llama:layers=129,hidden=8")

@@ -17,7 +17,9 @@ Signatures (ProbeOptions is the one source of defaults; `target` is a TargetWeig
                  .to_json() -> {"sets": [{"layers", "agreement", "explained_variance", "lambda", ...}], "seconds",
                  "tokens", "scored", ...}; .best() -> the search's result
     SetScore: layers, agreement, explained_variance, lam (JSON "lambda"), val_loss, val_agreement,
-              source ("given" | "search")
+              source ("given" | "search"), hits and counts (held-out positions right / in all, per held-out
+              conversation), agreement_ci (95% bootstrap interval over held-out conversations); .positions,
+              .conversations (the sample behind the agreement)
 With `store`, each given set's score and each search is cached (namespace "probe"); `cached` says so.
 
 The map. A draft reading layer set S sees at row t the states h_l[t] (l in S) and the target's input embedding
@@ -73,11 +75,13 @@ from layerscope.draft.data import split_conversations, split_of, target_argmax
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.train import target_weights
 from layerscope.errors import LayerScopeError
+from layerscope.stats import bootstrap
 from layerscope.stats.ridge import F64, Gram, block_columns, explained_variance, logit_loss, logit_metric, ridge, with_bias
 from layerscope.store import make_key
 from layerscope.validate import check_number
 
-FORMAT = 2                     # cache entries under the store's "probe" namespace (2: standardised penalty)
+FORMAT = 3                     # cache entries under the store's "probe" namespace (2: standardised penalty;
+                               # 3: the held-out hits per conversation and their bootstrap interval)
 SEARCHES = ("greedy", "swap")
 OBJECTIVES = ("loss", "agreement")
 
@@ -148,16 +152,31 @@ class SetScore:
     val_loss: float                   # validation mean squared logit error at that λ (fit split only)
     val_agreement: float | None = None   # validation agreement (objective "agreement" only)
     source: str = "given"             # "given" | "search"
+    hits: list[int] | None = None     # held-out positions it got right, per held-out conversation ...
+    counts: list[int] | None = None   # ... of these held-out positions per conversation (the same for every set)
+    agreement_ci: list[float] | None = None   # 95% bootstrap interval of `agreement` over held-out conversations
+
+    @property
+    def positions(self) -> int | None:
+        """Held-out positions behind `agreement`."""
+        return None if self.counts is None else int(sum(self.counts))
+
+    @property
+    def conversations(self) -> int | None:
+        """Held-out conversations behind `agreement` (the bootstrap's unit)."""
+        return None if self.counts is None else len(self.counts)
 
     def to_json(self) -> dict:
         return {"layers": self.layers, "agreement": self.agreement, "explained_variance": self.explained_variance,
                 "lambda": self.lam, "val_loss": self.val_loss,
-                "val_agreement": self.val_agreement, "source": self.source}
+                "val_agreement": self.val_agreement, "source": self.source, "hits": self.hits,
+                "counts": self.counts, "agreement_ci": self.agreement_ci}
 
     @classmethod
     def from_json(cls, d: dict) -> "SetScore":
         return cls(list(d["layers"]), d["agreement"], d["explained_variance"], d["lambda"], d["val_loss"],
-                   d.get("val_agreement"), d.get("source", "given"))
+                   d.get("val_agreement"), d.get("source", "given"), d.get("hits"), d.get("counts"),
+                   d.get("agreement_ci"))
 
 
 @dataclass
@@ -215,6 +234,26 @@ def agreement(pred: torch.Tensor, target_ids: torch.Tensor, lm_head: torch.Tenso
     if pred.shape[0] == 0:
         return float("nan")
     return float((target_argmax(pred.float(), lm_head) == target_ids).double().mean())
+
+
+def per_conversation(pred: torch.Tensor, target_ids: torch.Tensor, lm_head: torch.Tensor,
+                     conversation: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(hits, counts) per conversation of the rows (in the order of their first row): how many rows' argmax
+    lm_head(pred) is the target's choice, of how many rows."""
+    _, first = torch.unique_consecutive(conversation, return_inverse=True)
+    hit = (target_argmax(pred.float(), lm_head) == target_ids).long()
+    n = int(first.max()) + 1 if len(first) else 0
+    return (torch.bincount(first, weights=hit.double(), minlength=n).long().tolist(),
+            torch.bincount(first, minlength=n).tolist())
+
+
+def agreement_interval(hits, counts, seed: int = 0) -> list[float] | None:
+    """95% bootstrap interval of Σ hits / Σ counts, resampling whole conversations (positions within one
+    conversation are not independent); None with fewer than 2 conversations."""
+    if counts is None or len(counts) < 2:
+        return None
+    idx = bootstrap.resample(len(counts), seed=seed)
+    return bootstrap.interval(bootstrap.ratio_of_sums(torch.tensor(hits), torch.tensor(counts), idx))
 
 
 # ----------------------------------------------------------------------------- the capture, read once
@@ -296,6 +335,7 @@ class Probe:
         self.lm_head = w.lm_head.detach().to("cpu", torch.float32)
         self.metric = logit_metric(self.lm_head)
         self.gram, self.val, self.held = self._read(w.embed.detach(), progress)
+        self.held_conversation = cap.tokens()["conversation"][self.pos.held_out]   # the held-out rows' order
         self.memo: dict[tuple, Fit] = {}
         self.fits = 0
 
@@ -398,9 +438,10 @@ class Probe:
         fit = self.validate(layers, self.o.lambdas)
         W = self.solve(fit.layers, fit.lam, refit=True)
         pred = self.held.design(self._idx(fit.layers), self.d) @ W
+        hits, counts = per_conversation(pred, self.held.target, self.lm_head, self.held_conversation)
         return SetScore(fit.layers, agreement(pred, self.held.target, self.lm_head),
                         explained_variance(pred, self.held.y.to(F64)), fit.lam, fit.val_loss, fit.val_agreement,
-                        source)
+                        source, hits, counts, agreement_interval(hits, counts))
 
     def search(self, k: int, candidates: Sequence[int]) -> tuple[list[Fit], dict]:
         """Greedy forward selection, then (search="swap") one-layer swaps while the validation objective improves.

@@ -9,7 +9,8 @@ Filters, in order, each counted in the report:
 4. token entropy: keep tokens whose predictive entropy (nats) is at least `min_entropy`, or at least
    the `quantile` of the remaining tokens' entropies when a quantile is given;
 5. a cap: at most `max_tokens`, a seeded random subsample (kept in capture order).
-Pure function on tensors, no I/O.
+`breakdown(report)` says where every captured token went (the counts add up to the captured total).
+Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def select_tokens(tokens: dict[str, torch.Tensor], norms: torch.Tensor | None, *
     report = {
         "tokens_total": total,
         "response_only": response_only,
+        "prompt_dropped": int(total - tokens["is_response"].bool().sum()) if response_only else 0,
         "sink_dropped": int(sinks.sum()),
         "outliers_dropped": int(outliers.sum()),
         "outlier_factor": outlier_factor,
@@ -70,6 +72,20 @@ def select_tokens(tokens: dict[str, torch.Tensor], norms: torch.Tensor | None, *
         "tokens_eligible": candidates,
         "cap": max_tokens,
         "tokens_kept": int(index.numel()),
+        "capped": candidates - int(index.numel()),
         "seed": seed,
     }
     return index, report
+
+
+def breakdown(report: dict) -> list[tuple[str, int]]:
+    """Where every captured token went, in the filters' order, as (what, count); the counts add up to
+    report["tokens_total"]. A report saved before prompt tokens were counted gets them as the rest."""
+    eligible = int(report.get("tokens_eligible", report.get("tokens_kept", 0)))
+    kept = int(report.get("tokens_kept", 0))
+    parts = [("position 0 (attention sinks)", int(report.get("sink_dropped", 0))),
+             ("massive activations", int(report.get("outliers_dropped", 0))),
+             ("below the entropy threshold", int(report.get("low_entropy_dropped", 0))),
+             ("over the token cap", eligible - kept), ("kept", kept)]
+    prompt = int(report.get("tokens_total", 0)) - sum(n for _, n in parts)
+    return [("prompt tokens (response tokens only)", prompt)] + parts

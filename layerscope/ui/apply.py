@@ -185,7 +185,8 @@ def _apply_probe(s: Session, result: dict) -> bool:
     known = {tuple(x["layers"]): x for x in held.get("sets") or []} if held.get("capture_key") == s.capture_key else {}
     for x in result["sets"]:
         known[tuple(x["layers"])] = {"layers": list(x["layers"]), "agreement": x["agreement"],
-                                     "explained_variance": x.get("explained_variance")}
+                                     "explained_variance": x.get("explained_variance"),
+                                     **{k: x.get(k) for k in ("agreement_ci", "hits", "counts")}}
     s.view["probe"] = {"capture_key": s.capture_key, "sets": list(known.values())}
     return True
 

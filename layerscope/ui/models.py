@@ -89,4 +89,4 @@ def device_label(device: torch.device | str | None = None) -> str:
             return f"cuda ({torch.cuda.get_device_name(device)})"
         except Exception:  # no driver details available
             return "cuda"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    return f"cpu ({fmt.plural(torch.get_num_threads(), 'thread')})"

@@ -14,7 +14,15 @@ that no strategy optimises and that covers at least two of them:
        from the Layer sets page's probe job); select.compare leaves the `probe` strategy out, so no set here was
        chosen by maximising it.
 
-and only within one set size (a set with more layers carries more, whatever they are). A measured winner is
+and only within one set size (a set with more layers carries more, whatever they are). Every ranking states its
+sample: τ with its 95% interval, a draft's agreement with its held-out positions and training tokens, the probe's
+with its held-out positions and conversations and a 95% bootstrap interval over conversations. Drafts trained on
+different budgets (tokens seen more than sanity.BUDGET_RATIO apart) are not ranked by agreement against each other: the
+largest group of one budget is, the others are left out and named, and with no such group the basis is refused (a
+benchmark's τ of such drafts is ranked, with the budgets named). Sets the evidence cannot tell apart from the best
+(`tied`: a paired bootstrap over the probe's conversations, a binomial interval over a draft's positions, the τ
+intervals) are a tie, called one and ranked level; on a tie the default rule is recommended when it is among them,
+else the first set without a flag (never one reading the embedding output or the final state). A measured winner is
 recommended only when it beats the default rule beyond the interval; otherwise the default rule is (the
 established choice, as good as far as the measurements tell). With no evidence at all the default rule is
 recommended as the prior and the text says what to measure. When the evidence disagrees with the proxies (the
@@ -28,7 +36,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from layerscope import fmt, layerset
+from layerscope.stats import bootstrap
 from layerscope.stats import select as sel
 from layerscope.stats.analysis import LayerStats
 from layerscope.stats.select import score_set
@@ -54,6 +65,12 @@ class Ranked:
     agreement: float | None = None    # a trained draft's held-out agreement at position 1
     probe: float | None = None        # the closed-form probe's held-out agreement
     rank: int | None = None           # by the basis; None when the basis did not measure this set
+    agreement_n: int | None = None    # the draft's held-out positions behind `agreement`
+    budget: int | None = None         # the draft's training tokens (tokens seen)
+    probe_ci: list | None = None      # the probe's 95% bootstrap interval over held-out conversations
+    probe_hits: list | None = None    # the probe's held-out positions right, per held-out conversation ...
+    probe_counts: list | None = None  # ... of these positions
+    tied: bool = False                # the evidence cannot tell it from the best measured set
 
     def value(self, basis: str | None) -> float | None:
         return {"τ": self.tau, "held-out agreement": self.agreement, "probe agreement": self.probe}.get(basis)
@@ -90,6 +107,8 @@ class Evidence:
     measured: list[tuple[str, dict]] = field(default_factory=list)   # [(source, {layers: entry})], preferred first
     agreement: dict = field(default_factory=dict)                   # {layers: held-out agreement @1}
     probe: dict = field(default_factory=dict)                       # {layers: probe agreement}
+    drafts: dict = field(default_factory=dict)    # {layers: {"positions", "tokens"}}: the sample behind `agreement`
+    probe_sample: dict = field(default_factory=dict)   # {layers: {"ci", "hits", "counts"}}: behind `probe`
 
 
 def _key(layers) -> tuple:
@@ -123,11 +142,15 @@ def evidence_of(s) -> Evidence:
         a = _agreement(d.get("val_accuracy"))
         if a is not None and d.get("layers"):
             ev.agreement[_key(d["layers"])] = a
+            ev.drafts[_key(d["layers"])] = {"positions": d.get("val_positions"),
+                                            "tokens": d.get("tokens_seen") or d.get("train_tokens")}
     probe = s.view.get("probe") if isinstance(s.view.get("probe"), dict) else {}
     if probe.get("capture_key") == s.capture_key:
         for x in probe.get("sets") or []:
             if isinstance(x, dict) and x.get("layers") and not fmt.missing(x.get("agreement")):
                 ev.probe[_key(x["layers"])] = float(x["agreement"])
+                ev.probe_sample[_key(x["layers"])] = {"ci": x.get("agreement_ci"), "hits": x.get("hits"),
+                                                      "counts": x.get("counts")}
     return ev
 
 
@@ -177,6 +200,9 @@ def _attach(rows: list[Ranked], ev: Evidence) -> str | None:
                 break
         r.agreement = ev.agreement.get(key)
         r.probe = ev.probe.get(key)
+        d, p = ev.drafts.get(key) or {}, ev.probe_sample.get(key) or {}
+        r.agreement_n, r.budget = d.get("positions"), d.get("tokens")
+        r.probe_ci, r.probe_hits, r.probe_counts = p.get("ci"), p.get("hits"), p.get("counts")
     return best_source
 
 
@@ -188,6 +214,114 @@ def _interval_text(r: Ranked) -> str:
     return fmt.interval(r.tau, r.tau_ci, "tau")
 
 
+def evidence(r: Ranked, basis: str | None) -> str | None:
+    """A set's number on `basis` with its sample and interval, in words: "15.6% [9.4%, 22.9%] over 96 held-out
+    positions of 2 conversations"."""
+    if basis == "τ":
+        return None if r.tau is None else _interval_text(r) + (f" ({r.tau_source})" if r.tau_source else "")
+    if basis == "held-out agreement":
+        if r.agreement is None:
+            return None
+        sample = [f"over {fmt.count(r.agreement_n)} held-out positions" if r.agreement_n else "held-out positions "
+                  "not recorded", f"{fmt.count(r.budget)} training tokens" if r.budget else "budget not recorded"]
+        return f"{fmt.percent(r.agreement)} ({', '.join(sample)})"
+    if basis == "probe agreement":
+        if r.probe is None:
+            return None
+        if not r.probe_counts:
+            return f"{fmt.percent(r.probe)} (sample not recorded: score the sets again)"
+        ci = f" {fmt.ci(r.probe_ci, 'percent')}" if fmt.has_ci(r.probe_ci) else " (no interval: one conversation)"
+        few = (f", too few to tell sets apart (fewer than {MIN_CONVERSATIONS})"
+               if len(r.probe_counts) < MIN_CONVERSATIONS else "")
+        return (f"{fmt.percent(r.probe)}{ci} over {fmt.count(sum(r.probe_counts))} held-out positions of "
+                f"{len(r.probe_counts)} conversation(s){few}")
+    return None
+
+
+Z95 = 1.96
+MIN_CONVERSATIONS = 5   # fewer held-out conversations than this: the probe's sets are a tie, whatever the numbers
+
+
+def _same_budget(rows: list[Ranked]) -> tuple[list[Ranked], list[Ranked]]:
+    """(the rows to compare, the rows left out): the largest group of drafts whose training tokens lie within
+    BUDGET_RATIO of each other; rows whose budget is unknown are kept (nothing says they differ)."""
+    known = sorted((r for r in rows if r.budget), key=lambda r: r.budget)
+    if not sanity.different_budgets(_budget_rows(known)):
+        return rows, []
+    group = max(([r for r in known if lo.budget <= r.budget <= sanity.BUDGET_RATIO * lo.budget] for lo in known),
+                key=len)
+    left = [r for r in known if r not in group]
+    return [r for r in rows if r not in left], left
+
+
+def _budget_rows(rows: list[Ranked]) -> list[dict]:
+    return [{"name": r.name, "layers": r.layers, "tokens": r.budget} for r in rows]
+
+
+def _budgets(rows: list[Ranked]) -> str:
+    return sanity.budgets_text(_budget_rows(rows))
+
+
+def tied(top: Ranked, r: Ranked, basis: str) -> bool:
+    """Whether the evidence cannot tell `r` from the better-measured `top`: the probe by a paired bootstrap of
+    the difference over the same held-out conversations (else the intervals overlapping), a draft's agreement by
+    a binomial interval of the difference over their held-out positions, τ by a paired interval to the default
+    rule or the intervals overlapping; without a sample, equal values (as shown) are a tie. A probe over fewer
+    than MIN_CONVERSATIONS held-out conversations ties every set."""
+    a, b = top.value(basis), r.value(basis)
+    if basis == "probe agreement":
+        if top.probe_counts and len(top.probe_counts) < MIN_CONVERSATIONS:
+            return True                  # a bootstrap over so few conversations cannot tell sets apart
+        if top.probe_counts and top.probe_counts == r.probe_counts and top.probe_hits and r.probe_hits \
+                and len(top.probe_counts) >= 2:
+            idx = bootstrap.resample(len(top.probe_counts))
+            counts = torch.tensor(top.probe_counts)
+            diff = (bootstrap.ratio_of_sums(torch.tensor(top.probe_hits), counts, idx)
+                    - bootstrap.ratio_of_sums(torch.tensor(r.probe_hits), counts, idx))
+            ci = bootstrap.interval(diff)
+            return ci is None or not ci[0] > 0
+        if fmt.has_ci(top.probe_ci) and fmt.has_ci(r.probe_ci):
+            return top.probe_ci[0] <= r.probe_ci[1]
+    elif basis == "held-out agreement" and top.agreement_n and r.agreement_n:
+        se = math.sqrt(a * (1 - a) / top.agreement_n + b * (1 - b) / r.agreement_n)
+        return a - b <= Z95 * se
+    elif basis == "τ":
+        if r.is_default and top.delta_ci and None not in top.delta_ci:       # a study's paired difference
+            return not _above(top.delta_ci)
+        if top.is_default and r.delta_ci and None not in r.delta_ci:
+            return not r.delta_ci[1] < 0
+        if fmt.has_ci(top.tau_ci) and fmt.has_ci(r.tau_ci):
+            return top.tau_ci[0] <= r.tau_ci[1]
+        return fmt.tau(a) == fmt.tau(b)
+    return fmt.percent(a) == fmt.percent(b)
+
+
+def _rank(measured: list[Ranked], basis: str) -> list[Ranked]:
+    """Ranks 1.. by the basis, the sets tied with the best all 1 (`tied` set), equal values level; returns the
+    tie at the top (the best and those tied with it)."""
+    top = measured[0]
+    group = [top] + [r for r in measured[1:] if tied(top, r, basis)]
+    for i, r in enumerate(measured, start=1):
+        r.tied = len(group) > 1 and r in group
+        prev = measured[i - 2] if i > 1 else None
+        r.rank = 1 if r in group else (prev.rank if prev is not None and prev.value(basis) == r.value(basis) else i)
+    return group
+
+
+def _tie_pick(group: list[Ranked]) -> tuple[Ranked, str]:
+    """The set recommended from a tie, and why: the default rule when it is in the tie, else the first set with
+    no flag (never one that reads the embedding output or the final state), else the best measured."""
+    default = next((r for r in group if r.is_default and not r.flags), None)
+    if default is not None:
+        return default, "the default rule, the established choice"
+    clean = next((r for r in group if not r.flags), None)
+    if clean is not None:
+        why = "the best measured of them" if clean is group[0] else "the best measured of them without a flag"
+        return clean, why + (" (the others read the embedding output or the final state)"
+                             if any(r.flags for r in group) else "")
+    return group[0], "the best measured; every set in the tie has a flag"
+
+
 def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recommendation:
     """Rank the rows of size `k` by the strongest evidence covering two or more of them; recommend one, say why."""
     ev = ev or Evidence()
@@ -197,12 +331,24 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
         raise ValueError("recommend needs at least one layer set")
     source = _attach(same, ev)
     _attach(other, ev)
-    basis = next((b for b in BASES if sum(r.value(b) is not None for r in same) >= 2), None)
-    measured = sorted([r for r in same if r.value(basis) is not None], key=lambda r: (-r.value(basis), r.layers))
-    rest = [r for r in same if r.value(basis) is None or basis is None]
-    for i, r in enumerate(measured, start=1):
-        r.rank = i
-    ranked = measured + [r for r in rest if r not in measured]
+    basis, measured, refused, left_out = None, [], [], []
+    for b in BASES:
+        have = [r for r in same if r.value(b) is not None]
+        left = []
+        if b == "held-out agreement":
+            have, left = _same_budget(have)
+            if left and len(have) < 2:
+                refused.append(f"The drafts' held-out agreement does not rank these sets: the drafts were trained on "
+                               f"different budgets ({_budgets(left + have)} training tokens), so their agreement "
+                               "differs by the budget as much as by the layers. Train them on one budget (the study "
+                               "does) to compare them.")
+                continue
+        if len(have) >= 2:
+            basis, left_out = b, left
+            measured = sorted(have, key=lambda r: (-r.value(b), r.layers))
+            break
+    group = _rank(measured, basis) if measured else []
+    ranked = measured + [r for r in same if r not in measured]
     default = next((r for r in same if r.is_default), None)
     proxy_top = max((r for r in same if r.aggregate_entropy is not None and not r.flags),
                     key=lambda r: r.aggregate_entropy, default=None)
@@ -211,10 +357,12 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
     if basis is None:
         best = default
         if default is not None:
-            text = (f"Recommended: the default rule {fmt.layers(default.layers)}, EAGLE-3's choice, as nothing measured "
-                    f"yet tells these {len(same)} sets of {k} layers apart.")
+            text = (f"Recommended: the default rule {fmt.layers(default.layers)}, EAGLE-3's choice, as "
+                    f"{'no comparable measurement' if refused else 'nothing measured'} yet tells these {len(same)} "
+                    f"sets of {k} layers apart.")
         else:
             text = f"No recommendation for sets of {k} layers yet: nothing measured tells these {len(same)} sets apart."
+        text += "".join(" " + x for x in refused)
         text += (" The proxies in the table describe each set, but every strategy maximises one of them, so they "
                  "cannot rank the strategies. Train a draft for two or more sets (or run the study) on the Speculative "
                  "decoding page; their held-out agreement and measured τ then rank them.")
@@ -240,23 +388,43 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
             else:
                 why.append(f"above the default rule beyond the interval ({gap})")
     else:
-        why.append(f"the highest {basis} of the {len(measured)} sets with one ({fmt.percent(top.value(basis))}, "
-                   f"from {where})")
+        why.append(f"the highest {basis} of the {len(measured)} sets with one, from {where}: {evidence(top, basis)}")
+        if len(measured) > 1 and len(group) == 1:
+            nxt = measured[1]
+            why.append(f"next, {nxt.name} {fmt.layers(nxt.layers)}: {evidence(nxt, basis)}")
         why.append("an estimate of first-position acceptance, not a measurement of τ: confirm it with a benchmark "
                    "or the study" if basis == "held-out agreement" else
                    "a closed-form fit, not a trained draft: confirm it with drafts, a benchmark or the study")
+    tie_text = ""
+    if len(group) > 1:
+        pick, reason = _tie_pick(group)
+        if best is top or best not in group:
+            best = pick
+        names = "; ".join(f"{r.name} {fmt.layers(r.layers)} {evidence(r, basis)}" for r in group)
+        tie_text = (f" A tie: the {basis} does not tell {len(group)} sets apart ({names}); they are ranked level, "
+                    f"and {best.name} {fmt.layers(best.layers)} is recommended as "
+                    + (reason if best is pick else "the default rule, the established choice") + ".")
+        if basis != "τ":
+            why[0] = f"tied at the top by the {basis}, from {where}"
     text = (f"Recommended: {best.name} {fmt.layers(best.layers)}, "
-            + ("; ".join(why)) + ".")
+            + ("; ".join(why)) + "." + tie_text)
+    if left_out:
+        text += (f" Left out of the ranking: {_budgets(left_out)} training tokens, a different budget from the drafts "
+                 f"ranked ({_budgets([r for r in measured if r.budget])}); their agreement is not comparable.")
+    if basis == "τ" and (source or "").startswith("benchmark"):
+        budgets = sanity.budget_warning(_budget_rows(measured))
+        if budgets:
+            text += " Caution: " + budgets
 
     disagreement = None
     if proxy_top is not None and proxy_top is not best and proxy_top.value(basis) is not None \
-            and best.value(basis) is not None and proxy_top.value(basis) < best.value(basis):
+            and best.value(basis) is not None and proxy_top.value(basis) < best.value(basis) and not proxy_top.tied:
         if basis == "τ":
             diff = (fmt.interval(proxy_top.delta, proxy_top.delta_ci, "delta")
                     if best.is_default and proxy_top.delta is not None else fmt.delta(proxy_top.tau - best.tau))
             numbers = f"τ {_interval_text(proxy_top)} against {_interval_text(best)} (Δτ {diff})"
         else:
-            numbers = f"{basis} {fmt.percent(proxy_top.value(basis))} against {fmt.percent(best.value(basis))}"
+            numbers = f"{basis} {evidence(proxy_top, basis)} against {evidence(best, basis)}"
         disagreement = (f"The measurements disagree with the proxies: {proxy_top.name} {fmt.layers(proxy_top.layers)} "
                         f"has the highest aggregate entropy of these sets (the proxy the `aggregate` strategy maximises), "
                         f"but measured lower: {numbers}. The recommendation follows the measurement.")
@@ -268,10 +436,21 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
         if doubtful:
             text += (f" Caution: the drafts behind {', '.join(doubtful)} may not have learned ("
                      + next(why for why in reasons if why) + "), so their numbers say little about their layers.")
+    text += "".join(" " + x for x in refused)
     if basis != "τ" and ev.measured:
         text += f" (No measured τ covers two or more sets of {k} layers yet.)"
     return Recommendation(k, ranked, best, basis, where, text, disagreement, other,
                           default.rank if default is not None else None)
+
+
+def probe_job_current(view, k: int) -> bool:
+    """Whether the Layer sets page shows the latest probe job's status at set size `k`: while it runs or when it
+    failed, and once done only when it scored a set of `k` layers (a "done" from another size is stale)."""
+    if view is None:
+        return False
+    if view.state != "done":
+        return True
+    return any(len(x.get("layers") or []) == int(k) for x in (view.result or {}).get("sets") or [])
 
 
 def set_label(names, layers, session_sets=()) -> str:

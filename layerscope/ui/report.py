@@ -14,7 +14,7 @@ from layerscope import fmt, layerset, plots
 from layerscope.decoding.bench import interval_note
 from layerscope.session.model import Session, now_iso
 from layerscope.stats.analysis import sample_note
-from layerscope.ui import recommend, sanity
+from layerscope.ui import recommend, sanity, speculate
 from layerscope.ui.recommend import set_label
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2rem auto;padding:0 1rem;color:#222}
@@ -60,7 +60,7 @@ def session_report(s: Session) -> str:
         "model": s.model, "prompt set": s.prompt_set, "capture": s.capture_key, "prompts": cap.get("conversations"),
         "tokens": cap.get("tokens"), "layers": f"0..{cap.get('num_layers')}" if cap.get("num_layers") else None}]))
     stats = s.stats_dict()
-    verdict = None
+    verdict = verdict_head = None
     colors = plots.palette([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts],
                            default=layerset.default_layers(s.num_layers)[0] if s.num_layers else None)
     if stats is not None:
@@ -82,6 +82,8 @@ def session_report(s: Session) -> str:
                                                title=f"CKA, {kernel} kernel ({estimator})")))
         rec = recommendation(s, stats)
         verdict = rec.text
+        verdict_head = ("Verdict" if rec.basis == "τ" else        # a measurement; else say what it rests on
+                        f"Recommendation (no measured τ: {f'an estimate from {rec.source}' if rec.basis else 'nothing measured yet'})")
         basis = f"ranked by {rec.basis} ({rec.source})" if rec.basis else "not ranked: nothing measured tells them apart"
         parts.append(f"<h2>Layer sets of {rec.k} layers, {_e(basis)}</h2>" + _table([{
             "rank": r.rank, "set": r.name, "layers": fmt.layers(r.layers),
@@ -90,10 +92,17 @@ def session_report(s: Session) -> str:
             "τ [95% interval]": fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None,
             "measured in": r.tau_source,
             "held-out agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
-            "probe agreement": fmt.percent(r.probe) if r.probe is not None else None,
+            "held-out positions": r.agreement_n, "training tokens": r.budget,
+            "probe agreement [95% interval]": (fmt.interval(r.probe, r.probe_ci, "percent")
+                                               if r.probe is not None else None),
+            "probe sample": (f"{fmt.count(sum(r.probe_counts))} positions, {len(r.probe_counts)} conversations"
+                             if r.probe_counts else None),
+            "tie": "tied at the top" if r.tied else "",
             "aggregate entropy (nats)": r.aggregate_entropy, "mean entropy": r.mean_entropy,
             "mean CKA": fmt.NOT_APPLICABLE if r.mean_cka is None else r.mean_cka,
             "flags": "; ".join(f.split(":")[0] for f in r.flags)} for r in rec.ranked]))
+        if rec.best is not None:                                      # the page's notes on the recommended set
+            parts += [f"<p class='warn'>Note: {_e(flag)}.</p>" for flag in rec.best.flags]
         parts.append("<p class='note'>Entropy and CKA describe each set; every strategy maximises one of them, so "
                      "they do not rank. Sets are ranked by measured τ, else trained drafts' held-out agreement, else "
                      "the probe, within one set size.</p>")
@@ -112,6 +121,8 @@ def session_report(s: Session) -> str:
                               "lossless": r.get("lossless")} for r in rows]))
         if b.get("intervals"):
             parts.append(f"<p class='note'>{_e(interval_note(b['intervals']))}</p>")
+        for level, text in speculate.run_warnings(b, s.drafts):        # every warning the page showed
+            parts.append(f"<p class='{'note' if level == 'note' else 'warn'}'>{_e(text)}</p>")
         if rows:
             parts.append(_figure(plots.bench_comparison(rows, colors=colors)))
     if s.study:
@@ -134,7 +145,7 @@ def session_report(s: Session) -> str:
             parts.append("<p>Spearman correlation with τ: " + " · ".join(
                 f"{_e(fmt.name(k))} {'n/a' if v is None else fmt.delta(v)}" for k, v in corr.items()) + "</p>")
     if verdict:
-        parts.insert(2, f"<div class='verdict'><b>Verdict.</b> {_e(verdict)}</div>")
+        parts.insert(2, f"<div class='verdict'><b>{_e(verdict_head)}.</b> {_e(verdict)}</div>")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
             f"<title>LayerScope report: {_e(title)}</title><style>{STYLE}</style>"
             f"<script>{get_plotlyjs()}</script></head><body>" + "\n".join(parts) + "</body></html>")

@@ -8,8 +8,12 @@ import statistics
 from layerscope import fmt
 
 FEW_PROMPTS = 10          # below this τ and speedup move a lot from one prompt set to the next
+ENOUGH_PROMPTS = 2 * FEW_PROMPTS   # what a comparison of drafts should use (BenchOptions.limit's default)
 FEW_SETS = 5              # a Spearman correlation over fewer sets is anecdote
+BUDGET_RATIO = 1.5        # drafts whose training tokens differ by more than this factor compare budgets, not layers
 UNTRAINED_AGREEMENT = 0.02   # held-out agreement at draft position 1 below this: the draft predicts next to nothing
+LOW_AGREEMENT = 0.05      # below this floor a draft has barely learned, whatever the others reach
+FAR_BELOW = 0.25          # ... and below this share of the best other draft's agreement it is far behind them
 SAME_TAU = 3              # this many drafts reading different layers at exactly one τ: they ignore their layers
 
 
@@ -42,15 +46,24 @@ def _same(values) -> dict:
 
 def collapse_reasons(rows) -> list[str | None]:
     """Why each draft may not have learned, or None. rows: [{"layers", "tau"?, "val_accuracy"?}] (drafts, benchmark
-    rows of drafts, study rows). A draft is flagged when its held-out agreement is about 0, when it accepted no draft
+    rows of drafts, study rows). A draft is flagged when its held-out agreement is about 0, below LOW_AGREEMENT, or
+    below FAR_BELOW of the best other draft's, when it accepted no draft
     token at all (τ exactly 1), when SAME_TAU or more drafts reading different layers reach exactly the same τ, or
     when drafts reading different layers have exactly the same held-out agreement: a draft that uses its layers
     differs from one that reads others, so exact ties say the drafts ignore their layers (collapsed to one answer)."""
     out: list[list[str]] = [[] for _ in rows]
+    accs = [agreement(r.get("val_accuracy")) for r in rows]
     for i, r in enumerate(rows):
-        a = agreement(r.get("val_accuracy"))
+        a = accs[i]
+        best_other = max((x for j, x in enumerate(accs) if j != i and x is not None), default=None)
         if a is not None and a < UNTRAINED_AGREEMENT:
             out[i].append(f"held-out agreement {fmt.percent(a)} ≈ 0: it has not learned to predict the target")
+        elif a is not None and best_other is not None and a < FAR_BELOW * best_other:
+            out[i].append(f"held-out agreement {fmt.percent(a)}, far below the best other draft's "
+                          f"{fmt.percent(best_other)}: it is undertrained (a smaller budget?) or broken")
+        elif a is not None and a < LOW_AGREEMENT:
+            out[i].append(f"held-out agreement {fmt.percent(a)}, below {fmt.percent(LOW_AGREEMENT)}: it has barely "
+                          "learned to predict the target")
         if r.get("tau") is not None and round(float(r["tau"]), 6) == 1.0:
             out[i].append("τ exactly 1: the target accepted none of its tokens")
     taus = [round(float(r["tau"]), 4) if r.get("tau") is not None and r.get("layers") else None for r in rows]
@@ -82,6 +95,28 @@ def collapse_warning(rows, what: str = "drafts") -> str | None:
             "(online training), then compare again.")
 
 
+def different_budgets(rows) -> bool:
+    """Whether the drafts `rows` ([{"tokens", ...}]; unknown tokens left out) were trained on budgets more than
+    BUDGET_RATIO apart."""
+    known = [int(r["tokens"]) for r in rows if r.get("tokens")]
+    return len(known) >= 2 and max(known) > BUDGET_RATIO * min(known)
+
+
+def budgets_text(rows) -> str:
+    """'default [2, 15, 27] 1,250,000, greedy [1, 9, 20] 17,000' (training tokens) of the drafts with a known budget."""
+    return ", ".join(f"{r.get('name') or 'draft'} {fmt.layers(r.get('layers'))} {fmt.count(r['tokens'])}"
+                     for r in rows if r.get("tokens"))
+
+
+def budget_warning(rows) -> str | None:
+    """A sentence when the drafts `rows` ([{"name", "layers", "tokens"}]) were trained on different budgets."""
+    if not different_budgets(rows):
+        return None
+    return (f"The drafts compared were trained on different budgets ({budgets_text(rows)} training tokens): a "
+            "difference in τ or agreement may be the budget's, not the layers'. Train them on one budget (the study "
+            "does) to compare layer sets.")
+
+
 def bench_warnings(rows, prompts: int) -> list[str]:
     out = []
     bad = implausible_speedups(rows)
@@ -91,7 +126,7 @@ def bench_warnings(rows, prompts: int) -> list[str]:
                    "machine or with more prompts.")
     if 0 < prompts < FEW_PROMPTS:
         out.append(f"Only {prompts} prompt(s): τ and speedup change a lot from one prompt to the next; compare drafts "
-                   f"on at least {2 * FEW_PROMPTS} held-out prompts before drawing a conclusion.")
+                   f"on at least {ENOUGH_PROMPTS} held-out prompts before drawing a conclusion.")
     return out
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from layerscope import fmt, layerset
+from layerscope import fmt, layerset, machine
 from layerscope.draft.loss import simulated_acc_len
 from layerscope.study.run import online_settings
 from layerscope.ui import sanity
@@ -40,6 +40,12 @@ def small_capture_warning(capture: dict | None) -> str | None:
     return (f"This capture holds {tokens:,} tokens: far too few to train a useful draft (it will learn "
             f"the training prompts by heart: high training accuracy, low held-out acceptance). Capture at "
             f"least {SMALL_CAPTURE_TOKENS:,} tokens, or train online.")
+
+
+def default_training_mode(capture: dict | None) -> str:
+    """Where the training widgets start: "online" when the capture is too small to train a useful draft
+    (small_capture_warning), else "capture"."""
+    return "online" if small_capture_warning(capture) else "capture"
 
 
 def is_online(metrics: dict) -> bool:
@@ -118,13 +124,10 @@ def live_acceptance(metrics: dict) -> dict[str, list[float]]:
 def bench_frame(res: dict, drafts) -> tuple[pd.DataFrame, str | None]:
     """A benchmark run's table (one row per contender, flagged when a draft may not have learned) and the warning
     about such drafts, or None. `drafts`: the session's, for each draft's held-out agreement."""
-    by_path = {d["path"]: d for d in drafts}
     rows = res.get("results", [])
     depth_max = max((len(r.get("acceptance_by_position") or []) for r in rows), default=0)
     paired = any(r.get("paired") for r in rows)
-    agreement_of = {d["name"]: by_path[d["path"]].get("val_accuracy") for d in res.get("drafts") or []
-                    if d.get("path") in by_path}
-    measured = [{**r, "val_accuracy": agreement_of.get(r["name"])} if r.get("layers") else {} for r in rows]
+    measured = _measured(res, drafts)
     flags = sanity.collapse_reasons(measured)
     df = pd.DataFrame([{
         "contender": r["name"], "layers": fmt.layers(r["layers"]) if r.get("layers") else "",
@@ -143,7 +146,39 @@ def bench_frame(res: dict, drafts) -> tuple[pd.DataFrame, str | None]:
         **({"predicted": fmt.speedup(r.get("predicted_speedup"))} if res.get("cost_curve") else {}),
         "lossless": r.get("lossless"), "flag": flag or "",
     } for r, flag in zip(rows, flags)])
-    return df, sanity.collapse_warning([m for m in measured if m])
+    return df, sanity.collapse_warning([m for m in measured if m])   # (run_warnings says it too)
+
+
+def _measured(res: dict, drafts) -> list[dict]:
+    """A benchmark run's rows, each draft's with its held-out agreement and training tokens (from the session's
+    `drafts`); {} for plain decoding."""
+    by_path = {d["path"]: d for d in drafts}
+    draft_of = {d["name"]: by_path[d["path"]] for d in res.get("drafts") or [] if d.get("path") in by_path}
+    return [{**r, "val_accuracy": (draft_of.get(r["name"]) or {}).get("val_accuracy"),
+             "tokens": (draft_of.get(r["name"]) or {}).get("tokens_seen")} if r.get("layers") else {}
+            for r in res.get("results", [])]
+
+
+def run_warnings(res: dict, drafts) -> list[tuple[str, str]]:
+    """Everything a benchmark run's view warns of or notes, as (level, text), level "error", "warning" or "note":
+    drafts that may not have learned, drafts of different budgets, a busy machine, the run's own notes, few
+    prompts, speedups above τ, outputs that differ from plain decoding. The page and the HTML report both say
+    these."""
+    rows = res.get("results", [])
+    measured = [m for m in _measured(res, drafts) if m]
+    out = []
+    bad = not_lossless(rows)
+    if bad:
+        out.append(("error", f"Outputs differ from plain greedy decoding for {', '.join(bad)}. This is a bug in the "
+                             "decoder; please report it with the session file."))
+    for w in (sanity.collapse_warning(measured), sanity.budget_warning(measured)):
+        if w:
+            out.append(("warning", w))
+    if res.get("machine"):
+        out.append(("note" if res["machine"].get("quiet") else "warning", machine.line(res["machine"])))
+    out += [("note", f"Note: {w}.") for w in res.get("warnings") or []]
+    out += [("warning", w) for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0))]
+    return out
 
 
 def not_lossless(rows) -> list[str]:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import streamlit as st
 
-from layerscope import fmt, machine, plots
+from layerscope import fmt, plots
 from layerscope.decoding.bench import auto_note, interval_note
 from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.ui import sanity, speculate, tasks
 from layerscope.ui.state import bind_view, commit
-from layerscope.ui.widgets import chart, guard, highlighted_tokens, legend_html, md_text, show_error, table
+from layerscope.ui.widgets import chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, show_error, table
 
 # ---------------------------------------------------------------------------- live panels (views.live_job's details)
 
@@ -154,27 +154,20 @@ def bench_run(s, i: int, colors: dict) -> None:
     draft position, the cost curve and the per-category table."""
     res = s.bench_results[i]
     rows = res.get("results", [])
-    df, collapsed = speculate.bench_frame(res, s.drafts)
+    df, _ = speculate.bench_frame(res, s.drafts)
     table(df, key="ls_spec_bench_table", filename=f"benchmark-{i + 1}")
-    if collapsed:
-        st.warning(md_text(collapsed), icon=":material/warning:")
     st.caption(md_text(interval_note(res["intervals"])) if res.get("intervals")
                else "No intervals: this run had a single prompt, or was saved before benchmarks kept per-prompt totals.")
     for r in rows:
         if r.get("chosen"):
-            st.markdown(md_text(auto_note(r)))
+            st.markdown(md_text(in_app_words(auto_note(r))))
         elif r.get("verdict"):
             st.caption(md_text(f"{r['name']}: {r['verdict']}"))
-    if res.get("machine"):
-        (st.caption if res["machine"].get("quiet") else st.warning)(md_text(machine.line(res["machine"])))
-    for w in res.get("warnings") or []:
-        st.caption(f"Note: {md_text(w)}.")
-    for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0)):
-        st.warning(w, icon=":material/warning:")
-    bad = speculate.not_lossless(rows)
-    if bad:
-        st.error(f"**Outputs differ from plain greedy decoding for {', '.join(bad)}.** This is a bug in the decoder; "
-                 "please report it with the session file.")
+    for level, text in speculate.run_warnings(res, s.drafts):        # the report says the same (ui/report.py)
+        if level == "note":
+            st.caption(md_text(text))
+        else:
+            (st.error if level == "error" else st.warning)(md_text(text), icon=":material/warning:")
     # τ and speedup span the page (two panels of contender names: at half width they were cramped)
     chart(plots.bench_comparison(rows, colors=colors), key="ls_spec_bench_cmp", filename=f"benchmark-{i + 1}-tau-speedup")
     g1, g2 = st.columns(2)

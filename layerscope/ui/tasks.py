@@ -91,6 +91,11 @@ def capture_summary(manifest: dict) -> dict:
     return out
 
 
+def bench_defaults() -> BenchOptions:
+    """What the benchmark widgets start from: BenchOptions' defaults (20 prompts: sanity.ENOUGH_PROMPTS)."""
+    return BenchOptions()
+
+
 @job_task
 def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
                 store, analysis_options: dict | None = None, sample_positions: int | None = None,
@@ -258,7 +263,9 @@ def draft_entry(path, meta: dict, *, name: str | None = None) -> dict:
             "strategy": meta.get("strategy"), "val_accuracy": meta.get("val_accuracy"),
             "target_fingerprint": meta.get("target_fingerprint"), "capture_key": meta.get("capture_key"),
             "steps": (meta.get("budget") or {}).get("resolved_steps"), "seconds": meta.get("seconds"),
-            "train_tokens": meta.get("train_tokens"), "tokens_seen": meta.get("tokens_seen"),
+            "train_tokens": meta.get("train_tokens"),
+            "tokens_seen": meta.get("tokens_seen_total", meta.get("tokens_seen")),   # a continued draft: both runs
+            "val_positions": meta.get("val_positions"),
             "curve": meta.get("curve")}
 
 
@@ -333,7 +340,8 @@ def offer_builtin(s) -> bool:
 @job_task
 def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
     """probe.score_sets on the capture: each set's held-out agreement of a closed-form ridge map (no training;
-    cached in the store per set). Result: {"capture_key", "sets": [{"layers", "agreement", "explained_variance"}]}."""
+    cached in the store per set). Result: {"capture_key", "sets": [{"layers", "agreement", "explained_variance",
+    "agreement_ci", "hits", "counts"}]} (hits and counts: per held-out conversation, the sample behind the agreement)."""
 
     def run(job):
         target = load_in_job(job, model, store)
@@ -342,7 +350,8 @@ def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
         report = probe.score_sets(cap, target, [list(x) for x in sets], store=store,
                                   progress=lambda frac, msg="": job.update(0.05 + 0.95 * float(frac), msg or None))
         return {"capture_key": capture_key, "seconds": report.seconds, "cached": report.cached,
-                "sets": [{"layers": list(x.layers), "agreement": x.agreement, "explained_variance": x.explained_variance}
+                "sets": [{"layers": list(x.layers), "agreement": x.agreement, "explained_variance": x.explained_variance,
+                          "agreement_ci": x.agreement_ci, "hits": x.hits, "counts": x.counts}
                          for x in report.sets]}
 
     return run

@@ -23,6 +23,25 @@ IMAGE_FORMAT_KEY = "ls_image_format"
 
 # ---------------------------------------------------------------------------- errors
 
+# The backend writes its messages for both faces in the command line's words; the app says its own actions.
+CLI_WORDS = (
+    ("Run the same command again", "Start the same job again on its page"),
+    ("run the same command again", "start the same job again on its page"),
+    ("pass --store on a larger disk", "point LAYERSCOPE_STORE at a larger disk and restart the app"),
+    ("(--auto-even-if-slower runs it anyway)", "(turn K = auto off and pick a depth to run the draft anyway)"),
+    ("--k auto", "K = auto"),
+    ("--tree auto", "tree = auto"),
+)
+
+
+def in_app_words(text: str | None) -> str:
+    """A backend message as the app says it: the command line's actions replaced by the app's (CLI_WORDS)."""
+    text = "" if text is None else str(text)
+    for cli, app in CLI_WORDS:
+        text = text.replace(cli, app)
+    return text
+
+
 def show_error(e: BaseException | str, fix: str | None = None) -> None:
     """A LayerScopeError (or problem + fix) as an error box: the problem in bold, then the fix."""
     if isinstance(e, LayerScopeError):
@@ -32,6 +51,7 @@ def show_error(e: BaseException | str, fix: str | None = None) -> None:
         fix = fix or "This is a bug in LayerScope; the server log has the details"
     else:
         problem = str(e).rstrip(".")
+    problem, fix = in_app_words(problem), in_app_words(fix)
     st.error(f"**{md_text(problem)}.** {md_text(fix or '')}".strip(), icon=":material/error:")   # user text inside: escaped
 
 
@@ -191,7 +211,8 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
     per job on the page; the outcome after."""
     if view.running:
         p = view.progress if view.progress is not None else 0.0
-        parts = [f"{md_text(view.title)}: {md_text(view.message)}" + (" (cancelling…)" if view.cancel_requested else "")]
+        parts = [f"{md_text(view.title)}: {md_text(in_app_words(view.message))}"
+                 + (" (cancelling…)" if view.cancel_requested else "")]
         rate = rate_text(view)
         if rate:
             parts.append(rate)
@@ -211,7 +232,7 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
         st.warning(f"{md_text(view.error)}. {md_text(view.fix)}.", icon=":material/restart_alt:")
     elif view.state == CANCELLED:
         st.warning(f"{md_text(view.title)} was cancelled after {fmt.duration(view.elapsed)}. "
-                   + (view.fix or ""), icon=":material/stop_circle:")
+                   + in_app_words(view.fix), icon=":material/stop_circle:")
     elif view.state == DONE:
         st.success(f"{md_text(view.title)}: done in {fmt.duration(view.elapsed)}.", icon=":material/check_circle:")
 

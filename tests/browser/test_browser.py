@@ -312,6 +312,8 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
 
     # --- speculative decoding: train a draft for the set, then a benchmark with live numbers
     goto_page(page, "Speculative decoding")
+    page.get_by_role("radio", name="from this capture").check(force=True)   # a small capture starts online
+    wait_idle(page)
     set_number(page, "Training steps", 3)
     goto_page(page, "Entropy")                     # the training steps stay after leaving the page
     goto_page(page, "Speculative decoding")
@@ -440,6 +442,8 @@ def test_a_reload_shows_a_running_training_live_on_its_page_again(server, browse
     page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
     wait_idle(page)
     goto_page(page, "Speculative decoding")
+    page.get_by_role("radio", name="from this capture").check(force=True)   # a small capture starts online
+    wait_idle(page)
     set_number(page, "Training steps", 20000)
     page.get_by_role("button", name="Train draft").click()
     main = page.locator("[data-testid='stMain']")
