@@ -247,7 +247,7 @@ def test_bench_wait_and_auto_k_calibration_progress(tiny, draft_dir, store):
     """workflow.bench with --wait-quiet (a rule this machine passes at once) and --k auto: the phases come in
     order (wait, cost curve, calibrate with counts 1..N, decode), and the auto contender says what it chose."""
     o = BenchOptions(model="tiny-llama", prompts="builtin", limit=2, max_new_tokens=4, ks=(), auto_k=True, peers=False,
-                     machine=replace(ALWAYS_QUIET, wait_s=20, settle_s=0.2))
+                     auto_even_if_slower=True, machine=replace(ALWAYS_QUIET, wait_s=20, settle_s=0.2))
     seen = []
     done = workflow.bench([("low", draft_dir)], o, store, load=lambda spec, st: tiny, progress=seen.append)
     phases = [p.phase for p in seen]
@@ -284,8 +284,8 @@ def test_app_benchmark_defaults_to_auto_and_shows_the_calibration(tiny, draft_di
     assert [f for f, _ in cal] == sorted(f for f, _ in cal)
     first_decode = next(i for i, (_, _, phase) in enumerate(updates) if phase == "decode")
     assert max(i for i, (_, _, phase) in enumerate(updates) if phase == "calibrate") < first_decode
-    auto = out["results"][1]
-    assert out["k"] == "auto" and auto["chosen"]["k"] in cm.AUTO_KS and "speedup" in auto["calibrated"]
+    auto = out["results"][1]       # an untrained draft: nothing pays, so the app's auto decodes plainly and says why
+    assert out["k"] == "auto" and auto["chosen"] == {"plain": True} and auto["calibrated"]["speedup"] < 1.0
     assert {"quiet", "others_cpu", "load"} <= set(out["machine"])
 
 
