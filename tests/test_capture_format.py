@@ -113,3 +113,35 @@ def test_states_beyond_float16s_range_are_stored_in_bfloat16(tmp_path):
     cap = open_capture(store, capture(small, prompts, store, max_new_tokens=4, batch_size=2).key)
     assert capture_format.read_header(next(cap.path.glob("chunk-*.safetensors")))["hidden.0"]["dtype"] == "F16"
     store.close()
+
+
+def test_listings_agree_with_the_commands_on_damaged_and_incomplete_captures(tiny, tmp_path):
+    """A chunk whose bytes changed (same size): `captures` says ok until a read or `captures --verify` checks the
+    checksum, then DAMAGED everywhere, and `analyze` refuses it at once; an unfinished capture is named by
+    `analyze` as `captures` lists it, with the same fix."""
+    import subprocess
+    import sys
+
+    from layerscope.capture.run import capture
+    from layerscope.capture.stored import list_captures, partial_capture_dir
+    from layerscope.prompts.sets import load_prompts
+    from layerscope.store import Store
+
+    store = Store(tmp_path / "s")
+    key = capture(tiny, load_prompts("builtin", limit=2, seed=0), store, max_new_tokens=4, batch_size=2).key
+    chunk = next(store.path("captures", key).glob("chunk-*.safetensors"))
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0xFF                                             # one state byte: size and header unchanged
+    chunk.write_bytes(bytes(raw))
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "layerscope", *a, "--store", str(store.root)],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    assert [r["state"] for r in list_captures(store)] == ["ok"]
+    listed = cli("captures", "--verify")
+    assert listed.returncode == 0 and "DAMAGED" in listed.stdout and "does not match its checksum" in listed.stdout
+    assert [r["state"] for r in list_captures(store)] == ["damaged"]
+    refused = cli("analyze", key)
+    assert refused.returncode == 2 and f"Capture {key} is damaged: chunk" in refused.stderr
+    partial_capture_dir(store, "ab" * 12).mkdir(parents=True)
+    row = next(r for r in list_captures(store, incomplete=True) if r["state"] == "incomplete")
+    unfinished = cli("analyze", "abab")
+    assert unfinished.returncode == 2 and f"Capture {'ab' * 12} is incomplete: {row['problem']}. {row['fix']}" in unfinished.stderr

@@ -44,6 +44,7 @@ finishes and lists captures in a store (layerscope/store.py: the entry directori
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import struct
@@ -110,9 +111,32 @@ def damaged(path: Path, problem: str) -> StoreError:
                       f"Do not use it: run `layerscope verify {key} --delete` to remove it, then capture again")
 
 
+DAMAGE_FILE = ".damaged.json"      # inside a capture found damaged by a checksum: what was wrong (never listed)
+
+
+def mark_damaged(path: Path, problem: str) -> None:
+    """Remember in the capture directory `path` that a check found it damaged, so that every listing and every
+    later open says so at once (best effort: a read-only store only keeps saying it on each full read)."""
+    try:
+        (Path(path) / DAMAGE_FILE).write_text(json.dumps({"problem": problem}))
+    except OSError:
+        pass
+
+
+def known_damage(path: Path) -> str | None:
+    """The problem a check recorded in the capture directory `path` (mark_damaged), or None."""
+    try:
+        doc = jsonsafe.loads((Path(path) / DAMAGE_FILE).read_bytes()[:65536], what=DAMAGE_FILE, error=StoreError)
+    except (OSError, StoreError):
+        return None
+    return str(doc.get("problem") or "a check found it damaged") if isinstance(doc, dict) else None
+
+
 def read_manifest(path: Path) -> dict:
     """The manifest of the capture directory `path`, parsed and validated; StoreError naming the key if not."""
     f = Path(path) / "manifest.json"
+    if (damage := known_damage(path)) is not None:
+        raise damaged(path, damage)
     try:
         if f.stat().st_size > MAX_MANIFEST_BYTES:
             raise damaged(path, f"manifest.json is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
@@ -245,6 +269,7 @@ def verify_capture_files(path: Path) -> list[str]:
             problems.append(f"chunk {c['file']} has no checksum (captured before checksums were recorded)")
         elif file_sha256(Path(path) / c["file"]) != c["sha256"]:
             problems.append(f"chunk {c['file']} does not match its checksum (its bytes changed)")
+            mark_damaged(path, problems[-1])
     return problems
 
 
@@ -292,6 +317,7 @@ class CaptureReader:
             except OSError as e:
                 raise damaged(self.path, f"chunk {f} is unreadable ({e.strerror})") from None
             if want and got != want:
+                mark_damaged(self.path, f"chunk {f} does not match its checksum (its bytes changed)")
                 raise damaged(self.path, f"chunk {f} does not match its checksum (its bytes changed)")
             self._verified.add(f)
         return str(self.path / f)

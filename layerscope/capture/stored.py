@@ -63,6 +63,10 @@ def resolve_capture_key(store: Store, key: str) -> str:
         shown = ", ".join(matches[:10]) + (f" and {len(matches) - 10} more" if len(matches) > 10 else "")
         raise StoreError(f"The prefix {key!r} matches {len(matches)} captures: {shown}",
                          "Type more characters of the key")
+    unfinished = [r for r in incomplete_captures(store) if r["key"].startswith(key)]
+    if len(unfinished) == 1:          # named as `captures` lists it, with the same fix
+        r = unfinished[0]
+        raise StoreError(f"Capture {r['key']} is incomplete: {r['problem']}", r["fix"])
     raise StoreError(f"No capture with key {key!r} in {store.root}",
                      "Run `layerscope captures` to list the stored keys, or capture first")
 
