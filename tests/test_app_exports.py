@@ -19,9 +19,10 @@ from streamlit.testing.v1 import AppTest
 from layerscope import machine
 from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.session import share, storage
-from layerscope.session.model import Session
+from layerscope.session.model import Session, owner_hash
 from layerscope.store import Store
 from layerscope.ui import sanity, speculate
+from layerscope.ui.access import OWNER_KEY
 from layerscope.ui.report import session_report
 from layerscope.ui.tasks import draft_entry
 from tests.helpers import untrained_draft
@@ -40,17 +41,21 @@ def saved_draft(store, tiny, key: str, layers) -> dict:
     return draft_entry(path, read_meta(path), name=key)
 
 
+TOKEN = "test-browser-exports".ljust(40, "x")      # this module's browser (its owner cookie, as new_app seeds it)
+
+
 def session_with(store, tiny, drafts: list[dict]) -> str:
     s = Session(model=tiny.spec, prompt_set="builtin", capture_key="f" * 24,
                          capture={"num_layers": tiny.num_layers, "fingerprint": tiny.fingerprint, "model": tiny.spec,
                                   "tokens": 100},
-                         drafts=drafts)
+                         drafts=drafts, owner=owner_hash(TOKEN))
     storage.save(s, store)
     return s.id
 
 
 def open_page(sid: str) -> AppTest:
     at = AppTest.from_file(APP, default_timeout=120)
+    at.session_state[OWNER_KEY] = TOKEN
     at.query_params["session"] = sid
     at.run()
     at.switch_page(PAGE).run()
@@ -151,6 +156,7 @@ def test_sessions_page_exports_with_drafts_and_imports_them_into_this_store(app_
     gone = dict(here, name="gone", path=str(tmp_path / "not-here"))
     sid = session_with(app_store, tiny, [here, gone])
     at = AppTest.from_file(APP, default_timeout=120)
+    at.session_state[OWNER_KEY] = TOKEN
     at.query_params["session"] = sid
     at.run()
     at.switch_page("app_pages/sessions.py").run()
@@ -183,6 +189,7 @@ def test_sessions_page_names_a_draft_that_does_not_load_and_offers_no_archive(ap
     weights.write_bytes(weights.read_bytes()[:64])          # a damaged weights file
     sid = session_with(app_store, tiny, [broken])
     at = AppTest.from_file(APP, default_timeout=120)
+    at.session_state[OWNER_KEY] = TOKEN
     at.query_params["session"] = sid
     at.run()
     at.switch_page("app_pages/sessions.py").run()

@@ -112,6 +112,7 @@ def test_training_options_stay_after_navigating_away(app_store, copy_of):
 def test_the_fc_norm_box_trains_a_draft_with_fc_norm(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     at.number_input(key="ls_w_spec_steps").set_value(2)
     at.checkbox(key="ls_w_spec_fc_norm").check().run()
     at.button(key="ls_spec_train").click().run()

@@ -24,9 +24,10 @@ from layerscope.capture.stored import has_capture, list_captures
 from layerscope.errors import LayerScopeError
 from layerscope.models import load_model
 from layerscope.session import storage
-from layerscope.session.model import Session
+from layerscope.session.model import Session, owner_hash
 from layerscope.store import Store
 from layerscope.ui import tasks
+from layerscope.ui.access import OWNER_KEY
 from layerscope.ui.jobs import INTERRUPTED, JobManager, process_stamp, worker_mode
 from layerscope.ui.worker import CANCELLED, DONE, FAILED, Task, job_task
 
@@ -215,7 +216,8 @@ def test_a_killed_worker_fails_its_job_and_the_next_job_gets_a_fresh_worker(mana
 def test_a_job_whose_server_was_killed_shows_as_interrupted_with_how_to_resume(tmp_path, monkeypatch):
     root = tmp_path / "store"
     owner = Session().id
-    storage.save(Session(id=owner, model="tiny-llama"), Store(root))
+    token = "test-browser-restart".ljust(40, "x")             # the browser that started the job comes back
+    storage.save(Session(id=owner, model="tiny-llama", owner=owner_hash(token)), Store(root))
     server = subprocess.Popen([sys.executable, str(SERVER), str(root), owner], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -230,6 +232,7 @@ def test_a_job_whose_server_was_killed_shows_as_interrupted_with_how_to_resume(t
     monkeypatch.setenv("LAYERSCOPE_STORE", str(root))                      # the restarted server, on the same store
     monkeypatch.setenv("LAYERSCOPE_WORKER", "thread")
     at = AppTest.from_file(APP, default_timeout=120)
+    at.session_state[OWNER_KEY] = token
     at.query_params["session"] = owner
     at.run()
     at.switch_page("app_pages/capture.py").run()

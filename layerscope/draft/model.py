@@ -439,7 +439,8 @@ class DraftHead(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         self.rotary = Rotary(c)
         if d2t is None:
-            d2t, t2d = torch.zeros(c.draft_vocab_size, dtype=torch.long), torch.ones(c.vocab_size, dtype=torch.bool)
+            # the identity onto the first V target ids, and t2d marking exactly those (check_vocab_maps' rule)
+            d2t, t2d = torch.zeros(c.draft_vocab_size, dtype=torch.long), torch.arange(c.vocab_size) < c.draft_vocab_size
         else:
             check_vocab_maps(d2t, t2d, c)
         self.register_buffer("d2t", d2t.long())

@@ -133,6 +133,9 @@ class Session:
     # ------------------------------------------------------------------ (de)serialisation
     def to_json(self) -> dict:
         body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "arrays"}
+        for name, unset in (("owner", None), ("frozen", False), ("origin", None)):
+            if body[name] == unset:          # a session without them reads and writes back as it was (format 1, 2)
+                del body[name]
         return _finite(json.loads(json.dumps(body, default=_json_default)))
 
     def to_bytes(self, drafts: list[dict] | None = None) -> bytes:
