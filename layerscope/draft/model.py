@@ -165,6 +165,9 @@ class DraftConfig:
             # the per-layer RMSNorm before fc, said either way: vLLM, SGLang and SpecForge read this top-level key
             # (getattr(config, "fc_norm", False)); see DraftHead.fc_input for the sources
             "fc_norm": bool(self.fc_norm),
+            # the draft feeds its pre-norm output to the next step (EAGLE-3); SpecForge's llama3_eagle.py took a
+            # missing norm_output as true until its PR #879, so it is said
+            "norm_output": False,
             # vLLM: id l = the input of decoder layer l = hidden_states[l]  (our convention)
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
             # SGLang: reads only this nested key and captures the output of layer id, i.e. hidden_states[id+1]
