@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -32,8 +32,8 @@ import torch
 
 from layerscope import disk
 from layerscope.capture.engine_dumps import FORMATS, Dump, LayerMap, layer_map, open_dump, parse_engine_layers
-from layerscope.capture.format import CHUNK_RE, FLOAT16_MAX, chunk_name, file_sha256, list_chunks, read_header
-from layerscope.capture.run import FORMAT_VERSION, CaptureCancelled, CaptureProgress, chunk_tokens
+from layerscope.capture.format import FLOAT16_MAX, chunk_name
+from layerscope.capture.run import FORMAT_VERSION, CaptureCancelled, CaptureProgress, CaptureResult, chunk_entry, chunk_tokens, resume_partial
 from layerscope.capture.size import capture_bytes
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
 from layerscope.capture.target_ends import TargetEnds
@@ -60,13 +60,8 @@ class ImportOptions:
 
 
 @dataclass
-class ImportResult:
-    key: str
-    cached: bool
-    seconds: float
-    tokens: int
-    path: Path
-    manifest: dict = field(repr=False)
+class ImportResult(CaptureResult):
+    """A capture's result, with the dump's skipped samples."""
 
     @property
     def skipped(self) -> list[dict]:
@@ -106,17 +101,7 @@ def _write(key, dump: Dump, lmap: LayerMap, ends: TargetEnds, spec, store, optio
     done_bytes = sum(f.stat().st_size for f in partial.glob("chunk-*.safetensors")) if partial.is_dir() else 0
     need = capture_bytes(dump.tokens, ends.num_layers, ends.hidden_size, lmap.prenorm_slot is not None)
     disk.need_space(store.root, max(0, need - done_bytes), f"importing {dump.tokens} tokens")
-    partial.mkdir(parents=True, exist_ok=True)
-    for p in partial.iterdir():           # temporary files of a killed writer (the lock is ours)
-        if not CHUNK_RE.fullmatch(p.name) and p.is_file():
-            p.unlink(missing_ok=True)
-    done = set()
-    for s, e, p in list_chunks(partial):
-        try:
-            read_header(p)
-            done.add((s, e))
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-            p.unlink(missing_ok=True)
+    done = resume_partial(partial)
     samples, B = dump.samples, options.batch_size
     batches = [(s, min(s + B, len(samples))) for s in range(0, len(samples), B)]
     tokens_done = sum(chunk_tokens(partial / chunk_name(s, e)) for s, e in done)
@@ -215,8 +200,7 @@ def build_import_manifest(key, dump: Dump, lmap: LayerMap, ends: TargetEnds, spe
         p = partial / chunk_name(s, e)
         if not p.is_file():
             raise CaptureError(f"Chunk {p.name} is missing after the import", "Run the import again; it resumes")
-        chunks.append({"file": p.name, "start": s, "end": e, "tokens": chunk_tokens(p), "bytes": p.stat().st_size,
-                       "sha256": file_sha256(p)})
+        chunks.append(chunk_entry(s, e, p))
     return {
         "key": key, "format": FORMAT_VERSION, "model": spec, "fingerprint": ends.weights.fingerprint,
         "num_layers": ends.num_layers, "hidden_size": ends.hidden_size, "final_state": "post-norm",

@@ -188,17 +188,7 @@ def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progres
 def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, progress, should_stop) -> CaptureResult:
     """Write the missing chunks, then the manifest, and rename the capture into place (the lock is held)."""
     partial = partial_capture_dir(store, key)
-    partial.mkdir(parents=True, exist_ok=True)
-    for p in partial.iterdir():           # temporary files of a killed writer (we hold the lock: none is live)
-        if not CHUNK_RE.fullmatch(p.name) and p.is_file():
-            p.unlink(missing_ok=True)
-    done = {}
-    for s, e, p in list_chunks(partial):
-        try:
-            read_header(p)
-            done[(s, e)] = p
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-            p.unlink(missing_ok=True)      # not a complete chunk (damaged on disk): write it again
+    done = resume_partial(partial)
     tokens_done = sum(chunk_tokens(p) for p in done.values())
     torch.manual_seed(opts.seed)
     for start in range(0, len(prompts), opts.batch_size):
@@ -260,6 +250,35 @@ def check_budget(plan: size.Estimate, opts: CaptureOptions) -> None:
             f"{sample}; nothing was written")
 
 
+def clear_temporaries(partial: Path) -> None:
+    """Remove a killed writer's temporary files from a capture's partial directory (call with the write lock held:
+    then no writer is live)."""
+    for p in partial.iterdir():
+        if not CHUNK_RE.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
+
+
+def resume_partial(partial: Path) -> dict[tuple[int, int], Path]:
+    """A capture's partial directory made ready to resume (the write lock held): created if absent, a killed writer's
+    temporary files and any chunk whose header does not read removed; the complete chunks by (start, end)."""
+    partial.mkdir(parents=True, exist_ok=True)
+    clear_temporaries(partial)
+    done = {}
+    for s, e, p in list_chunks(partial):
+        try:
+            read_header(p)
+            done[(s, e)] = p
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            p.unlink(missing_ok=True)      # not a complete chunk (damaged on disk): write it again
+    return done
+
+
+def chunk_entry(start: int, end: int, path: Path) -> dict:
+    """A manifest's record of the chunk file `path` holding conversations [start, end)."""
+    return {"file": path.name, "start": start, "end": end, "tokens": chunk_tokens(path), "bytes": path.stat().st_size,
+            "sha256": file_sha256(path)}
+
+
 def _check_lengths(encoded, prompts, opts: CaptureOptions, context: int) -> None:
     for ids, p in zip(encoded, prompts):
         if len(ids) + opts.max_new_tokens > context:
@@ -294,9 +313,7 @@ def _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
         partial = partial_capture_dir(store, key)
         if distributed.rank() == 0:
             partial.mkdir(parents=True, exist_ok=True)
-            for p in partial.iterdir():        # temporary files of a killed writer (the lock is ours)
-                if not CHUNK_RE.fullmatch(p.name) and p.is_file():
-                    p.unlink(missing_ok=True)
+            clear_temporaries(partial)
         dist.barrier()
         batches = [(s, min(s + opts.batch_size, len(prompts))) for s in range(0, len(prompts), opts.batch_size)]
         error = None
@@ -494,8 +511,7 @@ def predictive_entropy(lm_head, final: torch.Tensor, scale: float = 1.0, softcap
 
 
 def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opts, chunks, seconds) -> dict:
-    chunk_list = [{"file": p.name, "start": s, "end": e, "tokens": chunk_tokens(p), "bytes": p.stat().st_size,
-                   "sha256": file_sha256(p)} for s, e, p in chunks]
+    chunk_list = [chunk_entry(s, e, p) for s, e, p in chunks]
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
         "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,
