@@ -13,6 +13,10 @@
 #                                    # single, two seeded random controls) for seeds 0 and 1, four sets per
 #                                    # target pass, each pass benchmarked on 40 held-out prompts when it is done
 #   benchmarks/long_run.sh keep      # copy the store's regenerated answers into $STUDY_DIR/responses (commit them)
+#   benchmarks/long_run.sh gemma3-study  # the same study on Gemma 3 270M (issue 38), at 200k tokens per draft with
+#                                    # fc_norm (the budget at which the default set's held-out agreement passes 0.3:
+#                                    # docs/results.md), kept in docs/study-gemma3 (STUDY_DIR); `keep` with
+#                                    # STUDY_DIR=docs/study-gemma3 keeps its answers
 #
 # Keep the store outside the work tree (LAYERSCOPE_STORE, default $HOME/layerscope-store) so that it outlives
 # it, and run this alone on the machine: a second torch process on 2 cores slows both several times.
@@ -33,7 +37,8 @@ mode="${1:-default}"
 export LAYERSCOPE_STORE="${LAYERSCOPE_STORE:-$HOME/layerscope-store}"
 mkdir -p "$LAYERSCOPE_STORE/logs"
 log="$LAYERSCOPE_STORE/logs/long-$mode"
-study_dir="${STUDY_DIR:-$(pwd)/docs/study-500k}"
+case "$mode" in gemma3-study) default_dir=docs/study-gemma3 ;; *) default_dir=docs/study-500k ;; esac
+study_dir="${STUDY_DIR:-$(pwd)/$default_dir}"
 data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2)
 continued=("${data[@]}")
 continued[5]=4000                    # --limit: twice the distinct conversations
@@ -87,5 +92,18 @@ PY
       --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
       --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
       --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
-  *) echo "usage: $0 default|continue|ship|study|keep" >&2; exit 2 ;;
+  gemma3-study)
+    if [ -d "$study_dir/responses" ]; then
+      mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
+    fi
+    key=$(.venv/bin/layerscope capture --model gemma3-270m --prompts sharegpt --limit 240 --max-new-tokens 96 \
+            --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+    echo "study capture: $key" >> "$log.log"
+    # the training data of docs/results.md's first Gemma 3 drafts (their regenerated answers are reused)
+    exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single,probe \
+      --random-sets 2 --online --train-prompts sharegpt --train-limit 640 --train-max-prompt-tokens 1024 \
+      --train-max-new-tokens 64 --val-conversations 32 --responses regenerate --tokens 200k --fc-norm \
+      --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
+      --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
+  *) echo "usage: $0 default|continue|ship|study|keep|gemma3-study" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from layerscope import workflow
@@ -57,6 +58,14 @@ def add_arguments(p) -> None:
     p.add_argument("--train-limit", type=int, default=on.limit, help="online: conversations drawn (default: all)")
     p.add_argument("--responses", choices=("regenerate", "own"), default=on.responses,
                    help="online: the target's own answers or the conversations' own (default %(default)s)")
+    p.add_argument("--train-max-prompt-tokens", type=int, default=on.max_prompt_tokens,
+                   help="online: longer training prompts are left out (default %(default)s)")
+    p.add_argument("--train-max-new-tokens", type=int, default=on.max_new_tokens,
+                   help="online: cap of the regenerated answers (default %(default)s)")
+    p.add_argument("--val-conversations", type=int, default=on.val_conversations,
+                   help="online: held-out training conversations for the learning curves (default %(default)s)")
+    p.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=t.fc_norm,
+                   help="every draft with an RMSNorm on each auxiliary state before fc (EAGLE-3.1; see train-draft)")
     p.add_argument("--tokens", default=None, help="online budget in tokens, e.g. 2M")
     p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m")
     p.add_argument("--sets-per-pass", type=int, default=d.sets_per_pass, metavar="N",
@@ -78,10 +87,13 @@ def add_arguments(p) -> None:
 
 def options_from_args(args) -> StudyOptions:
     train = TrainOptions(steps=args.steps, ttt_steps=args.ttt_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                         lr=args.lr, seed=args.seed)
+                         lr=args.lr, seed=args.seed, fc_norm=args.fc_norm)
     online = None
     if args.online:
         online = OnlineOptions(prompts=args.train_prompts, limit=args.train_limit, responses=args.responses,
+                               max_prompt_tokens=args.train_max_prompt_tokens,
+                               max_new_tokens=args.train_max_new_tokens, val_conversations=args.val_conversations,
+                               fc_norm=args.fc_norm, batch_size=args.batch_size, seq_len=args.seq_len,
                                ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed, steps=args.steps,
                                tokens=parse_count(args.tokens) if args.tokens else None,
                                time_s=parse_duration(args.time) if args.time else None)
