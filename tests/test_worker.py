@@ -215,15 +215,17 @@ def test_a_killed_worker_fails_its_job_and_the_next_job_gets_a_fresh_worker(mana
 
 def test_a_job_whose_server_was_killed_shows_as_interrupted_with_how_to_resume(tmp_path, monkeypatch):
     root = tmp_path / "store"
-    owner = Session().id
+    owner, second = Session().id, Session().id
     token = "test-browser-restart".ljust(40, "x")             # the browser that started the job comes back
     storage.save(Session(id=owner, model="tiny-llama", owner=owner_hash(token)), Store(root))
-    server = subprocess.Popen([sys.executable, str(SERVER), str(root), owner], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = subprocess.Popen([sys.executable, str(SERVER), str(root), owner, second], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         assert server.stdout.readline().strip() == "running"               # the capture decodes in its worker
         record = json.loads((root / "jobs" / f"{owner}.capture.json").read_text())
-        assert len(record["processes"]) == 2                                # the server and its worker
+        assert len(record["processes"]) == 2 and record["state"] == "running"   # the server and its worker
+        waiting = json.loads((root / "jobs" / f"{second}.capture.json").read_text())
+        assert waiting["state"] == "queued" and len(waiting["processes"]) == 1    # queued: recorded before it starts
     finally:
         server.kill()                                                       # the server stops mid-job
         server.wait()
@@ -240,9 +242,23 @@ def test_a_job_whose_server_was_killed_shows_as_interrupted_with_how_to_resume(t
     shown = [w.value.replace("\\", "") for w in at.warning if "interrupted" in w.value]    # Markdown escapes off
     assert len(shown) == 1 and "Capture of tiny-llama was interrupted: the server stopped while it ran" in shown[0]
     assert "Start the capture again with the same options: it resumes from the chunks it finished" in shown[0]
-    assert not (root / "jobs" / f"{owner}.capture.json").exists()          # said once; the page keeps the job
-    again = JobManager(mode="thread", records=root / "jobs").latest(owner, "capture")
-    assert again is None
+    # a later restart says it again (the record is kept, marked), until the user dismisses it on the page
+    again = JobManager(mode="thread", records=root / "jobs")
+    assert again.latest(owner, "capture").state == INTERRUPTED
+    queued = again.latest(second, "capture")
+    assert queued.state == INTERRUPTED and "the server stopped while it was waiting to start" in queued.error
+    assert queued.fix.startswith("It was waiting for another job and never started")
+    at.run()
+    assert [w for w in at.warning if "interrupted" in w.value]                # not said only once
+    [dismiss] = [b for b in at.button if b.label == "Dismiss"]
+    dismiss.click().run()
+    assert not [w for w in at.warning if "interrupted" in w.value], [w.value for w in at.warning]
+    assert not (root / "jobs" / f"{owner}.capture.json").exists()
+    assert JobManager(mode="thread", records=root / "jobs").latest(owner, "capture") is None
+    # starting that kind of job again replaces the interrupted one
+    fresh = again.submit(second, "capture", capture(Store(root), seed=11), title="Capture again")
+    assert fresh.wait(TIMEOUT) and again.latest(second, "capture").state == DONE
+    assert not (root / "jobs" / f"{second}.capture.json").exists()
 
 
 def test_a_running_job_is_not_taken_for_interrupted(store, tmp_path):

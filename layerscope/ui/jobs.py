@@ -23,11 +23,13 @@ A job function receives its `Job` and reports through it: `job.update(progress, 
 A `LayerScopeError` becomes a readable error with its fix; any other exception is logged to the
 server log with its traceback and shown as a short message, never as a traceback.
 
-A job that runs a `Task` leaves a record in the store (`<store>/jobs/<owner>.<kind>.json`: its title, when it
-started, the server's and the worker's process) while it runs. A server that stops mid-job (a restart, a kill)
-cannot remove it, so after the restart `latest(owner, kind)` finds the record, sees that neither process lives,
-and shows the job as INTERRUPTED with one line on how to resume (a capture and online training resume from what
-they kept when started again with the same options).
+A job that runs a `Task` leaves a record in the store (`<store>/jobs/<owner>.<kind>.json`: its title, its state,
+when it was submitted and started, the server's and the worker's process) from the moment it is submitted, queued
+or running. A server that stops mid-job (a restart, a kill) cannot remove it, so after the restart
+`latest(owner, kind)` finds the record, sees that none of its processes lives, and shows the job as INTERRUPTED
+with one line on how to resume (a capture and online training resume from what they kept when started again with
+the same options; a queued job never started). The record is marked interrupted and kept, so every later page view
+and every later restart says so too, until the user dismisses it (`dismiss`) or starts that kind of job again.
 
 A job may carry a typed `tag` saying what it computes (`StatsTag`: which capture, which options), so
 a page can tell whether the latest job of a kind is the one it wants.
@@ -75,7 +77,9 @@ RESUME = {
     "capture": "Start the capture again with the same options: it resumes from the chunks it finished",
     "train": "Start the training again with the same options: online training resumes from its last checkpoint "
              "(training from a capture starts over)",
+    "study": "Start the study again with the same options: online training resumes from its last checkpoint",
 }
+QUEUED_RESUME = "It was waiting for another job and never started: start it again"
 
 
 def process_stamp(pid: int) -> str | None:
@@ -284,6 +288,9 @@ class JobManager:
                       title=title or kind, fn=fn, tag=tag)
             self._jobs[job.id] = job
             self._trim_locked()
+            for j in [j for j in self._jobs.values() if j.owner == owner and j.kind == kind and j.state == INTERRUPTED]:
+                self._jobs.pop(j.id)                 # superseded: this job's record replaces the interrupted one's
+        self._write_record(job)
         job._thread = threading.Thread(target=self._run, args=(job,), name=f"layerscope-{job.id}", daemon=True)
         job._thread.start()
         return job
@@ -295,6 +302,7 @@ class JobManager:
         while not self._slots.acquire(timeout=0.2):
             if job.should_stop():
                 job._finish(CANCELLED)
+                self._drop_record(job)
                 return
         try:
             if job.should_stop():
@@ -325,7 +333,8 @@ class JobManager:
         processes = [process_stamp(os.getpid())] + ([process_stamp(worker.pid)] if worker is not None else [])
         try:
             atomic_write_json(path, {"id": job.id, "owner": job.owner, "kind": job.kind, "title": job.title,
-                                     "started": job.started, "processes": [p for p in processes if p]})
+                                     "state": job.state, "created": job.created, "started": job.started,
+                                     "processes": [p for p in processes if p]})
         except Exception as e:       # best effort: a read-only store keeps no records
             log.warning("could not write the record of job %s: %s", job.id, e)
 
@@ -340,27 +349,55 @@ class JobManager:
             pass
 
     def _interrupted_locked(self, owner: str, kind: str) -> Job | None:
-        """The job of a record whose processes are all gone (the server stopped while it ran), as an INTERRUPTED
-        job with one line on how to resume; the record goes. None when there is none, or it runs elsewhere."""
+        """The job of a record whose processes are all gone (the server stopped while it was queued or ran), as an
+        INTERRUPTED job with one line on how to resume. The record is kept, marked interrupted, so that later views
+        and later restarts say it too (until `dismiss` or a new job of that kind). None when there is no record,
+        or its job runs here or in a server that still lives."""
         path = self._record_path(owner, kind)
         if path is None or not path.is_file():
             return None
         try:
             rec = json.loads(path.read_text())
-            if rec["id"] in self._jobs or any(process_stamp(int(p.split(":")[0])) == p for p in rec["processes"]):
-                return None                                  # running here, or in a server that still lives
+            if rec["id"] in self._jobs:
+                return None                                  # this server's own job (or the interrupted one shown)
+            if not rec.get("interrupted") and any(process_stamp(int(p.split(":")[0])) == p for p in rec["processes"]):
+                return None                                  # running in a server that still lives
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             rec = {"id": f"{kind}-record", "title": kind}    # a damaged record: the job is as lost
         started = rec.get("started") if isinstance(rec.get("started"), (int, float)) else None
+        created = rec.get("created") if isinstance(rec.get("created"), (int, float)) else started
         title = str(rec.get("title") or kind)
-        when = f" (started {fmt.when(datetime.fromtimestamp(started).astimezone().isoformat())})" if started else ""
+        queued = rec.get("state") == QUEUED
+        stamp = started if started else created
+        when = f" ({'submitted' if queued else 'started'} {fmt.when(datetime.fromtimestamp(stamp).astimezone().isoformat())})" \
+            if stamp else ""
+        what = "was waiting to start" if queued else "ran"
         job = Job(id=str(rec.get("id")), owner=owner, kind=kind, title=title, fn=None, state=INTERRUPTED,
                   message="interrupted", started=started, finished=started,
-                  error=f"{title} was interrupted: the server stopped while it ran{when}",
-                  fix=RESUME.get(kind, f"Start the {kind} again"))
+                  error=f"{title} was interrupted: the server stopped while it {what}{when}",
+                  fix=QUEUED_RESUME if queued else RESUME.get(kind, f"Start the {kind} again"))
+        if created:
+            job.created = created
         self._jobs[job.id] = job
-        path.unlink(missing_ok=True)
+        if not rec.get("interrupted"):
+            try:
+                atomic_write_json(path, {**rec, "interrupted": True})
+            except Exception as e:       # best effort: a read-only store says it once
+                log.warning("could not mark the record of job %s interrupted: %s", job.id, e)
         return job
+
+    def dismiss(self, owner: str, kind: str) -> None:
+        """Forget an interrupted job of `owner` and `kind`: its record goes, and `latest` no longer shows it."""
+        with self._lock:
+            for j in [j for j in self._jobs.values() if j.owner == owner and j.kind == kind and j.state == INTERRUPTED]:
+                self._jobs.pop(j.id)
+            path = self._record_path(owner, kind)
+            if path is not None and path.is_file():
+                try:
+                    if json.loads(path.read_text()).get("interrupted"):
+                        path.unlink()
+                except (OSError, ValueError, AttributeError):
+                    path.unlink(missing_ok=True)
 
     def _settle(self, job: Job, outcome: Outcome, where: str = "") -> None:
         if outcome.traceback:        # a bug, not a user error: the traceback goes to the server log

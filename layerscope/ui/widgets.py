@@ -230,6 +230,9 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
         show_error(view.error or "The job failed", view.fix)
     elif view.state == INTERRUPTED:
         st.warning(f"{md_text(view.error)}. {md_text(view.fix)}.", icon=":material/restart_alt:")
+        if st.button("Dismiss", key=f"{key}_dismiss_{view.id}", help="Forget this interrupted job (its record in the store)"):
+            get_manager().dismiss(view.owner, view.kind)
+            st.rerun()
     elif view.state == CANCELLED:
         st.warning(f"{md_text(view.title)} was cancelled after {fmt.duration(view.elapsed)}. "
                    + in_app_words(view.fix), icon=":material/stop_circle:")
