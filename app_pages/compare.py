@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, plots
+from layerscope import plots
 from layerscope.stats.analysis import AnalysisOptions
-from layerscope.ui import apply, compare
+from layerscope.ui import apply, compare, speculate
 from layerscope.ui.apply import draft_labels, run_label
 from layerscope.ui.state import bind_view
 from layerscope.ui.views import live_job, page_header
@@ -147,11 +146,7 @@ if curves:
     st.subheader("Learning curves of the session's drafts")
     chart(plots.learning_curves(curves, layers={names[d["path"]]: d["layers"] for d in s.drafts}, colors=apply.colors(s)),
           key="ls_cmp_learning", filename="learning-curves-all")
-    table(pd.DataFrame([{"draft": names[d["path"]], "steps": d.get("steps"),
-                         "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
-                         "held-out agreement per step": ", ".join(fmt.percent(a) for a in d.get("val_accuracy") or []),
-                         "capture": d.get("capture_key"), "stored as": d["path"].rsplit("/", 1)[-1]}
-                        for d in s.drafts if d.get("curve")]), key="ls_cmp_learning_options", filename="draft-options")
+    table(speculate.learning_frame(s.drafts, names), key="ls_cmp_learning_options", filename="draft-options")
 
 st.header("Runs of this session")
 with guard("runs"):

@@ -213,9 +213,13 @@ def test_session_report_shows_intervals_and_the_study_verdict():
            "aggregate_entropy": 5.0, "tau": 1.1301, "tau_ci": [1.097, 1.162], "delta_vs_default": 0.0071,
            "delta_ci": [-0.016, 0.030], "speedup": 0.57, "speedup_ci": [0.55, 0.6],
            "seeds": [{"seed": 0}, {"seed": 1}], "tau_seed_range": 0.012}
-    s = Session(model="m", bench_results=[bench_entry],
+    draft = {"name": "d", "layers": [2, 15, 27], "steps": 300, "tokens_seen": 200_000, "val_accuracy": [0.5, 0.4],
+             "path": "/store/drafts/abc"}
+    s = Session(model="m", bench_results=[bench_entry], drafts=[draft],
                          study=[{"rows": [row], "verdict": "No difference at this budget: <b>x</b>"}])
     page = session_report(s)
+    drafts = page.split("<h2>Drafts</h2>")[1].split("</table>")[0]      # the page's drafts table, simulated_acc_len in
+    assert "simulated_acc_len" in drafts and "0.700" in drafts and "50.0%, 40.0%" in drafts
     assert "1.133 [1.091, 1.160]" in page and "0.55× [0.52, 0.58]" in page    # one interval form everywhere
     assert "95% bootstrap intervals over the 40 prompts" in page
     assert "1.130 [1.097, 1.162]" in page and "+0.007 [-0.016, +0.030]" in page and "0.012" in page

@@ -38,6 +38,13 @@ def test_drafts_table_and_the_store_picker():
     assert row["held-out agreement per step"] == "25.0%, 12.5%" and row["stored as"] == "abc" and row["flag"] == ""
     assert row["simulated_acc_len"] == "0.281"                         # 0.25 + 0.25 * 0.125, no bonus token
     assert speculate.simulated_of(0.25) is None and speculate.simulated_of(None) is None   # older: position 1 alone
+    older = {**drafts[0], "val_accuracy": 0.25, "curve": [[100, 0.25]]}      # an older record: position 1 alone
+    row = speculate.drafts_frame([older]).iloc[0]
+    assert row["held-out agreement per step"] == "25.0%" and row["simulated_acc_len"] == fmt.MISSING
+    learned = speculate.learning_frame([older, {**drafts[0], "curve": [[100, [0.25, 0.125]]]}],
+                                       {"/store/drafts/abc": "a"}).to_dict("records")
+    assert [r["simulated_acc_len"] for r in learned] == [fmt.MISSING, "0.281"]
+    assert learned[0]["held-out agreement per step"] == "25.0%"
     stored = [drafts[0], {"name": "b", "layers": [3], "steps": 50, "capture_key": "k2", "path": "/store/drafts/b"}]
     choices = speculate.stored_choices(stored, drafts, "k1")
     assert list(choices) == ["/store/drafts/b"] and choices["/store/drafts/b"][1] == "b [3] · 50 steps · capture k2"

@@ -115,12 +115,6 @@ def _key(layers) -> tuple:
     return tuple(int(l) for l in layers)
 
 
-def _agreement(val_accuracy) -> float | None:
-    if isinstance(val_accuracy, (list, tuple)):
-        val_accuracy = val_accuracy[0] if val_accuracy else None
-    return None if fmt.missing(val_accuracy) else float(val_accuracy)
-
-
 def evidence_of(s) -> Evidence:
     """What the session measured about layer sets: its latest study and latest benchmark run (τ with intervals), its
     drafts' held-out agreement, and the probe scores it holds for its capture."""
@@ -139,7 +133,7 @@ def evidence_of(s) -> Evidence:
             ev.measured.append((f"benchmark #{i + 1}", rows))
             break
     for d in s.drafts:                                          # later drafts of a set replace earlier ones
-        a = _agreement(d.get("val_accuracy"))
+        a = sanity.agreement(d.get("val_accuracy"))
         if a is not None and d.get("layers"):
             ev.agreement[_key(d["layers"])] = a
             ev.drafts[_key(d["layers"])] = {"positions": d.get("val_positions"),

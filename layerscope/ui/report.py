@@ -106,6 +106,8 @@ def session_report(s: Session) -> str:
         parts.append("<p class='note'>Entropy and CKA describe each set; every strategy maximises one of them, so "
                      "they do not rank. Sets are ranked by measured τ, else trained drafts' held-out agreement, else "
                      "the probe, within one set size.</p>")
+    if s.drafts:                                                  # the Speculative decoding page's drafts table
+        parts.append("<h2>Drafts</h2>" + _table(speculate.drafts_frame(s.drafts).to_dict("records")))
     collapsed = sanity.collapse_warning(s.drafts) if s.drafts else None
     if collapsed:
         parts.append(f"<p class='warn'>{_e(collapsed)}</p>")

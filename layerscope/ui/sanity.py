@@ -28,11 +28,18 @@ def implausible_speedups(rows) -> list[str]:
     return out
 
 
+def per_step(val_accuracy) -> list[float]:
+    """A draft's held-out agreement per TTT step as a list, from its val_accuracy: a list per step, or one number
+    (older records: position 1 alone), or nothing ([])."""
+    if isinstance(val_accuracy, (list, tuple)):
+        return [float(a) for a in val_accuracy if not fmt.missing(a)]
+    return [] if fmt.missing(val_accuracy) else [float(val_accuracy)]
+
+
 def agreement(val_accuracy) -> float | None:
     """Held-out agreement at the first draft position, from a draft's val_accuracy (a list per TTT step, or one number)."""
-    if isinstance(val_accuracy, (list, tuple)):
-        val_accuracy = val_accuracy[0] if val_accuracy else None
-    return None if fmt.missing(val_accuracy) else float(val_accuracy)
+    steps = per_step(val_accuracy)
+    return steps[0] if steps else None
 
 
 def _same(values) -> dict:

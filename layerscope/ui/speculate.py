@@ -72,12 +72,23 @@ def simulated_of(val_accuracy) -> float | None:
     return simulated_acc_len(val_accuracy) if isinstance(val_accuracy, list) and val_accuracy else None
 
 
+def learning_frame(drafts, names: dict[str, str]) -> pd.DataFrame:
+    """The Compare page's table of the drafts with a learning curve: budget, held-out agreement per step,
+    simulated_acc_len, and where each came from."""
+    return pd.DataFrame([{"draft": names[d["path"]], "steps": d.get("steps"),
+                          "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
+                          "held-out agreement per step": ", ".join(fmt.percent(a) for a in sanity.per_step(d.get("val_accuracy"))),
+                          "simulated_acc_len": fmt.number(simulated_of(d.get("val_accuracy"))),
+                          "capture": d.get("capture_key"), "stored as": d["path"].rsplit("/", 1)[-1]}
+                         for d in drafts if d.get("curve")])
+
+
 def drafts_frame(drafts) -> pd.DataFrame:
     """The session's drafts as the page lists them, each with its collapse flag (sanity.collapse_reasons)."""
     flags = sanity.collapse_reasons(drafts)
     return pd.DataFrame([{"name": d["name"], "layers": fmt.layers(d["layers"]), "steps": d.get("steps"),
                           "tokens seen": d.get("tokens_seen") or d.get("train_tokens"),
-                          "held-out agreement per step": ", ".join(fmt.percent(a) for a in (d.get("val_accuracy") or [])),
+                          "held-out agreement per step": ", ".join(fmt.percent(a) for a in sanity.per_step(d.get("val_accuracy"))),
                           "simulated_acc_len": fmt.number(simulated_of(d.get("val_accuracy"))),
                           "trained in": fmt.duration(d["seconds"]) if d.get("seconds") else None,
                           "stored as": Path(d["path"]).name, "flag": flag or ""} for d, flag in zip(drafts, flags)])
