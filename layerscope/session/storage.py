@@ -21,7 +21,7 @@ from layerscope.session.archive import MAX_ARCHIVE_BYTES
 from layerscope.session.check import refuse
 from layerscope.session.model import Session, now_iso
 from layerscope.session.schema import CONTROL, NAME_MAX, valid_id
-from layerscope.store import atomic_write_bytes
+from layerscope.store import StoreWriteError, atomic_write_bytes
 
 ARCHIVE_NAME = "session.zip"
 
@@ -58,7 +58,12 @@ def save(session: Session, store, *, name: str | None = None, touch: bool = True
     if stored is not None and (stored.frozen or stored.owner != session.owner):
         raise SessionError(f"Session {session.id} is {'a shared snapshot' if stored.frozen else 'someone else’s'}: "
                            "it is never saved over", "Make your own copy of it and change that")
-    atomic_write_bytes(path, data)
+    try:
+        atomic_write_bytes(path, data)
+    except StoreWriteError as e:        # a full or read-only disk: the temporary file is gone, the old archive stays
+        raise StoreWriteError(f"Session {session.id} was not saved: {e.problem[:1].lower()}{e.problem[1:]}",
+                              "Its last saved version is intact; free disk space (or use a writable store) and the "
+                              "session is saved again with the next change") from None
     _drop_stale_temps(path.parent)
     return path
 
