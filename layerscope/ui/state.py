@@ -169,16 +169,19 @@ def commit(s: Session, *, name: str | None = None) -> bool:
     """Save the session into the store now (atomic), so refreshes see this state; with `name`, under that name.
     The unsaved copy of a read-only session is saved as this browser's own session, and the URL moves to it.
 
-    A full or read-only disk (StoreWriteError) is shown as its one line where the save was asked for (a widget's
-    callback included, where an exception would be Streamlit's error page) and False is returned: the tab keeps
-    the change, the stored version stays whole, and the next commit that has room saves it."""
+    Another tab or server that saved the session since this tab read it is merged with (session.storage.save).
+    A full or read-only disk (StoreWriteError), or a change that no longer fits what the other writer saved
+    (SessionConflict), is shown as its one line where the save was asked for (a widget's callback included, where
+    an exception would be Streamlit's error page) and False is returned; the stored version stays whole. After a
+    full disk the tab keeps the change and the next commit with room saves it; after a conflict the tab's next
+    run shows the stored version."""
     if not s.editable_by(me()):
         raise SessionError("Read-only: someone else's session", "Make a copy to edit (the Make my copy button)")
     s.device = s.device or device_label()
     store = get_store()
     try:
         storage.save(s, store, name=name)
-    except StoreWriteError as e:
+    except (StoreWriteError, storage.SessionConflict) as e:
         show_error(e)
         return False
     if st.session_state.get(SESSION_KEY) is s:
