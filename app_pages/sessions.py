@@ -40,8 +40,8 @@ with left:
             if not name.strip():
                 st.error("**A session needs a name to be saved.** Type one above.")
             else:
-                commit(s, name=name)
-                st.success(f"Saved as “{md_text(s.name)}”.")
+                if commit(s, name=name):
+                    st.success(f"Saved as “{md_text(s.name)}”.")
     summary.markdown(f"**{md_text(session_title(s))}** · id `{s.id}` · capture `{s.capture_key or '—'}` · "
                      f"{len(s.layer_sets)} set(s) · {len(s.drafts)} draft(s) · {len(s.bench_results)} benchmark(s)")
     shared = s.view.get(SHARE) if isinstance(s.view.get(SHARE), dict) else None

@@ -1,5 +1,6 @@
 """Concurrent writers: identical captures started together by real processes end with one complete
-capture; the others wait and are served it, and a writer killed mid-capture is resumed by the next."""
+capture; the others wait and are served it, and a writer killed mid-capture is resumed by the next. Two app
+servers on one store share a capture and keep both tabs' changes to a session they both show."""
 
 import json
 import os
@@ -7,12 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from layerscope.capture.run import CaptureCancelled, CaptureOptions, capture, capture_key
 from layerscope.capture.stored import list_captures, open_capture, partial_capture_dir, verify_capture
+from layerscope.models import load_model
 from layerscope.prompts.sets import load_prompts
+from layerscope.session import storage
+from layerscope.session.model import Session, owner_hash
 from layerscope.store import Store
 
 
@@ -95,3 +100,42 @@ def test_a_waiting_capture_can_be_cancelled(tmp_path, tiny, one_thread):
             assert "another process" in str(e)
     assert phases == ["estimate", "waiting"] and list_captures(store) == []      # the estimate comes first
     assert capture(tiny, prompts, store, limit=2, max_new_tokens=2).key == key     # the lock is free again
+
+
+SERVER = Path(__file__).with_name("two_servers_child.py")
+
+
+def test_two_app_servers_on_one_store_share_the_capture_and_keep_both_tabs_changes(tmp_path):
+    """Two servers (tests/two_servers_child.py, each a real process calling what the app calls) on one store, both
+    showing session SID: the same capture started from both is written once (one waits and is served it); each
+    saves a session of its own; server a's tab saves SID with the capture, then server b's tab, which read SID
+    before that, saves a layer set into it. SID ends with both changes, and every session is listed whole."""
+    store = Store(tmp_path / "store")
+    token = "test-browser-two-servers".ljust(40, "x")
+    shared = Session(owner=owner_hash(token), model="tiny-llama")
+    storage.save(shared, store, name="open in both")
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    key = capture_key(load_model("tiny-llama"), load_prompts("builtin", limit=4),
+                      CaptureOptions(limit=4, max_new_tokens=4, batch_size=2, seed=0))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with store.lock("captures", key):        # hold the writer's lock until both servers' captures wait for it
+        procs = [subprocess.Popen([sys.executable, str(SERVER), str(store.root), role, shared.id, token, str(sync)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for role in ("a", "b")]
+        wait_for(lambda: all((sync / f"{r}.waiting").exists() or p.poll() is not None for r, p in zip("ab", procs)))
+    done = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in done]
+    outs = [json.loads(out) for out, _ in done]
+    assert {o["key"] for o in outs} == {key} and sorted(o["cached"] for o in outs) == [False, True]
+    assert [p.name for p in (store.root / "captures").iterdir()] == [key] and verify_capture(store, key) == []
+
+    both = storage.load(store, shared.id)
+    assert both.capture_key == key and both.has_stats                     # server a's change
+    assert [x["layers"] for x in both.layer_sets] == [[1, 2]]             # server b's change
+    assert both.name == "open in both"
+    rows = {r["id"]: r for r in storage.list_sessions(store)}
+    assert set(rows) == {shared.id, outs[0]["own"], outs[1]["own"]} and not [r for r in rows.values() if r.get("error")]
+    assert {rows[o["own"]]["name"] for o in outs} == {"from a", "from b"}
+    assert all(rows[o["own"]]["capture_key"] == key for o in outs)
+    store.close()

@@ -193,6 +193,57 @@ def test_train_draft_on_a_disk_that_fills_keeps_its_checkpoint_and_the_index(tmp
         store.close()
 
 
+def test_a_session_saved_on_a_full_disk_is_one_line_and_its_last_saved_version_stays(tmp_path, monkeypatch):
+    """storage.save on a full tmpfs: one StoreWriteError line, the previous archive whole, no temporary file. In the
+    app a change made by a widget (the save runs in its callback) shows that line, never Streamlit's exception
+    page; the tab keeps the change, and once there is room the next change saves both."""
+    from streamlit.testing.v1 import AppTest
+
+    from layerscope.session.model import Session, owner_hash
+    from layerscope.session.storage import save
+    from layerscope.ui.access import OWNER_KEY
+    from layerscope.ui.widgets import IMAGE_FORMAT_KEY
+
+    token = "test-browser-full-disk".ljust(40, "x")
+    with tmpfs(tmp_path / "disk", "2m") as mount:
+        store = Store(mount / "store")
+        first = Session(owner=owner_hash(token), model="tiny-llama", notes="first version")
+        save(first, store, name="first")
+        stored = store.path("sessions", first.id)
+        before = tree(stored)
+        filler = fill(mount)
+
+        second = load(store, first.id)
+        second.notes = "second version " * 100
+        with pytest.raises(StoreWriteError) as e:
+            save(second, store, name="second")
+        line = str(e.value)
+        assert "\n" not in line and "No space left" in line and f"Session {first.id} was not saved" in line
+        assert "last saved version is intact" in line
+        assert tree(stored) == before and load(store, first.id).notes == "first version"
+        assert [(r["id"], r["name"], r.get("error")) for r in list_sessions(store)] == [(first.id, "first", None)]
+        assert not [p for p in store.root.rglob("*") if p.name.endswith(".tmp")]
+
+        monkeypatch.setenv("LAYERSCOPE_STORE", str(store.root))
+        monkeypatch.setenv("LAYERSCOPE_WORKER", "thread")
+        at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app.py"), default_timeout=120)
+        at.session_state[OWNER_KEY] = token
+        at.query_params["session"] = first.id
+        at.run()
+        assert not at.exception, [x.value for x in at.exception]
+        at.sidebar.radio(key=IMAGE_FORMAT_KEY).set_value("svg").run()        # saved by the radio's callback
+        assert not at.exception, [x.value[:300] for x in at.exception]
+        shown = [x.value for x in at.error if "was not saved" in x.value]
+        assert len(shown) == 1 and "No space left" in shown[0] and "last saved version is intact" in shown[0]
+        assert tree(stored) == before
+        filler.unlink()                                                     # room again: the next change saves
+        at.sidebar.radio(key=IMAGE_FORMAT_KEY).set_value("png").run()
+        at.sidebar.radio(key=IMAGE_FORMAT_KEY).set_value("svg").run()
+        assert not at.exception and not [x for x in at.error if "was not saved" in x.value]
+        assert load(store, first.id).view.get("image_format") == "svg" and load(store, first.id).name == "first"
+        store.close()
+
+
 def test_train_draft_that_cannot_fit_is_refused_before_the_model_loads(tmp_path, capsys):
     """A draft for a d=256 target: about a million parameters, two checkpoints of 12 MiB; the disk has 16 MiB."""
     with tmpfs(tmp_path / "disk", "16m") as disk:

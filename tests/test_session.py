@@ -483,3 +483,53 @@ def test_an_import_is_named_apart_from_its_original_and_owned_by_the_importer(st
     again = share.import_bytes(share.export_bytes(imported), Store(store.root / "other"), owner=me)
     assert again.name == "first look (imported)"              # once, not twice
     assert share.imported_name("x" * 120).endswith(" (imported)") and len(share.imported_name("x" * 120)) == 120
+
+
+# ---------------------------------------------------------------------------- several writers
+
+def test_two_writers_of_one_session_keep_both_changes(store):
+    """Two tabs (or servers) read one session; each changes it and saves. The second save merges: each side's
+    additions, removals and view choices stay, a field both changed is the later save's, and the tab that saved
+    second now holds the merged session. A third save with nothing new in between is a plain save."""
+    s = _full_session()
+    s.owner = owner_hash("browser A")
+    storage.save(s, store, name="shared")
+    a, b = storage.load(store, s.id), storage.load(store, s.id)
+    a.add_layer_set("a's", [0, 4])
+    a.view["cka_estimator"] = "debiased"
+    a.drafts.append({"name": "d2", "path": "/tmp/drafts/y", "layers": [0, 4]})
+    a.name = "renamed in a"
+    storage.save(a, store)
+    b.remove_layer_set([2, 3])
+    b.view["entropy_scale"] = "normalized"
+    b.bench_results.append({"name": "d2", "tau": 1.2})
+    b.notes = "b's notes"
+    b.name = "renamed in b"
+    storage.save(b, store)
+    back = storage.load(store, s.id)
+    assert [x["layers"] for x in back.layer_sets] == [[1, 4], [0, 4]]
+    assert back.view == {"cka_estimator": "debiased", "entropy_scale": "normalized"}
+    assert [d["path"] for d in back.drafts] == ["/tmp/drafts/x", "/tmp/drafts/y"]
+    assert [r["name"] for r in back.bench_results] == ["d1", "d2"] and back.notes == "b's notes"
+    assert back.name == "renamed in b" and back.capture_key == s.capture_key and back.has_stats
+    assert b.to_json() == back.to_json()                     # the second tab shows what is stored
+    b.manual_picks = [2]
+    storage.save(b, store)
+    assert storage.load(store, s.id).manual_picks == [2] and storage.load(store, s.id).layer_sets == back.layer_sets
+
+
+def test_a_change_that_no_longer_fits_the_other_writers_session_is_refused_and_the_stored_one_stays(store):
+    s = _full_session()
+    s.owner = owner_hash("browser A")
+    storage.save(s, store)
+    a, b = storage.load(store, s.id), storage.load(store, s.id)
+    a.capture_key, a.capture = "cd" * 12, {"num_layers": 3, "tokens": 50, "conversations": 2, "hidden_size": 64}
+    a.set_stats({"entropy": [0.5, 0.6, 0.7, 0.8], "cka": torch.eye(4).tolist(), "tokens_total": 50, "tokens_kept": 40})
+    a.layer_sets, a.manual_picks = [{"name": "default", "layers": [1, 2], "strategy": "default"}], []
+    storage.save(a, store)                                   # a new capture of 3 layers: layers 3 and 4 are gone
+    b.add_layer_set("deep", [3, 4])
+    with pytest.raises(storage.SessionConflict, match="changed elsewhere") as e:
+        storage.save(b, store)
+    assert "\n" not in str(e.value) and "reload the page" in e.value.fix
+    kept = storage.load(store, s.id)
+    assert kept.capture_key == "cd" * 12 and [x["layers"] for x in kept.layer_sets] == [[1, 2]]

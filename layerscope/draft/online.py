@@ -459,7 +459,8 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
 @contextlib.contextmanager
 def interrupt_flag():
     """In the main thread, Ctrl-C (SIGINT) only raises a flag, read between steps: the run then saves a
-    checkpoint and stops cleanly instead of dying mid-step. A second Ctrl-C interrupts at once."""
+    checkpoint and stops cleanly instead of dying mid-step. A second Ctrl-C interrupts at once. The CLI sends
+    SIGTERM here too (cli.interrupts)."""
     hit = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield hit.is_set

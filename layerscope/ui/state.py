@@ -18,9 +18,10 @@ from layerscope.errors import SessionError
 from layerscope.session import storage
 from layerscope.session.model import Session
 from layerscope.session.schema import NAME_MAX, valid_id
-from layerscope.store import Store, default_root
+from layerscope.store import Store, StoreWriteError, default_root
 from layerscope.ui.access import me
 from layerscope.ui.models import device_label
+from layerscope.ui.widgets import show_error
 
 SESSION_KEY = "ls_session"
 NOTICE_KEY = "ls_session_notice"
@@ -164,20 +165,32 @@ def switch_to(s: Session) -> None:
         del st.session_state[k]
 
 
-def commit(s: Session, *, name: str | None = None) -> None:
+def commit(s: Session, *, name: str | None = None) -> bool:
     """Save the session into the store now (atomic), so refreshes see this state; with `name`, under that name.
-    The unsaved copy of a read-only session is saved as this browser's own session, and the URL moves to it."""
+    The unsaved copy of a read-only session is saved as this browser's own session, and the URL moves to it.
+
+    Another tab or server that saved the session since this tab read it is merged with (session.storage.save).
+    A full or read-only disk (StoreWriteError), or a change that no longer fits what the other writer saved
+    (SessionConflict), is shown as its one line where the save was asked for (a widget's callback included, where
+    an exception would be Streamlit's error page) and False is returned; the stored version stays whole. After a
+    full disk the tab keeps the change and the next commit with room saves it; after a conflict the tab's next
+    run shows the stored version."""
     if not s.editable_by(me()):
         raise SessionError("Read-only: someone else's session", "Make a copy to edit (the Make my copy button)")
     s.device = s.device or device_label()
     store = get_store()
-    storage.save(s, store, name=name)
+    try:
+        storage.save(s, store, name=name)
+    except (StoreWriteError, storage.SessionConflict) as e:
+        show_error(e)
+        return False
     if st.session_state.get(SESSION_KEY) is s:
         st.session_state[STAMP_KEY] = _stamp(store, s.id)
         if st.session_state.pop(VIEWING_KEY, None) is not None:
             st.query_params["session"] = s.id
             st.session_state[NOTICE_KEY] = ("info", f"Your change went into your own copy, session {s.id}; "
                                                     f"the session you opened stays as it was.")
+    return True
 
 
 def pop_notice():
