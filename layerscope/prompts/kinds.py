@@ -1,9 +1,9 @@
 """Kinds of conversation, told from the first user turn, and weights that draw them (train-draft --kinds).
 
-kind_of(text) -> one of KINDS. It is a cheap, deterministic guess from the words of the request (regular
-expressions over the lower-cased text, whole words), not a model. What copying a ShareGPT page left at the
-end of a turn is removed first (the "지금 번역하기" / "Translate now" button of a translation extension, a
-"1 / 1" page counter). Then the first rule that matches decides:
+kind_of(text) -> one of KINDS. It is a cheap, deterministic guess from the words of the whole request
+(sets of whole words and a few regular expressions over the lower-cased text), not a model. What copying
+a ShareGPT page left at the end of a turn is removed first (the "지금 번역하기" / "Translate now" button of
+a translation extension, a "1 / 1" page counter). Then the first rule that matches decides:
 
 1. summarization: a request for a summary: summarize / summarise in any form, "sum up", "tl;dr" / "tldr",
    "a / the / short / brief / concise / quick / executive summary", or 总结 總結 摘要 要約 요약 zusammenfass-.
@@ -25,9 +25,9 @@ end of a turn is removed first (the "지금 번역하기" / "Translate now" butt
 Summarization and translation come first because they ask for something done to a text that may itself
 be code or numbers ("summarize this code" is summarization, "translate to French: ```...```" translation);
 code comes before math because programs are full of arithmetic. The kind is about the request, not the
-language it is written in: a question in Chinese is chat unless a rule matches. Measured on the packaged
-ShareGPT file's 17,395 first user turns (rules of VERSION 1): about 71% chat, 25% code, 2% each
-summarization, translation and math.
+language it is written in: a question in Chinese is chat unless a rule matches. On the packaged ShareGPT
+file's 17,395 first user turns (rules of VERSION 1): 12,354 chat, 4,288 code, 391 summarization, 210 math,
+152 translation.
 
 Weights (parse_weights): "code=2,translation=2,math=0" -> a weight per kind, how many times more often a
 conversation of that kind is drawn than one of weight 1; a kind not named keeps weight 1, "*=W" sets the
