@@ -35,6 +35,9 @@ from layerscope.draft.online import (
 )
 from layerscope.draft.train import load_splits
 from layerscope.errors import DraftError
+from layerscope.prompts.kinds import KINDS, kind_of
+from layerscope.prompts.sets import load_prompts
+from layerscope.prompts.sharegpt import is_heldout
 from layerscope.store import Store
 from layerscope.study.outcomes import OutcomeError, OutcomeFolder
 from layerscope.study.run import StudyOptions, format_study, run_study
@@ -408,3 +411,59 @@ def test_a_data_seed_keeps_the_conversations_while_the_seed_moves_the_draft(tiny
     rb = train_online(tiny, [[1, 3]], store, options=OnlineOptions(**SMALL, steps=2, seed=1, data_seed=0))
     assert not same_weights(ra.drafts[0].path, rb.drafts[0].path)
     assert ra.drafts[0].val_coverage == rb.drafts[0].val_coverage        # the same held-out conversations
+
+
+def test_kinds_weight_the_drawn_conversations_and_agreement_is_reported_by_kind(tiny, tmp_path, capsys, one_thread):
+    """--kinds weights ShareGPT's draw by kind of first request (prompts/kinds.py): a kind of weight 0 is left out,
+    a weight of 4 draws a kind's records 4 times as often; seeded, and with every weight equal it is the plain draw
+    (and key). The held-out conversations are a seeded choice among the drawn ones, so they follow the weighting;
+    ShareGPT's held-out 5% is never drawn. Each draft reports its held-out agreement by kind, counts adding up."""
+    store = Store(tmp_path / "store")
+    base = dict(prompts="sharegpt", limit=60, responses="own", max_new_tokens=16, batch_size=4, seq_len=64,
+                val_conversations=6, eval_points=1, draft_vocab=64, steps=2)
+    plain = load_conversations(tiny, OnlineOptions(**base), store)
+    picked = OnlineOptions(**base, kinds="code=4,chat=0")
+    drawn = load_conversations(tiny, picked, store)
+    assert "chat" in plain.kinds and "chat" not in drawn.kinds
+    assert drawn.kinds.count("code") / len(drawn) > plain.kinds.count("code") / len(plain) + 0.2
+    prompts = {p.id: p.text for p in load_prompts("sharegpt", limit=60, seed=picked.sample_seed,
+                                                   cache=store.root / "prompts", kind_weights=picked.kind_weights)}
+    assert drawn.kinds == [kind_of(prompts[i]) for i in drawn.ids]
+    again = load_conversations(tiny, picked, store)
+    assert again.ids == drawn.ids and again.key == drawn.key != plain.key
+    assert not any(is_heldout(i.removeprefix("sharegpt/")) for i in plain.ids + drawn.ids)
+    even = OnlineOptions(**base, kinds="*=2")
+    assert load_conversations(tiny, even, store).ids == plain.ids
+    assert even.run_fields() == OnlineOptions(**base).run_fields() and "kinds" not in even.run_fields()
+    assert picked.run_fields()["kinds"] == "code=4,translation=1,summarization=1,math=1,chat=0"
+
+    mixed = OnlineOptions(**{**base, "responses": "regenerate", "steps": 4}, kinds="code=4")   # answers to agree on
+    result = train_online(tiny, [[1, 2]], store, options=mixed)
+    meta = read_meta(result.drafts[0].path)
+    val_ids = meta["online"]["val_ids"]
+    convs = load_conversations(tiny, mixed, store)
+    kind_of_id = dict(zip(convs.ids, convs.kinds))
+    assert set(val_ids) < set(convs.ids)                  # held out from the weighted draw, like the training ones
+    train_kinds = [kind_of_id[i] for i in convs.ids if i not in val_ids]
+    assert list(result.kind_mix) == list(KINDS) and result.kind_mix == {k: train_kinds.count(k) for k in KINDS}
+    assert sum(result.kind_mix.values()) == result.conversations == len(convs) - len(val_ids)
+    assert meta["online"]["kind_mix"] == result.kind_mix and meta["online"]["kinds"] == result.kinds
+    by_kind = result.drafts[0].val_by_kind
+    assert by_kind == meta["val_by_kind"] and len(by_kind) >= 2
+    assert {k: v["conversations"] for k, v in by_kind.items()} == {k: [kind_of_id[i] for i in val_ids].count(k)
+                                                                   for k in set(kind_of_id[i] for i in val_ids)}
+    assert sum(v["positions"] for v in by_kind.values()) == meta["val_positions"] > 0
+    mean = sum(v["val_accuracy"][0] * v["positions"] for v in by_kind.values()) / meta["val_positions"]
+    assert mean == pytest.approx(result.drafts[0].val_accuracy[0], abs=1e-4) and mean > 0
+
+    args = ["train-draft", "--model", "tiny-llama", "--prompts", "sharegpt", "--limit", "60", "--max-new-tokens", "16",
+            "--batch-size", "4", "--seq-len", "64", "--val-conversations", "6", "--eval-points", "1",
+            "--draft-vocab", "64", "--steps", "4", "--layers", "1,2", "--kinds", "code=4", "--store", str(tmp_path / "store")]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cached"] and out["kind_mix"] == result.kind_mix and out["kinds"] == mixed.run_fields()["kinds"]
+    assert out["drafts"][0]["val_by_kind"] == by_kind
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"training conversations by kind: code {result.kind_mix['code']}," in text
+    assert "held-out agreement by kind: " in text and all(f"{k} " in text for k in by_kind)

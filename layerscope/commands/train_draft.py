@@ -43,6 +43,11 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="train online with this target in the loop (e.g. smollm2-135m)")
     p.add_argument("--prompts", default=D["prompts"], help=f"online data: builtin | sharegpt | a file (default {D['prompts']})")
     p.add_argument("--limit", type=int, default=D["limit"], help="online: conversations to draw from the prompt set (default: all)")
+    p.add_argument("--kinds", default=D["kinds"], metavar="KIND=W,...",
+                   help="online, --prompts sharegpt: draw conversations by kind of first request, e.g. "
+                        "code=2,translation=2,summarization=2 (kinds: code, translation, summarization, math, chat; "
+                        "a weight is how many times more often than weight 1, 0 leaves the kind out, a kind not "
+                        "named keeps 1, *=W sets the rest; docs/training.md has the rules)")
     p.add_argument("--responses", default=D["responses"], choices=["regenerate", "own"],
                    help="online: 'regenerate' = the target's own greedy answers, generated once and stored as token "
                         "ids (EAGLE-3's choice); 'own' = the conversations' own assistant turns (ShareGPT, faster)")
@@ -117,7 +122,8 @@ def run_online(args, store) -> int:
                          "E.g. --tokens 2M or --time 45m")
     sets = [parse_layers(s) for s in args.layers]
     options = OnlineOptions(
-        prompts=args.prompts, limit=args.limit, responses=args.responses, max_new_tokens=args.max_new_tokens,
+        prompts=args.prompts, limit=args.limit, kinds=args.kinds, responses=args.responses,
+        max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, val_conversations=args.val_conversations,
         checkpoint_every_s=parse_duration(args.checkpoint_every), **recipe(args))
     if not args.json:
@@ -149,6 +155,8 @@ def run_online(args, store) -> int:
     how = "from the store" if result.cached else ("resumed and finished" if result.resumed else "trained")
     print(f"{len(result.drafts)} draft(s) {how}: {result.conversations} training conversations "
           f"({result.data_tokens} tokens), {result.seconds:.0f} s of training at {result.tokens_per_s:.0f} tok/s")
+    mix = ", ".join(f"{k} {n}" for k, n in result.kind_mix.items())
+    print(f"  training conversations by kind: {mix}" + (f" (drawn with --kinds {result.kinds})" if result.kinds else ""))
     for d in result.drafts:
         acc = ", ".join(f"{a:.3f}" for a in d.val_accuracy)
         curve = "  ".join(f"{t}:{a[0]:.3f}" for t, a in d.curve)
@@ -157,6 +165,10 @@ def run_online(args, store) -> int:
         print(f"  layers {d.layers}: {seen}; held-out agreement per TTT step {acc} "
               f"(draft vocabulary covers {d.val_coverage:.1%}); {fmt.NAMES['simulated_acc_len']} "
               f"{fmt.number(d.simulated_acc_len)}; curve (tokens:step-1) {curve}")
+        if d.val_by_kind:
+            print("    held-out agreement by kind: " + "; ".join(
+                f"{k} {', '.join(f'{a:.3f}' for a in v['val_accuracy'])} ({v['conversations']} conversations, "
+                f"{v['positions']} positions)" for k, v in d.val_by_kind.items()))
         print(f"    {d.path}")
     return 0
 

@@ -5,6 +5,10 @@ Data: conversations as token ids, prompt (chat template + generation prompt) the
                           the store as token ids only (responses/<key>/), reused by every later run and set;
   responses="own"         the conversation's own first assistant turn (ShareGPT records): a forward pass only.
 A seeded choice of `val_conversations` conversations is held out; the rest are the training stream.
+`kinds` weights ShareGPT's records by kind of conversation in the draw (prompts/kinds.py: "code=2,chat=0");
+the held-out conversations are then a seeded choice among the weighted draw's, like the training ones. Every
+run reports its training conversations by kind (kind_mix) and each draft's held-out agreement by kind
+(val_by_kind, evaluated once more at the end).
 
 Per step, `batch_size` conversations (a seeded order, bucketed by length) go through ONE target forward
 with output_hidden_states, and every layer set s gets the same rows:
@@ -33,7 +37,8 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Callable
@@ -64,6 +69,7 @@ from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
 from layerscope.errors import DraftError
 from layerscope.models import LoadedModel
+from layerscope.prompts.kinds import KINDS, canonical, kind_of, parse_weights
 from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
 from layerscope.store import Store, atomic_write_json, make_key, staged
@@ -81,6 +87,8 @@ class OnlineOptions(TrainOptions):
     conversation is split as in train.py)."""
     prompts: str = "sharegpt"           # builtin | sharegpt | a prompt file
     limit: int | None = None            # conversations drawn from the set (None: all of it)
+    kinds: str | None = None            # ShareGPT: weights by kind in the draw, e.g. "code=2,math=2,chat=0"
+                                        # (prompts/kinds.py); None, or every weight equal: a plain draw
     responses: str = "regenerate"       # regenerate | own
     max_new_tokens: int = 128           # response cap for regenerate
     max_prompt_tokens: int = 256        # longer prompts are left out
@@ -102,6 +110,19 @@ class OnlineOptions(TrainOptions):
         check_number("data_seed", self.data_seed, integer=True, optional=True, error=DraftError, fix="Use e.g. 0")
         check_number("checkpoint_every_s", self.checkpoint_every_s, minimum=0, above=True, error=DraftError,
                      fix="Use e.g. 300")
+        if self.kinds is not None:
+            if str(self.prompts).strip() != "sharegpt":
+                raise DraftError(f"--kinds weights ShareGPT's conversations; --prompts {self.prompts} is another set",
+                                 "Use --prompts sharegpt, or leave --kinds out")
+            parse_weights(self.kinds, error=DraftError)
+
+    @property
+    def kind_weights(self) -> dict[str, float] | None:
+        """{kind: weight} of `kinds`; None without it or when every weight is the same (the plain draw)."""
+        if self.kinds is None:
+            return None
+        weights = parse_weights(self.kinds, error=DraftError)
+        return None if len(set(weights.values())) == 1 else weights
 
     def run_fields(self) -> dict:
         """What decides the drafts: every field but where and how often progress is saved."""
@@ -109,6 +130,10 @@ class OnlineOptions(TrainOptions):
         d.pop("checkpoint_every_s")
         if d["data_seed"] is None or d["data_seed"] == d["seed"]:
             d.pop("data_seed")          # the same run as before data_seed existed: its stored key stays
+        weights = self.kind_weights
+        d.pop("kinds")                  # the same run as before kinds existed, unless the draw is weighted
+        if weights is not None:
+            d["kinds"] = canonical(weights)
         return d
 
     @property
@@ -124,6 +149,7 @@ class Conversations:
     response: list[list[int]]
     ids: list[str]
     key: str                            # content address of exactly these conversations
+    kinds: list[str] = field(default_factory=list)   # kind of each conversation (prompts/kinds.py, first user turn)
 
     def __len__(self) -> int:
         return len(self.prompt)
@@ -143,6 +169,7 @@ class DraftResult:
     curve: list                          # [[tokens seen, [agreement per TTT step]], ...]
     tokens_seen_total: int | None = None  # a continued draft (--init-from): its tokens before + tokens_seen
     simulated_acc_len: float | None = None  # of val_accuracy (loss.simulated_acc_len; set here, whatever is passed)
+    val_by_kind: dict | None = None      # {kind: {"conversations", "positions", "val_accuracy"}}: val_by_kind()
 
     def __post_init__(self):
         self.simulated_acc_len = round(simulated_acc_len(self.val_accuracy), 5) if self.val_accuracy else None
@@ -158,19 +185,24 @@ class OnlineResult:
     run_key: str
     conversations: int                   # training conversations
     data_tokens: int                     # tokens in the training conversations
+    kind_mix: dict = field(default_factory=dict)   # training conversations per kind, every kind of KINDS
+    kinds: str | None = None             # the draw's weights by kind (kinds.canonical), None: a plain draw
 
     def to_json(self) -> dict:
         return {"drafts": [asdict(d) for d in self.drafts], "seconds": round(self.seconds, 1),
                 "tokens_per_s": round(self.tokens_per_s, 1), "resumed": self.resumed, "cached": self.cached,
-                "run_key": self.run_key, "conversations": self.conversations, "data_tokens": self.data_tokens}
+                "run_key": self.run_key, "conversations": self.conversations, "data_tokens": self.data_tokens,
+                "kind_mix": self.kind_mix, "kinds": self.kinds}
 
 
 # ----------------------------------------------------------------------------- data
 
 def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, progress=None,
                        should_stop=None) -> Conversations:
-    """The conversations of o.prompts (train split for ShareGPT) that fit, with o.responses answers."""
-    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.sample_seed, cache=store.root / "prompts")
+    """The conversations of o.prompts (train split for ShareGPT; o.kinds weights its draw) that fit, with
+    o.responses answers; `kinds` holds each one's kind."""
+    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.sample_seed, cache=store.root / "prompts",
+                              kind_weights=o.kind_weights)
     prompts = [(p, chat_ids(target.tokenizer, p)) for p in prompt_set.prompts]
     target.check_room(o.max_prompt_tokens, o.max_new_tokens, "--max-prompt-tokens", "--max-new-tokens")
     room = target.context_length - o.max_new_tokens
@@ -179,9 +211,13 @@ def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, p
         raise DraftError(f"No prompt of {prompt_set.name} fits in {o.max_prompt_tokens} tokens",
                          "Raise --max-prompt-tokens or choose other prompts")
     if o.responses == "own":
-        return own_responses(target, prompts, prompt_set.content_hash, o, store)
-    return regenerated_responses(target, prompts, prompt_set.content_hash, o, store, progress=progress,
-                                 should_stop=should_stop)
+        convs = own_responses(target, prompts, prompt_set.content_hash, o, store)
+    else:
+        convs = regenerated_responses(target, prompts, prompt_set.content_hash, o, store, progress=progress,
+                                      should_stop=should_stop)
+    kind = {p.id: kind_of(p.text) for p, _ in prompts}
+    convs.kinds = [kind[i] for i in convs.ids]
+    return convs
 
 
 def own_responses(target, prompts, content_hash: str, o: OnlineOptions, store: Store) -> Conversations:
@@ -226,9 +262,11 @@ def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, 
     prompts, written atomically, each row carrying its prompt id and a hash of its prompt's token ids. The key
     leaves out the limit, so a larger --limit of the same (prefix-stable) sample reuses every finished part;
     a part whose prompts differ is generated again."""
+    weights = o.kind_weights              # a weighted draw has its own order: its own parts
     key = make_key({"target": target.fingerprint, "prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate",
                     "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
-                    "batch": o.gen_batch_size, "format": RESPONSES_FORMAT})
+                    "batch": o.gen_batch_size, "format": RESPONSES_FORMAT,
+                    **({"kinds": canonical(weights)} if weights is not None else {})})
     root = store.path("responses", key)
     parts = [(start, prompts[start: start + o.gen_batch_size]) for start in range(0, len(prompts), o.gen_batch_size)]
     if any(read_part(root, start, batch) is None for start, batch in parts):
@@ -437,8 +475,9 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
     train_idx = [i for i in range(len(convs)) if not val_mask[i]]
     val_idx = [i for i in range(len(convs)) if val_mask[i]]
     data_tokens = sum(len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx)
+    mix = kind_mix(convs, train_idx)
     if result_file.is_file():
-        cached = cached_result(result_file, key, len(train_idx), data_tokens)
+        cached = cached_result(result_file, key, len(train_idx), data_tokens, mix, o)
         if cached is not None:
             return cached
     if len(train_idx) < 1:
@@ -446,7 +485,7 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
                          "Use more prompts (--limit)")
     with (store.lock("runs", key, should_stop=should_stop) if distributed.rank() == 0 else contextlib.nullcontext()):
         if result_file.is_file() and distributed.rank() == 0:
-            cached = cached_result(result_file, key, len(train_idx), data_tokens)
+            cached = cached_result(result_file, key, len(train_idx), data_tokens, mix, o)
             if cached is not None:
                 return cached
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -478,13 +517,43 @@ def interrupt_flag():
         signal.signal(signal.SIGINT, previous)
 
 
-def cached_result(result_file: Path, key: str, conversations: int, data_tokens: int) -> OnlineResult | None:
+def cached_result(result_file: Path, key: str, conversations: int, data_tokens: int, mix: dict,
+                  o: OnlineOptions) -> OnlineResult | None:
     r = jsonsafe.loads(result_file.read_bytes(), what=f"Run result {result_file}", error=DraftError,
                        fix=f"Remove {result_file} and run the same command again")
     drafts = [DraftResult(**d) for d in r["drafts"]]
     if not all((Path(d.path) / "layerscope.json").is_file() for d in drafts):
         return None                      # a draft was evicted or removed: train again
-    return OnlineResult(drafts, r["seconds"], r["tokens_per_s"], False, True, key, conversations, data_tokens)
+    return OnlineResult(drafts, r["seconds"], r["tokens_per_s"], False, True, key, conversations, data_tokens, mix,
+                        weights_name(o))
+
+
+def kind_mix(convs: Conversations, index: list[int]) -> dict[str, int]:
+    """{kind: conversations of `index` of that kind} for every kind of KINDS, in that order."""
+    return {k: sum(convs.kinds[i] == k for i in index) for k in KINDS}
+
+
+def weights_name(o: OnlineOptions) -> str | None:
+    """The run's weights by kind in their one spelling (kinds.canonical), None for a plain draw."""
+    weights = o.kind_weights
+    return None if weights is None else canonical(weights)
+
+
+def val_by_kind(d, split, kinds: list[str], o: OnlineOptions, device) -> dict:
+    """Held-out agreement by kind: {kind: {"conversations", "positions", "val_accuracy"}} for each kind of KINDS
+    among the held-out conversations (kinds[j]: the kind of the split's conversation j), by loss.evaluate over
+    the windows of that kind's conversations, as the run's own evaluation reads them. Each window lies in one
+    conversation, so the conversations add up to the split's and the positions to the run's val_positions."""
+    J = o.ttt_steps
+    windows = windows_of(split, o.seq_len, split.counted, J)
+    of = [kinds[bisect_right(split.starts, start) - 1] for start, _ in windows]
+    out = {}
+    for k in KINDS:
+        if k in kinds:
+            mine = [w for w, kind in zip(windows, of) if kind == k]
+            acc, _, n, _ = evaluate(d.head, split, mine, J, d.teacher, o.batch_size, device)
+            out[k] = {"conversations": kinds.count(k), "positions": n, "val_accuracy": [round(a, 5) for a in acc]}
+    return out
 
 
 def held_out_splits(target, convs, val_idx, sets, union, o: OnlineOptions, say) -> list:
@@ -590,13 +659,16 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
                 checkpoint_every_s=o.checkpoint_every_s, planned_steps=o.steps, device=device)
 
     # the drafts, then result.json (the run counts as finished only once every draft is in place)
+    mix = kind_mix(convs, train_idx)
     if distributed.rank() != 0:
         dist.barrier()                                      # rank 0 writes them
-        return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens)
+        return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens, mix, o)
+    by_kind = [val_by_kind(d, sp, [convs.kinds[i] for i in val_idx], o, device) for d, sp in zip(drafters, val_splits)]
     drafts = []
     data = {"online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
                        "conversations": len(train_idx), "data_tokens": data_tokens,
-                       "val_ids": [convs.ids[i] for i in val_idx], "held_out_from": held_from},
+                       "val_ids": [convs.ids[i] for i in val_idx], "held_out_from": held_from,
+                       "kinds": weights_name(o), "kind_mix": mix},
             "train_tokens": data_tokens}
     for s_i, (d, s) in enumerate(zip(drafters, sets)):
         d.head.eval()
@@ -604,11 +676,11 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         path = store.path("drafts", dkey)
         meta = {**draft_meta(s, o, state, s_i, target=target, strategy=strategy[s_i] if strategy else None, data=data,
                              vocab_size=len(d2t), started=start.summary(s_i) if start else None),
-                "key": dkey, "run_key": key}
+                "key": dkey, "run_key": key, "val_by_kind": by_kind[s_i]}
         save_draft(path, d.head, meta, target=target)
         store.touch("drafts", dkey)
         drafts.append(DraftResult(s, str(path), state.tokens, meta["val_accuracy"], meta["val_coverage"], meta["curve"],
-                                  meta.get("tokens_seen_total")))
+                                  meta.get("tokens_seen_total"), val_by_kind=by_kind[s_i]))
     rate = state.tokens / max(state.elapsed, 1e-9)
     atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state.elapsed,
                                                 "tokens_per_s": rate, "sets": sets})
@@ -617,4 +689,5 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     say(DoneProgress(state.step, state.tokens))
     if distributed.world() > 1:
         dist.barrier()
-    return OnlineResult(drafts, state.elapsed, rate, resumed, False, key, len(train_idx), data_tokens)
+    return OnlineResult(drafts, state.elapsed, rate, resumed, False, key, len(train_idx), data_tokens, mix,
+                        weights_name(o))

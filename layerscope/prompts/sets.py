@@ -9,7 +9,10 @@ With a smaller limit it is a seeded sample in draw order, so at one seed limit=1
 limit=20. The builtin sample is stratified: it takes categories in turn.
 
 ShareGPT is read through the cached index of its records (layerscope/prompts/sharegpt.py; a hash of the
-record id holds out 5%: split="heldout"); user files are read by layerscope/prompts/files.py, line by
+record id holds out 5%: split="heldout"). A ShareGPT draw can weight its records by kind (kind_weights,
+prompts/kinds.py: train-draft --kinds): the records of the split, in kinds.weighted_order, which equal
+weights make the plain draw's order; a kind of weight 0 is left out, and without a limit the records of
+the other kinds come in file order. User files are read by layerscope/prompts/files.py, line by
 line under size limits; a record becomes a Prompt as layerscope/prompts/record.py says. Their names
 are importable from here too.
 
@@ -33,11 +36,13 @@ from layerscope.prompts.files import (
     user_file,
     user_path,
 )
+from layerscope.prompts.kinds import weighted_order
 from layerscope.prompts.record import Prompt, user_turns
 from layerscope.prompts.sharegpt import (
     cache_dir,
     is_heldout,
     sharegpt_index,
+    sharegpt_kinds,
     sharegpt_path,
 )
 
@@ -65,22 +70,26 @@ class PromptSet:
 
 
 def load_prompts(spec: str, *, limit: int | None = None, seed: int = 0, split: str = "train",
-                 turns: int = 1, cache: Path | None = None) -> PromptSet:
+                 turns: int = 1, cache: Path | None = None, kind_weights: dict[str, float] | None = None) -> PromptSet:
     """Resolve a prompt-set spec into a PromptSet; raises PromptSetError on anything unusable.
 
     limit: at most this many prompts (a seeded sample when it cuts); None = all.
     split: "train" or "heldout" (ShareGPT only; "sharegpt-heldout" implies "heldout").
     turns: how many user turns each prompt keeps (ShareGPT and multi-turn file records).
     cache: where the ShareGPT index is kept (a store's prompts/ folder; default `cache_dir()`).
+    kind_weights: ShareGPT only: {kind: weight} for every kind of kinds.KINDS (kinds.parse_weights).
     """
     limit, seed, turns = _check_options(limit, seed, split, turns)
     spec = str(spec).strip()
     warnings: list[str] = []
     if spec == "sharegpt-heldout":
         spec, split = "sharegpt", "heldout"
+    if kind_weights is not None and spec != "sharegpt":
+        raise PromptSetError(f"weights by kind draw ShareGPT conversations; {spec} is another prompt set",
+                             "Use the ShareGPT set, or leave the weights by kind out")
     if spec == "sharegpt":
         name = "sharegpt" if split == "train" else "sharegpt-heldout"
-        prompts = _sharegpt(limit, seed, split, turns, cache or cache_dir())
+        prompts = _sharegpt(limit, seed, split, turns, cache or cache_dir(), kind_weights)
     elif spec == "builtin":
         _no_split("the builtin set", split)
         name, prompts = "builtin", _builtin(limit, seed)
@@ -176,13 +185,20 @@ def _builtin(limit: int | None, seed: int) -> list[Prompt]:
 # -----------------------------------------------------------------------------
 # ShareGPT
 
-def _sharegpt(limit: int | None, seed: int, split: str, turns: int, cache: Path) -> list[Prompt]:
+def _sharegpt(limit: int | None, seed: int, split: str, turns: int, cache: Path,
+              kind_weights: dict[str, float] | None = None) -> list[Prompt]:
     path = sharegpt_path()
     held = split == "heldout"
     entries = [e for e in sharegpt_index(path, cache)["records"] if is_heldout(e[0]) == held]
+    if kind_weights is None:
+        drawn = _sample(entries, limit, seed)
+    else:                          # only the split's records are weighted: the held-out 5% stays out of training
+        kind = sharegpt_kinds(path, cache)
+        order = weighted_order([kind[e[0]] for e in entries], kind_weights, seed)
+        drawn = [entries[i] for i in (sorted(order) if limit is None else order[:limit])]
     prompts = []
     with open(path, "rb") as f:
-        for record_id, offset, length in _sample(entries, limit, seed):
+        for record_id, offset, length in drawn:
             f.seek(offset)
             user, problem = user_turns(json.loads(f.read(length)), turns)
             if user is None:

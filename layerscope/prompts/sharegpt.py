@@ -11,6 +11,10 @@ records that have a user turn. The index is cached as JSON under the store, in
 so later loads read the index and then only the records they sample. A hash of the record id holds
 out 5% of the records: split="heldout" (spec "sharegpt-heldout") gives only those, split="train" (the
 default, used for capture and draft training) never does.
+
+The kind of every indexed record (prompts/kinds.py, from its first user turn) is worked out only when a
+draw weights kinds, and cached beside the index as <cache>/sharegpt-kinds-<key>.json, key = the index's
+identity and kinds.VERSION: {"identity": [index identity, VERSION], "kinds": [kind per index record]}.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 
 from layerscope import jsonsafe
 from layerscope.errors import LayerScopeError, PromptSetError
+from layerscope.prompts.kinds import KINDS, kind_of
+from layerscope.prompts.kinds import VERSION as KINDS_VERSION
 from layerscope.prompts.record import user_turns
 from layerscope.store import atomic_write_bytes, default_root
 
@@ -81,6 +87,31 @@ def sharegpt_index(path: Path, cache: Path | None = None) -> dict:
              "tail_bytes": scan.tail_bytes, "records": records}
     _write_json_atomic(cached, index)
     return index
+
+
+def sharegpt_kinds(path: Path, cache: Path | None = None) -> dict[str, str]:
+    """{record id: kind} for every record of the index (kinds.kind_of of its first user turn), worked out once
+    (one read of every record) and cached (the module docstring says where and how)."""
+    index = sharegpt_index(path, cache)
+    ids = [r[0] for r in index["records"]]
+    identity = [index["identity"], KINDS_VERSION]
+    key = hashlib.sha256(json.dumps(identity).encode("utf-8")).hexdigest()[:24]
+    cached = (cache or cache_dir()) / f"sharegpt-kinds-{key}.json"
+    try:
+        stored = jsonsafe.loads(cached.read_bytes(), what=cached.name, error=PromptSetError)
+        kinds = stored["kinds"]
+        if stored.get("identity") == identity and len(kinds) == len(ids) and set(kinds) <= set(KINDS):
+            return dict(zip(ids, kinds))
+    except (OSError, LayerScopeError, AttributeError, KeyError, TypeError):
+        pass                       # missing, damaged or planted: worked out again
+    kinds = []
+    with open(Path(path), "rb") as f:
+        for _, offset, length in index["records"]:
+            f.seek(offset)
+            user, _ = user_turns(json.loads(f.read(length)), 1)
+            kinds.append(kind_of(user[0]) if user else "chat")
+    _write_json_atomic(cached, {"identity": identity, "kinds": kinds})
+    return dict(zip(ids, kinds))
 
 
 def cache_dir() -> Path:
