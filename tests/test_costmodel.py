@@ -443,6 +443,40 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     assert set(doc["results"][5]["lookup"]) == {"steps", "draft_steps", "drafted", "accepted"}
 
 
+def test_bench_lookup_auto_and_adaptive(tmp_path, draft_dir, capsys):
+    """`bench --k 1 --lookup auto`: either the chain with the lookup span predicted best on this machine (a contender
+    of its own) or, when none beats the chain alone, the chain carrying the refusal; one line says which and why.
+    `--lookup 2..6` decodes with adaptive lookup, losslessly; a value that is no span is refused in one line."""
+    args = ["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(draft_dir),
+            "--prompts", "builtin", "--limit", "2", "--max-new-tokens", "12", "--no-peers", "--k", "1"]
+    saved = tmp_path / "bench.json"
+    assert main(args + ["--lookup", "auto", "--save-json", str(saved)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(saved.read_text())
+    names = [r["name"] for r in doc["results"]]
+    assert names[:2] == ["autoregressive", "low"] and len(names) in (2, 3)
+    if len(names) == 3:                                   # a span was predicted to pay
+        choice = doc["results"][2]["lookup_auto"]
+        span = sd.LookupSpan(**choice["chosen"])
+        assert span in cm.AUTO_LOOKUPS and names[2] == f"low auto chain k=1 + {span.label}"
+        assert doc["results"][2]["lossless"] and "lookup" in doc["results"][2]
+        assert choice["best"]["speedup"] > choice["alone"]["speedup"] and "lookup_auto" not in doc["results"][1]
+        assert f"{names[2]}: --lookup auto chose {span.label}" in text
+    else:
+        choice = doc["results"][1]["lookup_auto"]
+        assert choice["chosen"] is None and choice["best"]["speedup"] <= choice["alone"]["speedup"]
+        assert "low: --lookup auto chose no lookup for chain k=1: the best span, " in text
+    assert choice["k"] == 1 and choice["alone"]["label"] == "no lookup"
+    assert main(args + ["--lookup", "2..6", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in doc["results"]] == ["autoregressive", "low chain k=1", "low chain k=1 + lookup 2..6"]
+    assert all(r["lossless"] for r in doc["results"]) and doc["results"][2]["decoding"] == "chain k=1 + lookup 2..6"
+    for bad in ("x", "4..", "4..2", "0..4", "-1", "auto,4", "2.5"):
+        assert main(args + ["--lookup", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --lookup") and "--lookup 4..16" in err, (bad, err)
+
+
 def test_bench_auto_says_no_when_nothing_pays(tmp_path, draft_dir, capsys):
     """An untrained draft accepts almost nothing, so no depth or tree reaches its break-even tau (> 1: a draft
     step costs time): `--k auto --tree auto` says so and decodes plainly; every draft row shows its break-even tau
