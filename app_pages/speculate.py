@@ -183,8 +183,9 @@ else:
                           help=f"Also each draft's chain with prompt lookup first: where the text's last 3 or 2 "
                                f"tokens occurred before, up to {specdec.DEFAULT_LOOKUP} tokens that followed them are "
                                f"verified instead of the draft's (pays where answers copy the prompt: summaries, "
-                               f"extraction). Adaptive: 2 more after a lookup accepted whole, up to "
-                               f"{specdec.DEFAULT_ADAPTIVE_CAP}, 1 fewer after a rejection. Auto: the span predicted "
+                               f"extraction). Adaptive: {specdec.LOOKUP_GROW} more after a lookup accepted whole, up "
+                               f"to {specdec.DEFAULT_ADAPTIVE_CAP}, {specdec.LOOKUP_SHRINK} fewer after a rejection. "
+                               f"Auto: the span predicted "
                                f"best for this machine from the calibration, or none when none pays")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",

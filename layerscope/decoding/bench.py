@@ -109,7 +109,8 @@ class EncodedPrompt:
 @dataclass(frozen=True)
 class Contender:
     name: str
-    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup"
+    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup" ("declined":
+                                     # a marker auto_contenders leaves for lookup_declined, never decoded)
     decoding: str                    # e.g. "chain k=4", "tree budget=16 top_k=4 depth=5", "greedy"
     draft: object = None             # DraftHead for kind "draft"
     k: int = specdec.DEFAULT_K

@@ -66,7 +66,7 @@ DEFAULT_LOOKUP = 4
 # generation/candidate_generator.py, AssistedCandidateGenerator.update_candidate_strategy); its prompt lookup
 # (PromptLookupCandidateGenerator) keeps a fixed span, prompt_lookup_num_tokens (10 by default).
 LOOKUP_GROW, LOOKUP_SHRINK = 2, 1
-DEFAULT_ADAPTIVE_CAP = 16          # the cap of `--lookup` adaptive spans where none is given (the app's "adaptive")
+DEFAULT_ADAPTIVE_CAP = 16          # the app's adaptive span: DEFAULT_LOOKUP..DEFAULT_ADAPTIVE_CAP
 
 clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
 
