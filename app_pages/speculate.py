@@ -176,11 +176,17 @@ else:
                       on_change=bind_view(s, "bench_peers", "ls_w_spec_bench_peers", False, options=[True, False]),
                       help="HF generate and prompt lookup: the decoders a user has without LayerScope, measured in "
                            "the same run (slower)")
-    lookup = b6.toggle("+ prompt lookup", key="ls_w_spec_bench_lookup",
-                       on_change=bind_view(s, "bench_lookup", "ls_w_spec_bench_lookup", False, options=[True, False]),
-                       help=f"Also each draft's chain with prompt lookup first: where the text's last 3 or 2 tokens "
-                            f"occurred before, up to {specdec.DEFAULT_LOOKUP} tokens that followed them are verified "
-                            f"instead of the draft's (pays where answers copy the prompt: summaries, extraction)")
+    lookups = list(speculate.LOOKUP_CHOICES)
+    lookup = b6.selectbox("+ prompt lookup", lookups, key="ls_w_spec_bench_lookup",
+                          format_func=speculate.LOOKUP_CHOICES.get,
+                          on_change=bind_view(s, "bench_lookup", "ls_w_spec_bench_lookup", "0", options=lookups),
+                          help=f"Also each draft's chain with prompt lookup first: where the text's last 3 or 2 "
+                               f"tokens occurred before, up to {specdec.DEFAULT_LOOKUP} tokens that followed them are "
+                               f"verified instead of the draft's (pays where answers copy the prompt: summaries, "
+                               f"extraction). Adaptive: {specdec.LOOKUP_GROW} more after a lookup accepted whole, up "
+                               f"to {specdec.DEFAULT_ADAPTIVE_CAP}, {specdec.LOOKUP_SHRINK} fewer after a rejection. "
+                               f"Auto: the span predicted "
+                               f"best for this machine from the calibration, or none when none pays")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
                  disabled=not chosen or bench_running):
@@ -188,7 +194,7 @@ else:
             manager.submit(s.id, "bench", tasks.bench_job(
                 store=store, model=s.model, drafts=[by_path[c] for c in chosen], prompts=source,
                 limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth or specdec.DEFAULT_K), peers=bool(peers),
-                lookup=specdec.DEFAULT_LOOKUP if lookup else 0,
+                lookup=lookup,
                 capture_key=s.capture_key),
                 title=f"Benchmark of {len(chosen)} draft(s)")
             st.rerun()

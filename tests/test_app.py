@@ -477,7 +477,7 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     assert any("τ and speedup" in t for t in titles) and any("Acceptance rate" in t for t in titles)
     assert storage.load(app_store, copy_of).bench_results == at.session_state["ls_session"].bench_results
     # "+ prompt lookup": the chain also with prompt lookup first, its lookup steps counted apart
-    at.toggle(key="ls_w_spec_bench_lookup").set_value(True).run()
+    at.selectbox(key="ls_w_spec_bench_lookup").set_value(str(specdec.DEFAULT_LOOKUP)).run()
     at.button(key="ls_spec_bench").click().run()
     settle(at)
     no_exception(at)
@@ -485,6 +485,15 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     assert [r["name"] for r in res["results"]] == ["autoregressive", "default chain k=3",
                                                    f"default chain k=3 + lookup {specdec.DEFAULT_LOOKUP}"]
     assert all(r["lossless"] for r in res["results"]) and "lookup" in res["results"][2]
+    # prompt lookup = auto: the span predicted best (or none), said in one line under the table
+    at.selectbox(key="ls_w_spec_bench_lookup").set_value("auto").run()
+    at.button(key="ls_spec_bench").click().run()
+    settle(at)
+    no_exception(at)
+    res = at.session_state["ls_session"].bench_results[-1]
+    chose = [r for r in res["results"] if r.get("lookup_auto")]
+    assert len(chose) == 1 and chose[0]["lossless"] and chose[0]["lookup_auto"]["k"] == 3
+    assert any("prompt lookup = auto chose" in c.value for c in at.caption)
 
 
 def test_study_trains_one_draft_per_set_and_correlates(app_store, copy_of):

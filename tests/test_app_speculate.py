@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 from layerscope import fmt
+from layerscope.decoding import specdec
+from layerscope.decoding.bench import parse_lookup
 from layerscope.ui import speculate
 
 
@@ -100,3 +102,10 @@ def test_a_study_as_a_table_and_its_lines():
     assert speculate.spearman_text({"mean_entropy": 0.4, "mean_cka": None}) == "mean entropy +0.400 · mean CKA n/a"
     assert speculate.correlations_frame(res) is None
     assert [r["name"] for r in speculate.study_bench_rows(rows, mine)] == ["default", "mine"]
+
+
+def test_the_benchmarks_lookup_choices_are_what_bench_takes():
+    parsed = [parse_lookup(v) for v in speculate.LOOKUP_CHOICES]
+    assert parsed == [(0, False), (specdec.DEFAULT_LOOKUP, False),
+                      (specdec.LookupSpan(specdec.DEFAULT_LOOKUP, specdec.DEFAULT_ADAPTIVE_CAP), False), (0, True)]
+    assert list(speculate.LOOKUP_CHOICES.values())[0] == "off"

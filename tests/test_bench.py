@@ -234,3 +234,33 @@ def test_the_acceptance_histogram_has_vllms_names_and_counts():
                                "num_accepted_tokens_per_pos": [5, 3, 2, 2], "mean_acceptance_length": 3.0}
     assert t.acceptance_by_position() == [5 / 6, 3 / 6, 2 / 5, 2 / 5]    # the depth-2 step drafted positions 1-2
     assert bench.Tally().spec_decode()["mean_acceptance_length"] is None
+
+
+def test_lookup_auto_lands_on_its_chain_and_says_why_in_one_line():
+    """`--lookup auto` markers (kind "declined") leave the line-up, each choice moving to the first chain of its
+    draft and depth that decodes without lookup; the line says what was chosen or why nothing was."""
+    a, b = object(), object()
+    declined = {"k": 2, "chosen": None, "best": {"label": "lookup 2", "speedup": 0.9, "lookup_share": 0.04,
+                                                 "lookup_tau": 1.5},
+                "alone": {"label": "no lookup", "speedup": 1.1, "lookup_share": 0.0, "lookup_tau": None}}
+    lineup = [bench.Contender("autoregressive", "autoregressive", "greedy"),
+              bench.Contender("a chain k=1", "draft", "chain k=1", a, 1),
+              bench.Contender("a chain k=2", "draft", "chain k=2", a, 2),
+              bench.Contender("b", "draft", "chain k=2", b, 2),
+              bench.Contender("a auto chain k=2", "draft", "auto: chain k=2", a, 2, auto={"k": 2}),
+              bench.Contender("a chain k=2 declined lookup", "declined", "", a, 2, lookup_auto=declined),
+              bench.Contender("b chain k=2 declined lookup", "declined", "", b, 2, lookup_auto=declined | {"k": 3})]
+    out = bench.lookup_declined(lineup)
+    assert [c.name for c in out] == ["autoregressive", "a chain k=1", "a chain k=2", "b", "a auto chain k=2"]
+    assert [c.lookup_auto for c in out] == [None, None, declined, declined | {"k": 3}, None]
+    assert bench.lookup_auto_note({"name": "a chain k=2", "lookup_auto": declined}) == (
+        "a chain k=2: --lookup auto chose no lookup for chain k=2: the best span, lookup 2, was predicted 0.90x, "
+        "not above 1.10x without lookup (lookup proposed 4% of the calibration's steps, 1.50 tokens each)")
+    chosen = declined | {"chosen": {"start": 4, "cap": 16}, "best": declined["best"] | {"label": "lookup 4..16",
+                                                                                       "speedup": 1.6}}
+    assert bench.lookup_auto_note({"name": "a auto chain k=2 + lookup 4..16", "lookup_auto": chosen,
+                                   "speedup": 1.45}) == (
+        "a auto chain k=2 + lookup 4..16: --lookup auto chose lookup 4..16 (adaptive) for chain k=2: predicted 1.60x "
+        "against 1.10x without lookup (lookup proposed 4% of the calibration's steps, 1.50 tokens each); measured 1.45x")
+    assert bench.parse_lookup("auto") == (0, True) and bench.parse_lookup("3") == (3, False)
+    assert bench.parse_lookup(" 4..16 ") == (bench.LookupSpan(4, 16), False) and bench.parse_lookup(0) == (0, False)

@@ -292,6 +292,93 @@ def test_auto_picks_the_best_contender(sleepy, curve, ref):
     assert measured[chosen.decoding] >= 0.95 * best, (chosen.decoding, measured)
 
 
+# ----------------------------------------------------------------------------- prompt lookup
+
+
+def _lookup_profile(prompt, out, rows):
+    return cm.AcceptanceProfile((0.5,), ((0.5,),), sequences=(tuple(rows),), texts=((tuple(prompt), tuple(out)),))
+
+
+def test_lookup_replay_closed_form():
+    """Prompt 10..17, continuation 10..21; a k=1 draft right only at state 9. A verify of T tokens costs
+    0.1 + 0.01 T, a draft forward over r rows 0.001 r. Walked by hand:
+    lookup 2:    t0 draft (0.001 + c2), t1 lookup [12 13] 2/2 (c3), t4 [15 16] 2/2 (c3), t7 [10 11] 0/2 (c3),
+                 t8 draft fed the 8 rows that waited (0.008 + c2), t9 draft accepts 1 (0.001 + c2): 11 tokens, 6 steps
+    lookup 2..6: t0 draft, t1 [12 13] 2/2 (c3; the span grows to 4), t4 [15 16 17 10] 3/4 (c5; shrinks to 3),
+                 t8 draft fed 8 rows, t9 draft accepts 1: 11 tokens, 5 steps
+    no lookup:   ten draft steps of 0.001 + c2, the last accepting 1: 11 tokens"""
+    prompt, out = list(range(10, 18)), list(range(10, 22))
+    rows = [(1, 1)] * 9 + [(0, 1), (1, -1), (-1, -1)]
+    prof = _lookup_profile(prompt, out, rows)
+    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.1 + 0.01 * T for T in range(1, 33)),
+                         tuple(0.001 * r for r in range(1, 9)))
+    c = curve.target_s
+    cases = {sd.LookupSpan.fixed(2): (6, 0.001 + c(2) + 3 * c(3) + 0.008 + c(2) + 0.001 + c(2), 3, 7 / 3),
+             sd.LookupSpan(2, 6): (5, 0.001 + c(2) + c(3) + c(5) + 0.008 + c(2) + 0.001 + c(2), 2, 7 / 2),
+             None: (10, 10 * (0.001 + c(2)), 0, None)}
+    for lookup, (steps, seconds, looked, lookup_tau) in cases.items():
+        p = cm.predict_lookup(curve, prof, 1, lookup)
+        assert p.tau == pytest.approx(11 / steps) and p.step_seconds == pytest.approx(seconds / steps), lookup
+        assert p.speedup == pytest.approx(11 * c(1) / seconds) and p.lookup_share == pytest.approx(looked / steps)
+        assert p.lookup_tau == (pytest.approx(lookup_tau) if lookup_tau else None)
+    assert cm.predict_lookup(curve, prof, 1, None).label == "no lookup"
+    with pytest.raises(ValueError, match="texts"):
+        cm.predict_lookup(curve, cm.AcceptanceProfile.from_chain([0.5]), 1, None)
+
+
+def test_lookup_replay_walks_the_decoders_steps(tiny):
+    """On prompts that hold the target's own continuation, the replay along a real calibration takes the steps the
+    decoder takes: the same tokens per step, the same share of lookup steps, and seconds that are the curve's price
+    of each of the decoder's steps (lookup: c(n+1); draft: its feed over the rows that waited, then c(k+1))."""
+    draft = untrained_draft(tiny.model)
+    prompts = [ids + greedy_reference(tiny.model, ids, 30)[:12] + ids for ids in PROMPTS]
+    prof = cm.calibrate(tiny.model, draft, prompts, max_new_tokens=30, depth=4)
+    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.05 + 0.01 * T for T in range(1, 33)),
+                         tuple(0.005 + 0.001 * r for r in range(8)))
+    for lookup in (None, sd.LookupSpan.fixed(1), sd.LookupSpan.fixed(4), sd.LookupSpan(1, 9)):
+        tokens, steps, looked, seconds = 0, 0, 0, 0.0
+        for ids in prompts:
+            _, events = sd.collect(sd.speculative(tiny.model, draft, ids, 30, k=2, lookup=lookup or 0))
+            waiting = 1
+            for e in events[1:]:
+                tokens, steps, looked = tokens + len(e.tokens), steps + 1, looked + (e.proposer == "lookup")
+                if e.proposer == "lookup":
+                    seconds += curve.target_s(e.drafted + 1)
+                    waiting += len(e.tokens)
+                elif e.drafted:
+                    seconds += curve.draft_s(waiting) + (e.drafted - 1) * curve.draft_s(1) + curve.target_s(e.drafted + 1)
+                    waiting = len(e.tokens)
+                else:
+                    seconds += curve.target_s(1)
+                    waiting += 1
+        p = cm.predict_lookup(curve, prof, 2, lookup)
+        assert p.tau == pytest.approx(tokens / steps, rel=1e-12), lookup
+        assert p.lookup_share == pytest.approx(looked / steps, rel=1e-12) and (looked > 0) == (lookup is not None)
+        assert p.step_seconds == pytest.approx(seconds / steps, rel=1e-9), lookup
+
+
+def test_lookup_auto_chooses_from_a_planted_curve():
+    """A continuation that copies 40 tokens of the prompt, then a stretch where the last two tokens recur but the
+    text goes on differently (lookups there miss), and a draft that is always right (k = 1: 2 tokens a step).
+    When a verify costs one forward whatever its length, the longest span pays most (lookup 16: it copies in the
+    fewest steps). When a verify of T tokens costs T forwards, a lookup at best matches the draft's step and every
+    miss loses: no lookup, and the choice says which span came closest."""
+    S = tuple(range(100, 140))
+    prompt = S + (1, 2, 3, 1, 2, 4)
+    out = (5,) + S + tuple(t for x in range(9, 15) for t in (1, 2, x))
+    rows = [(0,) * 8] * (len(out) - 1) + [(-1,) * 8]
+    prof = _lookup_profile(prompt, out, rows)
+    flat = cm.CostCurve("cpu", "float32", 1, (0.1,) * 32, (0.001,) * 8)
+    choice = cm.choose_lookup(flat, prof, 1)
+    assert choice.chosen == sd.LookupSpan.fixed(16) and max(s.start for s in cm.AUTO_LOOKUPS) == 16
+    assert choice.best.lookup == choice.chosen and choice.best.speedup > 2 * choice.alone.speedup
+    steep = cm.CostCurve("cpu", "float32", 1, tuple(0.1 * T for T in range(1, 33)), (0.001,) * 8)
+    choice = cm.choose_lookup(steep, prof, 1)
+    assert choice.chosen is None and choice.best.lookup in cm.AUTO_LOOKUPS
+    assert choice.best.speedup < choice.alone.speedup
+    assert choice.to_json()["chosen"] is None and choice.to_json()["best"]["label"] == choice.best.lookup.label
+
+
 # ----------------------------------------------------------------------------- commands
 
 
@@ -354,6 +441,40 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     assert names[5:] == [f"low auto chain k={k} + lookup 3"] and len(names) == 6
     assert doc["results"][5]["lossless"] and doc["results"][5]["predicted_speedup"] is None
     assert set(doc["results"][5]["lookup"]) == {"steps", "draft_steps", "drafted", "accepted"}
+
+
+def test_bench_lookup_auto_and_adaptive(tmp_path, draft_dir, capsys):
+    """`bench --k 1 --lookup auto`: either the chain with the lookup span predicted best on this machine (a contender
+    of its own) or, when none beats the chain alone, the chain carrying the refusal; one line says which and why.
+    `--lookup 2..6` decodes with adaptive lookup, losslessly; a value that is no span is refused in one line."""
+    args = ["bench", "--store", str(tmp_path / "store"), "--model", "tiny-llama", "--draft", str(draft_dir),
+            "--prompts", "builtin", "--limit", "2", "--max-new-tokens", "12", "--no-peers", "--k", "1"]
+    saved = tmp_path / "bench.json"
+    assert main(args + ["--lookup", "auto", "--save-json", str(saved)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(saved.read_text())
+    names = [r["name"] for r in doc["results"]]
+    assert names[:2] == ["autoregressive", "low"] and len(names) in (2, 3)
+    if len(names) == 3:                                   # a span was predicted to pay
+        choice = doc["results"][2]["lookup_auto"]
+        span = sd.LookupSpan(**choice["chosen"])
+        assert span in cm.AUTO_LOOKUPS and names[2] == f"low auto chain k=1 + {span.label}"
+        assert doc["results"][2]["lossless"] and "lookup" in doc["results"][2]
+        assert choice["best"]["speedup"] > choice["alone"]["speedup"] and "lookup_auto" not in doc["results"][1]
+        assert f"{names[2]}: --lookup auto chose {span.label}" in text
+    else:
+        choice = doc["results"][1]["lookup_auto"]
+        assert choice["chosen"] is None and choice["best"]["speedup"] <= choice["alone"]["speedup"]
+        assert "low: --lookup auto chose no lookup for chain k=1: the best span, " in text
+    assert choice["k"] == 1 and choice["alone"]["label"] == "no lookup"
+    assert main(args + ["--lookup", "2..6", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in doc["results"]] == ["autoregressive", "low chain k=1", "low chain k=1 + lookup 2..6"]
+    assert all(r["lossless"] for r in doc["results"]) and doc["results"][2]["decoding"] == "chain k=1 + lookup 2..6"
+    for bad in ("x", "4..", "4..2", "0..4", "-1", "auto,4", "2.5"):
+        assert main(args + ["--lookup", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --lookup") and "--lookup 4..16" in err, (bad, err)
 
 
 def test_bench_auto_says_no_when_nothing_pays(tmp_path, draft_dir, capsys):

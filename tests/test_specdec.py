@@ -402,6 +402,45 @@ def test_greedy_decoding_with_prompt_lookup_is_lossless(target, refs, k):
         sd.collect(sd.speculative(target, draft, PROMPTS[0], 5, lookup=-1))
 
 
+def test_lookup_span_grows_after_a_whole_accept_and_shrinks_after_a_rejection():
+    """Closed form: +2 after a lookup accepted whole, up to the cap; -1 after a rejection, down to the start; a
+    fixed span never moves; the labels are what --lookup takes; refusals name the option."""
+    rule = sd.LookupSpan(2, 7)
+    assert rule.adaptive and rule.label == "lookup 2..7"
+    assert rule.next(2, 2, 2) == 4 and rule.next(4, 4, 4) == 6 and rule.next(6, 6, 6) == 7 and rule.next(7, 7, 7) == 7
+    assert rule.next(7, 3, 3) == 7            # a proposal cut short (the match's end) and accepted whole also grows
+    assert rule.next(7, 7, 6) == 6 and rule.next(3, 3, 0) == 2 and rule.next(2, 2, 1) == 2
+    fixed = sd.LookupSpan.fixed(4)
+    assert not fixed.adaptive and fixed.label == "lookup 4" and fixed.next(4, 4, 4) == 4 and fixed.next(4, 4, 0) == 4
+    assert sd.lookup_span(0) is None and sd.lookup_span(3) == sd.LookupSpan(3, 3)
+    for bad in (-1, sd.LookupSpan(4, 2), sd.LookupSpan(-2, 4)):
+        with pytest.raises(LayerScopeError, match="--lookup"):
+            sd.lookup_span(bad, "--lookup")
+
+
+def test_greedy_decoding_with_adaptive_lookup_is_lossless(target, refs):
+    """Prompts that hold the target's own continuation: lookups are accepted whole, so the span grows past its
+    start (and never exceeds what the rule allows after the steps before), the output is plain greedy's, and it
+    takes fewer target forwards than the fixed span it starts from."""
+    draft = untrained_draft(target)
+    rule = sd.LookupSpan(1, 9)
+    grown = 0
+    for ids, ref in zip(PROMPTS, refs):
+        prompt = ids + ref[:12] + ids
+        expect, _ = sd.collect(sd.autoregressive(target, prompt, 30))
+        out, events = sd.collect(sd.speculative(target, draft, prompt, 30, k=2, lookup=rule))
+        assert out == expect
+        span = rule.start
+        for e in events[1:]:
+            if e.proposer == "lookup":
+                assert 1 <= e.drafted <= span
+                grown += e.drafted > rule.start
+                span = rule.next(span, e.drafted, e.accepted)
+        _, fixed = sd.collect(sd.speculative(target, draft, prompt, 30, k=2, lookup=rule.start))
+        assert len(events) < len(fixed)
+    assert grown >= 3
+
+
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0
@@ -462,17 +501,56 @@ def test_speculative_sampling_keeps_the_target_distribution(prompt, lookup, wind
     samples = torch.tensor(samples)
     assert (0.1 if lookup else 0.15) < accepted / drafted < 0.85     # lookup's second tokens are mostly wrong here
     assert (looked_up > trials // 4) if lookup else looked_up == 0
-    with torch.no_grad():                                    # exact marginals of the target
-        seqs, joint, marginals = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64), []
-        for _ in range(4):
-            p = torch.softmax(model(seqs).logits[:, -1].double() / T, -1)       # [S, 12]
-            j = joint[:, None] * p
-            marginals.append(j.sum(0))
-            seqs = torch.cat([seqs.repeat_interleave(12, 0), torch.arange(12).repeat(len(seqs))[:, None]], 1)
-            joint = j.flatten()
+    marginals = _exact_marginals(model, prompt, 4, T)
     for pos in (1, 2, 3):
         chi2 = _chi2(torch.bincount(samples[:, pos], minlength=12).double(), marginals[pos])
         assert chi2 < 40.0, (pos, chi2)                      # df = 11: P(chi2 > 40) < 1e-4
+
+
+def _exact_marginals(model, prompt: list[int], n: int, T: float) -> list[torch.Tensor]:
+    """The target's exact marginal distribution [V] of each of its first n sampled tokens, by enumerating every
+    sequence before the last."""
+    V = model.config.vocab_size
+    with torch.no_grad():
+        seqs, joint, marginals = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64), []
+        for i in range(n):
+            p = torch.softmax(model(seqs).logits[:, -1].double() / T, -1)       # [S, V]
+            j = joint[:, None] * p
+            marginals.append(j.sum(0))
+            if i < n - 1:
+                seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
+                joint = j.flatten()
+    return marginals
+
+
+def test_adaptive_lookup_sampling_keeps_the_target_distribution():
+    """Adaptive lookup under speculative sampling: the span a step proposes depends on the samples before it, and
+    each of the first 7 tokens still follows the target's exact marginal (vocabulary 6, enumerated). The prompt
+    repeats the 0 3 0 3 the target likes, so lookups are accepted whole (the span then grows: steps proposing
+    2 and 3 tokens) and rejected, often."""
+    shape = dict(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    draft = untrained_draft(model, layers=(0, 1), draft_vocab=4, seed=3)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(5)
+    prompt, T, trials, n = [2, 0, 3, 0, 3, 0, 3, 5, 0, 3, 0, 4, 0], 0.8, 500, 7
+    samples, seen = [], {"whole": 0, "rejected": 0, "grown": 0}
+    for s in range(trials):
+        out, events = sd.collect(sd.speculative(model, draft, prompt, n, k=2, lookup=sd.LookupSpan(1, 3),
+                                                temperature=T, seed=s))
+        samples.append(out)
+        for e in events:
+            if e.proposer == "lookup":
+                seen["whole" if e.accepted == e.drafted else "rejected"] += 1
+                seen["grown"] += e.drafted > 1
+    assert min(seen.values()) > trials // 5, seen
+    samples = torch.tensor(samples)
+    marginals = _exact_marginals(model, prompt, n, T)
+    for pos in range(1, n):
+        chi2 = _chi2(torch.bincount(samples[:, pos], minlength=6).double(), marginals[pos])
+        assert chi2 < 30.0, (pos, chi2)                      # df = 5: P(chi2 > 30) < 2e-5
 
 
 # ----------------------------------------------------------------------------- the real target

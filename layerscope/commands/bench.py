@@ -9,7 +9,7 @@ from pathlib import Path
 from layerscope import disk, machine, preflight, workflow
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.decoding import specdec
-from layerscope.decoding.bench import BenchOptions, folder_names, format_table
+from layerscope.decoding.bench import BenchOptions, folder_names, format_table, parse_lookup
 from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft import builtin
 from layerscope.errors import LayerScopeError
@@ -50,10 +50,14 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and HF prompt lookup")
     p.add_argument("--prompt-lookup", type=int, default=d.lookup_tokens,
                    help="prompt_lookup_num_tokens for the HF peer (default %(default)s)")
-    p.add_argument("--lookup", type=int, default=d.draft_lookup, metavar="N",
+    p.add_argument("--lookup", default=str(d.draft_lookup), metavar="N|N..M|auto",
                    help="also decode each draft's chain (with --k auto: the chosen one) with prompt lookup first: "
                         "where the context's last 3 or 2 tokens occurred before, up to N tokens that followed "
-                        "them are verified instead of the draft's (default %(default)s: off; the app uses "
+                        f"them are verified instead of the draft's; N..M: adaptive, N tokens first, "
+                        f"{specdec.LOOKUP_GROW} more after a lookup accepted whole (up to M), {specdec.LOOKUP_SHRINK} "
+                        "fewer after a rejection; `auto`: for each chain the span "
+                        "(fixed or adaptive) with the best speedup predicted for this machine, or none when none "
+                        "beats the chain alone (default %(default)s: off; the app's fixed span is "
                         f"{specdec.DEFAULT_LOOKUP}, see `layerscope profile` for what a longer verify costs)")
     add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -88,11 +92,12 @@ def parse_k_args(values: list[str] | None) -> tuple[tuple[int, ...], bool]:
 def options_from_args(args) -> BenchOptions:
     trees = (TreeSpec(args.tree_budget, args.tree_top_k, args.tree_depth),) if args.tree == "fixed" else ()
     ks, auto_k = parse_k_args(args.k)
+    draft_lookup, auto_lookup = parse_lookup(args.lookup)
     return BenchOptions(model=args.model, prompts=args.prompts, split=args.split, limit=args.limit, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         ks=tuple(dict.fromkeys(ks)), trees=trees, peers=not args.no_peers,
-                        lookup_tokens=args.prompt_lookup, draft_lookup=args.lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
-                        auto_even_if_slower=args.auto_even_if_slower,
+                        lookup_tokens=args.prompt_lookup, draft_lookup=draft_lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
+                        auto_lookup=auto_lookup, auto_even_if_slower=args.auto_even_if_slower,
                         machine=machine_options(args))
 
 

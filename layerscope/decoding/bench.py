@@ -26,8 +26,8 @@ item carries the `BenchReport`. The set-up around it lives here once, for the CL
 app alike: `fitting_prompts` (the seeded sample whose prompts fit, chat-encoded), `load_drafts`
 (distinct contender names), `contenders_for` (the line-up a `BenchOptions` asks for),
 `stop_tokens` (EOS and pad) and `measure` (run to the report, progress through a callback). With the cost
-model (costmodel.py): `plan` (the line-up with `--k auto` / `--tree auto` resolved by a calibration, and the
-cost curve) and `annotate` (each contender's predicted speedup beside what it measured).
+model (costmodel.py): `plan` (the line-up with `--k auto` / `--tree auto` / `--lookup auto` resolved by a
+calibration, and the cost curve) and `annotate` (each contender's predicted speedup beside what it measured).
 
 The machine: `measure` samples it just before the run (or waits for it to be quiet: `BenchOptions.machine`,
 `--wait-quiet`) and watches it during the run (layerscope.machine); the report carries `machine`, and the
@@ -46,7 +46,7 @@ from transformers import GenerationConfig
 
 from layerscope import fmt, machine
 from layerscope.decoding import costmodel, specdec
-from layerscope.decoding.specdec import StepEvent, TreeSpec
+from layerscope.decoding.specdec import LookupSpan, StepEvent, TreeSpec
 from layerscope.draft.checkpoint import load_draft
 from layerscope.errors import LayerScopeError
 from layerscope.machine import MachineOptions
@@ -76,9 +76,12 @@ class BenchOptions:
     trees: tuple[TreeSpec, ...] = ()             # EAGLE-2 trees, each a contender per draft
     peers: bool = True               # HF generate and HF prompt lookup
     lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
-    draft_lookup: int = 0            # > 0: also each draft's chain with prompt lookup first (specdec `lookup`)
+    draft_lookup: int | LookupSpan = 0   # > 0: also each draft's chain with prompt lookup first (specdec `lookup`;
+                                         # a LookupSpan: adaptive); `parse_lookup` reads --lookup
     auto_k: bool = False             # also the chain depth with the best predicted speedup (`plan`)
     auto_tree: bool = False          # also the tree shape with the best predicted speedup
+    auto_lookup: bool = False        # also each chain with the lookup span predicted best, if any pays (draft_lookup
+                                     # is then unused)
     auto_even_if_slower: bool = False  # run auto's pick even when it is predicted to lose to plain decoding
     machine: MachineOptions = field(default_factory=MachineOptions)   # the quiet rule; wait_s: --wait-quiet
 
@@ -93,7 +96,7 @@ class BenchOptions:
         check_number("--max-new-tokens", self.max_new_tokens, minimum=1, maximum=MAX_NEW_TOKENS, integer=True)
         check_number("--max-prompt-tokens", self.max_prompt_tokens, minimum=1, maximum=MAX_NEW_TOKENS, integer=True)
         check_number("--limit", self.limit, minimum=1, integer=True, fix="Pass --limit 1 or more")
-        check_number("--lookup", self.draft_lookup, minimum=0, integer=True, fix="Pass 0 (off) or more, e.g. --lookup 4")
+        specdec.lookup_span(self.draft_lookup, "--lookup")
 
 
 @dataclass(frozen=True)
@@ -106,13 +109,16 @@ class EncodedPrompt:
 @dataclass(frozen=True)
 class Contender:
     name: str
-    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup"
+    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup" ("declined":
+                                     # a marker auto_contenders leaves for lookup_declined, never decoded)
     decoding: str                    # e.g. "chain k=4", "tree budget=16 top_k=4 depth=5", "greedy"
     draft: object = None             # DraftHead for kind "draft"
     k: int = specdec.DEFAULT_K
     tree: TreeSpec | None = None
-    lookup_tokens: int = 0           # HF prompt lookup: prompt_lookup_num_tokens; a draft: specdec's `lookup`
+    lookup_tokens: int | LookupSpan = 0   # HF prompt lookup: prompt_lookup_num_tokens; a draft: specdec's `lookup`
     auto: dict | None = None         # an `auto` contender: costmodel.Prediction.to_json() of its choice
+    lookup_auto: dict | None = None  # `--lookup auto`'s choice (costmodel.LookupChoice.to_json()): on the chain with
+                                     # the chosen lookup, or on the chain alone when no lookup was predicted to pay
 
 
 @dataclass
@@ -227,7 +233,7 @@ def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
 
 def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] = (specdec.DEFAULT_K,),
                trees: Sequence[TreeSpec] = (), peers: bool = True, lookup_tokens: int = 10,
-               draft_lookup: int = 0) -> list[Contender]:
+               draft_lookup: int | LookupSpan = 0) -> list[Contender]:
     """autoregressive, each draft under each decoding (with `draft_lookup`, each chain also with prompt lookup
     first), then the HF peers."""
     out = [Contender("autoregressive", "autoregressive", "greedy")]
@@ -246,9 +252,30 @@ def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] 
     return out
 
 
-def hybrid_label(k: int, lookup: int) -> str:
-    """The decoding of a draft's chain with prompt lookup first: "chain k=1 + lookup 4"."""
-    return f"chain k={k} + lookup {lookup}"
+def hybrid_label(k: int, lookup: int | LookupSpan) -> str:
+    """The decoding of a draft's chain with prompt lookup first: "chain k=1 + lookup 4" (adaptive: "lookup 4..16")."""
+    span = lookup if isinstance(lookup, LookupSpan) else LookupSpan.fixed(lookup)
+    return f"chain k={k} + {span.label}"
+
+
+LOOKUP_FIX = "Write it like --lookup 4 (a fixed span), --lookup 4..16 (adaptive: 4 tokens, up to 16) or --lookup auto"
+
+
+def parse_lookup(text) -> tuple[int | LookupSpan, bool]:
+    """--lookup's value -> (BenchOptions.draft_lookup, auto_lookup): '4' -> (4, False), '4..16' -> (LookupSpan(4, 16),
+    False), 'auto' -> (0, True), '0' -> off; one line for anything else."""
+    value = str(text).strip()
+    if value == "auto":
+        return 0, True
+    start, dots, cap = value.partition("..")
+    try:
+        span = LookupSpan(int(start), int(cap)) if dots else int(value)
+    except ValueError:
+        raise LayerScopeError(f"--lookup {text!r} is not a span, a range of spans or auto", LOOKUP_FIX) from None
+    if dots and span.start < 1:
+        raise LayerScopeError(f"--lookup {text!r} starts below 1 token", LOOKUP_FIX)
+    specdec.lookup_span(span, "--lookup")
+    return span, False
 
 
 def fitting_prompts(tokenizer, o: BenchOptions, cache: Path | None = None) -> tuple[PromptSet, list[EncodedPrompt]]:
@@ -280,9 +307,9 @@ def load_drafts(target, named: Sequence[tuple[str, object]]) -> list[tuple[str, 
 def contenders_for(drafts: Sequence[tuple[str, object]], o: BenchOptions) -> list[Contender]:
     """The line-up `o` asks for: autoregressive, each draft under each of o.ks and o.trees (and with
     o.draft_lookup each chain with prompt lookup first, unless o.auto_k: then only the automatic chain gets
-    it, auto_contenders), the HF peers."""
+    it, auto_contenders; o.auto_lookup: auto_contenders adds them), the HF peers."""
     return build_contenders(drafts, ks=o.ks, trees=o.trees, peers=o.peers, lookup_tokens=o.lookup_tokens,
-                            draft_lookup=0 if o.auto_k else o.draft_lookup)
+                            draft_lookup=0 if o.auto_k or o.auto_lookup else o.draft_lookup)
 
 
 def stop_tokens(target) -> tuple[object, int | None]:
@@ -313,21 +340,24 @@ def plan(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, st
             progress(BenchProgress("", 0, 0, 0, 0, None, None, None, phase="cost curve", message=message))
 
     curve = costmodel.cost_curve(target, store, drafts[0][1], machine_options=options.machine, progress=say)
-    if options.auto_k or options.auto_tree:
+    if options.auto_k or options.auto_tree or options.auto_lookup:
         cal = replace(options, seed=options.seed + 1, limit=CALIBRATION_PROMPTS)
         _, prompts = fitting_prompts(target.tokenizer, cal, cache=store.root / "prompts")
-        contenders = lineup(contenders, auto_contenders(target, drafts, options, curve, [p.input_ids for p in prompts],
-                                                        progress))
+        contenders = lookup_declined(lineup(contenders, auto_contenders(
+            target, drafts, options, curve, [p.input_ids for p in prompts], progress)))
     return contenders, curve
 
 
 def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, curve: costmodel.CostCurve,
                     calibration: Sequence[Sequence[int]],
                     progress: Callable[[BenchProgress], None] | None = None) -> list[Contender]:
-    """For `bench --k auto` / `--tree auto`: per draft, the chain depth and the tree with the best speedup
-    predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists);
-    a BenchProgress of phase "calibrate" to `progress` after each prompt of each draft."""
-    if not (options.auto_k or options.auto_tree) or not drafts:
+    """For `bench --k auto` / `--tree auto` / `--lookup auto`: per draft, the chain depth and the tree with the best
+    speedup predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists), and for
+    each chain (o.ks and the automatic one) the prompt lookup span predicted best (costmodel.choose_lookup) when
+    one beats the chain alone; where none does, a marker of kind "declined" carries the choice to that chain
+    (`lookup_declined` moves it there); a BenchProgress of phase "calibrate" to `progress` after each prompt of
+    each draft."""
+    if not (options.auto_k or options.auto_tree or options.auto_lookup) or not drafts:
         return []
     eos, _ = stop_tokens(target)
     out, total = [], len(drafts) * len(calibration)
@@ -344,14 +374,36 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: Bench
             best = max(picks, key=lambda p: p.speedup)       # nothing pays: auto says so and decodes plainly
             out.append(Contender(f"{name} auto plain", "autoregressive", "auto: plain decoding", None,
                                  auto=best.to_json() | {"declined": True}))
-            continue
-        for p in picks:
-            out.append(Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
-                                 p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
-        if chain and options.draft_lookup:               # the chosen chain with prompt lookup first
+            chain = None
+        else:
+            for p in picks:
+                out.append(Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
+                                     p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
+        if options.auto_lookup:                          # each chain with the lookup predicted best, if one pays
+            for k in dict.fromkeys(list(options.ks) + ([chain.k] if chain else [])):
+                choice = costmodel.choose_lookup(curve, profile, k)
+                if choice.chosen is None:
+                    out.append(Contender(f"{name} chain k={k} declined lookup", "declined", "", head, k,
+                                         lookup_auto=choice.to_json()))
+                    continue
+                label = hybrid_label(k, choice.chosen)
+                out.append(Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, k,
+                                     lookup_tokens=choice.chosen, lookup_auto=choice.to_json()))
+        elif chain and options.draft_lookup:             # the chosen chain with prompt lookup first
             label = hybrid_label(chain.k, options.draft_lookup)
             out.append(Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, chain.k,
                                  lookup_tokens=options.draft_lookup))
+    return out
+
+
+def lookup_declined(contenders: Sequence[Contender]) -> list[Contender]:
+    """The line-up without auto_contenders' "declined" markers, each one's choice moved to the first chain of its
+    draft and depth that decodes without lookup (its row then says why no lookup runs)."""
+    out = [c for c in contenders if c.kind != "declined"]
+    for mark in (c for c in contenders if c.kind == "declined"):
+        i = next(i for i, c in enumerate(out) if c.kind == "draft" and c.draft is mark.draft and c.tree is None
+                 and c.k == mark.k and not c.lookup_tokens and c.lookup_auto is None)
+        out[i] = replace(out[i], lookup_auto=mark.lookup_auto)
     return out
 
 
@@ -364,21 +416,24 @@ def lineup(contenders: Sequence[Contender], auto: Sequence[Contender]) -> list[C
 def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmodel.CostCurve | None) -> None:
     """Add the cost model's view to a benchmark report: `cost_curve`, and per contender `predicted_speedup`
     (from the curve and the tau the contender measured: the model of cost checked on every run), plus for
-    `auto` contenders the `chosen` decoding and what the calibration predicted for it."""
+    `auto` contenders the `chosen` decoding and what the calibration predicted for it, and for chains `--lookup auto`
+    chose for, or declined for, its choice (`lookup_auto`)."""
     if curve is None:
         return
     report.cost_curve = curve.to_json()["cost_curve"]
     report.draft_step_seconds = curve.draft_s(1)
     report.cost_curve_machine = curve.machine.to_json() if curve.machine is not None else None
     for c, entry in zip(contenders, report.results):
+        if c.lookup_auto is not None:
+            entry["lookup_auto"] = c.lookup_auto
         if c.kind == "autoregressive":
             entry["predicted_speedup"] = 1.0
             if c.auto is not None:                          # auto declined: nothing was predicted to pay
                 entry["chosen"] = {"plain": True}
                 entry["calibrated"] = {"decoding": c.auto["decoding"], "tau": c.auto["tau"],
                                        "speedup": c.auto["speedup"], "break_even_tau": c.auto["break_even_tau"]}
-        elif c.kind == "draft" and c.lookup_tokens:      # the cost model knows no lookup steps
-            entry["predicted_speedup"] = None
+        elif c.kind == "draft" and c.lookup_tokens:      # its steps' spans are not recorded: `lookup_auto` has the
+            entry["predicted_speedup"] = None            # calibration's prediction where auto chose it
         elif c.kind == "draft":
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
@@ -592,6 +647,7 @@ def format_table(report: BenchReport) -> str:
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
     lines += [f"{r['name']}: {r['verdict']}" for r in report.results if r.get("verdict") and not r.get("chosen")]
     lines += [lookup_note(r) for r in report.results if r.get("lookup")]
+    lines += [lookup_auto_note(r) for r in report.results if r.get("lookup_auto")]
     lines += spec_decode_lines(report)
     if report.intervals:
         lines.append(interval_note(report.intervals))
@@ -667,6 +723,23 @@ def lookup_note(entry: dict) -> str:
     rate = f" ({lk['accepted'] / lk['drafted']:.2f})" if lk["drafted"] else ""
     return (f"{entry['name']}: prompt lookup proposed {lk['steps']} of {steps} steps, {lk['accepted']} of its "
             f"{lk['drafted']} tokens accepted{rate}; the acc@ columns count the draft's own steps")
+
+
+def lookup_auto_note(entry: dict) -> str:
+    """What `--lookup auto` chose for a chain and why, in one line: "d auto chain k=2 + lookup 4..16: --lookup auto
+    chose lookup 4..16 (adaptive) for chain k=2: predicted 1.62x against 1.31x without lookup (lookup proposed
+    38% of the calibration's steps, 5.10 tokens each); measured 1.55x", or, on the chain alone, why no lookup runs."""
+    a = entry["lookup_auto"]
+    best, alone = a["best"], a["alone"]
+    seen = (f"lookup proposed {best['lookup_share']:.0%} of the calibration's steps"
+            + (f", {best['lookup_tau']:.2f} tokens each" if best.get("lookup_tau") else ""))
+    if a["chosen"] is None:
+        return (f"{entry['name']}: --lookup auto chose no lookup for chain k={a['k']}: the best span, {best['label']}, "
+                f"was predicted {_f(best['speedup'])}x, not above {_f(alone['speedup'])}x without lookup ({seen})")
+    kind = " (adaptive)" if a["chosen"]["cap"] > a["chosen"]["start"] else ""
+    return (f"{entry['name']}: --lookup auto chose {best['label']}{kind} for chain k={a['k']}: predicted "
+            f"{_f(best['speedup'])}x against {_f(alone['speedup'])}x without lookup ({seen}); measured "
+            f"{_f(entry.get('speedup'))}x")
 
 
 def _f(x, digits: int = 2) -> str:

@@ -11,11 +11,16 @@
     predict       tau, seconds per step, tokens/s and speedup over plain decoding of a chain of depth K
                   or an EAGLE-2 tree (budget, top_k, depth)
     choose        the chain depth or tree shape with the best predicted speedup
+    lookup        a chain with prompt lookup first (fixed or adaptive span), replayed along the calibration's
+                  texts; choose_lookup: the span with the best predicted speedup, or none when none beats the
+                  chain alone
 
 Step costs (specdec's decoders):
     plain           c(1)
     chain K         d(1) + (K-1) d(1) + c(K+1)               one feed, K-1 draft steps, one verification
     tree (B, k, D)  d(1) + (D-1) d(k) + c(B+1)               one feed, D-1 levels of k nodes, one verification
+    lookup of n     c(n+1)                                   one verification; the draft is not run, its rows
+                                                             wait for its next feed (d(rows) there)
 with c the target curve and d the draft curve. tau (tokens per step): chain 1 + sum_{i<=K} chain[i-1];
 tree 1 + the sum over the tree's nodes of the product of rank[j-1][r] along the node's path, the tree
 being the one EAGLE-2 grows when each node's value is that product (the draft's own ranking decides which
@@ -25,6 +30,7 @@ decoding = tau * c(1) / step seconds; the break-even tau of a decoding is its st
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -33,7 +39,7 @@ import torch
 
 from layerscope import blas, layerset, machine
 from layerscope.decoding import specdec
-from layerscope.decoding.specdec import TreeSpec
+from layerscope.decoding.specdec import LookupSpan, TreeSpec
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
 from layerscope.errors import LayerScopeError
@@ -51,6 +57,8 @@ CALIBRATION_RANKS = 8                # draft ranks a calibration tells apart (de
 AUTO_KS = tuple(range(1, 9))         # chain depths `auto` considers
 AUTO_TREES = tuple(TreeSpec(b, k, d) for b in (2, 3, 4, 6, 8, 12, 16, 24, 31) for k in (1, 2, 3, 4, 6, 8)
                    for d in range(2, 9) if k <= b <= k + (d - 1) * k * k)   # shapes `auto` considers
+AUTO_LOOKUPS = tuple(LookupSpan.fixed(n) for n in (1, 2, 3, 4, 6, 8, 10, 12, 16)) + tuple(
+    LookupSpan(s, c) for s in (2, 4, 8) for c in (8, 16, 24) if c > s)   # prompt lookup spans `--lookup auto` considers
 FORMAT = 3                           # of the cached curves (2: monotone fits; 3: the machine state, quiet in the key)
 
 
@@ -249,12 +257,15 @@ class AcceptanceProfile:
     sequences: per calibration prompt, the ranks of draft_ranks ([rows, depth] as lists), for `replay`:
     decoding visits only some of those states (after k accepted tokens it jumps k + 1 ahead), so the
     average over every state (chain, rank) overstates tau where easy tokens come in runs; a replay walks
-    the states decoding visits. Empty for a profile built from averages alone (from_chain)."""
+    the states decoding visits. Empty for a profile built from averages alone (from_chain).
+    texts: per calibration prompt (the same order), (its token ids, the target's greedy continuation), for
+    `predict_lookup`, which replays prompt lookup along them; empty as `sequences` is."""
 
     chain: tuple[float, ...]
     rank: tuple[tuple[float, ...], ...]
     rows: int = 0
     sequences: tuple[tuple[tuple[int, ...], ...], ...] = field(default=(), repr=False)
+    texts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         if len(self.rank) != len(self.chain) or any(not r for r in self.rank):
@@ -331,14 +342,16 @@ def calibrate(model, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     `progress(prompts done, prompts)` after each prompt."""
     if not prompts:
         raise LayerScopeError("a calibration needs at least one prompt", "Give one or more prompts")
-    ranks = []
+    ranks, texts = [], []
     for i, ids in enumerate(prompts):
         out, _ = specdec.collect(specdec.autoregressive(model, ids, max_new_tokens, eos_token_id=eos_token_id))
         ranks.append(draft_ranks(model, draft, list(ids) + out, len(ids), depth))
+        texts.append((tuple(int(t) for t in ids), tuple(out)))
         if progress is not None:
             progress(i + 1, len(prompts))
     profile = profile_from_ranks(torch.cat(ranks))
-    return replace(profile, sequences=tuple(tuple(tuple(row) for row in r.tolist()) for r in ranks))
+    return replace(profile, sequences=tuple(tuple(tuple(row) for row in r.tolist()) for r in ranks),
+                   texts=tuple(texts))
 
 
 # ----------------------------------------------------------------------------- prediction
@@ -492,3 +505,105 @@ def break_even_taus(curve: CostCurve, ks: Sequence[int] = AUTO_KS, trees: Sequen
     """{decoding: the tau it needs to match plain decoding} on this curve."""
     return {p.decoding: p.break_even_tau for p in [predict(curve, None, k=k) for k in ks] +
             [predict(curve, None, tree=t) for t in trees]}
+
+
+# ----------------------------------------------------------------------------- prompt lookup
+
+
+@dataclass(frozen=True)
+class LookupPrediction:
+    """A chain of depth k with prompt lookup first (`lookup` None: the chain alone), replayed along a calibration."""
+
+    k: int
+    lookup: LookupSpan | None
+    tau: float                       # tokens per target forward
+    step_seconds: float              # mean seconds of a step
+    speedup: float                   # over plain decoding on the same curve
+    lookup_share: float              # the share of steps whose tokens prompt lookup proposed
+    lookup_tau: float | None         # tokens per lookup step (accepted + bonus); None without lookup steps
+
+    @property
+    def label(self) -> str:
+        """"lookup 4", "lookup 4..16" or "no lookup"."""
+        return self.lookup.label if self.lookup else "no lookup"
+
+    def to_json(self) -> dict:
+        return {"k": self.k, "lookup": self.lookup.to_json() if self.lookup else None, "label": self.label,
+                "tau": self.tau, "step_seconds": self.step_seconds, "speedup": self.speedup,
+                "lookup_share": self.lookup_share, "lookup_tau": self.lookup_tau}
+
+
+def predict_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
+                   lookup: LookupSpan | None) -> LookupPrediction:
+    """Replay decoding with a chain of depth k and prompt lookup first (specdec.speculative's `lookup`) along the
+    profile's calibration texts, as the decoder walks them at temperature 0: at each state the context (prompt +
+    continuation so far) is searched with specdec.lookup_proposal; a proposal is verified against the
+    continuation (its tokens accepted while they match it) at c(n+1) for n proposed tokens, and the span adapts by
+    LookupSpan.next; without one, the chain accepts the draft's first choices (the state's ranks) at the price of
+    `step_seconds`, its feed over the rows that waited since the draft last ran. As in the decoder, no step
+    proposes past the continuation's last token but one (the bonus). The prefill, and the prompt's rows fed at the
+    first draft step, are left out as `predict` leaves them. Needs a profile from `calibrate` (texts)."""
+    if not profile.texts or len(profile.texts) != len(profile.sequences):
+        raise ValueError("predicting prompt lookup needs a calibration's texts")
+    tokens = steps = looked = looked_tokens = 0
+    seconds = 0.0
+    for (prompt, out), rows, proposals in zip(profile.texts, profile.sequences, _proposals(profile.texts)):
+        span, waiting, t = lookup.start if lookup else 0, 1, 0
+        while t < len(out) - 1:                                 # state t: out[:t+1] produced, out[t+1:] to come
+            left = len(out) - t - 2                             # tokens a step may propose beyond its bonus
+            found = proposals[t][:min(span, left)] if lookup else ()
+            if found:
+                a = 0
+                while a < len(found) and found[a] == out[t + 1 + a]:
+                    a += 1
+                seconds += curve.target_s(len(found) + 1)
+                span = lookup.next(span, len(found), a)
+                looked, looked_tokens, waiting = looked + 1, looked_tokens + a + 1, waiting + a + 1
+            else:
+                depth, a = min(k, left), 0
+                while a < min(depth, len(rows[t])) and rows[t][a] == 0:     # deeper than calibrated: a miss
+                    a += 1
+                seconds += (_feed_s(curve, waiting) + (depth - 1) * curve.draft_s(1) + curve.target_s(depth + 1)
+                            if depth else curve.target_s(1))
+                waiting = a + 1 if depth else waiting + 1
+            tokens, steps, t = tokens + a + 1, steps + 1, t + a + 1
+    if not steps:
+        raise ValueError("the calibration's continuations are too short to replay")
+    tau, step = tokens / steps, seconds / steps
+    return LookupPrediction(k, lookup, tau, step, tau * curve.target_s(1) / step, looked / steps,
+                            looked_tokens / looked if looked else None)
+
+
+@functools.lru_cache(maxsize=4)
+def _proposals(texts) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per calibration text, per state t (out[:t+1] produced): everything specdec.lookup_proposal offers there.
+    A shorter proposal is a prefix of it (where the match is does not depend on the length asked), so each
+    state is searched once for every span `choose_lookup` tries."""
+    return tuple(tuple(tuple(specdec.lookup_proposal(list(prompt) + list(out[:t + 1]), len(out)))
+                       for t in range(len(out))) for prompt, out in texts)
+
+
+@dataclass(frozen=True)
+class LookupChoice:
+    """`--lookup auto` for a chain of depth k: `chosen` (None: no lookup), the `best` lookup considered, and the
+    chain `alone`."""
+
+    chosen: LookupSpan | None
+    best: LookupPrediction
+    alone: LookupPrediction
+
+    def to_json(self) -> dict:
+        return {"k": self.alone.k, "chosen": self.chosen.to_json() if self.chosen else None,
+                "best": self.best.to_json(), "alone": self.alone.to_json()}
+
+
+def choose_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
+                  lookups: Sequence[LookupSpan] = AUTO_LOOKUPS) -> LookupChoice:
+    """The lookup span (fixed or adaptive) with the best predicted speedup for a chain of depth k (ties: the
+    first of `lookups`), chosen only when it beats the chain alone; else none."""
+    if not lookups:
+        raise ValueError("nothing to choose from")
+    alone = predict_lookup(curve, profile, k, None)
+    options = [predict_lookup(curve, profile, k, span) for span in lookups]
+    best = max(options, key=lambda p: p.speedup)
+    return LookupChoice(best.lookup if best.speedup > alone.speedup else None, best, alone)

@@ -7,6 +7,8 @@ Three decoders share one KV-cache machinery and one event stream:
     speculative(..., tree=TreeSpec(16, 4, 5))   an EAGLE-2 dynamic tree, verified in one target forward
     speculative(..., lookup=4)                  prompt lookup first: where the context's last tokens occurred
                                                 before, up to 4 tokens that followed them; the draft elsewhere
+    speculative(..., lookup=LookupSpan(4, 16))  adaptive prompt lookup: 4 tokens first, more after a lookup
+                                                accepted whole (up to 16), fewer after a rejection
 
 Each is a generator of `StepEvent`, one per target forward (step 0 is the prompt's prefill);
 the output is the concatenation of the events' `tokens` (see `collect`). Nothing here prints.
@@ -44,6 +46,7 @@ from layerscope import layerset
 from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.head import HEAD_TRANSFORMS
+from layerscope.validate import check_number
 
 # Draft depth of the chain, chosen by measurement on 2 CPU cores with SmolLM2-135M and drafts trained on
 # CPU budgets (first-position acceptance 0.23-0.27): K=2 gave 0.657x/0.667x of plain decoding, K=4
@@ -57,6 +60,13 @@ LOOKUP_NGRAMS = (3, 2)
 # Tokens a lookup proposes at most, where nothing else is asked (the app): on this 2-core CPU a 5-token verify
 # of SmolLM2-135M costs about what a 3-token one does (1.24x a 1-token forward), a 7-token one 1.67x.
 DEFAULT_LOOKUP = 4
+# Adaptive prompt lookup (`LookupSpan` with cap > start): after a lookup whose every token was accepted the next one
+# proposes LOOKUP_GROW more tokens, up to the cap; after a rejection LOOKUP_SHRINK fewer, down to the start. The rule
+# of transformers' "heuristic" schedule for assistant models (+2 when every candidate was accepted, else -1:
+# generation/candidate_generator.py, AssistedCandidateGenerator.update_candidate_strategy); its prompt lookup
+# (PromptLookupCandidateGenerator) keeps a fixed span, prompt_lookup_num_tokens (10 by default).
+LOOKUP_GROW, LOOKUP_SHRINK = 2, 1
+DEFAULT_ADAPTIVE_CAP = 16          # the app's adaptive span: DEFAULT_LOOKUP..DEFAULT_ADAPTIVE_CAP
 
 clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
 
@@ -69,6 +79,48 @@ class TreeSpec:
     budget: int = 16
     top_k: int = 4
     depth: int = 5
+
+
+@dataclass(frozen=True)
+class LookupSpan:
+    """How many tokens prompt lookup proposes: `start` at first; with cap > start adaptive, growing by
+    LOOKUP_GROW after a lookup accepted whole, up to `cap`, and shrinking by LOOKUP_SHRINK after a rejection,
+    down to `start`; cap == start: always `start` (a fixed span, `speculative(lookup=N)`)."""
+
+    start: int
+    cap: int
+
+    @classmethod
+    def fixed(cls, n: int) -> "LookupSpan":
+        return cls(n, n)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.cap > self.start
+
+    @property
+    def label(self) -> str:
+        """"lookup 4" (fixed) or "lookup 4..16" (adaptive), as `--lookup` takes it."""
+        return f"lookup {self.start}..{self.cap}" if self.adaptive else f"lookup {self.start}"
+
+    def next(self, span: int, drafted: int, accepted: int) -> int:
+        """The span after a lookup step that verified `drafted` tokens of a `span`-token proposal and accepted
+        `accepted` of them."""
+        if accepted >= drafted:
+            return min(self.cap, span + LOOKUP_GROW)
+        return max(self.start, span - LOOKUP_SHRINK)
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "cap": self.cap}
+
+
+def lookup_span(lookup: int | LookupSpan, name: str = "the prompt lookup span") -> LookupSpan | None:
+    """speculative's `lookup` as a LookupSpan (None: off), refused in one line naming `name` when it cannot be one."""
+    span = lookup if isinstance(lookup, LookupSpan) else LookupSpan.fixed(lookup)
+    fix = "Pass --lookup 4 (a fixed span), --lookup 4..16 (adaptive) or 0 (off)"
+    check_number(name, span.start, minimum=0, integer=True, fix=fix)
+    check_number(f"{name}'s cap", span.cap, minimum=span.start, integer=True, fix=fix)
+    return span if span.start else None
 
 
 @dataclass(frozen=True)
@@ -323,20 +375,23 @@ def _check_draft(model, draft) -> None:
 
 
 def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAULT_K, tree: TreeSpec | None = None,
-                lookup: int = 0, eos_token_id=None, temperature: float = 0.0, seed: int = 0) -> Iterator[StepEvent]:
+                lookup: int | LookupSpan = 0, eos_token_id=None, temperature: float = 0.0,
+                seed: int = 0) -> Iterator[StepEvent]:
     """Decode with `draft` proposing and `model` verifying: a chain of depth `k`, or a `tree`.
 
     draft: a DraftHead (layerscope.draft.model). Greedy at temperature 0; sampling needs the chain.
     lookup > 0: before each step, `lookup_proposal` searches the prompt and the output so far; where it finds
     a continuation, up to `lookup` of its tokens are verified as a chain instead of the draft's (events with
-    proposer "lookup"). Lossless either way: a proposal only decides what is verified.
+    proposer "lookup"). A LookupSpan with cap > start adapts that number to how the previous lookups fared.
+    Lossless either way: a proposal, and its length, only decide what is verified, and both are fixed by what
+    happened before the step (at temperature > 0 too: each step's tokens follow the target's law given the
+    tokens before them, whatever was proposed).
     """
     if tree is not None and temperature > 0:
         raise LayerScopeError("tree drafting is greedy only", "Use the chain (no tree) for temperature > 0")
     if k < 1 or (tree is not None and min(tree.budget, tree.top_k, tree.depth) < 1):
         raise LayerScopeError("the draft depth, tree budget, top-k and depth must be at least 1", "")
-    if lookup < 0:
-        raise LayerScopeError(f"the prompt lookup length must be 0 (off) or more, not {lookup}", "Pass --lookup 4, say")
+    span_rule = lookup_span(lookup)
     if tree is not None and model.config._attn_implementation not in ("sdpa", "eager"):
         raise LayerScopeError(f"tree verification needs a 4-D attention mask, which the "
                               f"{model.config._attn_implementation} attention of the target cannot take",
@@ -360,10 +415,11 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
         d.add_rows(ids[1:] + [last], aux)
     yield StepEvent(0, 0, 0, (), last, (last,), clock() - t0, "none")
     produced, step, context = 1, 1, ids + [last]
+    span = span_rule.start if span_rule else 0               # tokens the next lookup proposes at most
     while produced < max_new_tokens and last not in eos:
         t0 = clock()
         left = max_new_tokens - produced - 1                  # draft tokens beyond this step's bonus token
-        found = lookup_proposal(context, min(lookup, left)) if lookup else []
+        found = lookup_proposal(context, min(span, left)) if span_rule else []
         depth = min(tree.depth if tree else k, left)
         with torch.inference_mode():
             if found:
@@ -374,6 +430,8 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
                 drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout)
             else:
                 drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
+        if found:
+            span = span_rule.next(span, drafted, accepted)
         tokens = _cut(new, eos)
         produced, last = produced + len(tokens), tokens[-1]
         context += tokens

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from layerscope import fmt, layerset, machine
+from layerscope.decoding import specdec
 from layerscope.draft.loss import simulated_acc_len
 from layerscope.study.run import online_settings
 from layerscope.ui import sanity
@@ -19,6 +20,11 @@ from layerscope.ui.recommend import set_label
 
 SMALL_CAPTURE_TOKENS = 20_000     # below this a draft memorises its training prompts (README: 63k tokens took 21 min)
 ONLINE_PHASES = ("responses", "features", "eval")     # phases only an online training run has
+# The benchmark's prompt lookup choices, as `bench --lookup` takes them (tasks.bench_job's `lookup`), and their labels
+LOOKUP_CHOICES = {"0": "off", str(specdec.DEFAULT_LOOKUP): f"{specdec.DEFAULT_LOOKUP} tokens",
+                  f"{specdec.DEFAULT_LOOKUP}..{specdec.DEFAULT_ADAPTIVE_CAP}":
+                      f"adaptive {specdec.DEFAULT_LOOKUP}..{specdec.DEFAULT_ADAPTIVE_CAP}",
+                  "auto": "auto"}
 
 
 # ---------------------------------------------------------------------------- drafts

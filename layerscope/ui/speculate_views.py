@@ -8,7 +8,7 @@ from __future__ import annotations
 import streamlit as st
 
 from layerscope import fmt, plots
-from layerscope.decoding.bench import auto_note, interval_note
+from layerscope.decoding.bench import auto_note, interval_note, lookup_auto_note
 from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.ui import sanity, speculate, tasks
@@ -163,6 +163,8 @@ def bench_run(s, i: int, colors: dict) -> None:
             st.markdown(md_text(in_app_words(auto_note(r))))
         elif r.get("verdict"):
             st.caption(md_text(f"{r['name']}: {r['verdict']}"))
+        if r.get("lookup_auto"):
+            st.caption(md_text(in_app_words(lookup_auto_note(r))))
     for level, text in speculate.run_warnings(res, s.drafts):        # the report says the same (ui/report.py)
         if level == "note":
             st.caption(md_text(text))

@@ -17,7 +17,7 @@ from pathlib import Path
 from layerscope import fmt, workflow
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import open_capture
-from layerscope.decoding.bench import BenchOptions, Tally
+from layerscope.decoding.bench import BenchOptions, Tally, parse_lookup
 from layerscope.draft import builtin, probe
 from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.fit import TrainOptions
@@ -421,7 +421,7 @@ class _BenchLive:
 
 @job_task
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int,
-              k: int | str = "auto", peers: bool, lookup: int = 0, seed: int = 0, capture_key: str | None = None):
+              k: int | str = "auto", peers: bool, lookup: int | str = 0, seed: int = 0, capture_key: str | None = None):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
     k: a chain depth, or "auto" (the default): the depth with the best predicted speedup, chosen by a
     calibration (bench.plan) whose prompts show as progress like the decoding's.
@@ -430,11 +430,14 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
     "tau:<name>"), accepted/drafted counts per draft position (metrics["acceptance"]), and the text
     of the run being decoded with accepted draft tokens marked (metrics["text"]); before the decoding,
     metrics["phase"] ("cost curve", "calibrate") with the message saying what it does.
-    lookup > 0: each draft's chain is also decoded with prompt lookup first (BenchOptions.draft_lookup).
+    lookup: as `bench --lookup` takes it (bench.parse_lookup): N > 0 or "N..M" (adaptive), each draft's chain is also
+    decoded with prompt lookup first (BenchOptions.draft_lookup); "auto": with the span predicted best, if one pays.
     """
     auto = k == "auto"
+    draft_lookup, auto_lookup = parse_lookup(lookup)
     options = BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
-                           ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=int(lookup))
+                           ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=draft_lookup,
+                           auto_lookup=auto_lookup)
 
     def run(job):
         if not drafts:

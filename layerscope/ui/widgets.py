@@ -31,6 +31,7 @@ CLI_WORDS = (
     ("(--auto-even-if-slower runs it anyway)", "(turn K = auto off and pick a depth to run the draft anyway)"),
     ("--k auto", "K = auto"),
     ("--tree auto", "tree = auto"),
+    ("--lookup auto", "prompt lookup = auto"),
 )
 
 
