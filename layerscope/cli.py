@@ -90,6 +90,9 @@ def interrupts():
             signal.signal(signum, handler)
 
 
+RESUMING = ("capture", "train-draft", "study", "import-states")    # the commands that keep what they finished
+
+
 def main(argv: list[str] | None = None) -> int:
     args = None
     with interrupts() as received:
@@ -108,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except KeyboardInterrupt:
             how = received[-1] if received else "SIGINT"
-            print(f"error: {LayerScopeError(f'Interrupted by {how}', RESUME[0].upper() + RESUME[1:])}",
-                  file=sys.stderr)
+            command = getattr(args, "command", None)
+            fix = RESUME[0].upper() + RESUME[1:] if command in RESUMING else \
+                f"Run the same command again: `{command or 'layerscope'}` keeps nothing of an unfinished run, so it starts over"
+            print(f"error: {LayerScopeError(f'Interrupted by {how}', fix)}", file=sys.stderr)
             return 2
 
 

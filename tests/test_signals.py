@@ -137,7 +137,7 @@ def test_sigterm_during_bench_is_one_line_and_the_rerun_starts_cleanly(tmp_path,
     proc = start(args, err)
     wait_for(lambda: "prompt=" in err.read_text(), proc, err)        # decoding the prompts
     line = terminated(proc, err)
-    assert "SIGTERM" in line
+    assert "SIGTERM" in line and "`bench` keeps nothing of an unfinished run, so it starts over" in line
     assert not saved.exists() and not temporaries(root) and not temporaries(saved.parent)
     out = run(args)
     assert out["prompts"] == 8 and json.loads(saved.read_text())["prompts"] == 8
