@@ -35,7 +35,7 @@ if stats is not None:
                     help="Debiased CKA uses the unbiased HSIC estimator: less inflated on few tokens")
     on_k = bind_view(s, "cka_compartments", "ls_w_cka_k", min(3, max_k), clamp=(1, max_k))
     st.session_state.ls_w_cka_k = max(1, min(int(st.session_state.ls_w_cka_k), max_k))
-    k_comp = number_field(c2, "Compartments", min_value=1, max_value=max_k, step=1, key="ls_w_cka_k", on_change=on_k,
+    k_comp = number_field(c2, "Compartments", min_value=1, max_value=max_k, key="ls_w_cka_k", on_change=on_k,
                              help="How many contiguous blocks to outline (the `spread` strategy uses them)")
     matrix = stats["cka_debiased"] if kind == "debiased" else stats["cka"]
     comps = (stats.get("compartments_by_k") or {}).get(str(int(k_comp)), stats.get("compartments"))
