@@ -29,7 +29,7 @@ from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
 from layerscope.ui import speculate
 from layerscope.ui.access import OWNER_KEY
-from layerscope.ui.apply import toggle_picks
+from layerscope.ui.apply import heatmap_picks, toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
@@ -563,15 +563,77 @@ def test_heatmap_picks_can_be_unpicked(app_store, copy_of):
     at.switch_page("app_pages/cka.py").run()
     settle(at)
     fig = charts(at)[0]
-    assert fig["layout"]["dragmode"] == "select" and fig["layout"]["uirevision"]   # dragging draws a box, and keeps doing so
-    at.radio(key="ls_w_cka_tool").set_value("click cells").run()
-    assert "dragmode" not in charts(at)[0]["layout"]                # Streamlit's pan + click-to-select
+    assert fig["layout"]["dragmode"] == "zoom" and fig["layout"]["uirevision"]   # a click picks, a drag zooms
+    at.radio(key="ls_w_cka_tool").set_value("drag a box").run()
+    assert charts(at)[0]["layout"]["dragmode"] == "select"           # dragging draws a box, and keeps doing so
+    assert storage.load(app_store, copy_of).view["cka_tool"] == "drag a box"
     at.multiselect(key="ls_cka_picks").set_value([1, 2]).run()
     assert at.session_state["ls_session"].manual_picks == [1, 2]
     at.multiselect(key="ls_cka_picks").set_value([2]).run()
     no_exception(at)
     assert at.session_state["ls_session"].manual_picks == [2]
     assert [sh["name"] for sh in charts(at)[0]["layout"]["shapes"] if sh.get("name", "").startswith("picked")] == ["picked 2"]
+
+
+def _cell(row, col):
+    """A selected heatmap cell as Streamlit hands it over (the cell trace's customdata: row, column, CKA)."""
+    return {"curve_number": 1, "point_index": row * 9 + col, "x": col, "y": row, "customdata": [row, col, 0.5]}
+
+
+def _box(rows, cols):
+    """Streamlit's selection after a box dragged over rows × cols of the 9 × 9 heatmap of an 8-layer capture."""
+    return {"points": [_cell(r, c) for r in rows for c in cols],
+            "box": [{"type": "rect", "xref": "x", "yref": "y", "x": [min(cols) - 0.6, max(cols) + 0.6],
+                     "y": [min(rows) - 0.6, max(rows) + 0.6]}], "lasso": []}
+
+
+def test_a_box_on_the_heatmap_picks_the_layers_of_its_diagonal_cells_up_to_the_set_size():
+    # a click: the cell's row and column layer, toggled
+    assert heatmap_picks({"points": [_cell(1, 5)], "box": [], "lasso": []}, [], limit=3, num_layers=8) == ([1, 5], None)
+    assert heatmap_picks({"points": [_cell(1, 5)], "box": [], "lasso": []}, [1, 5], limit=3, num_layers=8) == ([], None)
+    # a box along the diagonal: its diagonal cells' layers, not every row and column it spans
+    assert heatmap_picks(_box(range(2, 5), range(2, 5)), [], limit=3, num_layers=8) == ([2, 3, 4], None)
+    assert heatmap_picks(_box(range(2, 5), range(3, 7)), [0], limit=3, num_layers=8) == ([0, 3, 4], None)
+    assert heatmap_picks(_box(range(2, 5), range(2, 5)), [2, 3, 4, 7], limit=3, num_layers=8) == ([7], None)
+    lasso = {**_box(range(2, 4), range(2, 4)), "box": [], "lasso": [{"type": "path", "x": [1, 4, 4], "y": [1, 1, 4]}]}
+    assert heatmap_picks(lasso, [], limit=3, num_layers=8) == ([2, 3], None)
+    # more layers than the set size: nothing changes, and the line says why and what to do
+    picks, said = heatmap_picks(_box(range(0, 8), range(0, 8)), [1], limit=3, num_layers=8)
+    assert picks == [1] and said == ("The box covers 8 layers on the diagonal, [0, 1, 2, 3, 4, 5, 6, 7]: more than "
+                                     "the set size k = 3 (Layer sets page), so it picked none. Drag a smaller box, "
+                                     "or click cells.")
+    # off the diagonal: nothing, said; the final state's own cell: nothing (drafts read 0..N-1), said
+    picks, said = heatmap_picks(_box(range(0, 2), range(5, 8)), [1], limit=3, num_layers=8)
+    assert picks == [1] and said.startswith("The box covers no cell on the diagonal")
+    picks, said = heatmap_picks(_box([8], [8]), [], limit=3, num_layers=8)
+    assert picks == [] and said.startswith("The box covers only layer 8, the final state")
+
+
+def test_the_cka_kernel_is_chosen_on_the_cka_page_and_is_the_sessions(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/cka.py").run()
+    settle(at)
+    linear = charts(at)[0]
+    assert at.radio(key="ls_w_cka_kernel").value == "linear"           # AnalysisOptions' default
+    assert at.radio(key="ls_w_cka_kernel").options == ["linear", "cosine"]
+    at.radio(key="ls_w_cka_kernel").set_value("cosine").run()
+    settle(at)
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert s.analysis_options["kernel"] == "cosine" and s.stats_dict()["options"]["kernel"] == "cosine"
+    assert storage.load(app_store, copy_of).analysis_options["kernel"] == "cosine"
+    cosine = charts(at)[0]
+    assert "cosine kernel" in cosine["layout"]["title"]["text"] and "linear kernel" in linear["layout"]["title"]["text"]
+    assert cosine["data"][0]["z"] != linear["data"][0]["z"]
+    # the Entropy page shows the same kernel, with nothing left to apply
+    at.switch_page("app_pages/entropy.py").run()
+    settle(at)
+    assert at.radio(key="ls_ent_kernel").value == "cosine" and at.button(key="ls_ent_recompute").disabled
+    # back to linear: the statistics of the linear kernel again (the analysis is cached in the store)
+    at.switch_page("app_pages/cka.py").run()
+    at.radio(key="ls_w_cka_kernel").set_value("linear").run()
+    settle(at)
+    assert charts(at)[0]["data"][0]["z"] == linear["data"][0]["z"]
 
 
 def test_layer_sets_page_ranks_sets_of_one_size_and_recommends_from_evidence(app_store, copy_of):
