@@ -29,7 +29,7 @@ from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
 from layerscope.ui import speculate
 from layerscope.ui.access import OWNER_KEY
-from layerscope.ui.apply import heatmap_picks, toggle_picks
+from layerscope.ui.apply import heatmap_picks, kernel_of, toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
@@ -607,6 +607,12 @@ def test_a_box_on_the_heatmap_picks_the_layers_of_its_diagonal_cells_up_to_the_s
     assert picks == [1] and said.startswith("The box covers no cell on the diagonal")
     picks, said = heatmap_picks(_box([8], [8]), [], limit=3, num_layers=8)
     assert picks == [] and said.startswith("The box covers only layer 8, the final state")
+
+
+def test_statistics_are_named_by_the_kernel_they_were_computed_with():
+    assert kernel_of({"kernel": "linear", "options": {"kernel": "linear"}}) == "linear"
+    assert kernel_of({"kernel": "cosine", "options": {}}) == "cosine"
+    assert kernel_of({"options": {"alpha": 1.0}}) == "cosine"     # from before the option: row-normalised, as LayerStats reads them
 
 
 def test_the_cka_kernel_is_chosen_on_the_cka_page_and_is_the_sessions(app_store, copy_of):

@@ -299,7 +299,7 @@ def set_size(s: Session, n: int) -> int:
 
 def kernel_of(stats: dict) -> str:
     """The CKA kernel the statistics were computed with (the session's choice when they were computed)."""
-    return (stats.get("options") or {}).get("kernel", AnalysisOptions().kernel)
+    return LayerStats.kernel_of(stats)
 
 
 def session_kernel(s: Session) -> str:
