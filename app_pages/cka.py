@@ -43,7 +43,6 @@ if stats is not None:
     matrix = stats["cka_debiased"] if kind == "debiased" else stats["cka"]
     comps = (stats.get("compartments_by_k") or {}).get(str(int(k_comp)), stats.get("compartments"))
     kernel = kernel_of(stats)      # the statistics shown; the radio below shows the session's choice
-
     c3.markdown(f"**{fmt.count(stats['tokens_kept'])}** of {fmt.count(stats['tokens_total'])} tokens · "
                 f"{fmt.count(stats['outliers_dropped'])} outliers dropped · threshold {stats['threshold']:.2f} nats · "
                 f"{kernel} kernel · layer {n} is the final state ({stats.get('final_state', 'post-norm')})"

@@ -290,13 +290,12 @@ def cka_heatmap(
     return fig
 
 
-
 def _square_layer_axes(fig: go.Figure, n: int, *, top: float) -> None:
-    """Layer axes 0..n-1 of an n×n heatmap, square cells whatever the chart's width and height, the tick labels
-    at the matrix's edges: both axes give up domain (never range) to keep the cells square, so the x axis sits at
-    the matrix's lower edge even in a column narrower than the chart is tall (a y range grown to fit left the
-    labels far below the cells), and the matrix keeps to the bottom of the chart, by its legend. The y range runs
-    from the matrix's lower edge to `top` (room for rows of markers above the matrix)."""
+    """Layer axes 0..n-1 of an n×n heatmap: square cells whatever the chart's width and height, the tick labels at
+    the matrix's edges. Both axes give up domain, never range, to keep the cells square, so the x axis stays at the
+    matrix's lower edge even where the column is narrower than the chart is tall (there a y range grown to fit put
+    the labels far below the cells), and the matrix keeps to the bottom of the chart, by its legend. The y range
+    runs from the matrix's lower edge to `top` (room for rows of markers above the matrix)."""
     ticks = list(range(0, n, 1 if n <= 32 else 5))
     fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
                      showgrid=False, zeroline=False)
