@@ -65,13 +65,13 @@ with left:
             with guard("upload"):
                 prompt_spec = str(tasks.save_upload(store, up.name, up.getvalue()))
     c1, c2 = st.columns(2)
-    number_field(c1, "Prompts (limit)", min_value=1, max_value=100_000, step=1, key="ls_w_cap_limit", on_change=on["limit"])
-    number_field(c2, "New tokens per response", min_value=1, max_value=4096, step=8, key="ls_w_cap_new", on_change=on["new"])
+    number_field(c1, "Prompts (limit)", min_value=1, max_value=100_000, key="ls_w_cap_limit", on_change=on["limit"])
+    number_field(c2, "New tokens per response", min_value=1, max_value=4096, key="ls_w_cap_new", on_change=on["new"])
     c3, c4 = st.columns(2)
-    number_field(c3, "Batch size", min_value=1, max_value=256, step=1, key="ls_w_cap_batch", on_change=on["batch"])
-    number_field(c4, "Seed", min_value=0, max_value=2**31 - 1, step=1, key="ls_w_cap_seed", on_change=on["seed"])
+    number_field(c3, "Batch size", min_value=1, max_value=256, key="ls_w_cap_batch", on_change=on["batch"])
+    number_field(c4, "Seed", min_value=0, max_value=2**31 - 1, key="ls_w_cap_seed", on_change=on["seed"])
     c5, c6 = st.columns(2)
-    number_field(c5, "Sample positions (0 = all)", min_value=0, max_value=1_000_000, step=64, key="ls_w_cap_sample",
+    number_field(c5, "Sample positions (0 = all)", min_value=0, max_value=1_000_000, key="ls_w_cap_sample",
                  on_change=on["sample"], help="Keep a seeded sample of at most this many token positions per "
                  "conversation (response positions first, never position 0): a smaller capture for the statistics "
                  "only; drafts cannot be trained from it")

@@ -1,4 +1,4 @@
-"""CKA heatmap: how redundant every pair of layers is; click or box-select cells to pick layers."""
+"""CKA heatmap: how redundant every pair of layers is; its kernel; click cells or drag a box to pick layers."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import streamlit as st
 
 from layerscope import fmt, plots
 from layerscope.stats.analysis import sample_note
+from layerscope.stats.entropy import KERNELS
 from layerscope.ui import apply
 from layerscope.ui.apply import kernel_of
-from layerscope.ui.state import bind_view, commit
+from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
-from layerscope.ui.widgets import chart, number_field, table
+from layerscope.ui.widgets import chart, md_text, number_field, table
+
+TOOLS = ["click cells", "drag a box"]
 
 s, store = page_header("CKA between layers",
-                       "CKA of every pair of layers (linear or cosine kernel, as chosen on the Entropy page) over the kept "
-                       "tokens (response tokens, attention sinks and "
-                       "massive activations excluded, entropy filter as set on the Entropy page). 1 = the two layers carry the "
-                       "same information up to rotation and scale. White boxes: compartments, contiguous blocks of similar layers. "
-                       "Drag a box or click a cell (choose the mouse tool above the heatmap) to pick layers for a hand-made set; "
+                       "CKA of every pair of layers (linear or cosine kernel) over the kept tokens (response tokens, "
+                       "attention sinks and massive activations excluded, entropy filter as set on the Entropy page). "
+                       "1 = the two layers carry the same information up to rotation and scale. White boxes: "
+                       "compartments, contiguous blocks of similar layers. Click a cell to pick its two layers for a "
+                       "hand-made set, or drag a box along the diagonal (choose the mouse tool above the heatmap); "
                        "picking picked layers again unpicks them.")
 
 stats = stats_or_progress(s, store, key="cka")
@@ -35,35 +38,51 @@ if stats is not None:
                     help="Debiased CKA uses the unbiased HSIC estimator: less inflated on few tokens")
     on_k = bind_view(s, "cka_compartments", "ls_w_cka_k", min(3, max_k), clamp=(1, max_k))
     st.session_state.ls_w_cka_k = max(1, min(int(st.session_state.ls_w_cka_k), max_k))
-    k_comp = number_field(c2, "Compartments", min_value=1, max_value=max_k, step=1, key="ls_w_cka_k", on_change=on_k,
+    k_comp = number_field(c2, "Compartments", min_value=1, max_value=max_k, key="ls_w_cka_k", on_change=on_k,
                              help="How many contiguous blocks to outline (the `spread` strategy uses them)")
     matrix = stats["cka_debiased"] if kind == "debiased" else stats["cka"]
     comps = (stats.get("compartments_by_k") or {}).get(str(int(k_comp)), stats.get("compartments"))
-    kernel = kernel_of(stats)
+    kernel = kernel_of(stats)      # the statistics shown; the radio below shows the session's choice
     c3.markdown(f"**{fmt.count(stats['tokens_kept'])}** of {fmt.count(stats['tokens_total'])} tokens · "
                 f"{fmt.count(stats['outliers_dropped'])} outliers dropped · threshold {stats['threshold']:.2f} nats · "
                 f"{kernel} kernel · layer {n} is the final state ({stats.get('final_state', 'post-norm')})"
                 + (f" · tokens {sample_note(stats['sample_positions'])}" if stats.get("sample_positions") else ""))
 
+    def _kernel_changed():
+        apply.set_kernel(st.session_state.get(SESSION_KEY) or s, st.session_state["ls_w_cka_kernel"])
+
     picks = apply.manual_layers(s)
-    tool = st.radio("Mouse on the heatmap", ["drag a box", "click cells"], horizontal=True, key="ls_w_cka_tool",
-                    on_change=bind_view(s, "cka_tool", "ls_w_cka_tool", "drag a box"),
-                    help="drag a box: every cell in the box picks its row and column layer; click cells: a click "
-                         "picks one cell's two layers and a drag pans. Either way, picking picked layers again unpicks them.")
+    limit = apply.set_size(s, n)
+    r1, r2 = st.columns([1, 1.6])
+    st.session_state["ls_w_cka_kernel"] = apply.session_kernel(s)
+    r1.radio("Kernel", KERNELS, horizontal=True, key="ls_w_cka_kernel", on_change=_kernel_changed,
+             help="linear: standard linear CKA on centered token states; cosine: tokens scaled to unit length first. "
+                  "The session's choice (the Entropy page's too): its statistics are computed again with it, and the "
+                  "Layer sets page's strategies use it")
+    tool = r2.radio("Mouse on the heatmap", TOOLS, horizontal=True, key="ls_w_cka_tool",
+                    on_change=bind_view(s, "cka_tool", "ls_w_cka_tool", TOOLS[0], options=TOOLS),
+                    help="click cells: a click picks the cell's row and column layer, a drag zooms in, a double "
+                         f"click zooms out; drag a box: the layers whose own cells (on the diagonal) the box covers, "
+                         f"at most the set size k = {limit} (Layer sets page). Either way, picking picked layers "
+                         "again unpicks them.")
+    said = st.session_state.pop("ls_cka_said", None)     # what the last box did not pick, and why
+    if said:
+        st.warning(md_text(said), icon=":material/select:")
     fig = plots.cka_heatmap(matrix, compartments=comps, sets=apply.sets_for_display(s), picks=picks,
                             title=f"CKA, {kernel} kernel ({kind}){', ' + s.model if s.model else ''}",
                             final_state=stats.get("final_state", "post-norm"), box_select=tool == "drag a box",
                             colors=apply.colors(s))
     round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key starts with no selection
     event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kernel}-{kind}-{s.capture_key or 'session'}",
-                  on_select="rerun", selection_mode=("points", "box"))
-    chosen = plots.cells_to_layers(event.selection.points) if event else []
-    chosen = [l for l in chosen if l < n]        # drafts read 0..N-1
-    if chosen:
-        # a click or box toggles: cells whose layers are all picked unpick them, others add theirs
-        s.manual_picks = apply.toggle_picks(s.manual_picks, chosen)
+                  on_select="rerun", selection_mode=("points", "box", "lasso"))
+    if event and (event.selection.get("points") or event.selection.get("box") or event.selection.get("lasso")):
+        after, said = apply.heatmap_picks(dict(event.selection), picks, limit=limit, num_layers=n)
         st.session_state["ls_cka_round"] = round_ + 1     # the next click, on the same cell too, is a new selection
-        commit(s)
+        if said:
+            st.session_state["ls_cka_said"] = said
+        if after != picks:
+            s.manual_picks = after
+            commit(s)
         st.rerun()
 
     def _picks_changed():

@@ -14,7 +14,7 @@ from layerscope.stats.tokens import breakdown as token_breakdown
 from layerscope.ui import apply
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, job_status, md_text, number_field, option_changes, refused_key, table, wait_briefly
+from layerscope.ui.widgets import chart, job_status, md_text, number_field, option_changes, table, wait_briefly
 
 s, store = page_header("Matrix entropy per layer",
                        "For each layer, the Rényi entropy of the trace-normalized Gram matrix of its (centered, unit-length) "
@@ -63,9 +63,6 @@ for name, value in (stored_controls(s.view.get("entropy_controls")) or controls_
 
 
 def _edited():
-    if st.session_state["ls_ent_max_tokens"] is None:       # letters or an empty field: refused (number_field)
-        st.session_state[refused_key("ls_ent_max_tokens")] = True
-        return
     current = st.session_state.get(SESSION_KEY) or s
     c = {name: st.session_state[f"ls_ent_{name}"] for name in CONTROLS}
     if c == controls_of({**asdict(AnalysisOptions()), **current.analysis_options}):
@@ -89,8 +86,8 @@ with st.container(border=True):
               help="Only the tokens the target generated, as in EAGLE training data")
     c2.toggle("Drop massive activations", key="ls_ent_outliers", on_change=_edited,
               help="Tokens whose norm exceeds 10× the layer's median (attention sinks etc.) dominate the statistics")
-    number_field(c2, "Max tokens", min_value=8, max_value=1_000_000, step=1024, key="ls_ent_max_tokens",
-                    on_change=_edited, help="A seeded random subsample keeps interactive use fast")
+    number_field(c2, "Max tokens", min_value=8, max_value=1_000_000, key="ls_ent_max_tokens",
+                 on_change=_edited, help="A seeded random subsample keeps interactive use fast")
     pending = options_of({name: st.session_state[f"ls_ent_{name}"] for name in CONTROLS}, applied)
     changes = option_changes(applied, pending)
     reviewing = st.session_state.get("ls_ent_review") == s.id and bool(changes)

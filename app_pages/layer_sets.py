@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, layerset, plots
+from layerscope import fmt, plots
 from layerscope.stats import select as sel
 from layerscope.ui import apply, recommend, tasks
 from layerscope.ui.apply import kernel_of
@@ -26,8 +26,8 @@ if stats is not None:
     layer_stats = apply.layer_stats(stats)
     colors = apply.colors(s)
     c1, c2, c3 = st.columns([1.1, 1.1, 2.3])
-    k = number_field(c1, "Set size k", min_value=1, max_value=n, step=1, key="ls_w_sets_k",
-                        on_change=bind_view(s, "sets_k", "ls_w_sets_k", len(layerset.default_layers(n)[0]), clamp=(1, n)),
+    k = number_field(c1, "Set size k", min_value=1, max_value=n, key="ls_w_sets_k",
+                        on_change=bind_view(s, "sets_k", "ls_w_sets_k", apply.default_set_size(n), clamp=(1, n)),
                         help="Sets are ranked against sets of the same size only; the default is the default rule's size")
     lam = c2.slider("Redundancy λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",
                     on_change=bind_view(s, "sets_lam", "ls_w_sets_lam", 0.5, clamp=(0.0, 2.0)),

@@ -58,10 +58,10 @@ with train_col:
                              "target runs inside the training loop on as many conversations as you like, every chosen set "
                              "trains from the same target pass, and a stopped run resumes (docs/training.md).")
         c1, c2, c3 = st.columns(3)
-        ttt = number_field(c2, "TTT steps", min_value=1, max_value=7, step=1, key="ls_w_spec_ttt",
+        ttt = number_field(c2, "TTT steps", min_value=1, max_value=7, key="ls_w_spec_ttt",
                               on_change=bind_view(s, "spec_ttt", "ls_w_spec_ttt", tasks.train_defaults().ttt_steps, clamp=(1, 7)),
                               help="Draft steps unrolled in training (EAGLE-3 uses 7; 3 keeps CPU training cheap)")
-        seed = number_field(c3, "Seed", min_value=0, step=1, key="ls_w_spec_seed",
+        seed = number_field(c3, "Seed", min_value=0, max_value=2**31 - 1, key="ls_w_spec_seed",
                                on_change=bind_view(s, "spec_seed", "ls_w_spec_seed", 0, clamp=(0, 2**31 - 1)))
         fc_norm = st.checkbox("Norm each layer before fc (fc_norm)", key="ls_w_spec_fc_norm",
                               on_change=bind_view(s, "spec_fc_norm", "ls_w_spec_fc_norm", tasks.train_defaults().fc_norm,
@@ -75,7 +75,7 @@ with train_col:
             small = speculate.small_capture_warning(s.capture)
             if have_capture and small:
                 st.warning(small, icon=":material/warning:")
-            steps = number_field(c1, "Training steps", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_steps",
+            steps = number_field(c1, "Training steps", min_value=1, max_value=1_000_000, key="ls_w_spec_steps",
                                     on_change=bind_view(s, "spec_steps", "ls_w_spec_steps", tasks.train_defaults().steps,
                                                         clamp=(1, 1_000_000)),
                                     help="The same budget for every set keeps the comparison fair")
@@ -93,7 +93,7 @@ with train_col:
                         title=f"Draft for {name} {list(layers)}")
                     st.rerun()
         else:
-            kilo = number_field(c1, "Budget (k tokens)", min_value=1, max_value=1_000_000, step=50, key="ls_w_spec_online_tokens",
+            kilo = number_field(c1, "Budget (k tokens)", min_value=1, max_value=1_000_000, key="ls_w_spec_online_tokens",
                                    on_change=bind_view(s, "spec_online_tokens", "ls_w_spec_online_tokens", 200,
                                                        clamp=(1, 1_000_000)),
                                    help="Tokens through each draft; every set gets the same. On a 2-core CPU about 100-300 "
@@ -106,7 +106,7 @@ with train_col:
                                    on_change=bind_view(s, "spec_online_prompts", "ls_w_spec_online_prompts", "sharegpt",
                                                        options=["sharegpt", "builtin"]),
                                    help="sharegpt: its training split (benchmarks use the held-out split)")
-            limit = number_field(d2, "Conversations drawn", min_value=8, max_value=20_000, step=100, key="ls_w_spec_online_limit",
+            limit = number_field(d2, "Conversations drawn", min_value=8, max_value=20_000, key="ls_w_spec_online_limit",
                                     on_change=bind_view(s, "spec_online_limit", "ls_w_spec_online_limit", 1000,
                                                         clamp=(8, 20_000)))
             responses = d3.selectbox("Responses", ["regenerate", "own"], key="ls_w_spec_online_responses",
@@ -158,18 +158,18 @@ else:
                                           options=["sharegpt-heldout", "builtin"]),
                       help="sharegpt-heldout: conversations no capture for training ever uses")
     b3, b4, b5, b6 = st.columns([1, 1, 1.3, 1.6])
-    n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, step=1, key="ls_w_spec_bench_n",
+    n_prompts = number_field(b3, "Prompts", min_value=1, max_value=500, key="ls_w_spec_bench_n",
                                 on_change=bind_view(s, "bench_n", "ls_w_spec_bench_n", tasks.bench_defaults().limit,
                                                     clamp=(1, 500)),
                                 help=f"Compare drafts on at least {sanity.ENOUGH_PROMPTS} prompts: with fewer, τ and "
                                      "speedup change a lot from one prompt set to the next")
-    new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, step=8, key="ls_w_spec_bench_new",
+    new_tokens = number_field(b4, "New tokens", min_value=1, max_value=2048, key="ls_w_spec_bench_new",
                                  on_change=bind_view(s, "bench_new", "ls_w_spec_bench_new", 48, clamp=(1, 2048)))
     auto_k = b5.toggle("K = auto", key="ls_w_spec_bench_auto",
                        on_change=bind_view(s, "bench_auto", "ls_w_spec_bench_auto", True, options=[True, False]),
                        help="The depth with the best speedup predicted for this machine, from a short calibration "
                             "of each draft (shown as progress) and the machine's cost curve; off: the depth below")
-    depth = number_field(b5, "Draft depth K", min_value=1, max_value=16, step=1, key="ls_w_spec_bench_k",
+    depth = number_field(b5, "Draft depth K", min_value=1, max_value=16, key="ls_w_spec_bench_k",
                          on_change=bind_view(s, "bench_k", "ls_w_spec_bench_k", specdec.DEFAULT_K, clamp=(1, 16)),
                          disabled=auto_k, help="Draft tokens proposed per target forward (chain)")
     peers = b6.toggle("HF peers", key="ls_w_spec_bench_peers",
@@ -221,18 +221,18 @@ if not (have_capture and stats):
 else:
     q1, q2, q3 = st.columns(3)         # two rows: five labels a row wrapped at 1024 px
     q4, q5, _ = st.columns(3)
-    st_k = number_field(q1, "Layers per set (k)", min_value=1, max_value=max(1, n), step=1, key="ls_w_study_k",
+    st_k = number_field(q1, "Layers per set (k)", min_value=1, max_value=max(1, n), key="ls_w_study_k",
                            on_change=bind_view(s, "study_k", "ls_w_study_k", min(3, max(1, n)), clamp=(1, max(1, n))))
-    st_steps = number_field(q2, "Steps (each)", min_value=1, max_value=1_000_000, step=50, key="ls_w_study_steps",
+    st_steps = number_field(q2, "Steps (each)", min_value=1, max_value=1_000_000, key="ls_w_study_steps",
                                on_change=bind_view(s, "study_steps", "ls_w_study_steps", tasks.train_defaults().steps,
                                                    clamp=(1, 1_000_000)),
                                help="Training steps of every draft of the study: one budget for all")
     st_src = q3.selectbox("Prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src",
                           on_change=bind_view(s, "study_prompts", "ls_w_study_src", "sharegpt-heldout",
                                               options=["sharegpt-heldout", "builtin"]))
-    st_n = number_field(q4, "Study prompts", min_value=1, max_value=500, step=1, key="ls_w_study_n",
+    st_n = number_field(q4, "Study prompts", min_value=1, max_value=500, key="ls_w_study_n",
                            on_change=bind_view(s, "study_n", "ls_w_study_n", 8, clamp=(1, 500)))
-    st_new = number_field(q5, "Study new tokens", min_value=1, max_value=2048, step=8, key="ls_w_study_new",
+    st_new = number_field(q5, "Study new tokens", min_value=1, max_value=2048, key="ls_w_study_new",
                              on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
     with guard("study sets"):
         options = tasks.study_options(s.layer_sets, k=int(st_k),

@@ -19,6 +19,7 @@ from layerscope.draft.loss import simulated_acc_len
 SET_COLORS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22"]
 DEFAULT_SET_COLOR = "#555555"
 SET_SYMBOLS = ["circle", "diamond", "square", "triangle-up", "star", "hexagon", "cross", "x"]
+SET_ROW = 0.9          # cells: the height of one row of set markers (above the matrix on the CKA heatmap)
 CURVE_COLORS = ["#1f77b4", "#7f7f7f", "#aec7e8", "#c49c94"]
 
 
@@ -228,12 +229,14 @@ def cka_heatmap(
     box_select: bool = False,
     colors: Mapping | None = None,
 ) -> go.Figure:
-    """(N+1)×(N+1) CKA heatmap; `box_select`: a drag draws a selection box (else a click selects a cell).
+    """(N+1)×(N+1) CKA heatmap; `box_select`: a drag draws a selection box (else a drag zooms and a click selects
+    a cell).
 
     Trace 0 is the heatmap; trace 1 is a transparent marker on every cell so that clicks and box
     selections report cells (heatmaps themselves are not selectable in plotly.js): a selected point
     carries ``customdata = [row layer, column layer, value]``. Compartments are outlined as
-    rectangles on the diagonal; the layers of each set and the current picks are marked on the axes.
+    rectangles on the diagonal; the layers of each set are marked in rows above the matrix, the current picks
+    by a frame on their diagonal cells.
     """
     z = _matrix(cka)
     n = len(z)
@@ -267,7 +270,7 @@ def cka_heatmap(
         inside = [l for l in layers if 0 <= l < n]
         color = set_color(name, k, layers, colors)
         fig.add_trace(go.Scatter(
-            x=inside, y=[-0.5 - 0.9 * (k + 1)] * len(inside), mode="markers", name=f"{name} {layers}",
+            x=inside, y=[n - 0.5 + SET_ROW * (k + 1)] * len(inside), mode="markers", name=f"{name} {layers}",
             marker=dict(size=10, color=color, symbol=SET_SYMBOLS[k % len(SET_SYMBOLS)]),
             unselected=dict(marker=dict(opacity=1.0)),      # a cell selection must not dim the set markers
             customdata=[name] * len(inside), hovertemplate="%{customdata}: layer %{x}<extra></extra>", cliponaxis=False,
@@ -277,34 +280,50 @@ def cka_heatmap(
         fig.add_shape(type="rect", x0=p - 0.5, x1=p + 0.5, y0=p - 0.5, y1=p + 0.5, name=f"picked {p}",
                       line=dict(color="#ff2d2d", width=3), fillcolor="rgba(255,45,45,0.15)", layer="above")
     n_sets = len(_named_sets(sets))
-    # box_select: dragging draws a selection box. Otherwise the dragmode is left to Streamlit, which then
-    # pans on drag and selects the clicked cell (with an explicit dragmode, Streamlit's charts do not select
-    # on click). uirevision keeps the tool, zoom and pan when the page redraws the figure.
+    # box_select: dragging draws a selection box; otherwise dragging zooms in (a double click zooms out) and a click
+    # selects the cell (Streamlit's chart selects on click, clickmode event+select, whatever the dragmode).
+    # uirevision keeps the tool, zoom and pan when the page redraws the figure.
     _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), uirevision="cka-heatmap",
-                 **({"dragmode": "select"} if box_select else {}))
+                 dragmode="select" if box_select else "zoom")
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
-    ticks = list(range(0, n, 1 if n <= 32 else 5))
-    fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
-                     showgrid=False, zeroline=False)
-    bottom = -0.5 - 0.9 * (n_sets + 0.6) if n_sets else -0.5   # room under the matrix for set markers
-    fig.update_yaxes(title="layer", tickmode="array", tickvals=ticks, range=[bottom, n - 0.5],
-                     scaleanchor="x", scaleratio=1, showgrid=False, zeroline=False)
+    _square_layer_axes(fig, n, top=n - 0.5 + SET_ROW * (n_sets + 0.6) if n_sets else n - 0.5)   # set rows above
     return fig
 
 
-def cells_to_layers(points: Iterable[Mapping]) -> list[int]:
-    """Layers picked by a heatmap selection: the row and column layer of every selected cell.
+def _square_layer_axes(fig: go.Figure, n: int, *, top: float) -> None:
+    """Layer axes 0..n-1 of an n×n heatmap: square cells whatever the chart's width and height, the tick labels at
+    the matrix's edges. Both axes give up domain, never range, to keep the cells square, so the x axis stays at the
+    matrix's lower edge even where the column is narrower than the chart is tall (there a y range grown to fit put
+    the labels far below the cells), and the matrix keeps to the bottom of the chart, by its legend. The y range
+    runs from the matrix's lower edge to `top` (room for rows of markers above the matrix)."""
+    ticks = list(range(0, n, 1 if n <= 32 else 5))
+    fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
+                     showgrid=False, zeroline=False)
+    fig.update_yaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, top], constrain="domain",
+                     constraintoward="bottom", scaleanchor="x", scaleratio=1, showgrid=False, zeroline=False)
 
-    Accepts Streamlit/plotly selection points; only points of the cell trace (customdata of three
-    numbers) count, so set markers and picks drawn on the figure are ignored.
-    """
-    layers: set[int] = set()
+
+def _cells(points: Iterable[Mapping]) -> list[tuple[int, int]]:
+    """(row, column) of every selected cell; only points of the cell trace (customdata of three numbers) count, so
+    set markers and picks drawn on the figure are ignored."""
+    out = []
     for p in points:
         cd = p.get("customdata")
         if isinstance(cd, (list, tuple)) and len(cd) == 3:
-            layers.add(int(cd[0]))
-            layers.add(int(cd[1]))
-    return sorted(layers)
+            out.append((int(cd[0]), int(cd[1])))
+    return out
+
+
+def cells_to_layers(points: Iterable[Mapping]) -> list[int]:
+    """Layers picked by a click on the heatmap: the row and column layer of every selected cell (Streamlit/plotly
+    selection points)."""
+    return sorted({layer for cell in _cells(points) for layer in cell})
+
+
+def diagonal_layers(points: Iterable[Mapping]) -> list[int]:
+    """Layers picked by a box or lasso on the heatmap: those whose own (diagonal) cell it covers. The rows and
+    columns of every covered cell would be every layer the box spans on either axis, far more than a draft reads."""
+    return sorted({row for row, col in _cells(points) if row == col})
 
 
 def acceptance_bars(
@@ -731,9 +750,5 @@ def cka_difference_heatmap(
     ))
     _base_layout(fig, title or f"CKA difference {names[0]} − {names[1]} ({kernel} kernel, {estimator})",
                  height=max(480, min(760, 18 * n + 200)))
-    ticks = list(range(0, n, 1 if n <= 32 else 5))
-    fig.update_xaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5], constrain="domain",
-                     showgrid=False, zeroline=False)
-    fig.update_yaxes(title="layer", tickmode="array", tickvals=ticks, range=[-0.5, n - 0.5],
-                     scaleanchor="x", scaleratio=1, showgrid=False, zeroline=False)
+    _square_layer_axes(fig, n, top=n - 0.5)
     return fig

@@ -3,6 +3,7 @@
     check_number("temperature", t, minimum=0, maximum=100, fix="Use 0 for greedy responses")
     parse_count("500k"), parse_duration("1h30m")   # numbers as people write them: 500_000 tokens, 5400 seconds
     parse_size("500M"), parse_size("1.5GiB")       # bytes: 500_000_000, 1_610_612_736 (k/M/G/T: 1000s, KiB..: 1024s)
+    read_number("1e3", "Prompts", integer=True)   # a typed field, read strictly: "'1e3' is not a whole number: type 1000"
     OneLineParser(...)       # argparse: every `type=float` is finite_float; an error is one line, exit 2
 
 Options dataclasses call `check_number` in their `validate()` (the one source of their limits); the CLI's
@@ -98,6 +99,52 @@ def parse_duration(text: str) -> float:
     if not 0 < seconds < 1e8:
         raise LayerScopeError(f"{text!r} is not a positive duration", "Write it like 45m, 2h, 1h30m or 600s")
     return seconds
+
+
+# ---------------------------------------------------------------------------- numbers typed into a field
+
+WHOLE_RE = re.compile(r"[+-]?[0-9]+")
+TYPED_MAX = 40          # characters of a refused entry quoted back
+LONGEST_NUMBER = 64     # characters: longer is no number a field takes (int() of 4300+ digits raises)
+
+
+def _between(minimum, maximum) -> str:
+    """The allowed range as a field says it: 'from 1 to 4096', 'of at least 0', 'of at most 9' ('': any)."""
+    if minimum is not None and maximum is not None:
+        return f" from {minimum} to {maximum}"
+    if minimum is not None:
+        return f" of at least {minimum}"
+    return f" of at most {maximum}" if maximum is not None else ""
+
+
+def read_number(text, name: str, *, integer: bool = True, minimum=None, maximum=None, error: type[LayerScopeError] = LayerScopeError):
+    """The number typed into a field called `name`, read strictly, never turned into another number: a whole-number
+    field takes digits only ('1e3' is refused, 'type 1000'; '1.5' is refused, 'type 1 or 2'), a decimal field any
+    finite decimal or exponent form ('1e3' is 1000.0); then `check_number` for the range. Raises
+    `error(problem, fix)`, one line saying what was wrong and what to type."""
+    typed = str(text if text is not None else "").strip()
+    shown = typed if len(typed) <= TYPED_MAX else typed[:TYPED_MAX] + "…"
+    kind = "a whole number" if integer else "a number"
+    fix = f"Type {kind}{_between(minimum, maximum)}"
+    if not typed:
+        raise error(f"{name} is empty", fix)
+    if len(typed) > LONGEST_NUMBER:
+        raise error(f"'{shown}' is too long for a number", fix)
+    if integer and WHOLE_RE.fullmatch(typed):
+        value = int(typed)
+    else:
+        try:
+            value = float(typed)
+        except ValueError:
+            raise error(f"'{shown}' is not a number", fix) from None
+        if not math.isfinite(value):
+            raise error(f"'{shown}' is not a {'' if integer else 'finite '}number", fix)
+        if integer:
+            if value.is_integer():
+                raise error(f"'{shown}' is not a whole number in digits", f"Type {int(value)}")
+            low, high = math.floor(value), math.ceil(value)
+            raise error(f"'{shown}' is not a whole number", f"Type {low} or {high}")
+    return check_number(name, value, minimum=minimum, maximum=maximum, integer=integer, fix=fix, error=error)
 
 
 # ---------------------------------------------------------------------------- the command line

@@ -29,12 +29,12 @@ from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
 from layerscope.ui import speculate
 from layerscope.ui.access import OWNER_KEY
-from layerscope.ui.apply import toggle_picks
+from layerscope.ui.apply import heatmap_picks, kernel_of, toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
 from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
-from layerscope.ui.widgets import display_frame, eta_seconds, in_app_words, option_changes
+from layerscope.ui.widgets import display_frame, eta_seconds, in_app_words, option_changes, text_key
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
@@ -82,6 +82,17 @@ def no_exception(at: AppTest) -> None:
     assert not at.exception, [e.value for e in at.exception]
 
 
+def set_number(at: AppTest, key: str, value):
+    """Type `value` into the number field whose number lives at `key` (widgets.number_field: a text box)."""
+    return at.text_input(key=text_key(key)).set_value("" if value is None else str(value))
+
+
+def number_shown(at: AppTest, key: str):
+    """What the number field of `key` shows: an int when it reads as digits, else the text as it stands."""
+    text = at.text_input(key=text_key(key)).value
+    return int(text) if re.fullmatch(r"-?[0-9]+", text or "") else text
+
+
 def charts(at: AppTest) -> list[dict]:
     return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
 
@@ -112,9 +123,9 @@ def start_tiny_capture(at, *, limit: int, new_tokens: int, batch: int, answer: s
     `answer` the question the page asks ("replace": in this session, "new_session": in a new one)."""
     at.switch_page("app_pages/capture.py").run()
     at.text_input(key="ls_w_cap_model").set_value("tiny-llama")
-    at.number_input(key="ls_w_cap_limit").set_value(limit)
-    at.number_input(key="ls_w_cap_new").set_value(new_tokens)
-    at.number_input(key="ls_w_cap_batch").set_value(batch)
+    set_number(at, "ls_w_cap_limit", limit)
+    set_number(at, "ls_w_cap_new", new_tokens)
+    set_number(at, "ls_w_cap_batch", batch)
     at.run()
     at.button(key="ls_cap_start").click().run()
     if answer:
@@ -150,11 +161,11 @@ def test_capture_page_shows_its_widgets_and_a_preview(app_store):
     assert at.title[0].value == "Capture hidden states"
     assert at.text_input(key="ls_w_cap_model").value == "smollm2-135m"
     assert at.radio(key="ls_w_cap_source").options == ["builtin", "sharegpt", "upload"]
-    assert at.number_input(key="ls_w_cap_limit").value == 16
+    assert number_shown(at, "ls_w_cap_limit") == 16
     assert not at.button(key="ls_cap_start").disabled
     preview = at.dataframe[0].value
     assert len(preview) == 16 and set(preview.columns) == {"id", "category", "prompt"}
-    at.number_input(key="ls_w_cap_limit").set_value(5).run()
+    set_number(at, "ls_w_cap_limit", 5).run()
     assert len(at.dataframe[0].value) == 5
     side = sidebar_text(at)
     assert "Device: cpu" in side or "Device: cuda" in side
@@ -170,11 +181,11 @@ def test_capture_page_estimate_follows_its_options(app_store):
     shown = lambda: {m.label: m.value for m in at.metric}       # noqa: E731
     assert shown()["Per token"] == "785 B"                       # tiny-llama: 6 states x d=64 x 2 + 17
     first = shown()["Estimated size"]
-    at.number_input(key="ls_w_cap_new").set_value(400).run()
+    set_number(at, "ls_w_cap_new", 400).run()
     assert shown()["Estimated size"] != first and not at.warning
     at.text_input(key="ls_w_cap_budget").set_value("100k").run()
     assert any("Over the budget of 97.7 KiB" in w.value for w in at.warning)
-    at.number_input(key="ls_w_cap_sample").set_value(4).run()     # 16 conversations x 4 positions: far below
+    set_number(at, "ls_w_cap_sample", 4).run()     # 16 conversations x 4 positions: far below
     assert not at.warning and shown()["Estimated size"] == fmt.size(16 * 4 * 785 + 2 * (8 + 128 * 11))  # 2 chunk headers
     at.text_input(key="ls_w_cap_budget").set_value("lots").run()
     assert at.button(key="ls_cap_start").disabled and "not a size" in at.error[0].value
@@ -407,7 +418,7 @@ def test_speculate_page_trains_a_draft_with_live_progress(app_store, copy_of):
     no_exception(at)
     at.radio(key="ls_w_spec_mode").set_value("capture").run()          # the tiny capture starts online (small)
     assert at.selectbox(key="ls_w_spec_set").options[-1].startswith("default")
-    at.number_input(key="ls_w_spec_steps").set_value(4).run()
+    set_number(at, "ls_w_spec_steps", 4).run()
     at.button(key="ls_spec_train").click().run()
     settle(at)
     no_exception(at)
@@ -446,15 +457,15 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/speculate.py").run()
     at.radio(key="ls_w_spec_mode").set_value("capture").run()
-    at.number_input(key="ls_w_spec_steps").set_value(3).run()
+    set_number(at, "ls_w_spec_steps", 3).run()
     at.button(key="ls_spec_train").click().run()
     settle(at)
     assert at.multiselect(key="ls_spec_bench_drafts").value == [at.session_state["ls_session"].drafts[0]["path"]]
     at.radio(key="ls_w_spec_bench_src").set_value("builtin")
-    at.number_input(key="ls_w_spec_bench_n").set_value(2)
-    at.number_input(key="ls_w_spec_bench_new").set_value(10)
+    set_number(at, "ls_w_spec_bench_n", 2)
+    set_number(at, "ls_w_spec_bench_new", 10)
     at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()      # a fixed K (the default is auto)
-    at.number_input(key="ls_w_spec_bench_k").set_value(3)
+    set_number(at, "ls_w_spec_bench_k", 3)
     at.run()
     at.button(key="ls_spec_bench").click().run()
     job = manager().latest(sid(at), "bench")
@@ -500,11 +511,11 @@ def test_study_trains_one_draft_per_set_and_correlates(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/speculate.py").run()
     no_exception(at)
-    at.number_input(key="ls_w_study_k").set_value(2)
-    at.number_input(key="ls_w_study_steps").set_value(2)
+    set_number(at, "ls_w_study_k", 2)
+    set_number(at, "ls_w_study_steps", 2)
     at.selectbox(key="ls_w_study_src").set_value("builtin")
-    at.number_input(key="ls_w_study_n").set_value(2)
-    at.number_input(key="ls_w_study_new").set_value(8)
+    set_number(at, "ls_w_study_n", 2)
+    set_number(at, "ls_w_study_new", 8)
     at.run()
     plan = [m.value for m in at.markdown if m.value.startswith("Sets in the study")][0]
     assert "**default" in plan
@@ -532,19 +543,19 @@ def test_view_state_survives_page_changes_and_share_links(app_store, copy_of):
     at.switch_page("app_pages/cka.py").run()
     settle(at)
     at.radio(key="ls_w_cka_kind").set_value("debiased").run()
-    at.number_input(key="ls_w_cka_k").set_value(2).run()
+    set_number(at, "ls_w_cka_k", 2).run()
     no_exception(at)
     at.switch_page("app_pages/entropy.py").run()
     at.radio(key="ls_w_ent_scale").set_value("normalized").run()
     at.switch_page("app_pages/cka.py").run()
-    assert at.radio(key="ls_w_cka_kind").value == "debiased" and at.number_input(key="ls_w_cka_k").value == 2
+    assert at.radio(key="ls_w_cka_kind").value == "debiased" and number_shown(at, "ls_w_cka_k") == 2
     view = storage.load(app_store, copy_of).view
     assert {k: view.get(k) for k in ("cka_estimator", "cka_compartments", "entropy_scale")} == \
         {"cka_estimator": "debiased", "cka_compartments": 2, "entropy_scale": "normalized"}
     other = new_app(copy_of).run()                # a share link opened in another browser
     other.switch_page("app_pages/cka.py").run()
     no_exception(other)
-    assert other.radio(key="ls_w_cka_kind").value == "debiased" and other.number_input(key="ls_w_cka_k").value == 2
+    assert other.radio(key="ls_w_cka_kind").value == "debiased" and number_shown(other, "ls_w_cka_k") == 2
     heat = charts(other)[0]["data"][0]["z"]
     deb = other.session_state["ls_session"].stats_dict()["cka_debiased"]
     assert [v for r in heat for v in r] == pytest.approx([v for r in deb for v in r], abs=1e-5)
@@ -561,9 +572,10 @@ def test_heatmap_picks_can_be_unpicked(app_store, copy_of):
     at.switch_page("app_pages/cka.py").run()
     settle(at)
     fig = charts(at)[0]
-    assert fig["layout"]["dragmode"] == "select" and fig["layout"]["uirevision"]   # dragging draws a box, and keeps doing so
-    at.radio(key="ls_w_cka_tool").set_value("click cells").run()
-    assert "dragmode" not in charts(at)[0]["layout"]                # Streamlit's pan + click-to-select
+    assert fig["layout"]["dragmode"] == "zoom" and fig["layout"]["uirevision"]   # a click picks, a drag zooms
+    at.radio(key="ls_w_cka_tool").set_value("drag a box").run()
+    assert charts(at)[0]["layout"]["dragmode"] == "select"           # dragging draws a box, and keeps doing so
+    assert storage.load(app_store, copy_of).view["cka_tool"] == "drag a box"
     at.multiselect(key="ls_cka_picks").set_value([1, 2]).run()
     assert at.session_state["ls_session"].manual_picks == [1, 2]
     at.multiselect(key="ls_cka_picks").set_value([2]).run()
@@ -572,12 +584,79 @@ def test_heatmap_picks_can_be_unpicked(app_store, copy_of):
     assert [sh["name"] for sh in charts(at)[0]["layout"]["shapes"] if sh.get("name", "").startswith("picked")] == ["picked 2"]
 
 
+def _cell(row, col):
+    """A selected heatmap cell as Streamlit hands it over (the cell trace's customdata: row, column, CKA)."""
+    return {"curve_number": 1, "point_index": row * 9 + col, "x": col, "y": row, "customdata": [row, col, 0.5]}
+
+
+def _box(rows, cols):
+    """Streamlit's selection after a box dragged over rows × cols of the 9 × 9 heatmap of an 8-layer capture."""
+    return {"points": [_cell(r, c) for r in rows for c in cols],
+            "box": [{"type": "rect", "xref": "x", "yref": "y", "x": [min(cols) - 0.6, max(cols) + 0.6],
+                     "y": [min(rows) - 0.6, max(rows) + 0.6]}], "lasso": []}
+
+
+def test_a_box_on_the_heatmap_picks_the_layers_of_its_diagonal_cells_up_to_the_set_size():
+    # a click: the cell's row and column layer, toggled
+    assert heatmap_picks({"points": [_cell(1, 5)], "box": [], "lasso": []}, [], limit=3, num_layers=8) == ([1, 5], None)
+    assert heatmap_picks({"points": [_cell(1, 5)], "box": [], "lasso": []}, [1, 5], limit=3, num_layers=8) == ([], None)
+    # a box along the diagonal: its diagonal cells' layers, not every row and column it spans
+    assert heatmap_picks(_box(range(2, 5), range(2, 5)), [], limit=3, num_layers=8) == ([2, 3, 4], None)
+    assert heatmap_picks(_box(range(2, 5), range(3, 7)), [0], limit=3, num_layers=8) == ([0, 3, 4], None)
+    assert heatmap_picks(_box(range(2, 5), range(2, 5)), [2, 3, 4, 7], limit=3, num_layers=8) == ([7], None)
+    lasso = {**_box(range(2, 4), range(2, 4)), "box": [], "lasso": [{"type": "path", "x": [1, 4, 4], "y": [1, 1, 4]}]}
+    assert heatmap_picks(lasso, [], limit=3, num_layers=8) == ([2, 3], None)
+    # more layers than the set size: nothing changes, and the line says why and what to do
+    picks, said = heatmap_picks(_box(range(0, 8), range(0, 8)), [1], limit=3, num_layers=8)
+    assert picks == [1] and said == ("The box covers 8 layers on the diagonal, [0, 1, 2, 3, 4, 5, 6, 7]: more than "
+                                     "the set size k = 3 (Layer sets page), so it picked none. Drag a smaller box, "
+                                     "or click cells.")
+    # off the diagonal: nothing, said; the final state's own cell: nothing (drafts read 0..N-1), said
+    picks, said = heatmap_picks(_box(range(0, 2), range(5, 8)), [1], limit=3, num_layers=8)
+    assert picks == [1] and said.startswith("The box covers no cell on the diagonal")
+    picks, said = heatmap_picks(_box([8], [8]), [], limit=3, num_layers=8)
+    assert picks == [] and said.startswith("The box covers only layer 8, the final state")
+
+
+def test_statistics_are_named_by_the_kernel_they_were_computed_with():
+    assert kernel_of({"kernel": "linear", "options": {"kernel": "linear"}}) == "linear"
+    assert kernel_of({"kernel": "cosine", "options": {}}) == "cosine"
+    assert kernel_of({"options": {"alpha": 1.0}}) == "cosine"     # from before the option: row-normalised, as LayerStats reads them
+
+
+def test_the_cka_kernel_is_chosen_on_the_cka_page_and_is_the_sessions(app_store, copy_of):
+    at = new_app(copy_of).run()
+    at.switch_page("app_pages/cka.py").run()
+    settle(at)
+    linear = charts(at)[0]
+    assert at.radio(key="ls_w_cka_kernel").value == "linear"           # AnalysisOptions' default
+    assert at.radio(key="ls_w_cka_kernel").options == ["linear", "cosine"]
+    at.radio(key="ls_w_cka_kernel").set_value("cosine").run()
+    settle(at)
+    no_exception(at)
+    s = at.session_state["ls_session"]
+    assert s.analysis_options["kernel"] == "cosine" and s.stats_dict()["options"]["kernel"] == "cosine"
+    assert storage.load(app_store, copy_of).analysis_options["kernel"] == "cosine"
+    cosine = charts(at)[0]
+    assert "cosine kernel" in cosine["layout"]["title"]["text"] and "linear kernel" in linear["layout"]["title"]["text"]
+    assert cosine["data"][0]["z"] != linear["data"][0]["z"]
+    # the Entropy page shows the same kernel, with nothing left to apply
+    at.switch_page("app_pages/entropy.py").run()
+    settle(at)
+    assert at.radio(key="ls_ent_kernel").value == "cosine" and at.button(key="ls_ent_recompute").disabled
+    # back to linear: the statistics of the linear kernel again (the analysis is cached in the store)
+    at.switch_page("app_pages/cka.py").run()
+    at.radio(key="ls_w_cka_kernel").set_value("linear").run()
+    settle(at)
+    assert charts(at)[0]["data"][0]["z"] == linear["data"][0]["z"]
+
+
 def test_layer_sets_page_ranks_sets_of_one_size_and_recommends_from_evidence(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page("app_pages/layer_sets.py").run()
     settle(at)
     no_exception(at)
-    k = at.number_input(key="ls_w_sets_k").value
+    k = number_shown(at, "ls_w_sets_k")
     assert k == 2                                          # the default rule's size: tiny-llama's rule reads [1, 2]
     ranked = frame_with(at, "τ [95% CI]")
     assert all(len(json.loads(l)) == k for l in ranked["layers"])          # one set size per ranking
@@ -693,8 +772,8 @@ def test_speculate_page_trains_several_sets_online_with_learning_curves(app_stor
     labels = at.multiselect(key="ls_w_spec_online_sets").options
     at.multiselect(key="ls_w_spec_online_sets").set_value(labels[:2])
     at.selectbox(key="ls_w_spec_online_prompts").set_value("builtin")
-    at.number_input(key="ls_w_spec_online_limit").set_value(10)
-    at.number_input(key="ls_w_spec_online_tokens").set_value(1)
+    set_number(at, "ls_w_spec_online_limit", 10)
+    set_number(at, "ls_w_spec_online_tokens", 1)
     at.run()
     at.button(key="ls_spec_train_online").click().run()
     settle(at)

@@ -25,8 +25,9 @@ from layerscope.ui import sanity, speculate
 from layerscope.ui.access import OWNER_KEY
 from layerscope.ui.report import session_report
 from layerscope.ui.tasks import draft_entry
+from layerscope.ui.widgets import text_key
 from tests.helpers import untrained_draft
-from tests.test_app import APP, settle
+from tests.test_app import APP, number_shown, set_number, settle
 
 PAGE = "app_pages/speculate.py"
 
@@ -69,19 +70,19 @@ def error_lines(at: AppTest) -> list[str]:
 
 def test_the_benchmark_starts_from_enough_prompts(app_store, tiny):
     at = open_page(session_with(app_store, tiny, [saved_draft(app_store, tiny, "three", (1, 2, 3))]))
-    n = at.number_input(key="ls_w_spec_bench_n").value
+    n = number_shown(at, "ls_w_spec_bench_n")
     assert n >= sanity.ENOUGH_PROMPTS and not sanity.bench_warnings([], n)   # no "only N prompts" from the default
-    assert str(sanity.ENOUGH_PROMPTS) in at.number_input(key="ls_w_spec_bench_n").help
+    assert str(sanity.ENOUGH_PROMPTS) in at.text_input(key=text_key("ls_w_spec_bench_n")).help
 
 
 def test_benchmark_view_shows_intervals_and_old_runs_still_display(app_store, tiny):
     sid = session_with(app_store, tiny, [saved_draft(app_store, tiny, "three", (1, 2, 3))])
     at = open_page(sid)
     at.radio(key="ls_w_spec_bench_src").set_value("builtin")
-    at.number_input(key="ls_w_spec_bench_n").set_value(3)
-    at.number_input(key="ls_w_spec_bench_new").set_value(8)
+    set_number(at, "ls_w_spec_bench_n", 3)
+    set_number(at, "ls_w_spec_bench_new", 8)
     at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()      # a fixed K (the default is auto)
-    at.number_input(key="ls_w_spec_bench_k").set_value(3)
+    set_number(at, "ls_w_spec_bench_k", 3)
     at.run()
     at.button(key="ls_spec_bench").click().run()
     settle(at)

@@ -14,7 +14,7 @@ from layerscope.session import storage
 from layerscope.ui import apply, recommend, sanity, tasks
 from layerscope.ui.recommend import Evidence, Ranked
 from layerscope.ui.report import session_report
-from tests.test_app import captured, copy_of, frame_with, new_app, no_exception, plain, settle  # noqa: F401
+from tests.test_app import captured, copy_of, frame_with, new_app, no_exception, plain, set_number, settle  # noqa: F401
 
 SETS, SPEC, CKA = "app_pages/layer_sets.py", "app_pages/speculate.py", "app_pages/cka.py"
 
@@ -316,7 +316,7 @@ def test_the_probe_scores_the_sets_and_then_ranks_them(app_store, copy_of):
     assert "held-out positions of" in text and "conversation" in text          # the sample behind the ranking
     assert at.button(key="ls_sets_probe").disabled                  # every set has its score
     assert any(m.value.startswith("Probe of") for m in at.success)
-    at.number_input(key="ls_w_sets_k").set_value(1).run()            # another size: its sets are not scored ...
+    set_number(at, "ls_w_sets_k", 1).run()            # another size: its sets are not scored ...
     no_exception(at)
     assert not any(m.value.startswith("Probe of") for m in at.success)   # ... so no stale "done"
     assert not at.button(key="ls_sets_probe").disabled

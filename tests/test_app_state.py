@@ -12,7 +12,8 @@ from pathlib import Path
 
 from layerscope.draft import builtin
 from layerscope.session import storage
-from tests.test_app import captured, copy_of, new_app, no_exception, plain, settle, start_tiny_capture  # noqa: F401
+from layerscope.ui.widgets import text_key
+from tests.test_app import captured, copy_of, new_app, no_exception, number_shown, plain, set_number, settle, start_tiny_capture  # noqa: F401
 
 ENTROPY, CKA, SPEC, SETS, CAPTURE = ("app_pages/entropy.py", "app_pages/cka.py", "app_pages/speculate.py",
                                      "app_pages/layer_sets.py", "app_pages/capture.py")
@@ -22,7 +23,7 @@ def entropy_controls(at) -> dict:
     return {"alpha": at.select_slider(key="ls_ent_alpha").value, "kernel": at.radio(key="ls_ent_kernel").value,
             "filter": at.toggle(key="ls_ent_filter").value, "threshold": at.slider(key="ls_ent_threshold").value,
             "response": at.toggle(key="ls_ent_response").value,
-            "max_tokens": at.number_input(key="ls_ent_max_tokens").value}
+            "max_tokens": number_shown(at, "ls_ent_max_tokens")}
 
 
 def test_entropy_controls_keep_their_values_on_return_and_in_a_new_tab(app_store, copy_of):
@@ -33,7 +34,7 @@ def test_entropy_controls_keep_their_values_on_return_and_in_a_new_tab(app_store
     at.select_slider(key="ls_ent_alpha").set_value(2.0)
     at.radio(key="ls_ent_kernel").set_value("cosine")
     at.slider(key="ls_ent_threshold").set_value(1.5)
-    at.number_input(key="ls_ent_max_tokens").set_value(4096)
+    set_number(at, "ls_ent_max_tokens", 4096)
     at.run()
     edited = {"alpha": 2.0, "kernel": "cosine", "filter": True, "threshold": 1.5, "response": True, "max_tokens": 4096}
     assert entropy_controls(at) == edited
@@ -93,27 +94,27 @@ def test_training_options_stay_after_navigating_away(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
-    at.number_input(key="ls_w_spec_steps").set_value(7)
-    at.number_input(key="ls_w_spec_seed").set_value(3)
+    set_number(at, "ls_w_spec_steps", 7)
+    set_number(at, "ls_w_spec_seed", 3)
     assert at.checkbox(key="ls_w_spec_fc_norm").value is False             # TrainOptions' default
     at.checkbox(key="ls_w_spec_fc_norm").check()
     at.run()
     at.switch_page(ENTROPY).run()
     at.switch_page(SPEC).run()
     no_exception(at)
-    assert at.number_input(key="ls_w_spec_steps").value == 7
-    assert at.number_input(key="ls_w_spec_seed").value == 3
+    assert number_shown(at, "ls_w_spec_steps") == 7
+    assert number_shown(at, "ls_w_spec_seed") == 3
     assert at.checkbox(key="ls_w_spec_fc_norm").value is True
     other = new_app(copy_of).run()
     other.switch_page(SPEC).run()
-    assert other.number_input(key="ls_w_spec_steps").value == 7
+    assert number_shown(other, "ls_w_spec_steps") == 7
 
 
 def test_the_fc_norm_box_trains_a_draft_with_fc_norm(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
-    at.number_input(key="ls_w_spec_steps").set_value(2)
+    set_number(at, "ls_w_spec_steps", 2)
     at.checkbox(key="ls_w_spec_fc_norm").check().run()
     at.button(key="ls_spec_train").click().run()
     settle(at)
@@ -130,7 +131,7 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
-    at.number_input(key="ls_w_spec_steps").set_value(2).run()
+    set_number(at, "ls_w_spec_steps", 2).run()
     at.button(key="ls_spec_train").click().run()            # the first set: pair [1, 3]
     settle(at)
     no_exception(at)
@@ -146,12 +147,12 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     # a benchmark, then another: the new one is the one shown
     at.radio(key="ls_w_spec_bench_src").set_value("builtin")
     at.toggle(key="ls_w_spec_bench_auto").set_value(False)          # a fixed K: no calibration run
-    at.number_input(key="ls_w_spec_bench_n").set_value(1)
-    at.number_input(key="ls_w_spec_bench_new").set_value(4)
+    set_number(at, "ls_w_spec_bench_n", 1)
+    set_number(at, "ls_w_spec_bench_new", 4)
     at.run()
     at.button(key="ls_spec_bench").click().run()
     settle(at)
-    at.number_input(key="ls_w_spec_bench_n").set_value(2).run()
+    set_number(at, "ls_w_spec_bench_n", 2).run()
     at.button(key="ls_spec_bench").click().run()
     settle(at)
     no_exception(at)
@@ -161,25 +162,41 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     assert any("over the 2 prompts" in plain(c.value) for c in at.caption)      # the table is the new run's
 
 
-def test_letters_in_a_number_field_are_refused_not_turned_into_its_minimum(app_store, copy_of):
-    """In the browser, letters typed into a number field reach the app as an empty field (input type=number), which
-    Streamlit's own number input turns into its minimum (1 training step) without a word: set_value(None) is that."""
+def refusals(at) -> list[str]:
+    return [plain(e.value).replace("**", "") for e in at.error]
+
+
+def test_a_typed_number_of_the_wrong_kind_is_refused_in_one_line_never_turned_into_another(app_store, copy_of):
+    """What is typed reaches the app as typed (a browser's number input sent '1e3' as 1 and dropped letters): an entry
+    that is not a whole number says what was wrong and what to type, and the field and the session keep their number."""
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
-    at.number_input(key="ls_w_spec_steps").set_value(40).run()
-    at.number_input(key="ls_w_spec_steps").set_value(None).run()
-    no_exception(at)
-    assert at.number_input(key="ls_w_spec_steps").value == 40
-    assert any("Training steps: that was not a number, so it was refused; the field keeps 40" in plain(w.value)
-               for w in at.warning), [w.value for w in at.warning]
+    set_number(at, "ls_w_spec_steps", 40).run()
     assert storage.load(app_store, copy_of).view["spec_steps"] == 40
+    for typed, line in [("1e3", "'1e3' is not a whole number in digits. Type 1000; the field keeps 40."),
+                        ("2.5", "'2.5' is not a whole number. Type 2 or 3; the field keeps 40."),
+                        ("40abc", "'40abc' is not a number. Type a whole number from 1 to 1000000; the field keeps 40."),
+                        ("", "Training steps is empty. Type a whole number from 1 to 1000000; the field keeps 40."),
+                        ("0", "Training steps must be in [1, 1000000] (got 0). Type a whole number from 1 to 1000000; "
+                              "the field keeps 40.")]:
+        set_number(at, "ls_w_spec_steps", typed).run()
+        no_exception(at)
+        assert refusals(at) == [line]                                   # one line, under the field
+        assert at.text_input(key=text_key("ls_w_spec_steps")).value == typed      # what was typed stays in view once
+        assert at.session_state["ls_w_spec_steps"] == 40
+        assert storage.load(app_store, copy_of).view["spec_steps"] == 40
+    at.run()
+    assert number_shown(at, "ls_w_spec_steps") == 40 and not refusals(at)   # then the field shows its number again
+    set_number(at, "ls_w_spec_steps", " 1000 ").run()                 # digits are taken, spaces around them too
+    assert not refusals(at) and storage.load(app_store, copy_of).view["spec_steps"] == 1000
     at.switch_page(ENTROPY).run()
     settle(at)
-    at.number_input(key="ls_ent_max_tokens").set_value(None).run()
-    assert at.number_input(key="ls_ent_max_tokens").value == 8192
+    set_number(at, "ls_ent_max_tokens", "4e3").run()
+    assert refusals(at) == ["'4e3' is not a whole number in digits. Type 4000; the field keeps 8192."]
     assert at.button(key="ls_ent_recompute").disabled                  # nothing changed, nothing to apply
-    assert any("Max tokens: that was not a number" in plain(w.value) for w in at.warning)
+    set_number(at, "ls_ent_max_tokens", "4000").run()
+    assert not at.button(key="ls_ent_recompute").disabled and not refusals(at)
 
 
 def test_a_new_session_meets_the_builtin_draft_preselected_and_its_k_choice_sticks(app_store):
@@ -193,18 +210,17 @@ def test_a_new_session_meets_the_builtin_draft_preselected_and_its_k_choice_stic
     assert any("needs a capture" in plain(i.value) for i in at.info)             # and training says what it needs
     assert at.toggle(key="ls_w_spec_bench_auto").value is True                   # the benchmark's default is auto
     at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()
-    at.number_input(key="ls_w_spec_bench_k").set_value(3).run()
+    set_number(at, "ls_w_spec_bench_k", 3).run()
     at.switch_page(CAPTURE).run()
     at.switch_page(SPEC).run()
     no_exception(at)
     assert at.toggle(key="ls_w_spec_bench_auto").value is False
-    assert at.number_input(key="ls_w_spec_bench_k").value == 3                   # not reset to the default K
-    at.number_input(key="ls_w_spec_bench_k").set_value(None).run()               # what letters become
-    assert at.number_input(key="ls_w_spec_bench_k").value in (None, 3)
-    assert any("was refused" in plain(w.value) for w in at.warning)
+    assert number_shown(at, "ls_w_spec_bench_k") == 3                   # not reset to the default K
+    set_number(at, "ls_w_spec_bench_k", "three").run()
+    assert any("'three' is not a number" in line for line in refusals(at))
     at.switch_page(CAPTURE).run()
     at.switch_page(SPEC).run()
-    assert at.number_input(key="ls_w_spec_bench_k").value == 3                   # the last good value stayed
+    assert number_shown(at, "ls_w_spec_bench_k") == 3                   # the last good value stayed
     # taken out of the session, the builtin draft does not come back
     s = at.session_state["ls_session"]
     s.drafts = []

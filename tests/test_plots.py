@@ -158,7 +158,21 @@ def test_heatmap_drags_a_selection_box_and_keeps_the_tool():
     fig = plots.cka_heatmap(_cka(5), box_select=True)
     assert fig.layout.dragmode == "select" and fig.layout.uirevision    # a drag draws a box; a redraw keeps it
     click = plots.cka_heatmap(_cka(5))
-    assert click.layout.dragmode is None and click.layout.uirevision    # Streamlit's click-to-select
+    assert click.layout.dragmode == "zoom" and click.layout.uirevision  # a drag zooms, a click selects a cell
+
+
+@pytest.mark.parametrize("sets", [None, {"default": [1, 3]}, [("a", [0, 1]), ("b", [2, 4]), ("c", [5])]])
+def test_heatmap_tick_labels_sit_at_the_matrix_edges_whatever_the_chart_width(sets):
+    """Set markers go in rows above the matrix and both axes keep square cells by giving up domain, never range: the
+    y range starts at the matrix's lower edge, so the x tick labels (drawn at the bottom of the y range) touch it."""
+    n = 8
+    for fig in (plots.cka_heatmap(_cka(n), sets=sets), plots.cka_difference_heatmap(_cka(n) - 0.5)):
+        x, y = fig.layout.xaxis, fig.layout.yaxis
+        assert tuple(x.range) == (-0.5, n - 0.5) and y.range[0] == -0.5
+        assert x.constrain == y.constrain == "domain" and y.scaleanchor == "x" and y.scaleratio == 1
+        markers = [t for t in fig.data if t.type == "scatter" and t.name != "cells"]
+        assert all(min(t.y) > n - 0.5 and max(t.y) < y.range[1] for t in markers)      # above the matrix, in range
+        assert len(markers) == (len(sets) if sets and fig.data[0].name == "CKA" else 0)
 
 
 def test_set_comparison_labels_stand_upright():

@@ -10,7 +10,7 @@ from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.errors import CaptureError, DraftError, LayerScopeError, ModelSpecError
 from layerscope.models import load_model
-from layerscope.validate import check_number, parse_count, parse_duration, parse_size
+from layerscope.validate import check_number, parse_count, parse_duration, parse_size, read_number
 
 
 @pytest.mark.parametrize("value, kw, ok", [
@@ -42,6 +42,33 @@ def test_budgets_read_as_people_write_them():
     for bad in ("", "2X", "-5M", "0", "GiB", "1.5 GiBs"):
         with pytest.raises(LayerScopeError, match="size"):
             parse_size(bad)
+
+
+@pytest.mark.parametrize("typed, integer, problem, fix", [
+    ("1e3", True, "'1e3' is not a whole number in digits", "Type 1000"),
+    ("2.0", True, "'2.0' is not a whole number in digits", "Type 2"),
+    ("1.5", True, "'1.5' is not a whole number", "Type 1 or 2"),
+    ("12abc", True, "'12abc' is not a number", "Type a whole number from 1 to 4096"),
+    ("", True, "Steps is empty", "Type a whole number from 1 to 4096"),
+    ("nan", True, "'nan' is not a number", "Type a whole number from 1 to 4096"),
+    ("9" * 5000, True, f"'{'9' * 40}…' is too long for a number", "Type a whole number from 1 to 4096"),
+    ("0", True, "Steps must be in [1, 4096] (got 0)", "Type a whole number from 1 to 4096"),
+    ("4097", True, "Steps must be in [1, 4096] (got 4097)", "Type a whole number from 1 to 4096"),
+    ("1e4", False, "Steps must be in [1, 4096] (got 10000.0)", "Type a number from 1 to 4096"),
+    ("inf", False, "'inf' is not a finite number", "Type a number from 1 to 4096"),
+    ("two", False, "'two' is not a number", "Type a number from 1 to 4096"),
+])
+def test_a_typed_number_of_the_wrong_kind_is_refused_saying_what_to_type(typed, integer, problem, fix):
+    with pytest.raises(LayerScopeError) as e:
+        read_number(typed, "Steps", integer=integer, minimum=1, maximum=4096)
+    assert (e.value.problem, e.value.fix) == (problem, fix)
+
+
+def test_a_typed_number_is_read_as_typed():
+    assert read_number("1000", "Steps", minimum=1) == 1000 and read_number(" -3 ", "x") == -3
+    assert isinstance(read_number("7", "x"), int)
+    assert read_number("1e3", "Rate", integer=False) == 1000.0 and read_number("0.25", "Rate", integer=False) == 0.25
+    assert read_number("0", "Seed", minimum=0, maximum=2**31 - 1) == 0
 
 
 @pytest.mark.parametrize("field, value", [

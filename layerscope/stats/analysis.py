@@ -113,13 +113,18 @@ class LayerStats:
 
     to_json = to_dict
 
+    @staticmethod
+    def kernel_of(d: dict) -> str:
+        """The kernel statistics in `to_dict` form were computed with. Statistics from before the kernel option
+        (no "kernel" key) were computed on row-normalised tokens, so they read as "cosine"."""
+        return str(d.get("kernel") or (d.get("options") or {}).get("kernel", "cosine"))
+
     @classmethod
     def from_dict(cls, d: dict) -> "LayerStats":
-        """From `to_dict` output; unknown keys are ignored. Statistics from before the kernel option
-        (no "kernel" key) were computed on row-normalised tokens, so they read as "cosine"."""
+        """From `to_dict` output; unknown keys are ignored; the kernel by `kernel_of`."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs.setdefault("kernel", str((d.get("options") or {}).get("kernel", "cosine")))
+        kwargs["kernel"] = cls.kernel_of(d)
         return cls(**kwargs)
 
     from_json = from_dict

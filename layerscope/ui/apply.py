@@ -13,7 +13,8 @@ import streamlit as st
 from layerscope import fmt, layerset, plots
 from layerscope.capture import stored
 from layerscope.session.model import Session
-from layerscope.stats.analysis import LayerStats
+from layerscope.stats.analysis import AnalysisOptions, LayerStats
+from layerscope.stats.entropy import KERNELS
 from layerscope.ui import tasks
 from layerscope.ui.jobs import StatsTag, get_manager
 from layerscope.ui.state import add_note, commit
@@ -259,9 +260,65 @@ def toggle_picks(picks, chosen) -> list[int]:
     return sorted(picks - chosen if chosen and chosen <= picks else picks | chosen)
 
 
+def heatmap_picks(selection: dict, picks, *, limit: int, num_layers: int) -> tuple[list[int], str | None]:
+    """What a selection on the CKA heatmap does to the hand-picked layers `picks`: (the picks after it, a line to
+    show or None). A click picks its cell's row and column layer; a box or lasso the layers whose diagonal cells it
+    covers, at most `limit` of them (the set size: a larger box changes nothing and says so). Either way, picking
+    picked layers again unpicks them (toggle_picks); layer `num_layers`, the final state, is never picked (drafts
+    read 0..N-1)."""
+    picks = sorted(set(int(p) for p in picks))
+    points = selection.get("points") or []
+    if not (selection.get("box") or selection.get("lasso")):          # a click
+        chosen = [layer for layer in plots.cells_to_layers(points) if layer < num_layers]
+        return (toggle_picks(picks, chosen) if chosen else picks), None
+    diagonal = plots.diagonal_layers(points)
+    chosen = [layer for layer in diagonal if layer < num_layers]
+    if not chosen:
+        return picks, ((f"The box covers only layer {num_layers}, the final state, which drafts do not read. " if diagonal
+                        else "The box covers no cell on the diagonal: a box picks the layers whose own cells (on the "
+                             "diagonal) it covers. ")
+                       + "Drag along the diagonal, or click a cell to pick its row and column layer.")
+    if len(chosen) > limit and not set(chosen) <= set(picks):
+        return picks, (f"The box covers {len(chosen)} layers on the diagonal, {fmt.layers(chosen)}: more than the "
+                       f"set size k = {limit} (Layer sets page), so it picked none. Drag a smaller box, or click cells.")
+    return toggle_picks(picks, chosen), None
+
+
+def default_set_size(n: int) -> int:
+    """The set size the Layer sets page starts from: the default rule's, for a capture of `n` layers."""
+    return len(layerset.default_layers(n)[0])
+
+
+def set_size(s: Session, n: int) -> int:
+    """The set size k chosen on the Layer sets page (s.view["sets_k"]), inside 1..n; the default rule's until chosen."""
+    k = s.view.get("sets_k")
+    if not isinstance(k, int) or isinstance(k, bool):
+        k = default_set_size(n)
+    return max(1, min(int(k), max(1, n)))
+
+
 def kernel_of(stats: dict) -> str:
-    """The CKA kernel the statistics were computed with (the Entropy page's choice when they were computed)."""
-    return (stats.get("options") or {}).get("kernel", "linear")
+    """The CKA kernel the statistics were computed with (the session's choice when they were computed)."""
+    return LayerStats.kernel_of(stats)
+
+
+def session_kernel(s: Session) -> str:
+    """The CKA kernel the session's statistics are (to be) computed with: its analysis options' (AnalysisOptions)."""
+    kernel = s.analysis_options.get("kernel", AnalysisOptions().kernel)
+    return kernel if kernel in KERNELS else AnalysisOptions().kernel
+
+
+def set_kernel(s: Session, kernel: str) -> None:
+    """Compute the session's statistics with CKA kernel `kernel` from now on: its analysis options change (the
+    pages then recompute them through the cached analysis, stats_for) and the Entropy page's edited options, when
+    it has some, take the same kernel, so they do not ask to change it back."""
+    if kernel not in KERNELS or kernel == session_kernel(s):
+        return
+    s.analysis_options = {**s.analysis_options, "kernel": kernel}
+    edited = s.view.get("entropy_controls")
+    if isinstance(edited, dict) and "kernel" in edited:
+        s.view["entropy_controls"] = {**edited, "kernel": kernel}
+    commit(s)
 
 
 def layer_stats(stats: dict):

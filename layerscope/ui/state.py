@@ -211,10 +211,6 @@ def bind_view(s: Session, name: str, key: str, default, *, options=None, clamp=N
     st.session_state[key] = value
 
     def changed():
-        if st.session_state[key] is None and clamp is not None:
-            # a number field left empty or given letters (widgets.number_field): refused, the last good value stays
-            st.session_state[f"ls_refused_{key}"] = True
-            return
         current = st.session_state.get(SESSION_KEY) or s
         current.view[name] = st.session_state[key]
         commit(current)

@@ -15,6 +15,7 @@ from layerscope.errors import LayerScopeError
 from layerscope.ui import image_export
 from layerscope.ui.jobs import INTERRUPTED, JobView, get_manager
 from layerscope.ui.worker import CANCELLED, DONE, FAILED
+from layerscope.validate import read_number
 
 log = logging.getLogger("layerscope.ui")
 
@@ -259,21 +260,60 @@ def refused_key(key: str) -> str:
     return f"ls_refused_{key}"
 
 
-def number_field(where, label: str, *, key: str, min_value, max_value=None, step=1, on_change=None, help=None,
-                 disabled: bool = False):
-    """A number input that refuses what is not a number. Streamlit's own turns letters or an emptied field into its
-    minimum without a word; this one hands the change callback None (`state.bind_view` then keeps the last good
-    value, so nothing changes) and says under the field that the entry was refused. The widget takes its value from
-    the session (bind_view), never `value=`."""
-    value = where.number_input(label, min_value=min_value, max_value=max_value, value=None, step=step, key=key,
-                               on_change=on_change, help=help, disabled=disabled,
-                               placeholder=f"a number from {min_value:,}")
-    if st.session_state.pop(refused_key(key), False):
-        where.warning(f"{md_text(label)}: that was not a number, so it was refused; the field keeps "
-                      f"{'nothing' if value is None else f'{value:,}'}. Type digits"
-                      + (f" from {min_value:,} to {max_value:,}." if max_value is not None else f", at least {min_value:,}."),
-                      icon=":material/block:")
+def text_key(key: str) -> str:
+    """The key of the text box of the number field whose number lives in st.session_state[key]."""
+    return f"{key}_text"
+
+
+def number_text(value) -> str:
+    """How a field shows the number it holds: digits for a whole number, the shortest exact form otherwise."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+def number_field(where, label: str, *, key: str, min_value, max_value=None, integer: bool = True, on_change=None,
+                 help=None, disabled: bool = False):
+    """A number typed as text and read strictly (`validate.read_number`, its range by `validate.check_number`).
+
+    A number input of the browser turns '1e3' into 1 in a whole-number field and drops letters without a word; here
+    the server reads exactly what was typed: a good entry becomes st.session_state[key] and `on_change` runs (with
+    `state.bind_view`, the session keeps it); anything else changes nothing and one line under the field says what
+    was wrong and what to type ("'1e3' is not a whole number in digits. Type 1000"). The number lives in
+    st.session_state[key], set before the field is drawn (bind_view, or the page); the text box is keyed
+    `text_key(key)`. Returns the number the field holds."""
+    box = text_key(key)
+    refused = st.session_state.pop(refused_key(key), None)
+    if refused is None:                       # the box shows the held number; a refused entry stays in view once
+        st.session_state[box] = number_text(st.session_state.get(key))
+
+    def typed():
+        try:
+            value = read_number(st.session_state[box], label, integer=integer, minimum=min_value, maximum=max_value)
+        except LayerScopeError as e:
+            st.session_state[refused_key(key)] = (e.problem, e.fix)
+            return
+        st.session_state[key] = value
+        if on_change is not None:
+            on_change()
+
+    kind = "a whole number" if integer else "a number"
+    where.text_input(label, key=box, on_change=typed, help=help, disabled=disabled,
+                     placeholder=f"{kind}{_range_words(min_value, max_value)}")
+    value = st.session_state.get(key)
+    if refused is not None:
+        problem, fix = refused
+        where.error(f"**{md_text(problem)}.** {md_text(fix)}; the field keeps "
+                    f"{'nothing' if value is None else number_text(value)}.", icon=":material/block:")
     return value
+
+
+def _range_words(minimum, maximum) -> str:
+    if minimum is not None and maximum is not None:
+        return f", {minimum:,} to {maximum:,}"
+    return f", at least {minimum:,}" if minimum is not None else ""
 
 
 # ---------------------------------------------------------------------------- options

@@ -104,7 +104,7 @@ def goto_page(page, title: str) -> None:
 
 
 def set_number(page, label: str, value) -> None:
-    box = page.get_by_role("spinbutton", name=label, exact=True)
+    box = page.get_by_role("textbox", name=label, exact=True)      # a number field is a text box (widgets.number_field)
     box.fill(str(value))
     box.press("Enter")
     wait_idle(page)
@@ -121,10 +121,10 @@ def open_app(browser, server: str, *, timeout_ms: int):
     return page
 
 
-def start_tiny_capture(page, *, prompts: int, new_tokens: int, batch: int) -> None:
-    """On the Capture page: choose the tiny model, set the limits, press Start capture."""
+def start_tiny_capture(page, *, prompts: int, new_tokens: int, batch: int, spec: str = "tiny-llama") -> None:
+    """On the Capture page: choose the tiny model (`spec`), set the limits, press Start capture."""
     model = page.get_by_role("textbox", name="Target model")
-    model.fill("tiny-llama")
+    model.fill(spec)
     model.press("Enter")
     wait_idle(page)
     set_number(page, "Prompts (limit)", prompts)
@@ -146,19 +146,17 @@ def heatmap_info(page) -> dict:
 
 def click_cell(page, row: int, col: int) -> None:
     """Click heatmap cell (row, col) where plotly draws it on screen."""
-    xy = page.evaluate("""([row, col]) => {
-        const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
-        const fl = gd._fullLayout, box = gd.getBoundingClientRect();
-        return [box.left + fl.xaxis._offset + fl.xaxis.l2p(col), box.top + fl.yaxis._offset + fl.yaxis.l2p(row)];
-    }""", [row, col])
+    xy = cell_xy(page, row, col)
     page.mouse.move(xy[0], xy[1])
     page.wait_for_timeout(300)
     page.mouse.click(xy[0], xy[1])
 
 
 def cell_xy(page, row: int, col: int) -> list[float]:
+    """Where cell (row, col) is on screen, the heatmap scrolled into view first (the mouse reaches only the viewport)."""
     return page.evaluate("""([row, col]) => {
         const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
+        gd.scrollIntoView({block: 'nearest'});
         const fl = gd._fullLayout, box = gd.getBoundingClientRect();
         return [box.left + fl.xaxis._offset + fl.xaxis.l2p(col), box.top + fl.yaxis._offset + fl.yaxis.l2p(row)];
     }""", [row, col])
@@ -206,6 +204,38 @@ def shown_choice(page, label: str) -> str:
         }""", label)
     except PlaywrightError:
         return ""
+
+
+def heatmap_edges(page) -> dict:
+    """Where the CKA matrix and its tick labels are on screen (px): the gap from the matrix's lower edge to the top
+    of the x tick labels, from the right of the y tick labels to the matrix's left edge, and whether every label
+    lies along the matrix (x labels within its width, y labels within its height)."""
+    return page.evaluate("""() => {
+        const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && g.data[0].type === 'heatmap');
+        const fl = gd._fullLayout, box = gd.getBoundingClientRect();
+        const n = gd.data[0].z.length;
+        const m = {left: box.left + fl.xaxis._offset + fl.xaxis.l2p(-0.5), right: box.left + fl.xaxis._offset + fl.xaxis.l2p(n - 0.5),
+                   bottom: box.top + fl.yaxis._offset + fl.yaxis.l2p(-0.5), top: box.top + fl.yaxis._offset + fl.yaxis.l2p(n - 0.5)};
+        const xt = [...gd.querySelectorAll('.xaxislayer-above .xtick text')].map(t => t.getBoundingClientRect());
+        const yt = [...gd.querySelectorAll('.yaxislayer-above .ytick text')].map(t => t.getBoundingClientRect());
+        return {matrix: m, x_labels: xt.length, y_labels: yt.length,
+                x_gap: Math.min(...xt.map(r => r.top)) - m.bottom, y_gap: m.left - Math.max(...yt.map(r => r.right)),
+                x_along: xt.every(r => r.left >= m.left - 20 && r.right <= m.right + 20),
+                y_along: yt.every(r => r.top >= m.top - 20 && r.bottom <= m.bottom + 20)};
+    }""")
+
+
+def assert_labels_at_the_matrix(page, where: str) -> None:
+    """The tick labels sit at the matrix's edges: the tick and its standoff away (16 px), never rows of set markers
+    or a grown y range below (41 px at 1440 and 110 px at 1024 on a 32-layer model with one set, before)."""
+    e = heatmap_edges(page)
+    assert e["x_labels"] and e["y_labels"], (where, e)
+    assert 0 <= e["x_gap"] <= 24 and 0 <= e["y_gap"] <= 24 and e["x_along"] and e["y_along"], (where, e)
+
+
+def picked(page) -> list[int]:
+    info = heatmap_info(page)
+    return sorted(int(name.split()[1]) for name in info["picked"]) if info else []
 
 
 def download(page, button) -> bytes:
@@ -260,7 +290,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(page)
     goto_page(page, "CKA heatmap")
     goto_page(page, "Entropy")
-    assert page.get_by_role("spinbutton", name="Max tokens", exact=True).input_value() == "4096"
+    assert page.get_by_role("textbox", name="Max tokens", exact=True).input_value() == "4096"
     assert page.get_by_role("radio", name="cosine").is_checked()
     page.get_by_role("button", name="Review and apply…").click()
     wait_idle(page)
@@ -282,20 +312,23 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     assert info["rects"] >= 1
     heat = info["z"]
 
-    # --- a box dragged over cells (1,1)..(3,3) picks layers 1..3 (the default tool), and the tool stays
-    drag_box(page, (1, 1), (3, 3))
-    wait_picked(page, ["picked 1", "picked 2", "picked 3"])
+    # --- the default tool: a click picks the cell's two layers (a drag zooms); cell (1, 3) twice unpicks, then picks
     assert page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
-                         "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "select"
-    # --- the click tool: cell (2, 2) unpicks layer 2; cell (1, 3) twice unpicks, then picks 1 and 3 again
-    page.get_by_text("click cells", exact=True).click()
-    wait_idle(page)
+                         "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "zoom"
+    click_cell(page, 2, 2)
+    wait_picked(page, ["picked 2"])
+    click_cell(page, 1, 3)
+    wait_picked(page, ["picked 1", "picked 2", "picked 3"])
     click_cell(page, 2, 2)
     wait_picked(page, ["picked 1", "picked 3"])
-    click_cell(page, 1, 3)
-    wait_picked(page, [])
-    click_cell(page, 1, 3)
+    # --- a box: the layers of the diagonal cells it covers, at most the set size (2 here: the default rule's size)
+    page.get_by_text("drag a box", exact=True).click()
+    wait_idle(page)
+    drag_box(page, (1, 1), (3, 3))
+    page.get_by_text(re.compile(r"The box covers 3 layers on the diagonal")).wait_for()
     wait_picked(page, ["picked 1", "picked 3"])
+    assert page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                         "g.data[0].type === 'heatmap')._fullLayout.dragmode") == "select"
     shot(page, "3-cka")
 
     # --- layer sets: the picks pre-fill the hand-picked set; add it to the session's sets
@@ -317,7 +350,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     set_number(page, "Training steps", 3)
     goto_page(page, "Entropy")                     # the training steps stay after leaving the page
     goto_page(page, "Speculative decoding")
-    assert page.get_by_role("spinbutton", name="Training steps", exact=True).input_value() == "3"
+    assert page.get_by_role("textbox", name="Training steps", exact=True).input_value() == "3"
     page.get_by_role("button", name="Train draft").click()
     page.get_by_text(re.compile(r"Draft for hand-picked \[1, 3\]: done in")).wait_for(timeout=180_000)
     wait_idle(page)
@@ -418,8 +451,87 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
             assert tab.get_by_text("Page not found").count() == 0
             if path not in ("", "capture", "sessions", "compare"):      # compare: one capture per model here
                 tab.locator(".js-plotly-plot").first.wait_for()
+            if path == "cka":                         # a set's markers above the matrix, the labels at its edges
+                time.sleep(0.8)
+                assert_labels_at_the_matrix(tab, f"{width} px")
             shot(tab, f"page-{path or 'home'}-{width}")
         tab.close()
+
+
+def test_typed_numbers_heatmap_labels_kernel_and_box_picks_on_a_deep_model(server, browser):
+    """A 32-layer tiny model (a 33 × 33 heatmap, taller than the column is wide at 1024 px): '1e3' typed into a
+    whole-number field is refused in one line; the tick labels sit at the matrix's edges at 1024 and 1440 px,
+    with a layer set's markers; a drag zooms, a click picks, a box picks the diagonal's layers up to the set size."""
+    page = open_app(browser, server, timeout_ms=120_000)
+    box = page.get_by_role("textbox", name="Prompts (limit)", exact=True)
+    box.fill("1e3")
+    box.press("Enter")
+    page.get_by_text("'1e3' is not a whole number in digits. Type 1000; the field keeps 16.").wait_for()
+    box.fill("12abc")
+    box.press("Enter")
+    page.get_by_text("'12abc' is not a number. Type a whole number from 1 to 100000; the field keeps 16.").wait_for()
+    start_tiny_capture(page, prompts=3, new_tokens=8, batch=3, spec="tiny-llama:layers=32,hidden=32")
+    page.get_by_text(re.compile(r"Capture of tiny-llama.*: done in")).wait_for(timeout=180_000)
+    wait_idle(page)
+    session_id = re.search(r"session=([0-9a-f]{12})", page.url).group(1)
+
+    goto_page(page, "Layer sets")                 # a set, so its markers are drawn above the matrix
+    adder = page.locator("[data-testid='stMultiSelect']").filter(has_text="Add to the session's sets to test")
+    choose(page, adder, "default [2, 16, 29]")
+    page.get_by_role("button", name="Add", exact=True).click()
+    wait_idle(page)
+    page.locator("[data-testid='stSidebar']").get_by_text("default: [2, 16, 29]").wait_for()
+
+    for width in (1024, 1440):
+        tab = browser.new_page(viewport={"width": width, "height": 900})
+        tab.set_default_timeout(120_000)
+        tab.goto(f"{server}/cka?session={session_id}")
+        tab.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(g => g.data && g.data[0].type === 'heatmap')")
+        wait_idle(tab)
+        time.sleep(0.8)
+        assert heatmap_info(tab)["rows"] == 33
+        assert_labels_at_the_matrix(tab, f"{width} px")
+        shot(tab, f"cka-deep-{width}")
+        tab.close()
+
+    goto_page(page, "CKA heatmap")
+    page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(g => g.data && g.data[0].type === 'heatmap')")
+    wait_idle(page)
+    # the default tool: a drag zooms in and picks nothing; a click picks the cell's two layers
+    before = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                           "g.data[0].type === 'heatmap')._fullLayout.xaxis.range.slice()")
+    drag_box(page, (4, 4), (12, 12))
+    page.wait_for_timeout(1500)
+    after = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                          "g.data[0].type === 'heatmap')._fullLayout.xaxis.range.slice()")
+    assert after[1] - after[0] < before[1] - before[0], (before, after)      # zoomed in
+    assert picked(page) == []
+    page.locator(".js-plotly-plot").first.dblclick()             # zoom back out
+    wait_idle(page)
+    click_cell(page, 3, 20)
+    wait_picked(page, ["picked 3", "picked 20"])
+    # a box along the diagonal picks its diagonal cells' layers, up to the set size k = 3; a bigger one says why
+    page.get_by_text("drag a box", exact=True).click()
+    wait_idle(page)
+    drag_box(page, (5, 5), (7, 7))
+    wait_picked(page, ["picked 3", "picked 5", "picked 6", "picked 7", "picked 20"])
+    drag_box(page, (9, 9), (19, 19))
+    page.get_by_text(re.compile(r"The box covers 11 layers on the diagonal, \[9, 10, .*, 19\]: more than the set "
+                                r"size k = 3")).wait_for()
+    assert picked(page) == [3, 5, 6, 7, 20]
+    drag_box(page, (0, 24), (2, 28))                          # off the diagonal: nothing, said
+    page.get_by_text(re.compile(r"The box covers no cell on the diagonal")).wait_for()
+    assert picked(page) == [3, 5, 6, 7, 20]
+    shot(page, "cka-deep-picks")
+
+    # the kernel, chosen here: the statistics are computed again with it
+    page.get_by_text("cosine", exact=True).click()
+    page.wait_for_function("() => { const g = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                           "g.data[0].type === 'heatmap'); return g && g.layout.title.text.includes('cosine kernel'); }")
+    wait_idle(page)
+    goto_page(page, "Entropy")
+    assert page.get_by_role("radio", name="cosine").is_checked()
+    page.close()
 
 
 def test_a_running_capture_survives_a_refresh_and_cancels(server, browser):
