@@ -34,7 +34,7 @@ from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
 from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
-from layerscope.ui.widgets import display_frame, eta_seconds, in_app_words, option_changes
+from layerscope.ui.widgets import display_frame, in_app_words, option_changes, time_left
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
@@ -620,16 +620,17 @@ def test_tables_show_missing_values_as_a_dash():
         ["threshold 0.5 → 1"]
 
 
-def test_job_eta_from_recent_progress():
-    def view(p):
-        return JobView(id="eta-test", owner="o", kind="capture", title="t", state="running", progress=p, message="",
-                       metrics={}, series={}, result=None, error=None, fix=None, created=0.0, started=0.0,
+def test_job_status_says_the_time_left_its_phase_measured():
+    """The job's own eta_s (its current phase's rate, layerscope.eta), never a rate of the progress bar."""
+    def view(metrics, state="running", p=0.5):
+        return JobView(id="eta-test", owner="o", kind="capture", title="t", state=state, progress=p, message="",
+                       metrics=metrics, series={}, result=None, error=None, fix=None, created=0.0, started=0.0,
                        finished=None, applied=False, cancel_requested=False)
 
-    assert eta_seconds(view(0.1), now=100.0) is None        # one sample: no rate yet
-    assert eta_seconds(view(0.2), now=110.0) is None
-    assert eta_seconds(view(0.3), now=120.0) == pytest.approx(70.0)    # 0.1 per 10 s, 0.7 left
-    assert eta_seconds(view(0.3), now=150.0) == pytest.approx(70.0)    # unchanged progress adds no sample
+    assert time_left(view({})) is None                                  # a job that says nothing of it
+    assert time_left(view({"eta_s": None})) == "estimating time left…"
+    assert time_left(view({"eta_s": 72.0}, p=0.01)) == "about 72 s left"     # whatever the bar shows
+    assert time_left(view({"eta_s": 72.0}, state="done")) is None
 
 
 def test_seconds_read_as_words_in_one_form():

@@ -98,7 +98,7 @@ def test_no_module_imports_itself_through_others():
 # (commands, the CLI, the app's ui package) imports them.
 LAYERS = [
     ("infrastructure", {"errors", "blas", "fmt", "jsonsafe", "paths", "validate", "layerset", "distributed", "store",
-                        "machine", "disk", "head"}),
+                        "machine", "disk", "head", "eta"}),
     ("models and prompts", {"models", "prompts"}),
     ("capture", {"capture"}),
     ("stats", {"stats"}),
