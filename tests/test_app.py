@@ -13,7 +13,6 @@ import re
 import time
 from html.parser import HTMLParser
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -23,7 +22,6 @@ from layerscope import fmt
 from layerscope import store as store_module
 from layerscope.decoding import specdec
 from layerscope.decoding.bench import auto_note
-from layerscope.draft.fit import TrainOptions
 from layerscope.session import share, storage
 from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
@@ -33,7 +31,7 @@ from layerscope.ui.apply import toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
-from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
+from layerscope.ui.sanity import bench_warnings, study_warnings
 from layerscope.ui.widgets import display_frame, in_app_words, option_changes, time_left
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
@@ -178,6 +176,10 @@ def test_capture_page_estimate_follows_its_options(app_store):
     assert not at.warning and shown()["Estimated size"] == fmt.size(16 * 4 * 785 + 2 * (8 + 128 * 11))  # 2 chunk headers
     at.text_input(key="ls_w_cap_budget").set_value("lots").run()
     assert at.button(key="ls_cap_start").disabled and "not a size" in at.error[0].value
+    at.text_input(key="ls_w_cap_budget").set_value("").run()
+    said = [c.value.replace("\\", "") for c in at.caption]              # as read: markdown's escapes dropped
+    said = [x for x in said if x.startswith("Estimate before the capture starts: about ")]
+    assert len(said) == 1 and "16 conversations, up to 400 answer tokens each" in said[0]     # by its start button
     no_exception(at)
 
 
@@ -440,6 +442,12 @@ def test_training_starts_online_when_the_capture_is_small(app_store, copy_of):
     assert speculate.small_capture_warning(s.capture)                        # the tiny capture is small ...
     assert at.radio(key="ls_w_spec_mode").value == "online"                  # ... so training starts online
     assert speculate.default_training_mode({"tokens": speculate.SMALL_CAPTURE_TOKENS}) == "capture"
+    said = lambda what: [c.value.replace("\\", "") for c in at.caption                    # noqa: E731
+                         if c.value.replace("\\", "").startswith(f"Estimate before the {what} starts")]
+    assert "the target's answers to 1,000 conversations" in said("online training")[0]     # by the start buttons
+    assert "training 0 drafts" not in said("online training")[0] and said("study")
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()
+    assert "training 1 draft on " in said("training")[0]
 
 
 def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
@@ -456,6 +464,8 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()      # a fixed K (the default is auto)
     at.number_input(key="ls_w_spec_bench_k").set_value(3)
     at.run()
+    said = [c.value.replace("\\", "") for c in at.caption if c.value.replace("\\", "").startswith("Estimate before the benchmark")]
+    assert "up to 40 tokens decoded (2 prompts x 10 tokens x each decoder)" in said[0]     # plain and the draft
     at.button(key="ls_spec_bench").click().run()
     job = manager().latest(sid(at), "bench")
     assert job is not None
@@ -648,12 +658,6 @@ def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
     study = [{"layers": [i], "tau": t} for i, t in enumerate([1.1, 1.1, 1.2, 1.2, 1.1, 1.2])]
     assert any("2 distinct τ" in w for w in study_warnings(study, prompts=40))
     assert any("over 3 sets" in w for w in study_warnings(study[:3], prompts=40))
-    opts = SimpleNamespace(train=TrainOptions(steps=300), limit=8, max_new_tokens=48)
-    plan = [([2, 15, 27], ["default"]), ([1, 9, 20], ["greedy", "manual"])]
-    assert "no time estimate" in study_cost(plan, opts, [], [])
-    cost = study_cost(plan, opts, [{"seconds": 600.0, "steps": 300}], [{"results": [{"name": "autoregressive",
-                                                                                          "tokens_per_s": 16.0}]}])
-    assert "2 drafts × 300 training steps" in cost and "training about 20 min" in cost and "benchmark about 72 s" in cost
     assert set_label(["greedy", "manual"], [1, 9, 20], [{"name": "mine", "layers": [1, 9, 20]}]) == "greedy, also mine"
     assert set_label(["default"], [2, 15, 27]) == "default"
 

@@ -105,7 +105,7 @@ LAYERS = [
     ("draft", {"draft"}),
     ("decoding", {"decoding"}),
     ("study", {"study"}),
-    ("workflow", {"preflight", "workflow", "plots", "session"}),
+    ("workflow", {"preflight", "forecast", "workflow", "plots", "session"}),
     ("faces", {"commands", "cli", "__main__", "ui", ""}),
 ]
 

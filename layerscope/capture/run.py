@@ -195,7 +195,7 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     torch.manual_seed(opts.seed)
     step = opts.max_new_tokens + 1         # the time left counts decode steps: a batch's answer, then its record pass
     batches = [(s, min(s + opts.batch_size, len(prompts))) for s in range(0, len(prompts), opts.batch_size)]
-    clock, written = eta.PhaseClock(step * sum(b not in done for b in batches)), 0
+    timer, written = eta.PhaseClock(step * sum(b not in done for b in batches)), 0
     for start, end in batches:
         if opts.max_tokens is not None and tokens_done >= opts.max_tokens:
             break
@@ -206,7 +206,7 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
         report = lambda phase, generated=0: progress and progress(CaptureProgress(  # noqa: E731
             phase, start, len(prompts), tokens_done, tokens_done / max(time.perf_counter() - t0, 1e-9),
             time.perf_counter() - t0, generated,
-            eta_s=clock.left(written * step + (generated if phase == "generate" else step - 1))))
+            eta_s=timer.left(written * step + (generated if phase == "generate" else step - 1))))
         report("generate")
         responses = generate_responses(loaded, encoded[start:end], opts, on_step=lambda n: report("generate", n),
                                        should_stop=should_stop)

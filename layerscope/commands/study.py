@@ -143,7 +143,8 @@ def run(args) -> int:
             else:
                 bar.update(0, None, phase=p.message)
         done = workflow.study(open_store(args), args.key, options_from_args(args), model=args.model,
-                              analysis=AnalysisOptions(kernel=args.kernel, min_entropy=args.min_entropy), progress=show)
+                              analysis=AnalysisOptions(kernel=args.kernel, min_entropy=args.min_entropy), progress=show,
+                              estimate=lambda f: bar.note(f.line()))
     report = done.report
     if args.json:
         print_json(report.to_json())

@@ -139,7 +139,8 @@ def run_online(args, store) -> int:
                        tok_s=p.tokens_per_s, loss=p.mean_loss, val1=max(best) if best else "-")
 
     try:
-        result = workflow.train_online(store, args.model, sets, options, progress=on_progress)
+        result = workflow.train_online(store, args.model, sets, options, progress=on_progress,
+                                       estimate=lambda f: print(f.line(), file=sys.stderr))   # before it starts
     finally:
         for bar in bars.values():
             bar.close()
@@ -193,7 +194,7 @@ def run_capture(args, store) -> int:
                 bar.update(round(100 * p.fraction), 100, eta_s=p.eta_s, step=p.step, loss=p.mean_loss,
                            acc1=p.acc[0][0], tok_s=p.tokens_per_s)
         trained = workflow.train(store, cap.key, layers, options, strategy=args.strategy, out=args.out,
-                                 progress=on_progress)
+                                 progress=on_progress, estimate=lambda f: bar.note(f.line()))
     meta = trained.meta
     result = {"out": str(trained.path), "layers": meta["layers"], "steps": meta["budget"]["resolved_steps"],
               "train_tokens": meta["train_tokens"], "seconds": meta["seconds"], "val_accuracy": meta["val_accuracy"],

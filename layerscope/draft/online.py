@@ -273,14 +273,15 @@ def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None
     opts = CaptureOptions(max_new_tokens=o.max_new_tokens)
     made, total = 0, sum(len(b) for _, b in parts)
     todo = [(start, batch) for start, batch in parts if read_part(root, start, batch) is None]
-    timer = eta.PhaseClock(len(todo) * o.max_new_tokens, clock=clock)
+    timer, prompts = eta.PhaseClock(len(todo) * o.max_new_tokens, clock=clock), sum(len(b) for _, b in todo)
 
     def say(n, step=0):
         if progress is not None:
             elapsed = clock() - timer.t0
             progress(ResponsesProgress(done=n, total=len(todo), conversations=total,
                                        tokens_per_s=made / max(elapsed, 1e-9),
-                                       eta_s=timer.left(n * o.max_new_tokens + step), step=step, elapsed_s=elapsed))
+                                       eta_s=timer.left(n * o.max_new_tokens + step), step=step, elapsed_s=elapsed,
+                                       prompts=prompts))
 
     for n, (start, batch) in enumerate(todo):
         if should_stop is not None and should_stop():

@@ -30,6 +30,7 @@ class ResponsesProgress:
     eta_s: float | None               # seconds left (layerscope.eta: the rate of this run's decode steps); None: estimating
     step: int = 0                     # decode steps done of the batch being answered (of max_new_tokens)
     elapsed_s: float = 0.0            # seconds this run has spent answering
+    prompts: int = 0                  # prompts this run answers (those of its `total` batches)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from layerscope import eta, workflow
+from layerscope import eta, forecast, workflow
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import open_capture
 from layerscope.decoding.bench import BenchOptions, Tally
@@ -429,6 +429,21 @@ class _BenchLive:
                    eta_s=p.eta_s)
 
 
+def bench_options(*, model: str | None, prompts: str, limit: int, max_new_tokens: int, k: int | str, peers: bool,
+                  lookup: int = 0, seed: int = 0) -> BenchOptions:
+    """The BenchOptions of the page's choices (k: a chain depth, or "auto"), for the job and its estimate."""
+    auto = k == "auto"
+    return BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
+                        ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=int(lookup))
+
+
+def bench_estimate(store, drafts: list[dict], **choice):
+    """The benchmark's forecast before it starts, for the session's `drafts` and the page's choices (bench_options)."""
+    options = bench_options(**choice)
+    return forecast.bench(store, workflow.bench_model(options, [(d["name"], d["path"]) for d in drafts]), len(drafts),
+                          options)
+
+
 @job_task
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int,
               k: int | str = "auto", peers: bool, lookup: int = 0, seed: int = 0, capture_key: str | None = None):
@@ -442,9 +457,8 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
     metrics["phase"] ("cost curve", "calibrate") with the message saying what it does.
     lookup > 0: each draft's chain is also decoded with prompt lookup first (BenchOptions.draft_lookup).
     """
-    auto = k == "auto"
-    options = BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
-                           ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=int(lookup))
+    options = bench_options(model=model, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, k=k, peers=peers,
+                            lookup=lookup, seed=seed)
 
     def run(job):
         if not drafts:

@@ -180,6 +180,13 @@ def time_left(view: JobView) -> str | None:
     return eta.text(view.metrics["eta_s"])
 
 
+def estimate_caption(make, what: str = "estimate") -> None:
+    """A step's estimate before it starts (the forecast.Forecast `make()` returns), as a caption by its start button;
+    a problem with it is one error line, the page goes on."""
+    with guard(what):
+        st.caption(md_text(make().line()))
+
+
 def rate_text(view: JobView) -> str:
     """The job's own throughput, when it reports one: tokens/s, steps/s."""
     m = view.metrics
