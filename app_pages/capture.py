@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, models, preflight
+from layerscope import fmt, forecast, models, preflight
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import list_captures
 from layerscope.ui import apply, state, tasks
@@ -80,6 +80,7 @@ with left:
 
 # the capture's options as the page has them (CaptureOptions: the one source of the others' defaults)
 budget, budget_ok = None, False          # Start capture stays off while the budget does not read as a size
+estimate = None                          # its time and storage before it starts (forecast), shown by the button
 with guard("storage budget"):
     text = st.session_state.ls_w_cap_budget.strip()
     budget, budget_ok = parse_size(text) if text else None, True
@@ -105,6 +106,8 @@ with right:
             st.subheader("Storage")
             with guard("storage estimate"):
                 plan = preflight.capture_estimate(store, st.session_state.ls_w_cap_model.strip(), ps.prompts, options)
+                estimate = forecast.capture(store, st.session_state.ls_w_cap_model.strip(), plan, options.batch_size) \
+                    if plan else None
                 if plan is None:
                     st.caption("The estimate needs the model's config: it shows once the model has loaded here (a "
                                "first capture), and the capture states it before its first batch.")
@@ -125,6 +128,8 @@ with right:
 
 running = view is not None and view.running
 PENDING = "ls_cap_pending"        # Start capture was pressed in a session a capture would replace: asking first
+if prompt_spec and estimate is not None:
+    st.caption(md_text(estimate.line()))
 
 
 model = st.session_state.ls_w_cap_model.strip()

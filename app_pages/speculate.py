@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import streamlit as st
 
-from layerscope import fmt
+from layerscope import fmt, forecast
 from layerscope.capture.stored import has_capture
 from layerscope.decoding import specdec
 from layerscope.draft.fit import TrainOptions
+from layerscope.draft.online import OnlineOptions
 from layerscope.ui import sanity, speculate, speculate_views, tasks
 from layerscope.ui.apply import colors as palette_of
 from layerscope.ui.apply import draft_labels, run_label
@@ -15,7 +16,7 @@ from layerscope.ui.jobs import get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import guard, md_text, number_field
+from layerscope.ui.widgets import estimate_caption, guard, md_text, number_field
 
 s, store = page_header("Speculative decoding",
                        "The proof of a layer set: train an EAGLE-3 draft that reads those layers, then decode with it and count "
@@ -82,15 +83,16 @@ with train_col:
             pick = st.selectbox("Layer set", labels, key="ls_w_spec_set",
                                 on_change=bind_view(s, "spec_set", "ls_w_spec_set", labels[0] if labels else None, options=labels),
                                 help="The session's sets to test (Layer sets page) and the default rule")
+            recipe = {"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed), "fc_norm": bool(fc_norm)}
+            if pick in labels:
+                estimate_caption(lambda: forecast.training(store, s.model, sets[labels.index(pick)][1], TrainOptions(**recipe)))
             if st.button("Train draft", type="primary", key="ls_spec_train", icon=":material/model_training:",
                          disabled=not (have_capture and labels) or train_running):
                 name, layers, strategy = sets[labels.index(pick)]
                 with guard("start training"):
                     manager.submit(s.id, "train", tasks.train_job(
                         store=store, capture_key=s.capture_key, model=s.model, layers=list(layers), strategy=strategy,
-                        name=name, options={"steps": int(steps), "ttt_steps": int(ttt), "seed": int(seed),
-                                 "fc_norm": bool(fc_norm)}),
-                        title=f"Draft for {name} {list(layers)}")
+                        name=name, options=recipe), title=f"Draft for {name} {list(layers)}")
                     st.rerun()
         else:
             kilo = number_field(c1, "Budget (k tokens)", min_value=1, max_value=1_000_000, key="ls_w_spec_online_tokens",
@@ -115,16 +117,17 @@ with train_col:
                                      help="regenerate: the target's own answers, generated once and kept (EAGLE-3's "
                                           "choice; costs a generation pass); own: the conversations' own answers "
                                           "(ShareGPT only; no generation)")
+            chosen = [sets[labels.index(p)] for p in picks]
+            recipe = {"prompts": prompts, "limit": int(limit), "responses": responses, "tokens": int(kilo) * 1000,
+                      "ttt_steps": int(ttt), "seed": int(seed), "fc_norm": bool(fc_norm)}
+            if chosen:
+                estimate_caption(lambda: forecast.online(store, s.model, [x[1] for x in chosen], OnlineOptions(**recipe)))
             if st.button("Train online", type="primary", key="ls_spec_train_online", icon=":material/model_training:",
                          disabled=not picks or train_running):
-                chosen = [sets[labels.index(p)] for p in picks]
                 with guard("start online training"):
                     manager.submit(s.id, "train", tasks.online_train_job(
                         store=store, model=s.model, sets=[(name, list(layers), strategy) for name, layers, strategy in chosen],
-                        options={"prompts": prompts, "limit": int(limit), "responses": responses,
-                                 "tokens": int(kilo) * 1000, "ttt_steps": int(ttt), "seed": int(seed),
-                                 "fc_norm": bool(fc_norm)}),
-                        title=f"Online drafts for {len(chosen)} set(s)")
+                        options=recipe), title=f"Online drafts for {len(chosen)} set(s)")
                     st.rerun()
 
 labels_of = draft_labels(s.drafts)      # path -> "name [layers]", told apart when two read the same set
@@ -188,15 +191,17 @@ else:
                                f"Auto: the span predicted "
                                f"best for this machine from the calibration, or none when none pays")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
+    choice = {"model": s.model, "prompts": source, "limit": int(n_prompts), "max_new_tokens": int(new_tokens),
+              "k": "auto" if auto_k else int(depth or specdec.DEFAULT_K), "peers": bool(peers),
+              "lookup": lookup}
+    if chosen:
+        estimate_caption(lambda: tasks.bench_estimate(store, [by_path[c] for c in chosen], **choice))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
                  disabled=not chosen or bench_running):
         with guard("start benchmark"):
-            manager.submit(s.id, "bench", tasks.bench_job(
-                store=store, model=s.model, drafts=[by_path[c] for c in chosen], prompts=source,
-                limit=int(n_prompts), max_new_tokens=int(new_tokens), k="auto" if auto_k else int(depth or specdec.DEFAULT_K), peers=bool(peers),
-                lookup=lookup,
-                capture_key=s.capture_key),
-                title=f"Benchmark of {len(chosen)} draft(s)")
+            manager.submit(s.id, "bench", tasks.bench_job(store=store, drafts=[by_path[c] for c in chosen],
+                                                          capture_key=s.capture_key, **choice),
+                           title=f"Benchmark of {len(chosen)} draft(s)")
             st.rerun()
 
     live_job(s.id, "bench", key="spec_bench", details=speculate_views.bench_details, interval=1.0)
@@ -242,8 +247,7 @@ else:
         plan = tasks.study_plan(stats, options)
         st.markdown("Sets in the study: " + " · ".join(
             f"**{md_text(set_label(names, layers, s.layer_sets))}** `{fmt.layers(layers)}`" for layers, names in plan))
-        st.caption(sanity.study_cost(plan, options, tasks.stored_drafts(store, fingerprint=(s.capture or {}).get("fingerprint")),
-                                     s.bench_results))
+        estimate_caption(lambda: forecast.study(store, s.model, options, sets=len(plan)))
         study_running = any(j.kind == "study" for j in manager.active(s.id))
         if st.button("Run the study", type="primary", key="ls_spec_study", icon=":material/science:",
                      disabled=study_running or len(plan) < 2):

@@ -6,9 +6,11 @@ themselves are in `disk`, a capture's size in `capture.size`).
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
     output(path)                         a directory about to be written whole (--out): the path rule, writable
     starting_drafts(paths)               the drafts a training continues (--init-from)
-    train_online(store, model, sets, o)  every check of online training (workflow.train_online calls it first)
+    train_online(store, model, sets, o)  every check of online training (workflow.train_online calls it first);
+                                         online_bytes: what it writes
     train_capture(store, key, sets, ...) every check of training from a capture (workflow.train calls it first)
-    study(store, model, options)         every check of a study: its prompts, room for all its drafts
+    study(store, model, options)         every check of a study: its prompts, room for all its drafts (study_sets,
+                                         study_bytes)
     bench_drafts(paths)                  every --draft of a benchmark
 
 Estimates of what a step writes (bytes), from the target's shape when it can be read without loading
@@ -182,22 +184,27 @@ def train_online(store: Store, model: str, sets, options) -> None:
     prompt_spec(options.prompts)
     starting_drafts(options.init_from)
     shape = target_shape(model, store)
-    responses = responses_bytes(options, store) if options.responses == "regenerate" else 0
     if shape is not None and sets:
         layerset.check_sets(sets, int(shape.num_hidden_layers), "--layers", DraftError)
-        ckpt = checkpoint_bytes(shape, sets, int(options.draft_vocab))
-        disk.need_space(store.root, 2 * ckpt + responses,
-                   f"online training of {len(sets)} draft(s) on {model} (two checkpoints of {disk.mib(ckpt)} at "
-                   f"the moment one replaces the other, then the drafts; {disk.mib(responses)} of generated responses)")
-    else:
-        disk.need_space(store.root, responses, "the generated responses of online training")
+    need, what = online_bytes(store, shape, sets, options)
+    disk.need_space(store.root, need, f"online training of {len(sets)} draft(s) on {model} ({what})"
+                    if shape is not None and sets else "the generated responses of online training")
+
+
+def online_bytes(store: Store, shape, sets, options) -> tuple[int, str]:
+    """What online training of `sets` writes at most, and what that is: two checkpoints (at the moment one replaces
+    the other; the drafts are smaller) and the regenerated responses; the responses alone when `shape` is None."""
+    responses = responses_bytes(options, store) if options.responses == "regenerate" else 0
+    if shape is None or not sets:
+        return responses, f"{disk.mib(responses)} of generated responses"
+    ckpt = checkpoint_bytes(shape, sets, int(options.draft_vocab))
+    return 2 * ckpt + responses, (f"two checkpoints of {disk.mib(ckpt)} at the moment one replaces the other, then "
+                                  f"the drafts; {disk.mib(responses)} of generated responses")
 
 
 def study(store: Store, model: str, options) -> None:
     """A study (workflow.study, so the CLI and the app alike), before the target loads: the store writable,
-    its prompt sets, and room for every draft it may train (each strategy's set and the user's, the random
-    controls, per training seed: an upper bound, strategies that agree share one draft), with online
-    training two checkpoints of one seed's pass and the regenerated answers. options: a StudyOptions."""
+    its prompt sets, and room for every draft it may train (study_bytes). options: a StudyOptions."""
     disk.writable(store)
     prompt_spec(options.prompts)
     if options.online is not None:
@@ -208,12 +215,25 @@ def study(store: Store, model: str, options) -> None:
     shape = target_shape(model, store)
     if shape is None:
         return
+    need, what = study_bytes(store, shape, options)
+    disk.need_space(store.root, need, f"the study ({what})")
+
+
+def study_sets(shape, options) -> list[int]:
+    """The sizes of the layer sets a study may train (each strategy's set and the user's, the random controls; an
+    upper bound: strategies that agree share one draft)."""
     strategies = [x for x in options.strategies if x not in ("default", "random")]
     sizes = [options.k] * (1 + len(strategies) + (options.random_sets if "random" in options.strategies else 0))
     sizes += [len(set(s)) for s in options.extra_sets]
     if "single" in strategies:
         sizes[1 + strategies.index("single")] = 1
-    sizes = [min(n, int(shape.num_hidden_layers)) for n in sizes]
+    return [min(n, int(shape.num_hidden_layers)) for n in sizes]
+
+
+def study_bytes(store: Store, shape, options, sizes: list[int] | None = None) -> tuple[int, str]:
+    """What a study writes at most, and what that is: every draft it may train (study_sets, or the sets of `sizes`)
+    per training seed, with online training two checkpoints of one seed's pass and the regenerated answers."""
+    sizes = study_sets(shape, options) if sizes is None else sizes
     train = options.online if options.online is not None else options.train
     seeds = len(options.seeds) if options.seeds else 1
     one_pass = sum(draft_bytes(shape, list(range(n)), int(train.draft_vocab)) for n in sizes)
@@ -222,7 +242,7 @@ def study(store: Store, model: str, options) -> None:
         responses = responses_bytes(options.online, store) if options.online.responses == "regenerate" else 0
         need += 2 * 3 * one_pass + responses
         what += f", two checkpoints of one pass, {disk.mib(responses)} of generated responses"
-    disk.need_space(store.root, need, f"the study ({what})")
+    return need, what
 
 
 def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None, init_from=()):
@@ -251,9 +271,9 @@ PROBE_FIX = "Choose a strategy that reads the statistics only, or capture again 
 RESPONSE_TOKEN_BYTES = 8        # a token id in a JSON list: up to 6 digits, a comma and a space
 
 
-def responses_bytes(options, store: Store) -> int:
-    """What online training's regenerated responses take (at most max_new_tokens per conversation), from the
-    number of conversations: options.limit, else the prompt set's size (ShareGPT: its index, cached in the store)."""
+def online_conversations(options, store: Store) -> int:
+    """The conversations online training draws, at most (longer prompts are left out): options.limit, else the
+    prompt set's size (ShareGPT: its index, cached in the store)."""
     n = options.limit
     if n is None:
         spec = str(options.prompts).strip()
@@ -261,6 +281,11 @@ def responses_bytes(options, store: Store) -> int:
             n = int(sharegpt_index(sharegpt_path(), cache=store.root / "prompts")["usable"])
         else:
             n = len(load_prompts(spec))
-    return int(n) * int(options.max_new_tokens) * RESPONSE_TOKEN_BYTES
+    return int(n)
+
+
+def responses_bytes(options, store: Store) -> int:
+    """What online training's regenerated responses take (at most max_new_tokens per conversation)."""
+    return online_conversations(options, store) * int(options.max_new_tokens) * RESPONSE_TOKEN_BYTES
 
 

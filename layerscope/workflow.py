@@ -8,18 +8,22 @@ draft.train.TrainOptions, bench.BenchOptions, study.StudyOptions), the store, an
 TrainProgress (online: OnlineProgress), bench.BenchProgress, study.StudyProgress), and returns a typed result.
 
 Loading the target model is the caller's choice of `load(spec, store) -> LoadedModel`: the CLI loads
-it afresh (`load_target`), the app from its per-process cache (ui.models.get_model).
+it afresh (`load_target`), the app from its per-process cache (ui.models.get_model). Before a capture, a
+training, a benchmark or a study starts (its checks passed; a capture once its prompts are tokenized), its
+`estimate` callback hears the step's forecast.Forecast: time and disk; a finished capture, training or
+benchmark records its pace on this machine (`paced`) for the next estimate of that kind.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from layerscope import disk, layerset, preflight
+from layerscope import disk, forecast, layerset, preflight
 from layerscope.capture import run as capture_mod
 from layerscope.capture.export_states import export_states as export_capture_states
 from layerscope.capture.import_states import ImportOptions, ImportResult
@@ -32,10 +36,10 @@ from layerscope.draft import online as online_mod
 from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.draft.fit import TrainOptions
-from layerscope.draft.progress import OnlineProgress, TrainProgress
+from layerscope.draft.progress import OnlineProgress, ResponsesProgress, TrainProgress
 from layerscope.draft.train import draft_for, train_capture_draft
 from layerscope.errors import DraftError
-from layerscope.models import DEFAULT_MODEL, LoadedModel, load_model
+from layerscope.models import DEFAULT_MODEL, LoadedModel, default_device, load_model
 from layerscope.prompts.sets import PromptSet, load_prompts
 from layerscope.stats import select as select_mod
 from layerscope.stats.analysis import AnalysisOptions, LayerStats
@@ -44,6 +48,7 @@ from layerscope.store import Store
 from layerscope.study.run import StudyOptions, StudyReport, run_study
 
 Loader = Callable[[str, Store], LoadedModel]
+Estimate = Callable[[forecast.Forecast], None] | None    # hears the step's estimate before it starts (the CLI prints it)
 DEFAULT_PROMPTS = "builtin"          # the capture's prompt set when none is named
 
 
@@ -76,15 +81,50 @@ class Captured:
 
 def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, load: Loader = load_target,
             progress: Callable[[capture_mod.CaptureProgress], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> Captured:
+            should_stop: Callable[[], bool] | None = None, estimate: Estimate = None) -> Captured:
     """Every layer's hidden states of `model` over the prompt set `prompts`, stored under captures/<key>."""
     options.validate()                                      # bad options fail before the model loads
     disk.writable(store)                               # ... and so does a read-only store
     prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed, cache=store.root / "prompts")
     target = load(model, store)
-    result = capture_mod.capture(target, prompt_set, store, progress=progress, should_stop=should_stop,
+    seen = {}
+
+    def watch(p):
+        if progress is not None:
+            progress(p)
+        if p.estimate is not None:
+            seen["plan"] = p.estimate
+            if estimate is not None:
+                estimate(forecast.capture(store, model, p.estimate, options.batch_size))
+        elif p.phase in ("generate", "record"):
+            seen.setdefault("resumed", p.tokens_done > 0)
+    result = capture_mod.capture(target, prompt_set, store, progress=watch, should_stop=should_stop,
                                  **asdict(options))
+    if not result.cached and seen.get("resumed") is False and options.max_tokens is None:   # a whole capture: its pace
+        paced(store, "capture", model, target, result.seconds,
+              lambda t: forecast.capture_rule(t, seen["plan"], options.batch_size))
     return Captured(result, prompt_set, target)
+
+
+def paced(store: Store, kind: str, model: str, target: LoadedModel, seconds: float, rule) -> None:
+    """Record a finished run's pace for the next forecast of its kind (forecast.remember): `seconds` against
+    `rule(forecast.Target)`, the rule's seconds for the same work."""
+    t = forecast.target(store, model)
+    if t is not None:
+        forecast.remember(store, kind, model, seconds, rule(t), target.device.type)
+
+
+def last_of(progress, *kinds):
+    """A progress callback passing every update on to `progress`, and a dict that keeps the last of each class in
+    `kinds` (the run's own measurements, for its pace)."""
+    last = {}
+
+    def watch(p):
+        if isinstance(p, kinds):
+            last[type(p)] = p
+        if progress is not None:
+            progress(p)
+    return watch, last
 
 
 def import_states(directory: str | Path, model: str, options: ImportOptions, store: Store, *,
@@ -154,7 +194,7 @@ class Trained:
 def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainOptions, *, model: str | None = None,
           strategy: str | None = None, out: str | Path | None = None, load: Loader = load_target,
           progress: Callable[[TrainProgress], None] | None = None,
-          should_stop: Callable[[], bool] | None = None) -> Trained:
+          should_stop: Callable[[], bool] | None = None, estimate: Estimate = None) -> Trained:
     """A draft reading `layers`, trained on the capture with the target `model` (default: the capture's).
 
     Without `out` it lives in the store under drafts/<key> (trained once per capture, target, layers
@@ -162,18 +202,26 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     """
     cap, (layers,), out = preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out,
                                                    options.init_from)                                   # before the load
+    if estimate is not None:
+        estimate(forecast.training(store, model or cap.manifest["model"], layers,
+                                   with_budget(options, default_device()[0])))
     target = load(model or cap.manifest["model"], store)
     if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
         raise DraftError(f"Model {target.spec} now loads with fingerprint {target.fingerprint}, but capture "
                          f"{cap.key} was made with {cap.manifest['fingerprint']}", "Capture again with the current model")
     o = with_budget(options, target.device)
+    watch, last = last_of(progress, TrainProgress)
     if out is None:
-        path = draft_for(cap, layers, target, store, strategy=strategy, progress=progress, should_stop=should_stop,
+        path = draft_for(cap, layers, target, store, strategy=strategy, progress=watch, should_stop=should_stop,
                          options=o)
     else:
-        head, report = train_capture_draft(cap, layers, target, options=o, strategy=strategy, progress=progress,
+        head, report = train_capture_draft(cap, layers, target, options=o, strategy=strategy, progress=watch,
                                            should_stop=should_stop)
         path = save_draft(out, head, report.meta, target=target)         # out: its real path (links followed)
+    p = last.get(TrainProgress)
+    if p is not None and p.tokens_per_s > 0:            # trained now (not from the store): seconds a row
+        paced(store, "training", target.spec, target, 1 / p.tokens_per_s,
+              lambda t: forecast.row_rule(t, [layers], o, online=False))
     return Trained(Path(path), read_meta(path))
 
 
@@ -187,14 +235,25 @@ def layers_from_strategy(store: Store, cap, strategy: str, k: int) -> list[int]:
 def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], options: online_mod.OnlineOptions, *,
                  strategy: list[str] | None = None, load: Loader = load_target,
                  progress: Callable[[OnlineProgress], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> online_mod.OnlineResult:
+                 should_stop: Callable[[], bool] | None = None, estimate: Estimate = None) -> online_mod.OnlineResult:
     """One draft per layer set, trained online with `model` in the loop (draft/online.py): resumable, and
     served from the store when the same run has finished."""
     options.validate()                                      # bad options fail before the model loads
-    preflight.train_online(store, model, [list(s) for s in layer_sets], options)
+    sets = [list(s) for s in layer_sets]
+    preflight.train_online(store, model, sets, options)
+    if estimate is not None:
+        estimate(forecast.online(store, model, sets, options))
     target = load(model, store)
-    return online_mod.train_online(target, [list(s) for s in layer_sets], store, progress=progress,
-                                   should_stop=should_stop, strategy=strategy, options=options)
+    watch, last = last_of(progress, ResponsesProgress, TrainProgress)
+    result = online_mod.train_online(target, sets, store, progress=watch, should_stop=should_stop, strategy=strategy,
+                                     options=options)
+    a, p = last.get(ResponsesProgress), last.get(TrainProgress)
+    if a is not None and a.done == a.total and a.prompts:        # the answers written now: their pace
+        paced(store, "answers", model, target, a.elapsed_s,
+              lambda t: forecast.generated_s(t, a.prompts, options.max_new_tokens, options.gen_batch_size))
+    if p is not None and p.tokens_per_s > 0:                     # the training's: seconds a row
+        paced(store, "online", model, target, 1 / p.tokens_per_s, lambda t: forecast.row_rule(t, sets, options, True))
+    return result
 
 
 # ---------------------------------------------------------------------------- 5. bench
@@ -207,13 +266,16 @@ class Benchmarked:
 
 
 def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOptions, store: Store, *,
-          load: Loader = load_target, progress: Callable[[bench_mod.BenchProgress], None] | None = None) -> Benchmarked:
+          load: Loader = load_target, progress: Callable[[bench_mod.BenchProgress], None] | None = None,
+          estimate: Estimate = None) -> Benchmarked:
     """Decode the same prompts with each (name, draft directory) and the baselines; see layerscope/decoding/bench.py."""
     options.validate()
     drafts = [(name, builtin.resolve(path, options.model, store)) for name, path in drafts]   # 'builtin' too
     preflight.bench_drafts([path for _, path in drafts])   # missing, looping or self-contradicting drafts: before the load
     preflight.prompt_spec(options.prompts)
-    spec = options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
+    spec = bench_model(options, drafts)
+    if estimate is not None:
+        estimate(forecast.bench(store, spec, len(drafts), options))
     target = load(spec, store)
     target.check_room(1, options.max_new_tokens, "a prompt of one token", "--max-new-tokens")
     # prompts longer than the room --max-new-tokens leaves are replaced like any prompt over --max-prompt-tokens
@@ -224,11 +286,19 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)
         bench_mod.wait_quiet(options.machine, progress)
         options = replace(options, machine=replace(options.machine, wait_s=None))
+    t0 = time.perf_counter()
     contenders, curve = bench_mod.plan(target, heads, options, store, progress)   # `auto` resolved; the cost curve
     report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
                                machine_options=options.machine)
     bench_mod.annotate(report, contenders, curve)
+    paced(store, "bench", spec, target, time.perf_counter() - t0, lambda t: forecast.generated_s(
+        t, forecast.bench_tokens(options, len(heads), prompts=len(prompts), contenders=len(contenders))))
     return Benchmarked(report, prompt_set, target)
+
+
+def bench_model(options: bench_mod.BenchOptions, drafts: Sequence[tuple[str, str | Path]]) -> str:
+    """The benchmark's target: options.model, else the model the first draft was trained for, else the default."""
+    return options.model or (read_meta(drafts[0][1]).get("target_model") if drafts else None) or DEFAULT_MODEL
 
 
 # ---------------------------------------------------------------------------- 6. study
@@ -241,11 +311,14 @@ class Studied:
 
 def study(store: Store, capture_key: str, options: StudyOptions, *, model: str | None = None,
           analysis: AnalysisOptions | None = None, load: Loader = load_target,
-          progress: Callable | None = None) -> Studied:
+          progress: Callable | None = None, estimate: Estimate = None) -> Studied:
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study/run.py."""
     cap = open_capture(store, capture_key)
     cap.require_every_position("a study (it trains drafts on the capture)", preflight.TRAIN_FIX)
     preflight.study(store, model or cap.manifest["model"], options)     # before the model loads
+    if estimate is not None:
+        estimate(forecast.study(store, model or cap.manifest["model"],
+                                replace(options, train=with_budget(options.train, default_device()[0]))))
     target = load(model or cap.manifest["model"], store)
     o = replace(options, train=with_budget(options.train, target.device))
     report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress)

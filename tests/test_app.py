@@ -13,7 +13,6 @@ import re
 import time
 from html.parser import HTMLParser
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -23,7 +22,6 @@ from layerscope import fmt
 from layerscope import store as store_module
 from layerscope.decoding import specdec
 from layerscope.decoding.bench import auto_note
-from layerscope.draft.fit import TrainOptions
 from layerscope.session import share, storage
 from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
@@ -33,8 +31,8 @@ from layerscope.ui.apply import heatmap_picks, kernel_of, toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
 from layerscope.ui.recommend import set_label
 from layerscope.ui.report import session_report
-from layerscope.ui.sanity import bench_warnings, study_cost, study_warnings
-from layerscope.ui.widgets import display_frame, eta_seconds, in_app_words, option_changes, text_key
+from layerscope.ui.sanity import bench_warnings, study_warnings
+from layerscope.ui.widgets import display_frame, in_app_words, option_changes, text_key, time_left
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 120
@@ -189,6 +187,10 @@ def test_capture_page_estimate_follows_its_options(app_store):
     assert not at.warning and shown()["Estimated size"] == fmt.size(16 * 4 * 785 + 2 * (8 + 128 * 11))  # 2 chunk headers
     at.text_input(key="ls_w_cap_budget").set_value("lots").run()
     assert at.button(key="ls_cap_start").disabled and "not a size" in at.error[0].value
+    at.text_input(key="ls_w_cap_budget").set_value("").run()
+    said = [c.value.replace("\\", "") for c in at.caption]              # as read: markdown's escapes dropped
+    said = [x for x in said if x.startswith("Estimate before the capture starts: about ")]
+    assert len(said) == 1 and "16 conversations, up to 400 answer tokens each" in said[0]     # by its start button
     no_exception(at)
 
 
@@ -451,6 +453,12 @@ def test_training_starts_online_when_the_capture_is_small(app_store, copy_of):
     assert speculate.small_capture_warning(s.capture)                        # the tiny capture is small ...
     assert at.radio(key="ls_w_spec_mode").value == "online"                  # ... so training starts online
     assert speculate.default_training_mode({"tokens": speculate.SMALL_CAPTURE_TOKENS}) == "capture"
+    said = lambda what: [c.value.replace("\\", "") for c in at.caption                    # noqa: E731
+                         if c.value.replace("\\", "").startswith(f"Estimate before the {what} starts")]
+    assert "the target's answers to 1,000 conversations" in said("online training")[0]     # by the start buttons
+    assert "training 0 drafts" not in said("online training")[0] and said("study")
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()
+    assert "training 1 draft on " in said("training")[0]
 
 
 def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
@@ -467,6 +475,8 @@ def test_benchmark_runs_lossless_and_shows_results(app_store, copy_of):
     at.toggle(key="ls_w_spec_bench_auto").set_value(False).run()      # a fixed K (the default is auto)
     set_number(at, "ls_w_spec_bench_k", 3)
     at.run()
+    said = [c.value.replace("\\", "") for c in at.caption if c.value.replace("\\", "").startswith("Estimate before the benchmark")]
+    assert "up to 40 tokens decoded (2 prompts x 10 tokens x each decoder)" in said[0]     # plain and the draft
     at.button(key="ls_spec_bench").click().run()
     job = manager().latest(sid(at), "bench")
     assert job is not None
@@ -708,16 +718,17 @@ def test_tables_show_missing_values_as_a_dash():
         ["threshold 0.5 → 1"]
 
 
-def test_job_eta_from_recent_progress():
-    def view(p):
-        return JobView(id="eta-test", owner="o", kind="capture", title="t", state="running", progress=p, message="",
-                       metrics={}, series={}, result=None, error=None, fix=None, created=0.0, started=0.0,
+def test_job_status_says_the_time_left_its_phase_measured():
+    """The job's own eta_s (its current phase's rate, layerscope.eta), never a rate of the progress bar."""
+    def view(metrics, state="running", p=0.5):
+        return JobView(id="eta-test", owner="o", kind="capture", title="t", state=state, progress=p, message="",
+                       metrics=metrics, series={}, result=None, error=None, fix=None, created=0.0, started=0.0,
                        finished=None, applied=False, cancel_requested=False)
 
-    assert eta_seconds(view(0.1), now=100.0) is None        # one sample: no rate yet
-    assert eta_seconds(view(0.2), now=110.0) is None
-    assert eta_seconds(view(0.3), now=120.0) == pytest.approx(70.0)    # 0.1 per 10 s, 0.7 left
-    assert eta_seconds(view(0.3), now=150.0) == pytest.approx(70.0)    # unchanged progress adds no sample
+    assert time_left(view({})) is None                                  # a job that says nothing of it
+    assert time_left(view({"eta_s": None})) == "estimating time left…"
+    assert time_left(view({"eta_s": 72.0}, p=0.01)) == "about 72 s left"     # whatever the bar shows
+    assert time_left(view({"eta_s": 72.0}, state="done")) is None
 
 
 def test_seconds_read_as_words_in_one_form():
@@ -735,12 +746,6 @@ def test_honest_numbers_warn_about_noise_few_prompts_and_few_sets():
     study = [{"layers": [i], "tau": t} for i, t in enumerate([1.1, 1.1, 1.2, 1.2, 1.1, 1.2])]
     assert any("2 distinct τ" in w for w in study_warnings(study, prompts=40))
     assert any("over 3 sets" in w for w in study_warnings(study[:3], prompts=40))
-    opts = SimpleNamespace(train=TrainOptions(steps=300), limit=8, max_new_tokens=48)
-    plan = [([2, 15, 27], ["default"]), ([1, 9, 20], ["greedy", "manual"])]
-    assert "no time estimate" in study_cost(plan, opts, [], [])
-    cost = study_cost(plan, opts, [{"seconds": 600.0, "steps": 300}], [{"results": [{"name": "autoregressive",
-                                                                                          "tokens_per_s": 16.0}]}])
-    assert "2 drafts × 300 training steps" in cost and "training about 20 min" in cost and "benchmark about 72 s" in cost
     assert set_label(["greedy", "manual"], [1, 9, 20], [{"name": "mine", "layers": [1, 9, 20]}]) == "greedy, also mine"
     assert set_label(["default"], [2, 15, 27]) == "default"
 

@@ -98,14 +98,14 @@ def test_no_module_imports_itself_through_others():
 # (commands, the CLI, the app's ui package) imports them.
 LAYERS = [
     ("infrastructure", {"errors", "blas", "fmt", "jsonsafe", "paths", "validate", "layerset", "distributed", "store",
-                        "machine", "disk", "head"}),
+                        "machine", "disk", "head", "eta"}),
     ("models and prompts", {"models", "prompts"}),
     ("capture", {"capture"}),
     ("stats", {"stats"}),
     ("draft", {"draft"}),
     ("decoding", {"decoding"}),
     ("study", {"study"}),
-    ("workflow", {"preflight", "workflow", "plots", "session"}),
+    ("workflow", {"preflight", "forecast", "workflow", "plots", "session"}),
     ("faces", {"commands", "cli", "__main__", "ui", ""}),
 ]
 

@@ -10,7 +10,8 @@ Per batch of conversations:
                 response positions first (sample_rows; format.py's `sample_positions`): statistics only.
   3. write      one chunk file (float16 states, bfloat16 where they would overflow; float32 entropies) per batch, atomically.
 Before the first batch the capture reports its Estimate (capture.size: bytes per token, tokens, total, free space;
-a CaptureProgress of phase "estimate") and refuses, nothing written, when it is over --max-store-bytes.
+a CaptureProgress of phase "estimate") and refuses, nothing written, when it is over --max-store-bytes. Every later
+CaptureProgress carries the time left (`eta_s`, layerscope.eta) from the rate of this run's decode steps.
 Peak memory is one batch, whatever the number of prompts. The store key is a hash of
 (model fingerprint, prompt-set content, options, format version); an identical request is served
 from the store, and an interrupted one resumes from its finished chunks.
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from layerscope import disk, distributed, fmt
+from layerscope import disk, distributed, eta, fmt
 from layerscope.capture import size
 from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header, state_dtype
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
@@ -108,6 +109,7 @@ class CaptureProgress:
     elapsed_s: float
     generated: int = 0         # "generate": new tokens generated so far for the current batch (of max_new_tokens)
     estimate: size.Estimate | None = None    # "estimate": what the capture will write (capture.size)
+    eta_s: float | None = None # seconds left (layerscope.eta: the rate of this run's decode steps); None: estimating
 
 
 @dataclass
@@ -191,8 +193,10 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     done = resume_partial(partial)
     tokens_done = sum(chunk_tokens(p) for p in done.values())
     torch.manual_seed(opts.seed)
-    for start in range(0, len(prompts), opts.batch_size):
-        end = min(start + opts.batch_size, len(prompts))
+    step = opts.max_new_tokens + 1         # the time left counts decode steps: a batch's answer, then its record pass
+    batches = [(s, min(s + opts.batch_size, len(prompts))) for s in range(0, len(prompts), opts.batch_size)]
+    timer, written = eta.PhaseClock(step * sum(b not in done for b in batches)), 0
+    for start, end in batches:
         if opts.max_tokens is not None and tokens_done >= opts.max_tokens:
             break
         if (start, end) in done:
@@ -201,7 +205,8 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
             raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
         report = lambda phase, generated=0: progress and progress(CaptureProgress(  # noqa: E731
             phase, start, len(prompts), tokens_done, tokens_done / max(time.perf_counter() - t0, 1e-9),
-            time.perf_counter() - t0, generated))
+            time.perf_counter() - t0, generated,
+            eta_s=timer.left(written * step + (generated if phase == "generate" else step - 1))))
         report("generate")
         responses = generate_responses(loaded, encoded[start:end], opts, on_step=lambda n: report("generate", n),
                                        should_stop=should_stop)
@@ -212,6 +217,7 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
                          sample_positions=opts.sample_positions, seed=opts.seed)
         atomic_save_tensors(partial / chunk_name(start, end), tensors)
         tokens_done += tensors["token_id"].numel()
+        written += 1
     if progress:
         progress(CaptureProgress("done", len(prompts), len(prompts), tokens_done,
                                  tokens_done / max(time.perf_counter() - t0, 1e-9), time.perf_counter() - t0))

@@ -116,14 +116,15 @@ def run(args) -> int:
                 bar.update(0, None, phase=p.message)
                 return
             if p.phase == "calibrate":
-                bar.update(p.runs_done, p.runs_total, phase=p.message)
+                bar.update(p.runs_done, p.runs_total, eta_s=p.eta_s, phase=p.message)
                 return
             if p.event is None or time.monotonic() - shown > 0.5:    # every run's end, else twice a second
                 shown = time.monotonic()
-                bar.update(p.runs_done, p.runs_total, on=p.contender, prompt=p.prompt_index + 1,
+                bar.update(p.runs_done, p.runs_total, eta_s=p.eta_s, on=p.contender, prompt=p.prompt_index + 1,
                            tau=p.tau if p.tau is not None else "-",
                            tok_s=p.tokens_per_s if p.tokens_per_s is not None else "-")
-        done = workflow.bench(list(zip(folder_names(args.draft), paths)), options, store, progress=show)
+        done = workflow.bench(list(zip(folder_names(args.draft), paths)), options, store, progress=show,
+                              estimate=lambda f: bar.note(f.line()))
     if args.save_json:
         out = Path(args.save_json).expanduser()
         out.parent.mkdir(parents=True, exist_ok=True)

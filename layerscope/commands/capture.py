@@ -54,8 +54,9 @@ def run(args) -> int:
                 return
             phase = f"generate {p.generated}/{args.max_new_tokens}" if p.phase == "generate" else p.phase
             bar.update(p.tokens_done, None, phase=phase, conv=f"{p.conversations_done}/{p.conversations_total}",
-                       tok_s=p.tokens_per_s)
-        done = workflow.capture(args.model, args.prompts, options, open_store(args), progress=on_progress)
+                       tok_s=p.tokens_per_s, **({"eta_s": p.eta_s} if p.phase in ("generate", "record") else {}))
+        done = workflow.capture(args.model, args.prompts, options, open_store(args), progress=on_progress,
+                                estimate=lambda f: bar.note(f.line()))
     result, loaded = done.result, done.target
     for w in done.prompt_set.warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -7,7 +7,7 @@ import sys
 
 from tqdm import tqdm
 
-from layerscope import layerset
+from layerscope import eta, layerset
 from layerscope.machine import WAIT_S, MachineOptions
 from layerscope.store import Store
 from layerscope.validate import parse_duration
@@ -47,19 +47,26 @@ def machine_options(args) -> MachineOptions:
     return options
 
 
+NO_ETA = object()           # Progress.update without eta_s: the phase has no time left to say (a wait, a load)
+BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"   # tqdm's own rate and time left left out: a bar
+                                                                 # spans phases of different speed (layerscope.eta)
+
+
 class Progress:
-    """A tqdm bar on stderr driven by callbacks: `update(done, total, **postfix)`."""
+    """A tqdm bar on stderr driven by callbacks: `update(done, total, eta_s=..., **postfix)`; eta_s (seconds, or
+    None while estimating) is the time left of the current phase as the step measured it (layerscope.eta)."""
 
     def __init__(self, desc: str, unit: str = "tok", enabled: bool = True):
-        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True, bar_format=BAR)
 
-    def update(self, done: int, total: int | None = None, **postfix) -> None:
+    def update(self, done: int, total: int | None = None, eta_s=NO_ETA, **postfix) -> None:
         if total is not None and self.bar.total != total:
             self.bar.total = total
         self.bar.n = done
-        if postfix:
-            self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in postfix.items()},
-                                 refresh=False)
+        parts = [f"{k}={f'{v:.3g}' if isinstance(v, float) else v}" for k, v in postfix.items()]
+        if eta_s is not NO_ETA:
+            parts.append(eta.text(eta_s))
+        self.bar.set_postfix_str(", ".join(parts), refresh=False)
         self.bar.refresh()
 
     def note(self, line: str) -> None:

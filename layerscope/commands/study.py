@@ -125,22 +125,26 @@ def run(args) -> int:
         def show(p):
             d = p.detail
             if p.phase == "train" and isinstance(d, TrainProgress) and args.online:    # online: a share of the budget
-                bar.update(round(100 * d.fraction), 100, phase=p.message, tokens=d.tokens,
-                           loss=d.mean_loss if d.loss else 0.0, tok_s=d.tokens_per_s, eta=f"{(d.eta_s or 0) / 60:.0f}m")
-            elif p.phase == "train" and isinstance(d, (ResponsesProgress, FeaturesProgress)):
+                bar.update(round(100 * d.fraction), 100, eta_s=p.eta_s, phase=p.message, tokens=d.tokens,
+                           loss=d.mean_loss if d.loss else 0.0, tok_s=d.tokens_per_s)
+            elif p.phase == "train" and isinstance(d, ResponsesProgress):
+                bar.update(d.done, d.total, eta_s=p.eta_s, phase=f"{p.message}: {d.phase}")
+            elif p.phase == "train" and isinstance(d, FeaturesProgress):
                 bar.update(d.done, d.total, phase=f"{p.message}: {d.phase}")
             elif p.phase == "train" and isinstance(d, (EvalProgress, DoneProgress)):
                 bar.update(bar.bar.n, None, phase=f"{p.message}: held-out evaluation at {d.tokens:,} tokens")
             elif p.phase == "train" and isinstance(d, TrainProgress):                  # from the capture: steps
-                bar.update(d.step, d.steps, phase=p.message, loss=d.mean_loss)
-            elif p.phase == "bench" and d is not None and d.phase != "decode":          # the wait
+                bar.update(d.step, d.steps, eta_s=p.eta_s, phase=p.message, loss=d.mean_loss)
+            elif p.phase == "bench" and d is not None and d.phase not in ("decode", "calibrate"):   # the wait
                 bar.update(bar.bar.n, None, phase=p.message)
             elif p.phase == "bench" and d is not None:
-                bar.update(d.runs_done, d.runs_total, phase=p.message, tau=d.tau if d.tau is not None else "-")
+                bar.update(d.runs_done, d.runs_total, eta_s=p.eta_s, phase=p.message,
+                           tau=d.tau if d.tau is not None else "-")
             else:
                 bar.update(0, None, phase=p.message)
         done = workflow.study(open_store(args), args.key, options_from_args(args), model=args.model,
-                              analysis=AnalysisOptions(kernel=args.kernel, min_entropy=args.min_entropy), progress=show)
+                              analysis=AnalysisOptions(kernel=args.kernel, min_entropy=args.min_entropy), progress=show,
+                              estimate=lambda f: bar.note(f.line()))
     report = done.report
     if args.json:
         print_json(report.to_json())

@@ -134,18 +134,19 @@ def run_online(args, store) -> int:
     def on_progress(p):
         if isinstance(p, ResponsesProgress):
             bar = bars.setdefault(p.phase, Progress("responses", unit="batch"))
-            bar.update(p.done, p.total, tok_s=p.tokens_per_s, eta=fmt_s(p.eta_s))
+            bar.update(p.done, p.total, eta_s=p.eta_s, tok_s=p.tokens_per_s)
         elif isinstance(p, FeaturesProgress):
             bar = bars.setdefault(p.phase, Progress("held-out features", unit="conv"))
             bar.update(p.done, p.total)
         elif isinstance(p, TrainProgress):
             bar = bars.setdefault(p.phase, Progress("train", unit="%"))
             best = [v[0] for v in p.val if v]
-            bar.update(round(100 * p.fraction), 100, step=p.step, tokens=p.tokens, tok_s=p.tokens_per_s,
-                       loss=p.mean_loss, val1=max(best) if best else "-", eta=fmt_s(p.eta_s))
+            bar.update(round(100 * p.fraction), 100, eta_s=p.eta_s, step=p.step, tokens=p.tokens,
+                       tok_s=p.tokens_per_s, loss=p.mean_loss, val1=max(best) if best else "-")
 
     try:
-        result = workflow.train_online(store, args.model, sets, options, progress=on_progress)
+        result = workflow.train_online(store, args.model, sets, options, progress=on_progress,
+                                       estimate=lambda f: print(f.line(), file=sys.stderr))   # before it starts
     finally:
         for bar in bars.values():
             bar.close()
@@ -183,13 +184,6 @@ def recipe(args) -> dict:
                 init_from=args.init_from, fc_norm=args.fc_norm)
 
 
-def fmt_s(s) -> str:
-    if s is None:
-        return "?"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 def run_capture(args, store) -> int:
     if args.layers is not None and len(args.layers) > 1:
         raise DraftError("Several --layers sets train in one pass only online",
@@ -207,12 +201,12 @@ def run_capture(args, store) -> int:
     with Progress("train-draft", unit="step") as bar:
         def on_progress(p: TrainProgress):          # one set: its loss, its step-1 agreement on the batch
             if p.steps is not None:
-                bar.update(p.step, p.steps, loss=p.mean_loss, acc1=p.acc[0][0], tok_s=p.tokens_per_s)
+                bar.update(p.step, p.steps, eta_s=p.eta_s, loss=p.mean_loss, acc1=p.acc[0][0], tok_s=p.tokens_per_s)
             else:
-                bar.update(round(100 * p.fraction), 100, step=p.step, loss=p.mean_loss, acc1=p.acc[0][0],
-                           tok_s=p.tokens_per_s, eta=fmt_s(p.eta_s))
+                bar.update(round(100 * p.fraction), 100, eta_s=p.eta_s, step=p.step, loss=p.mean_loss,
+                           acc1=p.acc[0][0], tok_s=p.tokens_per_s)
         trained = workflow.train(store, cap.key, layers, options, strategy=args.strategy, out=args.out,
-                                 progress=on_progress)
+                                 progress=on_progress, estimate=lambda f: bar.note(f.line()))
     meta = trained.meta
     result = {"out": str(trained.path), "layers": meta["layers"], "steps": meta["budget"]["resolved_steps"],
               "train_tokens": meta["train_tokens"], "seconds": meta["seconds"], "val_accuracy": meta["val_accuracy"],

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from layerscope import fmt, machine
+from layerscope import eta, fmt, machine
 from layerscope.decoding import costmodel, specdec
 from layerscope.decoding.specdec import LookupSpan, StepEvent, TreeSpec
 from layerscope.draft.checkpoint import load_draft
@@ -224,6 +224,8 @@ class BenchProgress:
     report: BenchReport | None = None   # set on the last item only
     phase: str = "decode"            # "wait" (for a quiet machine) | "cost curve" | "calibrate" | "decode"
     message: str = ""                # a phase other than decode, in words
+    eta_s: float | None = None       # seconds left of this phase (layerscope.eta; calibrate: its prompts, decode: its
+                                     # token budget, max_new_tokens per run); None: estimating, or a wait or cost curve
 
 
 def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
@@ -350,22 +352,25 @@ def plan(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, st
 
 def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, curve: costmodel.CostCurve,
                     calibration: Sequence[Sequence[int]],
-                    progress: Callable[[BenchProgress], None] | None = None) -> list[Contender]:
+                    progress: Callable[[BenchProgress], None] | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> list[Contender]:
     """For `bench --k auto` / `--tree auto` / `--lookup auto`: per draft, the chain depth and the tree with the best
     speedup predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists), and for
     each chain (o.ks and the automatic one) the prompt lookup span predicted best (costmodel.choose_lookup) when
     one beats the chain alone; where none does, a marker of kind "declined" carries the choice to that chain
     (`lookup_declined` moves it there); a BenchProgress of phase "calibrate" to `progress` after each prompt of
-    each draft."""
+    each draft, with the time left at the rate of the calibration's prompts (`clock`: its seconds)."""
     if not (options.auto_k or options.auto_tree or options.auto_lookup) or not drafts:
         return []
     eos, _ = stop_tokens(target)
     out, total = [], len(drafts) * len(calibration)
+    timer = eta.PhaseClock(total, clock=clock)
     for d, (name, head) in enumerate(drafts):
         def seen(done, n, name=name, d=d):
             if progress is not None:
                 progress(BenchProgress(name, done - 1, n, d * n + done, total, None, None, None, phase="calibrate",
-                                       message=f"calibration for --k auto: {name}, prompt {done}/{n}"))
+                                       message=f"calibration for --k auto: {name}, prompt {done}/{n}",
+                                       eta_s=timer.left(d * n + done)))
         profile = costmodel.calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
                                       eos_token_id=eos, progress=seen)
         chain = costmodel.best_chain(curve, profile) if options.auto_k else None
@@ -458,7 +463,7 @@ def wait_quiet(options: MachineOptions, progress: Callable[[BenchProgress], None
 
 def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], max_new_tokens: int,
             progress: Callable[[BenchProgress], None] | None = None, warmup: bool = True,
-            machine_options: MachineOptions | None = None) -> BenchReport:
+            machine_options: MachineOptions | None = None, clock: Callable[[], float] = time.monotonic) -> BenchReport:
     """`run` to the end with `target`'s stop tokens: every live BenchProgress to `progress`, the report
     returned with `machine`: sampled (or waited for: machine_options.wait_s) before, watched during."""
     options = machine_options or MachineOptions()
@@ -466,7 +471,7 @@ def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Conte
     before = wait_quiet(options, progress)
     with machine.Monitor(options, before) as watched:
         for p in run(target.model, prompts, contenders, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                     pad_token_id=pad, warmup=warmup):
+                     pad_token_id=pad, warmup=warmup, clock=clock):
             if p.report is not None:
                 report = p.report
                 break
@@ -479,8 +484,11 @@ def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Conte
 
 
 def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], *, max_new_tokens: int = 64,
-        eos_token_id=None, pad_token_id: int | None = None, warmup: bool = True) -> Iterator[BenchProgress]:
-    """Decode every prompt with every contender; yields BenchProgress, the last one with the report."""
+        eos_token_id=None, pad_token_id: int | None = None, warmup: bool = True,
+        clock: Callable[[], float] = time.monotonic) -> Iterator[BenchProgress]:
+    """Decode every prompt with every contender; yields BenchProgress, the last one with the report. The time
+    left (`eta_s`) is the decoding's own rate through its token budget: max_new_tokens per (prompt, contender) run,
+    counted in full when a run ends sooner (layerscope.eta; `clock`: its seconds, from the end of the warm-up)."""
     names = [c.name for c in contenders]
     if len(set(names)) != len(names) or names[0] != "autoregressive":
         raise ValueError(f"contender names must be unique and start with autoregressive: {names}")
@@ -492,6 +500,7 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
     per_prompt = {c.name: [Tally() for _ in prompts] for c in contenders}
     by_cat: dict[str, dict[str, Tally]] = {}
     done, runs_total = 0, len(prompts) * len(contenders)
+    timer = eta.PhaseClock(runs_total * max_new_tokens, clock=clock)
     for i, prompt in enumerate(prompts):
         cat = by_cat.setdefault(prompt.category, {c.name: Tally() for c in contenders})
         reference = None
@@ -503,7 +512,8 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
                     for t in tallies:
                         t.add_event(item)
                     yield BenchProgress(c.name, i, len(prompts), done, runs_total, total[c.name].tau,
-                                        total[c.name].tokens_per_s, item)
+                                        total[c.name].tokens_per_s, item,
+                                        eta_s=timer.left(done * max_new_tokens + min(len(out), max_new_tokens)))
                 else:                                       # an HF run: (tokens, forwards, seconds)
                     tokens, forwards, seconds = item
                     out = tokens
@@ -516,7 +526,7 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
                     t.lossless = False
             done += 1
             yield BenchProgress(c.name, i, len(prompts), done, runs_total, total[c.name].tau,
-                                total[c.name].tokens_per_s, None)
+                                total[c.name].tokens_per_s, None, eta_s=timer.left(done * max_new_tokens))
     results = []
     for c in contenders:
         entry = _entry(c, total[c.name], total["autoregressive"])

@@ -12,7 +12,8 @@ the cursor. Every drafter gets a batch of the same rows, read from its own layer
 The budget is steps, tokens (rows through the draft) or seconds of training; `fraction` says how much is
 spent. Held-out evaluation runs `eval_points` times over the budget (the last at the end) and gives the
 learning curve [[tokens seen, [agreement per TTT step], coverage], ...] per set. Progress: a TrainProgress
-after every step, an EvalProgress before each evaluation (draft/progress.py).
+after every step, its time left from this run's wall-clock rate through the budget (layerscope.eta), an
+EvalProgress before each evaluation (draft/progress.py).
 
 Warm start (`warm_start` > 0): the first `warm_start` steps' batches are not trained on but accumulated
 into the normal equations of a ridge regression from the auxiliary hidden states at row t to the target's
@@ -31,7 +32,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from layerscope import distributed
+from layerscope import distributed, eta
 from layerscope.draft.loss import Teacher, simulated_acc_len, ttt_loss
 from layerscope.draft.model import DraftConfig, DraftHead
 from layerscope.draft.progress import EvalProgress, FitProgress, TrainProgress
@@ -378,6 +379,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
     agree = distributed.agree if world > 1 else (lambda v: v)
     warm = WarmStart(drafters) if state.step < o.warm_start else None
     start = (state.tokens, state.elapsed, fraction(o, state.step, state.tokens, state.elapsed))
+    timer = eta.PhaseClock(1.0, start[2])            # the time left: this run's rate through the budget
     note_start(state)
     clock = CLOCKS[o.clock]
     last_ckpt = time.perf_counter()
@@ -424,7 +426,7 @@ def fit(drafters: list[Drafter], source: Source, o: TrainOptions, *, state: FitS
         f = min(1.0, frac)
         say(TrainProgress(step=state.step, steps=planned_steps, tokens=state.tokens, fraction=f,
                           tokens_per_s=(state.tokens - start[0]) / max(spent, 1e-9),
-                          eta_s=spent / (f - start[2]) * (1 - f) if f > start[2] else None,
+                          eta_s=timer.left(f),
                           loss=[l for l in losses if l is not None], acc=accs,
                           val=[c[-1][1] if c else None for c in state.curves], elapsed_s=state.elapsed,
                           sets=[list(d.layers) for d in drafters]))

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from layerscope import distributed, jsonsafe, layerset
+from layerscope import distributed, eta, jsonsafe, layerset
 from layerscope.capture.format import state_dtype
 from layerscope.capture.run import CaptureOptions, generate_responses
 from layerscope.draft import init_from
@@ -303,15 +303,30 @@ def read_part(root: Path, start: int, batch) -> list[list[int]] | None:
     return [[int(t) for t in r["response"]] for r in rows]
 
 
-def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None, should_stop=None) -> None:
+def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None, should_stop=None,
+                   clock: Callable[[], float] = time.monotonic) -> None:
+    """The answers of every part not in `root` yet, one part per batch; a ResponsesProgress after every decode
+    step and every batch, its time left from the rate of this run's decode steps (max_new_tokens per batch,
+    layerscope.eta; `clock`: its seconds)."""
     opts = CaptureOptions(max_new_tokens=o.max_new_tokens)
-    t0, made, total = time.perf_counter(), 0, sum(len(b) for _, b in parts)
+    made, total = 0, sum(len(b) for _, b in parts)
     todo = [(start, batch) for start, batch in parts if read_part(root, start, batch) is None]
+    timer, prompts = eta.PhaseClock(len(todo) * o.max_new_tokens, clock=clock), sum(len(b) for _, b in todo)
+
+    def say(n, step=0):
+        if progress is not None:
+            elapsed = clock() - timer.t0
+            progress(ResponsesProgress(done=n, total=len(todo), conversations=total,
+                                       tokens_per_s=made / max(elapsed, 1e-9),
+                                       eta_s=timer.left(n * o.max_new_tokens + step), step=step, elapsed_s=elapsed,
+                                       prompts=prompts))
+
     for n, (start, batch) in enumerate(todo):
         if should_stop is not None and should_stop():
             raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(todo)} batches done)",
                                     "Run the same command again to resume")
-        responses = generate_responses(target, [ids for _, ids in batch], opts, should_stop=should_stop)
+        responses = generate_responses(target, [ids for _, ids in batch], opts, should_stop=should_stop,
+                                       on_step=lambda step, n=n: say(n, min(step, o.max_new_tokens)))
         if should_stop is not None and should_stop():
             raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(todo)} batches done)",
                                     "Run the same command again to resume")
@@ -319,11 +334,7 @@ def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None
                           {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids), "response": r}
                                          for (p, ids), r in zip(batch, responses)]})
         made += sum(len(r) for r in responses)
-        if progress is not None:
-            elapsed = time.perf_counter() - t0
-            progress(ResponsesProgress(done=n + 1, total=len(todo), conversations=total,
-                                       tokens_per_s=made / max(elapsed, 1e-9),
-                                       eta_s=elapsed / (n + 1) * (len(todo) - n - 1)))
+        say(n + 1)
 
 
 def held_out(n: int, count: int, seed: int) -> torch.Tensor:

@@ -20,13 +20,17 @@ from typing import ClassVar
 
 @dataclass(frozen=True)
 class ResponsesProgress:
-    """After each batch of prompts the target answered (stored as token ids, responses/<key>/)."""
+    """After each decode step of the batch being answered, and after each batch (stored as token ids,
+    responses/<key>/)."""
     phase: ClassVar[str] = "responses"
     done: int                         # batches generated in this run
     total: int                        # batches this run generates (those not in the store yet)
     conversations: int                # prompts in the data, stored answers included
-    tokens_per_s: float               # generated tokens per second of this run
-    eta_s: float                      # seconds left for the batches still to generate
+    tokens_per_s: float               # generated tokens per second of this run (its finished batches)
+    eta_s: float | None               # seconds left (layerscope.eta: the rate of this run's decode steps); None: estimating
+    step: int = 0                     # decode steps done of the batch being answered (of max_new_tokens)
+    elapsed_s: float = 0.0            # seconds this run has spent answering
+    prompts: int = 0                  # prompts this run answers (those of its `total` batches)
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class TrainProgress:
     tokens: int                       # rows through the draft so far
     fraction: float                   # of the budget spent, 0..1
     tokens_per_s: float               # rows per second of training in this run (a resumed run counts from its start)
-    eta_s: float | None               # seconds of training left; None until this run has spent some of the budget
+    eta_s: float | None               # seconds of training left (layerscope.eta: the rate of this run); None: estimating
     loss: list[float]                 # this step's loss of every set that had a counted position ([] in the warm start)
     acc: list[list[float]]            # per set [J]: this batch's agreement per TTT step
     val: list[list[float] | None]     # per set [J]: the newest held-out agreement per TTT step, None before the first

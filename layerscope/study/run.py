@@ -26,7 +26,8 @@ For one capture:
                   correlation of every proxy version with τ with an interval; a plain-words verdict.
 
 `run_study(...)` returns the StudyReport and reports StudyProgress through a callback as it goes
-(training steps and benchmark steps live), for a CLI bar or the app's background job.
+(training steps and benchmark steps live, each with the time left of its phase: layerscope.eta), for a CLI bar
+or the app's background job.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import fmt, machine
+from layerscope import eta, fmt, machine
 from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
 from layerscope.draft import probe as probe_mod
@@ -173,6 +174,9 @@ class StudyProgress:
     sets_total: int = 0
     detail: OnlineProgress | bench.BenchProgress | None = None   # "train": draft/progress.py's (from the capture:
                                                                  # TrainProgress only); "bench": the benchmark's
+    eta_s: float | None = None       # seconds left of the phase (layerscope.eta): from the capture, every draft this
+                                     # pass trains (one budget each, measured over the drafts trained so far);
+                                     # online, the pass's current phase; the benchmark's; None: estimating
 
 
 def propose_sets(stats, o: StudyOptions, probe: probe_mod.ProbeInput | None = None) -> list[tuple[list[int], list[str]]]:
@@ -279,18 +283,25 @@ def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOp
                    + (f", seed {seed}" if len(seeds) > 1 else "") + (f" (pass {unit + 1}/{units})" if units > len(seeds) else ""))
         say(StudyProgress("train", message, unit, units))
         result = train_online(target, [sets[i][0] for i, _ in todo], store, strategy=[sets[i][1][0] for i, _ in todo],
-                              progress=lambda u, m=message: say(StudyProgress("train", m, unit, units, u)),
+                              progress=lambda u, m=message: say(StudyProgress("train", m, unit, units, u,
+                                                                              getattr(u, "eta_s", None))),
                               options=replace(o.online, seed=seed, data_seed=online_data_seed(o)))
         return {ij: d.path for ij, d in zip(todo, result.drafts)}
     paths, total = {}, len(sets) * len(seeds)
+    timer, trained, served = eta.PhaseClock(len(todo)), 0, 0     # a draft from the store takes no time: not counted
     for i, j in todo:
         (layers, strategies), n = sets[i], i * len(seeds) + j
         seed_note = f", seed {seeds[j]}" if len(seeds) > 1 else ""
         message = f"draft {n + 1}/{total}: {'/'.join(strategies)} {layers}{seed_note}"
-        say(StudyProgress("train", message, n, total))
-        paths[i, j] = draft_for(cap, layers, target, store, strategy=strategies[0],
-                                progress=lambda u, m=message, n=n: say(StudyProgress("train", m, n, total, u)),
+        say(StudyProgress("train", message, n, total, eta_s=timer.left(trained, len(todo) - served)))
+        steps = []
+
+        def seen(u, m=message, n=n, steps=steps):
+            steps.append(u.step)
+            say(StudyProgress("train", m, n, total, u, timer.left(trained + u.fraction, len(todo) - served)))
+        paths[i, j] = draft_for(cap, layers, target, store, strategy=strategies[0], progress=seen,
                                 options=replace(o.train, seed=seeds[j]))
+        trained, served = (trained + 1, served) if steps else (trained, served + 1)
     return paths
 
 
@@ -317,7 +328,8 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
     if todo:
         heads = bench.load_drafts(target, [(path, path) for path, _ in todo])   # named by their (unique) paths
         def seen(p):
-            say(StudyProgress("bench", p.message if p.phase != "decode" else f"benchmark: {p.contender}", detail=p))
+            say(StudyProgress("bench", p.message if p.phase != "decode" else f"benchmark: {p.contender}", detail=p,
+                              eta_s=p.eta_s))
 
         bench_options = o.bench_options()
         report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,

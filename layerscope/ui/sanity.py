@@ -1,9 +1,7 @@
-"""Honest numbers for the Speculative decoding page: warnings when results cannot mean what they seem to,
-and a study's cost before it starts. Plain data in, sentences out; no Streamlit here."""
+"""Honest numbers for the Speculative decoding page: warnings when results cannot mean what they seem to (a
+step's cost before it starts is layerscope/forecast.py's). Plain data in, sentences out; no Streamlit here."""
 
 from __future__ import annotations
-
-import statistics
 
 from layerscope import fmt
 
@@ -151,27 +149,3 @@ def study_warnings(rows, prompts: int) -> list[str]:
                    "correlations are not meaningful. Train longer or benchmark more prompts.")
     out += bench_warnings(rows, prompts)
     return out
-
-
-def study_cost(plan, options, stored_drafts, bench_results) -> str:
-    """One sentence: what the study will run and, from timings measured on this machine, about how long."""
-    n = len(plan)
-    steps = int(options.train.steps or 0)
-    contenders = n + 1
-    work = (f"{n} drafts × {steps} training steps, then {options.limit} prompts × {options.max_new_tokens} tokens "
-            f"× {contenders} decoders (plain decoding and one per draft)")
-    rates = [d["seconds"] / d["steps"] for d in stored_drafts if d.get("seconds") and d.get("steps")]
-    plain = [r.get("tokens_per_s") for b in bench_results for r in (b.get("results") or [])
-             if r.get("name") == "autoregressive" and r.get("tokens_per_s")]
-    if not rates:
-        return (f"Estimated cost: {work}. No draft has been trained for this model on this machine yet, so there is "
-                "no time estimate: train one draft above first. Sets already trained with these options come from the "
-                "store at no cost.")
-    per_step = statistics.median(rates)
-    train_s = n * steps * per_step
-    text = (f"Estimated cost: {work}; training about {fmt.duration(train_s)} ({per_step:.2f} s a step, the median of "
-            f"{len(rates)} draft(s) trained for this model here)")
-    if plain:
-        bench_s = options.limit * options.max_new_tokens * contenders / plain[-1]
-        text += f", the benchmark about {fmt.duration(bench_s)} (at {plain[-1]:.0f} tokens/s, the last plain decoding)"
-    return text + ". Sets already trained with these options come from the store at no cost."

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from layerscope import fmt, plots
+from layerscope import eta, fmt, plots
 from layerscope.decoding.bench import auto_note, interval_note, lookup_auto_note
 from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
@@ -26,7 +26,7 @@ def train_details(v) -> None:
             a, b, c = st.columns(3)
             a.metric("Tokens seen", f"{m.get('tokens', 0):,}")
             b.metric("Tokens / s", f"{m.get('tokens_per_s', 0):.0f}")
-            c.metric("ETA", fmt.duration(m["eta_s"]) if m.get("eta_s") else "—")
+            c.metric("Training", eta.text(m.get("eta_s")))
         curve = speculate.online_curves(v.series)
         if curve:
             chart(plots.learning_curves(curve), key=f"ls_spec_online_curve_{'live' if v.running else 'done'}",

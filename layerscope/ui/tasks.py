@@ -14,7 +14,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from layerscope import fmt, workflow
+from layerscope import eta, forecast, workflow
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import open_capture
 from layerscope.decoding.bench import BenchOptions, Tally, parse_lookup
@@ -35,7 +35,7 @@ from layerscope.ui.worker import job_task
 
 def load_in_job(job, spec: str, store):
     """workflow's `load` for a job: the model from the app's per-process cache, saying so on the job."""
-    job.update(None, load_message(spec, store))
+    job.update(None, load_message(spec, store), eta_s=None)
     target = get_model(spec, store)
     job.check_cancel()
     return target
@@ -110,7 +110,7 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
 
         def progress(p):
             if p.estimate is not None:            # before the first batch: what the capture will write
-                job.update(0.05, "; ".join(p.estimate.lines()), estimate_bytes=p.estimate.total)
+                job.update(0.05, "; ".join(p.estimate.lines()), estimate_bytes=p.estimate.total, eta_s=None)
                 return
             total = max(p.conversations_total, 1)
             step = batch_size / total
@@ -122,7 +122,7 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
                        f"{p.phase}: {p.conversations_done}/{p.conversations_total} prompts, {p.tokens_done:,} tokens"
                        + (f" (batch at token {p.generated}/{max_new_tokens})" if p.phase == "generate" and p.generated else ""),
                        tokens=p.tokens_done, tokens_per_s=p.tokens_per_s, conversations=p.conversations_done,
-                       conversations_total=p.conversations_total)
+                       conversations_total=p.conversations_total, eta_s=p.eta_s)
 
         job.update(0.0, f"reading prompt set {prompts}")
         try:
@@ -146,10 +146,19 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
 
 # ---------------------------------------------------------------------------- statistics
 
+def fraction_progress(job, base: float = 0.0, span: float = 1.0):
+    """A step's `progress(fraction, message)` on `job`: its share of [base, base + span] of the bar, and the time left
+    at the step's own rate through its fractions (layerscope.eta)."""
+    if job is None:
+        return None
+    timer = eta.PhaseClock(1.0)
+    return lambda frac, msg="": job.update(base + span * float(frac), msg or None, eta_s=timer.left(float(frac)))
+
+
 def analyze_now(store, capture_key: str, options: dict, job=None, base: float = 0.0, span: float = 1.0) -> dict:
     """workflow.analyze as a plain dict (LayerStats.to_json()), cached in the store; progress on `job`."""
-    progress = None if job is None else (lambda frac, msg="": job.update(base + span * float(frac), msg or None))
-    return workflow.analyze(store, capture_key, analysis_options_obj(options), progress).to_json()
+    return workflow.analyze(store, capture_key, analysis_options_obj(options),
+                            fraction_progress(job, base, span)).to_json()
 
 
 @job_task
@@ -198,7 +207,8 @@ def train_job(*, store, capture_key: str, model: str, layers: list[int], strateg
             acc = list(p.acc[0])
             job.update(p.step / max(p.steps, 1),
                        f"step {p.step}/{p.steps} · loss {p.mean_loss:.3f} · acc@1 {acc[0]:.0%}",
-                       step=p.step, steps=p.steps, loss=p.mean_loss, accuracy=acc, tokens_per_s=p.tokens_per_s)
+                       step=p.step, steps=p.steps, loss=p.mean_loss, accuracy=acc, tokens_per_s=p.tokens_per_s,
+                       eta_s=p.eta_s)
             job.push("history", {"step": p.step, "loss": p.mean_loss, "accuracy": list(acc)})
 
         def load(spec, st):
@@ -229,13 +239,12 @@ def online_train_job(*, store, model: str, sets: list[tuple[str, list[int], str 
                            f"the target answers the training prompts: batch {p.done}/{p.total} · "
                            f"{p.tokens_per_s:.0f} tok/s", phase=p.phase, eta_s=p.eta_s)
             elif isinstance(p, FeaturesProgress):
-                job.update(0.2, f"held-out conversations through the target: {p.done}/{p.total}", phase=p.phase)
+                job.update(0.2, f"held-out conversations through the target: {p.done}/{p.total}", phase=p.phase,
+                           eta_s=None)
             elif isinstance(p, EvalProgress):
                 job.update(None, f"held-out evaluation at {p.tokens:,} tokens", phase=p.phase)
             elif isinstance(p, TrainProgress):
-                job.update(0.2 + 0.8 * p.fraction,
-                           f"{p.tokens:,} tokens · {p.tokens_per_s:.0f} tok/s" +
-                           (f" · ETA {fmt.duration(p.eta_s)}" if p.eta_s else ""),
+                job.update(0.2 + 0.8 * p.fraction, f"{p.tokens:,} tokens · {p.tokens_per_s:.0f} tok/s",
                            phase=p.phase, tokens=p.tokens, tokens_per_s=p.tokens_per_s, eta_s=p.eta_s,
                            loss=dict(zip(names, p.loss)), val=dict(zip(names, [v[0] if v else None for v in p.val])))
                 for name, v in zip(names, p.val):
@@ -348,7 +357,7 @@ def probe_job(*, store, capture_key: str, model: str, sets: list[list[int]]):
         job.update(0.05, "reading the capture")
         cap = open_capture(store, capture_key)
         report = probe.score_sets(cap, target, [list(x) for x in sets], store=store,
-                                  progress=lambda frac, msg="": job.update(0.05 + 0.95 * float(frac), msg or None))
+                                  progress=fraction_progress(job, 0.05, 0.95))
         return {"capture_key": capture_key, "seconds": report.seconds, "cached": report.cached,
                 "sets": [{"layers": list(x.layers), "agreement": x.agreement, "explained_variance": x.explained_variance,
                           "agreement_ci": x.agreement_ci, "hits": x.hits, "counts": x.counts}
@@ -393,7 +402,7 @@ class _BenchLive:
         job.check_cancel()
         if p.phase != "decode":                  # the wait, the cost curve, the calibration of K = auto
             frac = 0.01 + 0.01 * p.runs_done / p.runs_total if p.runs_total else None
-            job.update(frac, p.message, phase=p.phase)
+            job.update(frac, p.message, phase=p.phase, eta_s=p.eta_s)
             return
         if p.tau is not None:
             self.live[p.contender] = {"tau": p.tau, "tokens_per_s": p.tokens_per_s}
@@ -416,7 +425,26 @@ class _BenchLive:
                    step_tau=len(e.tokens) if e is not None and e.step > 0 else None,
                    acceptance={name: {"drafted": list(t.drafted_at), "accepted": list(t.accepted_at)}
                                for name, t in self.tallies.items()},
-                   text=list(self.text.pieces) if self.text is not None else [], text_of=p.contender, phase=p.phase)
+                   text=list(self.text.pieces) if self.text is not None else [], text_of=p.contender, phase=p.phase,
+                   eta_s=p.eta_s)
+
+
+def bench_options(*, model: str | None, prompts: str, limit: int, max_new_tokens: int, k: int | str, peers: bool,
+                  lookup: int | str = 0, seed: int = 0) -> BenchOptions:
+    """The BenchOptions of the page's choices (k: a chain depth, or "auto"; lookup as `bench --lookup` takes it,
+    bench.parse_lookup), for the job and its estimate."""
+    auto = k == "auto"
+    draft_lookup, auto_lookup = parse_lookup(lookup)
+    return BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
+                        ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=draft_lookup,
+                        auto_lookup=auto_lookup)
+
+
+def bench_estimate(store, drafts: list[dict], **choice):
+    """The benchmark's forecast before it starts, for the session's `drafts` and the page's choices (bench_options)."""
+    options = bench_options(**choice)
+    return forecast.bench(store, workflow.bench_model(options, [(d["name"], d["path"]) for d in drafts]), len(drafts),
+                          options)
 
 
 @job_task
@@ -433,11 +461,8 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
     lookup: as `bench --lookup` takes it (bench.parse_lookup): N > 0 or "N..M" (adaptive), each draft's chain is also
     decoded with prompt lookup first (BenchOptions.draft_lookup); "auto": with the span predicted best, if one pays.
     """
-    auto = k == "auto"
-    draft_lookup, auto_lookup = parse_lookup(lookup)
-    options = BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
-                           ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=draft_lookup,
-                           auto_lookup=auto_lookup)
+    options = bench_options(model=model, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, k=k, peers=peers,
+                            lookup=lookup, seed=seed)
 
     def run(job):
         if not drafts:
@@ -488,18 +513,18 @@ def study_job(*, store, capture_key: str, model: str, options: StudyOptions, ana
         def progress(p):
             job.check_cancel()       # raising here stops training or the benchmark where it is
             if p.phase == "analyze":
-                job.update(0.02, "layer statistics", phase=p.phase)
+                job.update(0.02, "layer statistics", phase=p.phase, eta_s=None)
             elif p.phase == "train":
                 u = p.detail if isinstance(p.detail, TrainProgress) else None
                 within = u.step / max(u.steps, 1) if u else 0.0
                 frac = 0.05 + 0.7 * (p.set_index + within) / max(p.sets_total, 1)
                 job.update(frac, f"training {p.message}" + (f" · step {u.step}/{u.steps} · loss {u.mean_loss:.3f}"
-                                                              if u else ""), phase=p.phase)
+                                                              if u else ""), phase=p.phase, eta_s=p.eta_s)
             elif p.phase == "bench":
                 b = p.detail
                 frac = 0.75 + 0.25 * (b.runs_done / max(b.runs_total, 1) if b is not None else 0.0)
                 job.update(frac, p.message + (f", prompt {b.prompt_index + 1}/{b.prompts_total}" if b is not None else "")
-                           + (f" · τ {b.tau:.2f}" if b is not None and b.tau else ""), phase=p.phase)
+                           + (f" · τ {b.tau:.2f}" if b is not None and b.tau else ""), phase=p.phase, eta_s=p.eta_s)
 
         done = workflow.study(store, capture_key, options, model=model, analysis=analysis_options_obj(analysis_options),
                               load=lambda spec, st: load_in_job(job, spec, st), progress=progress)

@@ -10,7 +10,7 @@ import time
 
 import streamlit as st
 
-from layerscope import fmt, plots
+from layerscope import eta, fmt, plots
 from layerscope.errors import LayerScopeError
 from layerscope.ui import image_export
 from layerscope.ui.jobs import INTERRUPTED, JobView, get_manager
@@ -172,32 +172,21 @@ def _formatted_number(col) -> bool:
 
 JOB_WORDS = {"bench": "benchmark", "train": "training", "analysis-compare": "comparison"}
 CANCEL_OWNER_KEY = "ls_cancel_owner"     # job id -> the widget key that draws its cancel button this run
-_SAMPLES: dict[str, list[tuple[float, float]]] = {}   # job id -> recent (time, progress) seen by any tab
-RATE_WINDOW_S = 90.0
 
 
-def eta_seconds(view: JobView, now: float | None = None) -> float | None:
-    """Seconds left for a running job, from how fast its progress moved over the last ~90 s; None while unknown.
+def time_left(view: JobView) -> str | None:
+    """The running job's time left as its current phase measured it (the job's `eta_s`, layerscope.eta): "about
+    3 min left", "estimating time left…"; None for a job that is not running or says nothing of it."""
+    if view.state != "running" or "eta_s" not in view.metrics:
+        return None
+    return eta.text(view.metrics["eta_s"])
 
-    Progress fractions weight phases by guesswork (a model load, then work), so the rate is taken
-    from recent progress only, never from the job's start; a stalled job has no ETA.
-    """
-    if not view.running or view.progress is None or view.state != "running":
-        _SAMPLES.pop(view.id, None)
-        return None
-    now = time.time() if now is None else now
-    samples = _SAMPLES.setdefault(view.id, [])
-    if not samples or samples[-1][1] != view.progress:
-        samples.append((now, float(view.progress)))
-    while len(samples) > 2 and now - samples[0][0] > RATE_WINDOW_S:
-        samples.pop(0)
-    if len(samples) < 3:
-        return None
-    (t0, p0), (t1, p1) = samples[0], samples[-1]
-    if p1 <= p0 or t1 - t0 < 2.0:
-        return None
-    rate = (p1 - p0) / (t1 - t0)
-    return (1.0 - p1) / rate
+
+def estimate_caption(make, what: str = "estimate") -> None:
+    """A step's estimate before it starts (the forecast.Forecast `make()` returns), as a caption by its start button;
+    a problem with it is one error line, the page goes on."""
+    with guard(what):
+        st.caption(md_text(make().line()))
 
 
 def rate_text(view: JobView) -> str:
@@ -219,9 +208,9 @@ def job_status(view: JobView, *, key: str, show_cancel: bool = True) -> None:
         if rate:
             parts.append(rate)
         parts.append(f"{fmt.duration(view.elapsed)} elapsed")
-        eta = eta_seconds(view)
-        if view.state == "running":
-            parts.append(f"about {fmt.duration(eta)} left" if eta is not None else "estimating time left…")
+        left = time_left(view)
+        if left:
+            parts.append(left)
         st.progress(p, text=" · ".join(parts))
         owners = st.session_state.setdefault(CANCEL_OWNER_KEY, {})
         if show_cancel and not view.cancel_requested and owners.setdefault(view.id, key) == key:

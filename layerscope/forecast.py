@@ -1,0 +1,298 @@
+"""What a step will cost before it starts: its time and what it stores, said as an estimate with what it assumed.
+The CLI prints `Forecast.line()` on stderr before a capture, a training (online: the target's answers, then the
+training at its budget), a benchmark or a study starts; the app shows it next to the start button. Once the step
+runs, its time left is measured instead (layerscope.eta).
+
+Time is a rule of the target's parameter count P (models.param_count of the config read without the weights,
+preflight.target_shape), multiplied by the pace measured on this machine when there is one:
+
+    a decode step of one row            P x DECODE_S   (1 ns: SmolLM2-135M's plain decoding ran at about 8 tokens/s
+                                                        on the 2-core development machine, docs/internals.md: 0.93 ns
+                                                        a parameter; a GPU is far faster, so the rule overstates there)
+    ... of a batch of b rows            x (1 + (b - 1) x BATCH_ROW)   (0.25: the rows share the weights' reads and
+                                                        the step's overhead; a batch of 32 writes 3.7x the tokens of one)
+    a token read in a whole forward     P x FORWARD_S  (0.04 ns: 2 flops a parameter at 50 GFLOP/s)
+    a row of draft training, per set    the draft's parameters x TRAIN_PASSES (forward and backward) x TTT steps
+                                        x FORWARD_S
+
+    capture     its answers (conversations x max_new_tokens, decoded --batch-size rows at a time) and every token
+                read once (capture.size's Estimate: prompts and full-length answers, an upper bound)
+    answers     online training's regenerated answers: conversations x max_new_tokens, decoded gen_batch_size rows at
+                a time (every conversation of the prompt set unless --limit; answers already stored are not written again)
+    training    rows x (the target's forward when online + each set's draft): rows = the tokens budget, or steps x
+                batch x rows a window (capture: seq_len; online: max_prompt_tokens + max_new_tokens, an upper
+                bound); a time budget is its own time
+    bench       prompts x max_new_tokens x contenders, decoded one row at a time (+ the calibration's prompts for
+                K = auto); the cost curve, measured once per machine and draft shape, is not counted
+    study       each draft's training, then the benchmarks of its drafts against plain decoding
+
+Measured pace: after every finished run, workflow records its seconds over the rule's (`remember`: the store's
+index, namespace "pace", per kind, model spec and device), and the next forecast of that kind multiplies the rule by
+it ("measured here"). Without one the rule stands alone, and says so. The model load is never counted.
+Disk: capture.size's Estimate; the drafts, checkpoints and answers as preflight counts them; a benchmark stores nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from layerscope import fmt, models, preflight
+from layerscope.decoding import bench as bench_mod
+from layerscope.store import Store, make_key
+
+DECODE_S = 1e-9            # seconds a decode step of one row costs per target parameter (the rule)
+BATCH_ROW = 0.25           # each row more in a decode step's batch adds this share of a one-row step
+FORWARD_S = 4e-11          # seconds a token read in a whole forward costs per parameter (2 flops at 50 GFLOP/s)
+TRAIN_PASSES = 3           # a training row's forward and backward through a draft, in forwards
+PACE = "pace"              # the index namespace of measured paces
+KINDS = {"capture": "capture", "answers": "answer writing", "training": "training from a capture",
+         "online": "online training", "bench": "benchmark"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a step's time: what it is, its seconds, and where its pace comes from."""
+    what: str
+    seconds: float
+    source: str
+
+
+@dataclass
+class Forecast:
+    """A step's estimate before it starts: seconds (None: no estimate, `why`), bytes stored at most (None: unknown),
+    and the parts the time is made of."""
+    what: str
+    seconds: float | None
+    bytes: int | None
+    parts: list[Part]
+    why: str = ""
+
+    def line(self) -> str:
+        """One line for the user: what it will take, what it stores, and what that assumed."""
+        took = f"about {fmt.duration(self.seconds)}" if self.seconds is not None else "no time estimate"
+        stored = "" if self.bytes is None else (", nothing stored" if self.bytes == 0
+                                                 else f", up to {fmt.size(self.bytes)} stored")
+        sources = list(dict.fromkeys(p.source for p in self.parts))
+        if len(self.parts) == 1:
+            how = f"{self.parts[0].what}, {self.parts[0].source}"
+        elif len(sources) == 1:                   # one pace for every part: said once
+            how = "; ".join([f"{p.what}: about {fmt.duration(p.seconds)}" for p in self.parts] + sources)
+        else:
+            how = "; ".join(f"{p.what}: about {fmt.duration(p.seconds)}, {p.source}" for p in self.parts) or self.why
+        return f"Estimate before the {self.what} starts: {took}{stored} ({how})."
+
+
+# ---------------------------------------------------------------------------- the target and the measured pace
+
+@dataclass(frozen=True)
+class Target:
+    params: int                # P: the decoder's parameters (models.param_count)
+    shape: object              # its config (preflight.target_shape)
+
+
+def target(store: Store, model: str) -> Target | None:
+    """The target's size from its config, read without the weights; None when it cannot be read before a load."""
+    shape = preflight.target_shape(model, store)
+    if shape is None:
+        return None
+    config = shape if hasattr(shape, "get_text_config") else SimpleNamespace(get_text_config=lambda decoder=True: shape)
+    return Target(models.param_count(config), shape)
+
+
+def _key(kind: str, model: str, device: str) -> str:
+    return make_key({"kind": kind, "model": str(model).strip(), "device": device})
+
+
+def remember(store: Store, kind: str, model: str, seconds: float, rule_seconds: float, device: str) -> None:
+    """Record a finished run's pace: its seconds over the rule's for the same work (a kind of KINDS)."""
+    if not (seconds > 0 and rule_seconds > 0 and math.isfinite(seconds / rule_seconds)):
+        return
+    store.put_json(PACE, _key(kind, model, device), {
+        "kind": kind, "model": str(model).strip(), "device": device, "pace": seconds / rule_seconds,
+        "threads": torch.get_num_threads(), "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+
+
+def pace(store: Store, kind: str, model: str, t: Target) -> tuple[float, str]:
+    """(the rule's multiplier, where it comes from): the last measured pace of `kind` for `model` on this machine's
+    device, else 1 and the rule."""
+    device = models.default_device()[0].type
+    got = store.get_json(PACE, _key(kind, model, device))
+    try:
+        x = float(got["pace"])
+        if x > 0 and math.isfinite(x):
+            return x, f"at the pace the last {KINDS[kind]} of {str(model).strip()} measured here"
+    except (TypeError, KeyError, ValueError):
+        pass
+    return 1.0, (f"by a conservative rule of thumb for {t.params / 1e6:.3g}M parameters (layerscope/forecast.py) "
+                 f"until a run here measures the pace")
+
+
+# ---------------------------------------------------------------------------- the rules (seconds)
+
+def generated_s(t: Target, rows: int, new_tokens: int = 1, batch: int = 1) -> float:
+    """The rule's seconds for `rows` answers of up to `new_tokens` tokens, decoded `batch` rows at a time."""
+    b = max(1, min(int(batch), int(rows)))
+    return math.ceil(int(rows) / b) * int(new_tokens) * t.params * DECODE_S * (1 + (b - 1) * BATCH_ROW)
+
+
+def read_s(t: Target, tokens: int) -> float:
+    return float(tokens) * t.params * FORWARD_S
+
+
+def capture_rule(t: Target, plan, batch_size: int) -> float:
+    """A capture of capture.size Estimate `plan` in batches of `batch_size`: its answers decoded, every token read once."""
+    return (generated_s(t, plan.conversations, plan.max_new_tokens, batch_size)
+            + read_s(t, plan.prompt_tokens + plan.response_tokens))
+
+
+def draft_params(t: Target, sets, draft_vocab: int) -> int:
+    """The parameters of one draft per layer set (preflight.draft_params)."""
+    return sum(preflight.draft_params(t.shape, list(s), int(draft_vocab)) for s in sets)
+
+
+def row_rule(t: Target, sets, options, online: bool) -> float:
+    """Seconds a training row costs: the target's forward when online, and each set's draft forward and backward
+    over the TTT steps."""
+    drafts = draft_params(t, sets, options.draft_vocab) * TRAIN_PASSES * int(options.ttt_steps) * FORWARD_S
+    return (t.params * FORWARD_S if online else 0.0) + drafts
+
+
+def training_rows(options, online: bool) -> int | None:
+    """The rows a training budget spends (an upper bound for steps); None for a time budget."""
+    if options.tokens is not None:
+        return int(options.tokens)
+    if options.steps is None:
+        return None
+    window = int(options.max_prompt_tokens) + int(options.max_new_tokens) if online else int(options.seq_len)
+    return int(options.steps) * int(options.batch_size) * window
+
+
+def bench_tokens(options, drafts: int, prompts: int | None = None, contenders: int | None = None) -> int:
+    """The tokens a benchmark generates at most: prompts x max_new_tokens x contenders, and for K = auto the
+    calibration's prompts per draft (bench.CALIBRATION_PROMPTS, at most 64 tokens each)."""
+    lineup = bench_mod.contenders_for([(f"draft {i}", None) for i in range(drafts)], options)
+    auto = (int(options.auto_k) + int(options.auto_tree) + int(options.auto_k and options.draft_lookup > 0)) * drafts
+    n = len(lineup) + auto if contenders is None else contenders
+    calibration = drafts * bench_mod.CALIBRATION_PROMPTS * min(options.max_new_tokens, 64) \
+        if (options.auto_k or options.auto_tree) else 0
+    return (options.limit if prompts is None else prompts) * options.max_new_tokens * n + calibration
+
+
+NO_CONFIG = "the target's config cannot be read before its first load here"
+
+
+# ---------------------------------------------------------------------------- the forecasts
+
+def capture(store: Store, model: str, plan, batch_size: int) -> Forecast:
+    """A capture of capture.size Estimate `plan` (None: unknown before the model loads) in batches of `batch_size`."""
+    t = target(store, model)
+    if plan is None or t is None:
+        return Forecast("capture", None, None if plan is None else plan.total, [], NO_CONFIG)
+    x, source = pace(store, "capture", model, t)
+    seconds = capture_rule(t, plan, batch_size) * x
+    return Forecast("capture", seconds, plan.total, [Part(
+        f"{fmt.count(plan.conversations)} conversations, up to {fmt.count(plan.max_new_tokens)} answer tokens each",
+        seconds, source)])
+
+
+def online(store: Store, model: str, sets, options) -> Forecast:
+    """Online training of `sets` with OnlineOptions `options`: the target's answers (when regenerated), then the
+    training at the budget."""
+    t = target(store, model)
+    conversations = preflight.online_conversations(options, store)
+    stored = preflight.online_bytes(store, t.shape if t else None, sets, options)[0]
+    if t is None:
+        return Forecast("online training", None, stored, [], NO_CONFIG)
+    parts, seconds = [], 0.0
+    if options.responses == "regenerate":
+        x, source = pace(store, "answers", model, t)
+        s = generated_s(t, conversations, options.max_new_tokens, options.gen_batch_size) * x
+        seconds += s
+        parts.append(Part(f"the target's answers to {fmt.count(conversations)} conversations, up to "
+                          f"{fmt.count(options.max_new_tokens)} tokens each, none for answers already stored",
+                          s, source))
+    s, label, source = training_time(store, t, model, sets, options, online=True)
+    return Forecast("online training", seconds + s, stored, parts + [Part(label, s, source)])
+
+
+def training(store: Store, model: str, layers, options) -> Forecast:
+    """Training one draft for `layers` from a capture with TrainOptions `options` (its budget resolved)."""
+    t = target(store, model)
+    if t is None:
+        return Forecast("training", None, None, [], NO_CONFIG)
+    s, label, source = training_time(store, t, model, [layers], options, online=False)
+    return Forecast("training", s, preflight.draft_bytes(t.shape, list(layers), int(options.draft_vocab)),
+                    [Part(label, s, source)])
+
+
+def training_time(store: Store, t: Target, model: str, sets, options, online: bool) -> tuple[float, str, str]:
+    """(seconds, what, where the pace comes from) of training `sets` at the budget of `options`."""
+    n = f"{len(sets)} draft{'s' if len(sets) != 1 else ''}"
+    if options.time_s is not None:
+        return float(options.time_s), f"training {n}", "its time budget"
+    rows = training_rows(options, online)
+    x, source = pace(store, "online" if online else "training", model, t)
+    budget = (f"{fmt.count(options.tokens)} tokens" if options.tokens is not None else
+              f"{fmt.count(options.steps)} steps (at most {fmt.count(rows)} tokens)")
+    return rows * row_rule(t, sets, options, online) * x, f"training {n} on {budget}", source
+
+
+def bench(store: Store, model: str, drafts: int, options) -> Forecast:
+    """A benchmark of `drafts` drafts with BenchOptions `options` on `model`."""
+    t = target(store, model)
+    if t is None:
+        return Forecast("benchmark", None, 0, [], NO_CONFIG)
+    x, source = pace(store, "bench", model, t)
+    tokens = bench_tokens(options, drafts)
+    s = generated_s(t, tokens) * x
+    return Forecast("benchmark", s, 0, [Part(f"up to {fmt.count(tokens)} tokens decoded ({options.limit} prompts x "
+                                             f"{options.max_new_tokens} tokens x each decoder)", s, source)])
+
+
+def study(store: Store, model: str, options, sets: int | None = None) -> Forecast:
+    """A study with StudyOptions `options` (its training budget resolved): `sets` layer sets when known (the app
+    knows its plan), else as many as it may train (preflight.study_sets: an upper bound)."""
+    t = target(store, model)
+    if t is None:
+        return Forecast("study", None, None, [], NO_CONFIG)
+    sizes = [options.k] * sets if sets is not None else preflight.study_sets(t.shape, options)
+    seeds = len(options.seeds) if options.seeds else 1
+    stored, _ = preflight.study_bytes(store, t.shape, options, sizes)
+    parts, seconds = [], 0.0
+    if options.online is not None:
+        on = options.online
+        passes = seeds * math.ceil(len(sizes) / (options.sets_per_pass or len(sizes)))
+        if on.responses == "regenerate":
+            x, source = pace(store, "answers", model, t)
+            s = generated_s(t, preflight.online_conversations(on, store), on.max_new_tokens, on.gen_batch_size) * x
+            seconds += s
+            parts.append(Part("the target's answers, once", s, source))
+        if on.time_s is not None:
+            s, source = passes * float(on.time_s), "its time budget"
+        else:
+            x, source = pace(store, "online", model, t)
+            per_set = [row_rule(t, [range(n)], on, online=False) for n in sizes]
+            s = training_rows(on, online=True) * (passes * t.params * FORWARD_S + seeds * sum(per_set)) * x
+        label = f"{len(sizes) * seeds} drafts in {passes} target pass{'es' if passes != 1 else ''}"
+    else:
+        tr = options.train
+        if tr.time_s is not None:
+            s, source = len(sizes) * seeds * float(tr.time_s), "its time budget"
+        else:
+            x, source = pace(store, "training", model, t)
+            s = training_rows(tr, online=False) * seeds * sum(row_rule(t, [range(n)], tr, online=False)
+                                                               for n in sizes) * x
+        label = f"{len(sizes) * seeds} drafts"
+        passes = 1
+    seconds += s
+    parts.append(Part(f"training {label}, none for drafts already in the store", s, source))
+    b = options.bench_options()
+    x, source = pace(store, "bench", model, t)
+    s = generated_s(t, b.limit * b.max_new_tokens * (len(sizes) * seeds + passes)) * x
+    parts.append(Part(f"benchmarks of {options.limit} prompts x {options.max_new_tokens} tokens", s, source))
+    return Forecast("study", seconds + s, stored, parts)
