@@ -399,7 +399,8 @@ def test_an_imported_session_without_its_capture_shows_its_snapshot(app_store, c
 
 def test_a_running_job_survives_a_refresh_and_can_be_cancelled(app_store):
     at = new_app().run()
-    start_tiny_capture(at, limit=60, new_tokens=64, batch=1)
+    # long enough (120 x 256 decode steps) that the refresh and the click below come before its end on any machine
+    start_tiny_capture(at, limit=120, new_tokens=256, batch=1)
     job = manager().latest(sid(at), "capture")
     assert job is not None and job.view().running
     refreshed = new_app(sid(at)).run()          # the browser reloads the page: a new script session
