@@ -76,10 +76,11 @@ case "$cmd" in
     # Two pytest-xdist workers (many tests mostly wait: AppTest runs, a browser, child processes), each file
     # whole on one worker (--dist loadfile: a module's fixtures are built once, its tests run in their order);
     # --no-loadscope-reorder hands the files out in collection order, so the long browser file starts first
-    # instead of last. `-n 0` (given after) runs serially; `-p no:xdist` leaves xdist out altogether.
+    # instead of last. `-n 0` (given after) runs serially; `-p no:xdist` leaves xdist out altogether, and so
+    # do the debugger's --pdb and --trace (they need the terminal: serial).
     xdist=(-n 2 --dist loadfile --no-loadscope-reorder)
     for arg in "$@"; do
-      case "$arg" in no:xdist|-pno:xdist) xdist=() ;; esac
+      case "$arg" in no:xdist|-pno:xdist|--pdb|--trace) xdist=() ;; esac
     done
     exec "$PY" -m pytest -q -rs --durations=15 "${xdist[@]}" "$@"
     ;;
