@@ -28,7 +28,11 @@ setup_python() {
   if [ "${LAYERSCOPE_KEEP_TORCH:-0}" = "1" ] && "$PY" -c "import torch" 2>/dev/null; then
     grep -v '^torch==' requirements.txt > "$VENV/requirements-no-torch.txt"
     "$PY" -m pip install -q -r "$VENV/requirements-no-torch.txt"
-    [ "$reqs" = requirements.txt ] || "$PY" -m pip install -q pytest playwright
+    # the test tools as requirements-test.txt pins them, less its `-r requirements.txt` (installed just above)
+    if [ "$reqs" != requirements.txt ]; then
+      grep -v '^-r' requirements-test.txt > "$VENV/requirements-test-tools.txt"
+      "$PY" -m pip install -q -r "$VENV/requirements-test-tools.txt"
+    fi
   else
     "$PY" -m pip install -q -r "$reqs"
   fi
@@ -69,7 +73,16 @@ case "$cmd" in
     # The test extra was installed above: its tests fail instead of skipping if it does not import.
     # -rs prints every skip with its reason; --durations the 15 slowest tests (the suite's time is watched).
     export LAYERSCOPE_REQUIRE_EXTRAS=1
-    exec "$PY" -m pytest -q -rs --durations=15 "$@"
+    # Two pytest-xdist workers (many tests mostly wait: AppTest runs, a browser, child processes), each file
+    # whole on one worker (--dist loadfile: a module's fixtures are built once, its tests run in their order);
+    # --no-loadscope-reorder hands the files out in collection order, so the long browser file starts first
+    # instead of last. `-n 0` (given after) runs serially; `-p no:xdist` leaves xdist out altogether, and so
+    # do the debugger's --pdb and --trace (they need the terminal: serial).
+    xdist=(-n 2 --dist loadfile --no-loadscope-reorder)
+    for arg in "$@"; do
+      case "$arg" in no:xdist|-pno:xdist|--pdb|--trace) xdist=() ;; esac
+    done
+    exec "$PY" -m pytest -q -rs --durations=15 "${xdist[@]}" "$@"
     ;;
   setup)
     setup_python requirements-test.txt

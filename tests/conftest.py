@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random model, a small capture of it, and the real SmolLM2 and Gemma 3 270M (each loaded once)."""
+"""Shared fixtures: a tiny random model, a small capture of it, and the real SmolLM2 and Gemma 3 270M (each loaded once
+per test process: `scripts/dev.sh test` runs the suite on 2 pytest-xdist workers, each file whole on one of them)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# In a pytest-xdist worker (the variable is set before this file is imported): the workers share the machine's
+# cores, so each runs torch on one thread, and so do the processes its tests start (CLI children, a streamlit
+# server), which inherit it. Set here, before anything imports torch; an OMP_NUM_THREADS of the user's own stays.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
