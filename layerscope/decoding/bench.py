@@ -444,7 +444,7 @@ def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmo
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
             entry["predicted_speedup"] = tau * curve.target_s(1) / costmodel.step_seconds(curve, k=k, tree=tree, tau=tau)
             entry["break_even_tau"] = costmodel.break_even_tau(curve, k=k, tree=tree)
-            entry["verdict"] = verdict(entry["tau"], entry["break_even_tau"], c.decoding)
+            entry["verdict"] = verdict(entry["tau"], entry["break_even_tau"], c.decoding, entry.get("speedup"))
             if c.auto is not None:
                 entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
                 entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
@@ -699,13 +699,19 @@ def _curve_line(report: BenchReport) -> str:
     return "cost curve: " + machine.line(report.cost_curve_machine, "predicted speedups").removeprefix("machine: ")
 
 
-def verdict(tau: float, break_even: float, decoding: str) -> str:
+def verdict(tau: float, break_even: float, decoding: str, measured: float | None = None) -> str:
     """One line in words: "tau 1.44 is below the break-even tau 2.08 of chain k=3: it loses to plain decoding
-    on this machine" (or "above ...: it pays")."""
-    if tau > break_even:
-        return f"tau {tau:.2f} is above the break-even tau {break_even:.2f} of {decoding}: it pays on this machine"
-    return (f"tau {tau:.2f} is below the break-even tau {break_even:.2f} of {decoding}: it loses to plain decoding "
-            "on this machine")
+    on this machine" (or "above ...: it pays"); when the `measured` speedup of the same run says otherwise, it says
+    that too, and that the measurement is what happened."""
+    pays = tau > break_even
+    head = (f"tau {tau:.2f} is {'above' if pays else 'below'} the break-even tau {break_even:.2f} of {decoding}")
+    if measured is not None and pays and measured < 1.0:
+        return (f"{head}, so the cost curve says it pays, but it measured {measured:.2f}x here: it lost to plain "
+                "decoding in this run (steps cost more than the curve says: a busy machine, or a stale curve)")
+    if measured is not None and not pays and measured > 1.0:
+        return (f"{head}, so the cost curve says it loses, yet it measured {measured:.2f}x here: steps cost less "
+                "than the curve says (the curve was measured busy, or is stale)")
+    return f"{head}: it pays on this machine" if pays else f"{head}: it loses to plain decoding on this machine"
 
 
 def auto_note(entry: dict) -> str:
@@ -721,8 +727,10 @@ def auto_note(entry: dict) -> str:
     what = f"K={chosen['k']}" if "k" in chosen else \
         "tree " + " ".join(f"{k}={v}" for k, v in (chosen.get("tree") or {}).items())
     predicted = (entry.get("calibrated") or {}).get("speedup")
+    measured = entry.get("speedup")
+    lost = ": the pick lost to plain decoding in this run" if measured is not None and measured < 1.0 else ""
     return (f"{entry['name']}: chose {what}; the calibration predicted {_f(predicted)}x, measured "
-            f"{_f(entry.get('speedup'))}x ({_f(entry.get('predicted_speedup'))}x predicted from its measured tau)")
+            f"{_f(measured)}x ({_f(entry.get('predicted_speedup'))}x predicted from its measured tau){lost}")
 
 
 def lookup_note(entry: dict) -> str:
