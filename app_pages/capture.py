@@ -162,14 +162,16 @@ if st.session_state.get(PENDING) and at_risk and not running:
         st.warning("This session already has " + md_text("; ".join(at_risk)) + ". A new capture replaces its "
                    "capture, and removes the layer sets and drafts that do not fit it. Start it in a new session "
                    "instead? This one stays as it is.", icon=":material/help:")
-        a, b, c = st.columns(3)
-        if a.button("Start in a new session", type="primary", key="ls_cap_new_session", icon=":material/add:"):
+        a, b, c = st.columns([2, 2, 1])                     # labels short enough for 1024 px
+        if a.button("New session", type="primary", key="ls_cap_new_session", icon=":material/add:",
+                    help="Start this capture in a new session; this one stays as it is"):
             st.session_state.pop(PENDING, None)
             with guard("start capture"):
                 fresh = state.new_session_for_capture(s)
                 start_capture(fresh)
                 st.rerun()
-        if b.button("Replace in this session", key="ls_cap_replace", icon=":material/sync:"):
+        if b.button("Replace here", key="ls_cap_replace", icon=":material/sync:",
+                    help="Start it in this session: its capture is replaced, and its sets and drafts that do not fit go"):
             st.session_state.pop(PENDING, None)
             with guard("start capture"):
                 start_capture(s)

@@ -433,7 +433,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     set_number(page, "Prompts (limit)", 4)
     page.get_by_role("button", name="Start capture").click()
     wait_idle(page)
-    page.get_by_role("button", name="Replace in this session").click()     # it asks first: the session has a capture
+    page.get_by_role("button", name="Replace here").click()     # it asks first: the session has a capture
     page.get_by_text(re.compile(r"Capture of tiny-llama: done in")).wait_for(timeout=180_000)
     wait_idle(page)
     page.locator("[data-testid='stSidebar']").get_by_text("hand-picked: [1, 3]").wait_for()
