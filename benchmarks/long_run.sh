@@ -43,6 +43,22 @@ data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerat
 continued=("${data[@]}")
 continued[5]=4000                    # --limit: twice the distinct conversations
 continued+=(--layers 2,15,27 --init-from builtin --tokens 1.25M)
+# the study of one model (`study`, `gemma3-study`): its training options after the model
+run_study() {
+  local model="$1"; shift
+  # the answers kept in the repository go into the store first (never over what it holds)
+  if [ -d "$study_dir/responses" ]; then
+    mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
+  fi
+  # the study's capture: its statistics propose the sets and give the proxies (10-25 minutes, each machine)
+  key=$(.venv/bin/layerscope capture --model "$model" --prompts sharegpt --limit 240 --max-new-tokens 96 \
+          --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+  echo "study capture: $key" >> "$log.log"
+  exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single,probe \
+    --random-sets 2 --online --train-prompts sharegpt --responses regenerate "$@" \
+    --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
+    --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log"
+}
 case "$mode" in
   default)
     exec .venv/bin/layerscope train-draft "${data[@]}" --layers 2,15,27 --time 100m --json >> "$log.json" 2>> "$log.log" ;;
@@ -80,30 +96,10 @@ PY
       echo "kept $(basename "$d"): $(ls "$study_dir/responses/$(basename "$d")" | wc -l) parts"
     done ;;
   study)
-    # the answers kept in the repository go into the store first (never over what it holds)
-    if [ -d "$study_dir/responses" ]; then
-      mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
-    fi
-    # the study's capture: its statistics propose the sets and give the proxies (10-25 minutes, each machine)
-    key=$(.venv/bin/layerscope capture --model smollm2-135m --prompts sharegpt --limit 240 --max-new-tokens 96 \
-            --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
-    echo "study capture: $key" >> "$log.log"
-    exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single,probe \
-      --random-sets 2 --online --train-prompts sharegpt --train-limit 2000 --responses regenerate --tokens 500k \
-      --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
-      --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
+    run_study smollm2-135m --train-limit 2000 --tokens 500k ;;
   gemma3-study)
-    if [ -d "$study_dir/responses" ]; then
-      mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
-    fi
-    key=$(.venv/bin/layerscope capture --model gemma3-270m --prompts sharegpt --limit 240 --max-new-tokens 96 \
-            --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
-    echo "study capture: $key" >> "$log.log"
     # the training data of docs/results.md's first Gemma 3 drafts (their regenerated answers are reused)
-    exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single,probe \
-      --random-sets 2 --online --train-prompts sharegpt --train-limit 640 --train-max-prompt-tokens 1024 \
-      --train-max-new-tokens 64 --val-conversations 32 --responses regenerate --tokens 200k --fc-norm \
-      --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
-      --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log" ;;
+    run_study gemma3-270m --train-limit 640 --train-max-prompt-tokens 1024 --train-max-new-tokens 64 \
+      --val-conversations 32 --tokens 200k --fc-norm ;;
   *) echo "usage: $0 default|continue|ship|study|keep|gemma3-study" >&2; exit 2 ;;
 esac
