@@ -71,7 +71,8 @@ case "$cmd" in
     setup_chromium
     say "running the test suite"
     # The test extra was installed above: its tests fail instead of skipping if it does not import.
-    # -rs prints every skip with its reason; --durations the 15 slowest tests (the suite's time is watched).
+    # -rs prints every skip with its reason; --durations the 15 slowest tests (the suite's time is watched);
+    # --tb=short keeps a failure to its failing lines and the error, so a CI log's head still shows why.
     export LAYERSCOPE_REQUIRE_EXTRAS=1
     # Two pytest-xdist workers (many tests mostly wait: AppTest runs, a browser, child processes), each file
     # whole on one worker (--dist loadfile: a module's fixtures are built once, its tests run in their order);
@@ -82,7 +83,7 @@ case "$cmd" in
     for arg in "$@"; do
       case "$arg" in no:xdist|-pno:xdist|--pdb|--trace) xdist=() ;; esac
     done
-    exec "$PY" -m pytest -q -rs --durations=15 "${xdist[@]}" "$@"
+    exec "$PY" -m pytest -q -rs --tb=short --durations=15 "${xdist[@]}" "$@"
     ;;
   setup)
     setup_python requirements-test.txt
