@@ -518,6 +518,38 @@ def test_two_writers_of_one_session_keep_both_changes(store):
     assert storage.load(store, s.id).manual_picks == [2] and storage.load(store, s.id).layer_sets == back.layer_sets
 
 
+def test_a_merge_keeps_the_shown_runs_pointing_at_the_same_runs(store):
+    """Both tabs add a benchmark run and show their own (view.bench_run = its position). After the merge the other
+    tab's run comes first, so the second saver's run moved: its view follows it, as does the first saver's
+    stored choice, and the Compare page's list of runs. A run removed on one side leaves no position to it."""
+    s = _full_session()
+    s.owner = owner_hash("browser A")
+    storage.save(s, store)                                   # bench_results: [d1]
+    a, b = storage.load(store, s.id), storage.load(store, s.id)
+    a.bench_results.append({"name": "from a", "tau": 1.1})
+    a.view["bench_run"] = 1
+    storage.save(a, store)
+    b.bench_results.append({"name": "from b", "tau": 1.3})
+    b.view["bench_run"] = 1
+    b.view["cmp_bench_runs"] = [1, 0]
+    storage.save(b, store)
+    back = storage.load(store, s.id)
+    assert [r["name"] for r in back.bench_results] == ["d1", "from a", "from b"]
+    assert back.view["bench_run"] == 2 and back.bench_results[back.view["bench_run"]]["name"] == "from b"
+    assert back.view["cmp_bench_runs"] == [2, 0]
+    # a shows its own run; b removes it meanwhile: a's saved choice points at no run, so it is dropped
+    a = storage.load(store, s.id)
+    a.view["bench_run"] = 1
+    b.bench_results = [r for r in b.bench_results if r["name"] != "from a"]
+    b.view["bench_run"], b.view["cmp_bench_runs"] = 1, [1, 0]
+    storage.save(b, store)
+    a.notes = "a's notes"
+    storage.save(a, store)
+    back = storage.load(store, s.id)
+    assert [r["name"] for r in back.bench_results] == ["d1", "from b"] and "bench_run" not in back.view
+    assert back.view["cmp_bench_runs"] == [1, 0] and back.notes == "a's notes"     # b's, unchanged in a
+
+
 def test_a_change_that_no_longer_fits_the_other_writers_session_is_refused_and_the_stored_one_stays(store):
     s = _full_session()
     s.owner = owner_hash("browser A")

@@ -112,6 +112,8 @@ BASE = "_stored_as"      # on a Session read or saved here: (sha256 of that arch
 SHARED_STATE = ("model", "prompt_set", "capture_key", "capture", "analysis_options", "stats")   # with the arrays
 OWN = ("id", "owner", "frozen", "origin", "created")     # who and what the session is: this object's
 ENTRY_KEYS = {"layer_sets": "layers", "drafts": "path"}  # list entries known by a key (others: by their whole JSON)
+VIEW_INDICES = {"bench_run": "bench_results", "study_run": "study", "cmp_bench_runs": "bench_results"}   # view keys
+#   that hold positions in a list (one position or a list of them): a merge points them at the same entries again
 
 
 def _digest(data: bytes) -> str:
@@ -153,9 +155,37 @@ def merge(base: tuple, mine: Session, theirs: Session) -> Session:
             out[k] = _merge_dict(b.get(k) or {}, m[k], t[k])
         else:
             out[k] = m[k]
+    out["view"] = _view_positions(b, m, t, out)
     merged = Session(**out)
     merged.arrays = dict(arrays)
     return merged
+
+
+def _view_positions(b: dict, m: dict, t: dict, out: dict) -> dict:
+    """The merged view, with every position in a list (VIEW_INDICES) pointing at the entry it pointed at on the
+    side the value came from (mine where this object changed it, else theirs): a merged list can hold that entry
+    elsewhere (the other side appended its own first), or not at all (removed there: the key goes, and the page
+    shows its default)."""
+    view = dict(out["view"])
+    for key, field in VIEW_INDICES.items():
+        if key not in view:
+            continue
+        side = m if key in m["view"] and m["view"][key] != b.get("view", {}).get(key) else t
+        where = {json.dumps(x, sort_keys=True): i for i, x in reversed(list(enumerate(out[field])))}
+
+        def moved(i):
+            entries = side[field]
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(entries):
+                return None
+            return where.get(json.dumps(entries[i], sort_keys=True))
+        value = side["view"].get(key, view[key])
+        if isinstance(value, list):
+            view[key] = [j for j in map(moved, value) if j is not None]
+        elif (j := moved(value)) is None:
+            view.pop(key)
+        else:
+            view[key] = j
+    return view
 
 
 def _same_arrays(a: dict, b: dict) -> bool:
