@@ -117,6 +117,73 @@ def test_drafts_of_different_budgets_are_not_ranked_against_each_other():
     assert got.drafts == {(1, 9, 20): {"positions": 96, "tokens": 1_267_000}}
 
 
+def test_a_session_that_moved_to_another_model_is_not_told_the_first_models_verdict():
+    """A session studied SmolLM2, then captured Gemma 3 in place ("Replace here"): SmolLM2's study, benchmark and
+    drafts measured another model's layers, so none ranks Gemma's sets; the text says what was left out and why.
+    Entries older than the fingerprint record count when their capture is the session's, and not otherwise."""
+    layers = {r.name: tuple(r.layers) for r in rows()}
+    smol_study = {"target_fingerprint": "gguf-smol", "rows": [
+        {"layers": list(layers["greedy"]), "tau": 1.5, "tau_ci": [1.45, 1.55], "delta_vs_default": 0.2,
+         "delta_ci": [0.1, 0.3]},
+        {"layers": list(layers["default"]), "tau": 1.3, "tau_ci": [1.25, 1.35], "delta_vs_default": 0.0,
+         "delta_ci": [0.0, 0.0]}]}
+    smol_bench = {"target_fingerprint": "gguf-smol", "results": [
+        {"name": "g", "layers": list(layers["greedy"]), "tau": 1.5}, {"name": "d", "layers": list(layers["default"]), "tau": 1.3}]}
+    smol_draft = {"name": "g", "path": "/d", "layers": list(layers["greedy"]), "val_accuracy": 0.4,
+                  "target_fingerprint": "gguf-smol"}
+
+    def session(fingerprint, key="cc" * 12, study=(smol_study,), bench=(smol_bench,), drafts=(smol_draft,)):
+        return SimpleNamespace(capture={"fingerprint": fingerprint}, capture_key=key, study=list(study),
+                               bench_results=list(bench), drafts=list(drafts), view={})
+
+    same = recommend.evidence_of(session("gguf-smol"))
+    assert [src for src, _ in same.measured] == ["study #1", "benchmark #1"] and same.agreement and not same.other_target
+    assert recommend.recommend(rows(), 3, same).best.name == "greedy"
+    moved = recommend.evidence_of(session("gguf-gemma"))
+    assert not moved.measured and not moved.agreement and moved.other_target == ["study #1", "benchmark #1"]
+    rec = recommend.recommend(rows(), 3, moved)
+    assert rec.basis is None and rec.best.name == "default"
+    assert "Not used: study #1, benchmark #1, measured on another model" in rec.text
+    # a later study of the new model is used; the earlier one of the other model is still named as left out
+    gemma_study = {**smol_study, "target_fingerprint": "gguf-gemma"}
+    ev = recommend.evidence_of(session("gguf-gemma", study=(smol_study, gemma_study), bench=()))
+    assert [src for src, _ in ev.measured] == ["study #2"] and ev.other_target == []
+    # older entries (no fingerprint): their capture decides
+    old = {k: v for k, v in smol_bench.items() if k != "target_fingerprint"}
+    ev = recommend.evidence_of(session("gguf-gemma", study=(), bench=({**old, "capture_key": "cc" * 12},), drafts=()))
+    assert [src for src, _ in ev.measured] == ["benchmark #1"]
+    ev = recommend.evidence_of(session("gguf-gemma", study=(), bench=({**old, "capture_key": "ab" * 12},), drafts=()))
+    assert not ev.measured and ev.other_target == ["benchmark #1"]
+
+
+def test_a_new_capture_of_another_model_marks_the_results_it_leaves_and_says_so():
+    """The session's results name no model (made before results recorded one): when a capture of another model
+    replaces the session's, they are marked as the previous model's, rank nothing for the new one, and a note
+    says so; a new capture of the same model keeps them as evidence and says nothing."""
+    from layerscope.session.model import Session
+    from layerscope.ui.state import notes
+
+    def session():
+        s = Session(model="smollm2-135m", capture_key="ab" * 12,
+                    capture={"num_layers": 30, "fingerprint": "gguf-smol", "hidden_size": 576})
+        s.bench_results.append({"capture_key": "ab" * 12, "results": [
+            {"name": "a", "layers": [1, 9, 20], "tau": 1.5}, {"name": "b", "layers": [2, 15, 27], "tau": 1.3}]})
+        return s
+
+    s = session()
+    apply.capture_result(s, {"key": "cd" * 12, "summary": {"num_layers": 30, "fingerprint": "gguf-smol",
+                                                            "hidden_size": 576}, "model": "smollm2-135m"})
+    assert s.bench_results[0]["target_fingerprint"] == "gguf-smol" and not notes(s)
+    assert [src for src, _ in recommend.evidence_of(s).measured] == ["benchmark #1"]
+    s = session()
+    apply.capture_result(s, {"key": "ef" * 12, "summary": {"num_layers": 18, "fingerprint": "gguf-gemma",
+                                                            "hidden_size": 640}, "model": "gemma3-270m"})
+    assert s.bench_results[0]["target_fingerprint"] == "gguf-smol"
+    assert not recommend.evidence_of(s).measured and recommend.evidence_of(s).other_target == ["benchmark #1"]
+    assert any("1 benchmark or study result(s) of the previous one stay listed, but no longer rank" in n
+               for n in notes(s))
+
+
 def test_every_ranking_states_its_sample_and_ties_are_called_ties():
     layers = {r.name: tuple(r.layers) for r in rows()}
     # the issue's probe: 15 vs 13 of 96 positions from 2 held-out conversations is a tie, said with the sample

@@ -15,7 +15,7 @@ from layerscope.capture import stored
 from layerscope.session.model import Session
 from layerscope.stats.analysis import AnalysisOptions, LayerStats
 from layerscope.stats.entropy import KERNELS
-from layerscope.ui import tasks
+from layerscope.ui import recommend, tasks
 from layerscope.ui.jobs import StatsTag, get_manager
 from layerscope.ui.state import add_note, commit
 
@@ -52,6 +52,11 @@ def _fit_sets_to(s: Session, num_layers: int | None) -> None:
 
 def _set_capture(s: Session, key: str, summary: dict, model: str | None, prompt_set: str | None) -> None:
     changed = s.capture_key != key
+    old_fp = (s.capture or {}).get("fingerprint")
+    if changed and old_fp:
+        for r in s.bench_results + s.study:     # results of the capture being left: say of which model they are
+            if not r.get("target_fingerprint") and (r.get("capture_key") or r.get("capture")) in (None, s.capture_key):
+                r["target_fingerprint"] = old_fp
     s.capture_key = key
     s.capture = summary
     s.model = model or summary.get("model") or s.model
@@ -67,6 +72,10 @@ def _set_capture(s: Session, key: str, summary: dict, model: str | None, prompt_
                 add_note(s, f"The new capture is of another model, so {len(other)} draft(s) trained for the previous "
                             "one left this session's list (they stay in the store): "
                             + "; ".join(f"{d['name']} {fmt.layers(d['layers'])}" for d in other) + ".")
+        results = [r for r in s.bench_results + s.study if not recommend.same_target(s, r)]
+        if results and old_fp != summary.get("fingerprint"):
+            add_note(s, f"The new capture is of another model: {len(results)} benchmark or study result(s) of the "
+                        "previous one stay listed, but no longer rank this model's layer sets.")
     _fit_sets_to(s, summary.get("num_layers"))
 
 

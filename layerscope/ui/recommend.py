@@ -14,7 +14,8 @@ that no strategy optimises and that covers at least two of them:
        from the Layer sets page's probe job); select.compare leaves the `probe` strategy out, so no set here was
        chosen by maximising it.
 
-and only within one set size (a set with more layers carries more, whatever they are). Every ranking states its
+and only within one set size (a set with more layers carries more, whatever they are), and only what measured the
+model the session analyses now (`same_target`; a study of the model captured before "Replace here" ranks nothing). Every ranking states its
 sample: τ with its 95% interval, a draft's agreement with its held-out positions and training tokens, the probe's
 with its held-out positions and conversations and a 95% bootstrap interval over conversations. Drafts trained on
 different budgets (tokens seen more than sanity.BUDGET_RATIO apart) are not ranked by agreement against each other: the
@@ -109,6 +110,18 @@ class Evidence:
     probe: dict = field(default_factory=dict)                       # {layers: probe agreement}
     drafts: dict = field(default_factory=dict)    # {layers: {"positions", "tokens"}}: the sample behind `agreement`
     probe_sample: dict = field(default_factory=dict)   # {layers: {"ci", "hits", "counts"}}: behind `probe`
+    other_target: list[str] = field(default_factory=list)   # sources measured on another model: not used
+
+
+def same_target(s, entry: dict) -> bool:
+    """Whether a study, benchmark run or draft of session `s` measured the model the session now analyses: its
+    target's fingerprint is the capture's, else (older entries without one) its capture is the session's. An
+    entry that names neither predates both records and is taken as the session's."""
+    fp, theirs = (getattr(s, "capture", None) or {}).get("fingerprint"), entry.get("target_fingerprint")
+    if fp and theirs:
+        return theirs == fp
+    key = entry.get("capture_key") or entry.get("capture")
+    return not (key and s.capture_key) or key == s.capture_key
 
 
 def _key(layers) -> tuple:
@@ -117,22 +130,32 @@ def _key(layers) -> tuple:
 
 def evidence_of(s) -> Evidence:
     """What the session measured about layer sets: its latest study and latest benchmark run (τ with intervals), its
-    drafts' held-out agreement, and the probe scores it holds for its capture."""
+    drafts' held-out agreement, and the probe scores it holds for its capture; only what measured the model the
+    session analyses now (same_target): a study of another model, captured earlier in this session, is named in
+    `other_target` and ranks nothing."""
     ev = Evidence()
-    if s.study:
-        i = len(s.study) - 1
+    for i in range(len(s.study) - 1, -1, -1):                  # the latest study of this model
+        if not same_target(s, s.study[i]):
+            ev.other_target.append(f"study #{i + 1}")
+            continue
         rows = {_key(r["layers"]): {"tau": r["tau"], "tau_ci": r.get("tau_ci"), "delta": r.get("delta_vs_default"),
                                     "delta_ci": r.get("delta_ci")}
                 for r in s.study[i].get("rows") or [] if r.get("tau") is not None}
         if rows:
             ev.measured.append((f"study #{i + 1}", rows))
-    for i in range(len(s.bench_results) - 1, -1, -1):          # the latest run that measured a draft
+        break
+    for i in range(len(s.bench_results) - 1, -1, -1):          # the latest run of this model that measured a draft
         rows = {_key(r["layers"]): {"tau": r["tau"], "tau_ci": r.get("tau_ci")}
                 for r in s.bench_results[i].get("results") or [] if r.get("layers") and r.get("tau") is not None}
+        if rows and not same_target(s, s.bench_results[i]):
+            ev.other_target.append(f"benchmark #{i + 1}")
+            continue
         if rows:
             ev.measured.append((f"benchmark #{i + 1}", rows))
             break
     for d in s.drafts:                                          # later drafts of a set replace earlier ones
+        if not same_target(s, d):
+            continue
         a = sanity.agreement(d.get("val_accuracy"))
         if a is not None and d.get("layers"):
             ev.agreement[_key(d["layers"])] = a
@@ -360,6 +383,7 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
         text += (" The proxies in the table describe each set, but every strategy maximises one of them, so they "
                  "cannot rank the strategies. Train a draft for two or more sets (or run the study) on the Speculative "
                  "decoding page; their held-out agreement and measured τ then rank them.")
+        text += _other_target_text(ev)
         return Recommendation(k, ranked, best, None, None, text, None, other, None)
 
     top = measured[0]
@@ -433,8 +457,16 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
     text += "".join(" " + x for x in refused)
     if basis != "τ" and ev.measured:
         text += f" (No measured τ covers two or more sets of {k} layers yet.)"
+    text += _other_target_text(ev)
     return Recommendation(k, ranked, best, basis, where, text, disagreement, other,
                           default.rank if default is not None else None)
+
+
+def _other_target_text(ev: Evidence) -> str:
+    if not ev.other_target:
+        return ""
+    return (f" Not used: {', '.join(ev.other_target)}, measured on another model (this session's earlier "
+            "capture): which layers serve one model says nothing of another's.")
 
 
 def probe_job_current(view, k: int) -> bool:

@@ -467,10 +467,11 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
     def run(job):
         if not drafts:
             raise LayerScopeError("No draft chosen for the benchmark", "Train a draft or pick one above first")
-        live = _BenchLive(job)
+        live, loaded = _BenchLive(job), []
 
         def load(spec, store_):
             target = load_in_job(job, spec, store_)
+            loaded.append(target)
             live.tokenizer = target.tokenizer
             job.update(0.01, "warming up")
             return target
@@ -484,6 +485,8 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
         out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if capture_key:
             out["capture_key"] = capture_key      # the session's capture when the benchmark started
+        if loaded:
+            out["target_fingerprint"] = loaded[0].fingerprint    # the model measured (recommend: its evidence only)
         return out
 
     return run
@@ -531,6 +534,7 @@ def study_job(*, store, capture_key: str, model: str, options: StudyOptions, ana
         out = done.report.to_json()
         out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         out["device"] = str(done.target.device)
+        out["target_fingerprint"] = done.target.fingerprint   # the model measured (recommend: its evidence only)
         return out
 
     return run
