@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import json
@@ -107,8 +108,10 @@ def test_a_chain_with_prompt_lookup_counts_the_lookup_steps_apart(tiny, draft_di
     looked = [e for e in events if e.proposer == "lookup"]
     own = [e for e in events if e.proposer == "draft" and e.accepted_mask]
     assert looked and entry["lossless"]
+    sizes = collections.Counter(e.drafted for e in looked)
     assert entry["lookup"] == {"steps": len(looked), "draft_steps": len(own), "drafted": sum(e.drafted for e in looked),
-                               "accepted": sum(e.accepted for e in looked)}
+                               "accepted": sum(e.accepted for e in looked),
+                               "sizes": {str(n): sizes[n] for n in sorted(sizes)}}
     assert entry["acceptance_by_position"][0] == pytest.approx(sum(e.accepted_mask[0] for e in own) / len(own))
     assert entry["spec_decode"]["num_drafts"] == len(own)                # vLLM's names: the draft's own steps
     assert entry["spec_decode"]["num_accepted_tokens"] == sum(e.accepted for e in own)

@@ -379,6 +379,20 @@ def test_lookup_auto_chooses_from_a_planted_curve():
     assert choice.to_json()["chosen"] is None and choice.to_json()["best"]["label"] == choice.best.lookup.label
 
 
+def test_a_measured_run_with_lookup_is_priced_step_by_step():
+    """lookup_run_speedup on a flat curve (every verify 0.1 s, every draft forward 0.001 s): 10 lookup steps that
+    verified 4 tokens each and made 50 tokens, and 20 chain steps (k = 1) that made 40, feeding 90 / 20 = 4.5
+    rows each: 10 × 0.1 + 20 × (0.001 + 0.1) = 3.02 s against 90 × 0.1 = 9 s plainly. Without lookup steps it is
+    the chain's own prediction, τ c(1) / step_seconds."""
+    flat = cm.CostCurve("cpu", "float32", 1, (0.1,) * 32, (0.001,) * 8)
+    got = cm.lookup_run_speedup(flat, 1, lookup_sizes={4: 10}, lookup_tokens=50, draft_steps=20, draft_tokens=40)
+    assert got == pytest.approx(9 / 3.02, rel=1e-12)
+    steep = cm.CostCurve("cpu", "float32", 1, tuple(0.1 * T for T in range(1, 33)), tuple(0.001 * T for T in range(1, 9)))
+    alone = cm.lookup_run_speedup(steep, 2, lookup_sizes={}, lookup_tokens=0, draft_steps=30, draft_tokens=75)
+    assert alone == pytest.approx(2.5 * steep.target_s(1) / cm.step_seconds(steep, k=2, tau=2.5), rel=1e-12)
+    assert cm.lookup_run_speedup(flat, 1, lookup_sizes={}, lookup_tokens=0, draft_steps=0, draft_tokens=0) is None
+
+
 # ----------------------------------------------------------------------------- commands
 
 
@@ -439,8 +453,12 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     names = [r["name"] for r in doc["results"]]
     k = doc["results"][3]["chosen"]["k"]
     assert names[5:] == [f"low auto chain k={k} + lookup 3"] and len(names) == 6
-    assert doc["results"][5]["lossless"] and doc["results"][5]["predicted_speedup"] is None
-    assert set(doc["results"][5]["lookup"]) == {"steps", "draft_steps", "drafted", "accepted"}
+    hybrid = doc["results"][5]
+    assert hybrid["lossless"] and hybrid["predicted_speedup"] > 0      # from its own steps, as the chains' are
+    assert set(hybrid["lookup"]) == {"steps", "draft_steps", "drafted", "accepted", "sizes"}
+    sizes = {int(n): c for n, c in hybrid["lookup"]["sizes"].items()}
+    assert sum(sizes.values()) == hybrid["lookup"]["steps"] and all(1 <= n <= 3 for n in sizes)
+    assert sum(n * c for n, c in sizes.items()) == hybrid["lookup"]["drafted"]
 
 
 def test_bench_lookup_auto_and_adaptive(tmp_path, draft_dir, capsys):

@@ -136,6 +136,7 @@ class Tally:
     lookup_steps: int = 0            # steps whose tokens prompt lookup proposed (counted in drafted/accepted,
     lookup_drafted: int = 0          # not in drafted_at/accepted_at, which stay the draft's own)
     lookup_accepted: int = 0
+    lookup_sizes: dict[int, int] = field(default_factory=dict)     # {tokens a lookup step proposed: steps}
 
     def add_event(self, e: StepEvent) -> None:
         self.tokens += len(e.tokens)
@@ -147,6 +148,7 @@ class Tally:
             self.lookup_steps += 1
             self.lookup_drafted += e.drafted
             self.lookup_accepted += e.accepted
+            self.lookup_sizes[e.drafted] = self.lookup_sizes.get(e.drafted, 0) + 1
             return
         for i, ok in enumerate(e.accepted_mask):
             if i == len(self.drafted_at):
@@ -437,8 +439,9 @@ def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmo
                 entry["chosen"] = {"plain": True}
                 entry["calibrated"] = {"decoding": c.auto["decoding"], "tau": c.auto["tau"],
                                        "speedup": c.auto["speedup"], "break_even_tau": c.auto["break_even_tau"]}
-        elif c.kind == "draft" and c.lookup_tokens:      # its steps' spans are not recorded: `lookup_auto` has the
-            entry["predicted_speedup"] = None            # calibration's prediction where auto chose it
+        elif c.kind == "draft" and c.lookup_tokens:      # from the spans its lookup steps verified, and its chain's
+            entry["predicted_speedup"] = _lookup_predicted(curve, c.k, entry)      # steps (`lookup_auto` has the
+                                                                                   # calibration's where auto chose it)
         elif c.kind == "draft":
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
@@ -450,6 +453,18 @@ def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmo
                 entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
         else:
             entry["predicted_speedup"] = None
+
+
+def _lookup_predicted(curve: costmodel.CostCurve, k: int, entry: dict) -> float | None:
+    """costmodel.lookup_run_speedup of a chain-with-lookup entry: its lookup steps by size, and its draft steps with
+    the tokens they made (1 + the draft's accepted tokens each, from its per-position acceptance)."""
+    look = entry.get("lookup") or {}
+    sizes = {int(n): int(c) for n, c in (look.get("sizes") or {}).items()}
+    draft_steps = int(look.get("draft_steps") or 0)
+    per_step = 1.0 + sum(entry.get("acceptance_by_position") or [])
+    return costmodel.lookup_run_speedup(curve, k, lookup_sizes=sizes,
+                                        lookup_tokens=int(look.get("accepted") or 0) + sum(sizes.values()),
+                                        draft_steps=draft_steps, draft_tokens=round(draft_steps * per_step))
 
 
 def wait_quiet(options: MachineOptions, progress: Callable[[BenchProgress], None] | None = None):
@@ -594,7 +609,8 @@ def _entry(c: Contender, t: Tally, baseline: Tally, short: bool = False) -> dict
         entry["spec_decode"] = t.spec_decode()
     if c.kind == "draft" and c.lookup_tokens:
         entry["lookup"] = {"steps": t.lookup_steps, "draft_steps": t.drafted_at[0] if t.drafted_at else 0,
-                           "drafted": t.lookup_drafted, "accepted": t.lookup_accepted}
+                           "drafted": t.lookup_drafted, "accepted": t.lookup_accepted,
+                           "sizes": {str(n): c for n, c in sorted(t.lookup_sizes.items())}}
     if short:
         del entry["name"]
     return entry

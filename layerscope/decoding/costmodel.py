@@ -574,6 +574,25 @@ def predict_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
                             looked_tokens / looked if looked else None)
 
 
+def lookup_run_speedup(curve: CostCurve, k: int, *, lookup_sizes: dict[int, int], lookup_tokens: int,
+                       draft_steps: int, draft_tokens: int) -> float | None:
+    """The speedup `curve` predicts for a measured run of a chain of depth k with prompt lookup first, from what
+    the run did rather than a calibration (so a benchmark checks the model of cost on it, as `predicted_speedup`
+    does for a chain): each lookup step verified n proposed tokens at c(n+1) (`lookup_sizes`: {n: steps}); each
+    of the `draft_steps` draft steps cost `step_seconds` at depth k, its first draft forward fed the rows produced
+    since the draft last ran (every token the run produced, spread over the draft steps). `lookup_tokens` and
+    `draft_tokens`: tokens the lookup and the draft steps produced (accepted + bonus). Plain decoding would make
+    them all at c(1) each. None when the run made no step."""
+    steps = sum(lookup_sizes.values()) + draft_steps
+    tokens = lookup_tokens + draft_tokens
+    if not steps or not tokens:
+        return None
+    seconds = sum(count * curve.target_s(int(n) + 1) for n, count in lookup_sizes.items())
+    if draft_steps:
+        seconds += draft_steps * step_seconds(curve, k=k, tau=max(1.0, tokens / draft_steps))
+    return tokens * curve.target_s(1) / seconds
+
+
 @functools.lru_cache(maxsize=4)
 def _proposals(texts) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per calibration text, per state t (out[:t+1] produced): everything specdec.lookup_proposal offers there.
