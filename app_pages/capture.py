@@ -112,11 +112,11 @@ with right:
                     st.caption("The estimate needs the model's config: it shows once the model has loaded here (a "
                                "first capture), and the capture states it before its first batch.")
                 else:
-                    e1, e2, e3 = st.columns(3)
-                    e1.metric("Per token", fmt.size(plan.bytes_per_token),
+                    # one under the other: three side by side in this half of the page cut their values at 1024 px
+                    st.metric("Per token", fmt.size(plan.bytes_per_token),
                               help=f"{plan.states} hidden states of d={plan.hidden_size} in float16, and the token table")
-                    e2.metric("Estimated size", fmt.size(plan.total), help="At most: every response at its full length")
-                    e3.metric("Free on disk", fmt.size(plan.free))
+                    st.metric("Estimated size", fmt.size(plan.total), help="At most: every response at its full length")
+                    st.metric("Free on disk", fmt.size(plan.free))
                     st.caption(md_text(plan.lines()[1]))
                     if plan.over_budget:
                         st.warning(f"Over the budget of {fmt.size(plan.budget)}: the capture would be refused. Take "
@@ -139,11 +139,17 @@ def start_capture(target) -> None:
     """Start the capture job of the page's choices in session `target` (the session takes the model and prompt
     set from the finished capture, never from a failed one)."""
     global job, view
-    job = manager.submit(target.id, "capture", tasks.capture_job(
-        model=model, prompts=prompt_spec, limit=options.limit, max_new_tokens=options.max_new_tokens,
-        batch_size=options.batch_size, seed=options.seed, sample_positions=options.sample_positions,
-        max_store_bytes=options.max_store_bytes, store=store, analysis_options=target.analysis_options),
-        title=f"Capture of {model}")
+    hold = tasks.hold_upload(store, prompt_spec)      # an uploaded file stays while this capture may read it
+    try:
+        job = manager.submit(target.id, "capture", tasks.capture_job(
+            model=model, prompts=prompt_spec, limit=options.limit, max_new_tokens=options.max_new_tokens,
+            batch_size=options.batch_size, seed=options.seed, sample_positions=options.sample_positions,
+            max_store_bytes=options.max_store_bytes, store=store, analysis_options=target.analysis_options,
+            upload_hold=hold), title=f"Capture of {model}")
+    except Exception:
+        if hold:
+            tasks.release_upload(store, prompt_spec, hold)
+        raise
     view = job.view()
 
 

@@ -168,6 +168,25 @@ def test_an_uploaded_prompt_file_is_kept_only_while_its_capture_runs(manager, st
     assert not path.parent.exists()                                # the capture read it; nothing else needs it
 
 
+def test_two_queued_captures_of_one_uploaded_file_both_read_it(manager, store):
+    """Two sessions upload the same file (one store entry: content-addressed) and start captures; the second waits
+    for the first. The first, ending, leaves the file to the second, which holds it too; the last one removes it."""
+    data = b'{"prompt": "Name a colour."}\n{"prompt": "Name a fruit."}\n'
+    path = tasks.save_upload(store, "shared.jsonl", data)
+    assert tasks.save_upload(store, "shared.jsonl", data) == path
+    jobs = []
+    for sid in ("s8", "s9"):
+        hold = tasks.hold_upload(store, str(path))
+        jobs.append(manager.submit(sid, "capture", tasks.capture_job(
+            model="tiny-llama", prompts=str(path), limit=2, max_new_tokens=4, batch_size=2, seed=0, store=store,
+            upload_hold=hold)))
+    assert jobs[1].view().state != DONE
+    for job in jobs:
+        assert job.wait(TIMEOUT) and job.view().state == DONE, (job.error, job.fix)
+    assert jobs[0].result["conversations"] == jobs[1].result["conversations"] == 2
+    assert not path.parent.exists()                                # the last capture released it
+
+
 def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store, tmp_path):
     missing = str(tmp_path / "no-such-model.gguf")
     with pytest.raises(LayerScopeError) as here:

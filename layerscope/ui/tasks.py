@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from pathlib import Path
 
 from layerscope import eta, forecast, workflow
@@ -45,8 +46,9 @@ def load_in_job(job, spec: str, store):
 
 def save_upload(store, name: str, data: bytes) -> Path:
     """Keep an uploaded prompt file in the store (content-addressed: uploads/<digest>/<name>) so capture can read it
-    by path. An upload is a store entry: counted by the size limit, evicted least recently used, and removed by the
-    capture that used it when it ends (`release_upload`); the Capture page saves it again while it holds the file."""
+    by path. An upload is a store entry: counted by the size limit, evicted least recently used, and removed when
+    the last capture that holds it ends (`hold_upload`, `release_upload`: two sessions can queue captures of one
+    file); the Capture page saves it again while it holds the file."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in Path(name).name)[:80] or "prompts.txt"
     if not safe.lower().endswith((".jsonl", ".txt", ".csv")):
         raise PromptSetError(f"{name} is not a .jsonl, .txt or .csv file",
@@ -67,11 +69,35 @@ def upload_of(store, spec: str) -> str | None:
     return None
 
 
-def release_upload(store, spec: str) -> None:
-    """A capture that read an uploaded prompt file has ended (done, failed or cancelled): its upload goes."""
+UPLOAD_HOLDS = ".holds"        # uploads/<digest>/.holds/<token>: one file per capture submitted with the upload
+
+
+def hold_upload(store, spec: str | None) -> str | None:
+    """A capture of the uploaded prompt file `spec` is being submitted: a hold on it (a token for release_upload),
+    so that another capture of the same file, ending first, leaves it in place. None when `spec` is no upload."""
+    digest = upload_of(store, spec) if spec else None
+    if digest is None:
+        return None
+    token = uuid.uuid4().hex
+    with store.lock("uploads", digest):
+        holds = store.path("uploads", digest) / UPLOAD_HOLDS
+        holds.mkdir(parents=True, exist_ok=True)
+        (holds / token).touch()
+    return token
+
+
+def release_upload(store, spec: str, hold: str | None = None) -> None:
+    """A capture that read an uploaded prompt file has ended (done, failed or cancelled): its hold goes, and the
+    upload with it when no other capture holds it (a capture submitted without a hold: when none does)."""
     digest = upload_of(store, spec)
-    if digest is not None:
-        store.remove("uploads", digest)
+    if digest is None:
+        return
+    with store.lock("uploads", digest):
+        holds = store.path("uploads", digest) / UPLOAD_HOLDS
+        if hold:
+            (holds / hold).unlink(missing_ok=True)
+        if not (holds.is_dir() and any(holds.iterdir())):
+            store.remove("uploads", digest)
 
 
 def load_prompt_set(spec: str, limit: int | None, seed: int):
@@ -99,8 +125,9 @@ def bench_defaults() -> BenchOptions:
 @job_task
 def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: int, batch_size: int, seed: int,
                 store, analysis_options: dict | None = None, sample_positions: int | None = None,
-                max_store_bytes: int | None = None):
-    """workflow.capture (the model from the app's cache), then the default statistics (workflow.analyze)."""
+                max_store_bytes: int | None = None, upload_hold: str | None = None):
+    """workflow.capture (the model from the app's cache), then the default statistics (workflow.analyze).
+    upload_hold: hold_upload's token when `prompts` is an uploaded file (released when the capture ends)."""
     options = CaptureOptions(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                              sample_positions=sample_positions, max_store_bytes=max_store_bytes)
     options.validate()                        # bad options fail where the page starts the job
@@ -129,7 +156,7 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
             done = workflow.capture(model, prompts, options, store, load=lambda spec, st: load_in_job(job, spec, st),
                                     progress=progress, should_stop=job.should_stop)
         finally:
-            release_upload(store, prompts)        # an uploaded prompt file is kept only while its capture runs
+            release_upload(store, prompts, upload_hold)    # an uploaded file is kept while a capture holds it
         result, prompt_set = done.result, done.prompt_set
         out = {"key": result.key, "cached": result.cached, "seconds": result.seconds, "tokens": result.tokens,
                "summary": capture_summary(result.manifest), "model": model, "prompt_set": prompt_set.name,
