@@ -184,6 +184,20 @@ def test_a_new_capture_of_another_model_marks_the_results_it_leaves_and_says_so(
                for n in notes(s))
 
 
+def test_statistics_of_options_changed_since_never_put_those_options_back():
+    """The kernel clicked to cosine, then back to linear while cosine's statistics were computed: cosine's result,
+    arriving last, is not applied (it would switch the session back to cosine); linear's is."""
+    from layerscope.session.model import Session
+    s = Session(model="tiny-llama", capture_key="ab" * 12, analysis_options={"kernel": "linear"})
+    stats = {"entropy": [0.5, 0.6, 0.7], "cka": [[1.0, 0.5, 0.2], [0.5, 1.0, 0.4], [0.2, 0.4, 1.0]],
+             "tokens_total": 10, "tokens_kept": 8}
+    stale = {"capture_key": "ab" * 12, "requested": {"kernel": "cosine"}, "stats": stats}
+    assert not apply.APPLIERS["analysis"](s, stale)
+    assert s.analysis_options == {"kernel": "linear"} and not s.has_stats
+    assert apply.APPLIERS["analysis"](s, {**stale, "requested": {"kernel": "linear"}})
+    assert s.analysis_options == {"kernel": "linear"} and s.stats_dict()["requested"] == {"kernel": "linear"}
+
+
 def test_every_ranking_states_its_sample_and_ties_are_called_ties():
     layers = {r.name: tuple(r.layers) for r in rows()}
     # the issue's probe: 15 vs 13 of 96 positions from 2 held-out conversations is a tie, said with the sample

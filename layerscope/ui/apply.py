@@ -150,8 +150,10 @@ def stats_for(s: Session, store, options: dict | None = None):
 def _apply_analysis(s: Session, result: dict) -> bool:
     if result.get("capture_key") != s.capture_key:
         return False        # computed for a capture the session has since left
+    if dict(result["requested"]) != dict(s.analysis_options):
+        return False        # options the user has since changed again (a kernel clicked twice): never put back;
+                            # stats_for starts the job of the options now chosen
     set_stats(s, result["stats"], result["requested"])
-    s.analysis_options = dict(result["requested"])
     return True
 
 
