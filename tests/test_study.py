@@ -14,7 +14,7 @@ from layerscope.commands.study import options_from_args
 from layerscope.draft import probe
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
-from layerscope.errors import SelectionError
+from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.stats.analysis import analyze
 from layerscope.stats.correlation import ranks, spearman
 from layerscope.store import Store
@@ -170,6 +170,12 @@ def test_typed_study_options_train_the_same_drafts_and_say_the_same_budget():
     line = "online training (prompts=sharegpt, responses=own, ttt_steps=3, lr=0.001, tokens=2000000)"
     assert budget_text(asdict(online)) == budget_text({"online": before}) == line
     assert budget_text({"online": asdict(replace(online.online, batch_size=4))}) == line[:-1] + ", batch_size=4)"
+    weighted = parse("--online", "--tokens", "2M", "--train-kinds", "code=2,chat=0")    # as train-draft --kinds
+    assert weighted.online.kinds == "code=2,chat=0" and weighted.online.kind_weights["code"] == 2
+    with pytest.raises(LayerScopeError, match="--train-kinds weights the conversations of online training"):
+        parse("--train-kinds", "code=2")
+    with pytest.raises(LayerScopeError, match="--train-kinds weights ShareGPT's conversations; --train-prompts builtin"):
+        parse("--online", "--tokens", "2M", "--train-prompts", "builtin", "--train-kinds", "code=2")
 
 
 def test_cli_study_refuses_a_bad_pass_size_and_an_outcomes_file_before_the_model_loads(tiny_capture, session_store,

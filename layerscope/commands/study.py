@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
                         "resumable; see `train-draft --model`) instead of from the capture")
     p.add_argument("--train-prompts", default=on.prompts, help="online: training conversations (default %(default)s)")
     p.add_argument("--train-limit", type=int, default=on.limit, help="online: conversations drawn (default: all)")
+    p.add_argument("--train-kinds", default=on.kinds, metavar="KIND=W,...",
+                   help="online, --train-prompts sharegpt: draw the training conversations by kind of first request, "
+                        "as train-draft --kinds takes it (e.g. code=2,summarization=2; docs/training.md)")
     p.add_argument("--responses", choices=("regenerate", "own"), default=on.responses,
                    help="online: the target's own answers or the conversations' own (default %(default)s)")
     p.add_argument("--train-max-prompt-tokens", type=int, default=on.max_prompt_tokens,
@@ -89,8 +92,12 @@ def options_from_args(args) -> StudyOptions:
     train = TrainOptions(steps=args.steps, ttt_steps=args.ttt_steps, batch_size=args.batch_size, seq_len=args.seq_len,
                          lr=args.lr, seed=args.seed, fc_norm=args.fc_norm)
     online = None
+    if args.online and args.train_kinds is not None and str(args.train_prompts).strip() != "sharegpt":
+        raise LayerScopeError(f"--train-kinds weights ShareGPT's conversations; --train-prompts {args.train_prompts} "
+                              "is another set", "Use --train-prompts sharegpt, or leave --train-kinds out")
     if args.online:
-        online = OnlineOptions(prompts=args.train_prompts, limit=args.train_limit, responses=args.responses,
+        online = OnlineOptions(prompts=args.train_prompts, limit=args.train_limit, kinds=args.train_kinds,
+                               responses=args.responses,
                                max_prompt_tokens=args.train_max_prompt_tokens,
                                max_new_tokens=args.train_max_new_tokens, val_conversations=args.val_conversations,
                                fc_norm=args.fc_norm, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -100,6 +107,9 @@ def options_from_args(args) -> StudyOptions:
         online.validate()
     elif args.tokens or args.time:
         raise LayerScopeError("--tokens and --time are budgets of online training", "Add --online, or pass --steps")
+    elif args.train_kinds is not None:
+        raise LayerScopeError("--train-kinds weights the conversations of online training; without --online the "
+                              "drafts train from the capture", "Add --online, or leave --train-kinds out")
     return StudyOptions(strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                         extra_sets=tuple(tuple(parse_layers(x)) for x in args.layers), k=args.k, lam=args.lam,
                         train=train, prompts=args.prompts, limit=args.limit, seed=args.seed,
