@@ -101,6 +101,13 @@ def test_resolve_reads_store_keys_and_leaves_paths_alone(tiny_draft, store, tmp_
     key_dir.mkdir(parents=True)
     assert builtin.resolve("abc123", store=store) == key_dir
     assert builtin.resolve(tmp_path / "nowhere", store=store) == tmp_path / "nowhere"   # the caller's check names it
+    # a key's prefix, as captures take one: unique, it is that draft; shared, one line lists the matches
+    assert builtin.resolve("abc1", store=store) == key_dir
+    Path(store.path("drafts", "abc1ff")).mkdir(parents=True)
+    assert builtin.resolve("abc12", store=store) == key_dir
+    with pytest.raises(DraftError, match=r"The prefix 'abc1' matches 2 stored drafts: abc123, abc1ff"):
+        builtin.resolve("abc1", store=store)
+    assert builtin.resolve("abc", store=store) == Path("abc")        # under 4 characters: not taken as a prefix
 
 
 def test_bench_with_draft_builtin_decodes_losslessly_under_that_name(tiny, tiny_draft, tiny_slot, tmp_path, capsys):

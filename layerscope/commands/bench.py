@@ -23,8 +23,8 @@ HELP = ("decode the same prompts with each draft, plain decoding, HF generate an
 def add_arguments(p) -> None:
     d, t = BenchOptions(), TreeSpec()
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
-                   help="draft directory, store key, or `builtin` (the draft shipped for the default model); repeat for "
-                        "several; none: only the baselines run")
+                   help="draft directory, store key (or a unique prefix of one), or `builtin` (the draft shipped for "
+                        "the default model); repeat for several; none: only the baselines run")
     p.add_argument("--model", default=d.model,
                    help="target model spec (default: the one the first draft was trained for, else smollm2-135m)")
     p.add_argument("--prompts", default=d.prompts,

@@ -21,8 +21,8 @@ HELP = ("measure the target's cost curve (seconds of a forward over T = 1..32 ne
 def add_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model spec (default %(default)s)")
     p.add_argument("--draft", default=None, metavar="DIR",
-                   help="draft directory, store key or `builtin` (default: an untrained draft of the default shape: it "
-                        "costs the same)")
+                   help="draft directory, store key (or a unique prefix), or `builtin` (default: an untrained draft "
+                        "of the default shape: it costs the same)")
     p.add_argument("--max-tokens", type=int, default=costmodel.MAX_TOKENS,
                    help="longest verification forward measured (default %(default)s)")
     p.add_argument("--repeats", type=int, default=costmodel.REPEATS, help="timings per point (default %(default)s)")

@@ -7,12 +7,14 @@ that trained it and its learning curve, written by `ship` (scripts/ship_draft.py
 
     SHIPPED                          model alias -> folder under layerscope/data/drafts/
     builtin_path(model)              the shipped draft for `model` (DraftError when none ships)
-    resolve(spec, model, store)      'builtin' | a draft directory | a store key (drafts/<key>) -> a directory
+    resolve(spec, model, store)      'builtin' | a draft directory | a store key or its prefix (drafts/<key>) -> a
+                                     directory
     ship(src, model, command, root)  write the draft at `src` into the package in bfloat16
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from layerscope.draft.checkpoint import load_draft, read_meta, save_draft
@@ -21,6 +23,8 @@ from layerscope.draft.loss import simulated_acc_len
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL
 from layerscope.store import ENTRY_NAME_RE
+
+KEY_PREFIX_RE = re.compile(r"[0-9a-f]{4,24}")       # a stored draft's key or a prefix of it (4 hex at least)
 
 BUILTIN = "builtin"
 ROOT = Path(__file__).resolve().parent.parent / "data" / "drafts"
@@ -57,11 +61,20 @@ def resolve(spec, model: str | None = None, store=None) -> Path:
         return path
     if not ENTRY_NAME_RE.fullmatch(str(spec)):   # not a name the store could hold (a path, a glob): the caller names it
         return path
-    candidate = Path(store.path("drafts", str(spec)))
+    key = str(spec)
+    candidate = Path(store.path("drafts", key))
+    if not (candidate.is_dir() or candidate.is_symlink()) and KEY_PREFIX_RE.fullmatch(key):
+        matches = sorted(p.name for p in store.entry_names("drafts") if p.name.startswith(key))   # a key's prefix,
+        if len(matches) > 1:                                                                   # as captures take it
+            shown = ", ".join(matches[:10]) + (f" and {len(matches) - 10} more" if len(matches) > 10 else "")
+            raise DraftError(f"The prefix {key!r} matches {len(matches)} stored drafts: {shown}",
+                             f"Type more characters of the key (the folders of {Path(store.root) / 'drafts'})")
+        if matches:
+            key, candidate = matches[0], Path(store.path("drafts", matches[0]))
     if candidate.is_dir() or candidate.is_symlink():   # the store's path rule, as in every listing and open
-        problem = store.entry_problem("drafts", str(spec))
+        problem = store.entry_problem("drafts", key)
         if problem is not None:
-            raise DraftError(f"The stored draft {spec} cannot be used: {problem}",
+            raise DraftError(f"The stored draft {key} cannot be used: {problem}",
                              f"Remove the link {candidate}, or move the draft itself into {candidate.parent}")
         return candidate
     return path
