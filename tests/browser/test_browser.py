@@ -7,6 +7,7 @@ test-output/screenshots/ for a reviewer who does not run the app.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -160,6 +161,15 @@ def cell_xy(page, row: int, col: int) -> list[float]:
         const fl = gd._fullLayout, box = gd.getBoundingClientRect();
         return [box.left + fl.xaxis._offset + fl.xaxis.l2p(col), box.top + fl.yaxis._offset + fl.yaxis.l2p(row)];
     }""", [row, col])
+
+
+def box_tool(page) -> None:
+    """Choose the "drag a box" tool and wait until the heatmap is drawn with it (its dragmode is "select"): a drag
+    before the rerun lands would zoom instead, as one did on a loaded CI core."""
+    page.get_by_text("drag a box", exact=True).click()
+    page.wait_for_function("() => { const g = [...document.querySelectorAll('.js-plotly-plot')].find(g => g.data && "
+                           "g.data[0].type === 'heatmap'); return g && g._fullLayout.dragmode === 'select'; }")
+    wait_idle(page)
 
 
 def drag_box(page, start: tuple[int, int], end: tuple[int, int]) -> None:
@@ -334,8 +344,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     click_cell(page, 2, 2)
     wait_picked(page, ["picked 1", "picked 3"])
     # --- a box: the layers of the diagonal cells it covers, at most the set size (2 here: the default rule's size)
-    page.get_by_text("drag a box", exact=True).click()
-    wait_idle(page)
+    box_tool(page)
     drag_box(page, (1, 1), (3, 3))
     page.get_by_text(re.compile(r"The box covers 3 layers on the diagonal")).wait_for()
     wait_picked(page, ["picked 1", "picked 3"])
@@ -529,8 +538,7 @@ def test_typed_numbers_heatmap_labels_kernel_and_box_picks_on_a_deep_model(serve
     click_cell(page, 3, 20)
     wait_picked(page, ["picked 3", "picked 20"])
     # a box along the diagonal picks its diagonal cells' layers, up to the set size k = 3; a bigger one says why
-    page.get_by_text("drag a box", exact=True).click()
-    wait_idle(page)
+    box_tool(page)
     drag_box(page, (5, 5), (7, 7))
     wait_picked(page, ["picked 3", "picked 5", "picked 6", "picked 7", "picked 20"])
     drag_box(page, (9, 9), (19, 19))
@@ -553,15 +561,22 @@ def test_typed_numbers_heatmap_labels_kernel_and_box_picks_on_a_deep_model(serve
 
 
 def test_a_running_capture_survives_a_refresh_and_cancels(server, browser):
-    page = open_app(browser, server, timeout_ms=60_000)
+    page = open_app(browser, server, timeout_ms=120_000)
     start_tiny_capture(page, prompts=120, new_tokens=256, batch=1)      # long enough to be running at the click
-    page.locator("[data-testid='stProgress']").first.wait_for()
-    page.reload()
-    page.locator("[data-testid='stProgress']").first.wait_for()     # still running after the refresh
-    page.get_by_text("Tokens / s").wait_for()
-    page.get_by_role("button", name="Cancel").click()
-    page.get_by_text(re.compile(r"Capture of tiny-llama was cancelled")).wait_for(timeout=120_000)
-    page.close()
+    cancelled = False
+    try:
+        page.locator("[data-testid='stProgress']").first.wait_for()
+        page.reload()
+        page.locator("[data-testid='stProgress']").first.wait_for()     # still running after the refresh
+        page.get_by_text("Tokens / s").wait_for()
+        page.get_by_role("button", name="Cancel").click()
+        cancelled = True
+        page.get_by_text(re.compile(r"Capture of tiny-llama was cancelled")).wait_for(timeout=120_000)
+    finally:
+        if not cancelled:        # a failure above leaves no long capture to hold up the next tests' jobs
+            with contextlib.suppress(PlaywrightError):
+                page.get_by_role("button", name="Cancel").click(timeout=30_000)
+        page.close()
 
 
 def test_a_reload_shows_a_running_training_live_on_its_page_again(server, browser):
