@@ -173,7 +173,9 @@ def box_tool(page) -> None:
 
 
 def drag_box(page, start: tuple[int, int], end: tuple[int, int]) -> None:
-    """Drag from the outer corner of cell `start` to the outer corner of cell `end` (row, col)."""
+    """Drag from the outer corner of cell `start` to the outer corner of cell `end` (row, col), once the page is idle:
+    a drag during the rerun of the last one is lost with the chart it was drawn on (seen on a loaded core)."""
+    wait_idle(page)
     a, b = cell_xy(page, *start), cell_xy(page, *end)
     dx, dy = (b[0] - a[0]) / max(abs(end[1] - start[1]), 1) / 2, (b[1] - a[1]) / max(abs(end[0] - start[0]), 1) / 2
     page.mouse.move(a[0] - 0.8 * dx, a[1] - 0.8 * dy)
