@@ -15,8 +15,8 @@ that no strategy optimises and that covers at least two of them:
        chosen by maximising it.
 
 and only within one set size (a set with more layers carries more, whatever they are), and only what measured the
-model the session analyses now (`same_target`; a study of the model captured before "Replace here" ranks nothing). Every ranking states its
-sample: τ with its 95% interval, a draft's agreement with its held-out positions and training tokens, the probe's
+model the session analyses now (`same_target`; a study of the model captured before "Replace here" ranks nothing).
+Every ranking states its sample: τ with its 95% interval, a draft's agreement with its held-out positions and training tokens, the probe's
 with its held-out positions and conversations and a 95% bootstrap interval over conversations. Drafts trained on
 different budgets (tokens seen more than sanity.BUDGET_RATIO apart) are not ranked by agreement against each other: the
 largest group of one budget is, the others are left out and named, and with no such group the basis is refused (a
