@@ -17,6 +17,13 @@
 #                                    # fc_norm (the budget at which the default set's held-out agreement passes 0.3:
 #                                    # docs/results.md), kept in docs/study-gemma3 (STUDY_DIR); `keep` with
 #                                    # STUDY_DIR=docs/study-gemma3 keeps its answers
+#   benchmarks/long_run.sh smollm2-fc-norm   # issue 38.3 on SmolLM2: the study's default [2,15,27], best (probe
+#                                    # [19,21,27]) and worst (single [29]) sets again, with fc_norm, seed 0, the
+#                                    # study's recipe and benchmark, into docs/study-500k/outcomes-fc-norm
+#   benchmarks/long_run.sh gemma3-no-fc-norm # issue 38.3 on Gemma 3: the study's default, best and worst sets
+#                                    # (GEMMA3_SETS, as --layers arguments) without fc_norm, seed 0, into
+#                                    # docs/study-gemma3/outcomes-no-fc-norm; either pair is then read with
+#                                    # benchmarks/paired_outcomes.py (the Markdown table of issue 38.3)
 #
 # Keep the store outside the work tree (LAYERSCOPE_STORE, default $HOME/layerscope-store) so that it outlives
 # it, and run this alone on the machine: a second torch process on 2 cores slows both several times.
@@ -37,7 +44,7 @@ mode="${1:-default}"
 export LAYERSCOPE_STORE="${LAYERSCOPE_STORE:-$HOME/layerscope-store}"
 mkdir -p "$LAYERSCOPE_STORE/logs"
 log="$LAYERSCOPE_STORE/logs/long-$mode"
-case "$mode" in gemma3-study) default_dir=docs/study-gemma3 ;; *) default_dir=docs/study-500k ;; esac
+case "$mode" in gemma3-*) default_dir=docs/study-gemma3 ;; *) default_dir=docs/study-500k ;; esac
 study_dir="${STUDY_DIR:-$(pwd)/$default_dir}"
 data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2)
 continued=("${data[@]}")
@@ -58,6 +65,21 @@ run_study() {
     --random-sets 2 --online --train-prompts sharegpt --responses regenerate "$@" \
     --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
     --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log"
+}
+# a few hand-picked sets of a study trained again with one training option changed (issue 38.3): the study's
+# recipe otherwise, its answers reused, one seed, into their own outcome folder. The sets are named, so a small
+# capture serves (its statistics only feed the report's proxies, which nobody reads here).
+run_sets() {
+  local model="$1" outcomes="$2"; shift 2
+  if [ -d "$study_dir/responses" ]; then
+    mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
+  fi
+  key=$(.venv/bin/layerscope capture --model "$model" --prompts sharegpt --limit 16 --max-new-tokens 32 \
+          --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+  echo "sets capture: $key" >> "$log.log"
+  exec .venv/bin/layerscope study "$key" --online --train-prompts sharegpt --responses regenerate "$@" \
+    --seeds 0 --outcomes "$study_dir/$outcomes" --limit 40 --max-new-tokens 32 --wait-quiet 10m \
+    --json >> "$log.json" 2>> "$log.log"
 }
 case "$mode" in
   default)
@@ -101,5 +123,14 @@ PY
     # the training data of docs/results.md's first Gemma 3 drafts (their regenerated answers are reused)
     run_study gemma3-270m --train-limit 640 --train-max-prompt-tokens 1024 --train-max-new-tokens 64 \
       --val-conversations 32 --tokens 200k --fc-norm ;;
-  *) echo "usage: $0 default|continue|ship|study|keep|gemma3-study" >&2; exit 2 ;;
+  smollm2-fc-norm)
+    run_sets smollm2-135m outcomes-fc-norm --strategies default,single --layers 19,21,27 \
+      --train-limit 2000 --tokens 500k --fc-norm ;;
+  gemma3-no-fc-norm)
+    # the sets: the default rule's and GEMMA3_SETS (default: seed 0's best, probe [13,15,17], and worst, random#1
+    # [4,7,8], of the study's first eight sets)
+    read -r -a sets <<< "${GEMMA3_SETS:---layers 13,15,17 --layers 4,7,8}"
+    run_sets gemma3-270m outcomes-no-fc-norm --strategies default "${sets[@]}" --train-limit 640 \
+      --train-max-prompt-tokens 1024 --train-max-new-tokens 64 --val-conversations 32 --tokens 200k --no-fc-norm ;;
+  *) echo "usage: $0 default|continue|ship|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm" >&2; exit 2 ;;
 esac

@@ -9,6 +9,8 @@ from layerscope.decoding.specdec import StepEvent
 from layerscope.stats import bootstrap as B
 from layerscope.stats.correlation import spearman, spearman_rows
 from layerscope.stats.paired import PromptRuns, best_versions, compare_sets, correlate, significant, verdict
+from layerscope.study.effect import effect_rows, format_effect, pair_folders
+from layerscope.study.outcomes import Outcome, OutcomeError, OutcomeFolder
 
 
 def gen(seed):
@@ -218,3 +220,42 @@ def test_one_interval_format_for_the_app_the_tables_and_the_verdict():
     lost = verdict([rows[0], {**rows[1], "tau": 1.2, "delta_vs_default": -0.1, "delta_ci": [-0.2, -0.01]}], 0, [],
                    prompts=8, seeds=1)
     assert fmt.ci([1.27, 1.33], "tau") in lost                                  # the default's own τ interval
+
+
+def test_two_outcome_folders_pair_by_set_seed_and_benchmark_and_give_a_paired_delta(tmp_path):
+    """benchmarks/paired_outcomes.py's rule (issue 38.3, fc_norm on and off): outcomes pair when target, layers,
+    seed and benchmark agree; Δτ is the paired difference over the prompts, exactly 0 for the same runs."""
+    a, b, _ = synthetic_sets(gain=0.05)
+
+    def identity(layers, fc_norm, bench="prompts-1"):
+        online = {"tokens": 200000, **({"fc_norm": True} if fc_norm else {})}
+        return {"target": "gguf-t", "layers": layers, "seed": 0, "training": {"online": online, "prompts": "p"},
+                "bench": {"prompts": bench, "max_new_tokens": 32, "k": 2}, "format": 1}
+
+    def outcome(layers, runs_, agreement):
+        return Outcome(layers=layers, seed=0, draft="gone", meta={"val_accuracy": agreement, "tokens_seen": 200286},
+                       result={"speedup": 0.6}, per_prompt=runs_, machine=None, baseline={})
+
+    off, on = OutcomeFolder(tmp_path / "off"), OutcomeFolder(tmp_path / "on")
+    off.put(identity([2, 9, 15], False), outcome([2, 9, 15], a, [0.29, 0.17, 0.13]))
+    on.put(identity([2, 9, 15], True), outcome([2, 9, 15], b, [0.35, 0.35, 0.34]))
+    off.put(identity([17], False), outcome([17], a, [0.3]))
+    on.put(identity([17], True), outcome([17], a, [0.3]))
+    off.put(identity([4, 7, 8], False), outcome([4, 7, 8], a, [0.3]))                       # another benchmark:
+    on.put(identity([4, 7, 8], True, bench="prompts-2"), outcome([4, 7, 8], b, [0.3]))    # no partner
+    off.put(identity([0, 13, 17], False), outcome([0, 13, 17], a, [0.3]))                 # in one folder only
+
+    pairs = pair_folders(off, on)
+    assert sorted(p.layers for p in pairs) == [[2, 9, 15], [17]]
+    assert all(p.differs == {"online.fc_norm": (None, True)} for p in pairs)
+    rows = {tuple(r["layers"]): r for r in effect_rows(pairs)}
+    tau_a, tau_b = sum(a.tokens) / sum(a.forwards), sum(b.tokens) / sum(b.forwards)
+    default = rows[(2, 9, 15)]
+    assert default["a"]["tau"] == pytest.approx(tau_a, abs=1e-12) and default["b"]["tau"] == pytest.approx(tau_b, abs=1e-12)
+    assert default["delta_tau"] == pytest.approx(tau_b - tau_a, abs=1e-12) and default["delta_ci"][0] > 0
+    assert rows[(17,)]["delta_tau"] == 0.0 and rows[(17,)]["delta_ci"] == [0.0, 0.0]
+    text = format_effect(list(rows.values()), "no fc_norm", "fc_norm")
+    assert "| [2, 9, 15] | 0 | fc_norm | 0.350 / 0.350 / 0.340 |" in text
+    assert f"{tau_b - tau_a:+.3f} [" in text and "online.fc_norm: None → True" in text
+    with pytest.raises(OutcomeError, match="has a partner"):
+        pair_folders(off, OutcomeFolder(tmp_path / "empty"))
