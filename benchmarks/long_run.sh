@@ -50,32 +50,35 @@ data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerat
 continued=("${data[@]}")
 continued[5]=4000                    # --limit: twice the distinct conversations
 continued+=(--layers 2,15,27 --init-from builtin --tokens 1.25M)
-# the study of one model (`study`, `gemma3-study`): its training options after the model
-run_study() {
-  local model="$1"; shift
-  # the answers kept in the repository go into the store first (never over what it holds)
+# the answers kept in the repository go into the store first (never over what it holds)
+copy_responses() {
   if [ -d "$study_dir/responses" ]; then
     mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
   fi
-  # the study's capture: its statistics propose the sets and give the proxies (10-25 minutes, each machine)
-  key=$(.venv/bin/layerscope capture --model "$model" --prompts sharegpt --limit 240 --max-new-tokens 96 \
-          --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+}
+# the study's capture of one model: its statistics propose the sets and give the proxies (10-25 minutes, each
+# machine; served from the store when it holds it). Prints its key.
+study_capture() {
+  .venv/bin/layerscope capture --model "$1" --prompts sharegpt --limit 240 --max-new-tokens 96 \
+    --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])'
+}
+# the study of one model (`study`, `gemma3-study`): its training options after the model
+run_study() {
+  local model="$1"; shift
+  copy_responses
+  key=$(study_capture "$model")
   echo "study capture: $key" >> "$log.log"
   exec .venv/bin/layerscope study "$key" --strategies default,greedy,aggregate,entropy-topk,spread,random,last-k,single,probe \
     --random-sets 2 --online --train-prompts sharegpt --responses regenerate "$@" \
     --seeds 0,1 --sets-per-pass "${SETS_PER_PASS:-4}" --outcomes "$study_dir/outcomes" \
     --limit 40 --max-new-tokens 32 --wait-quiet 10m --json >> "$log.json" 2>> "$log.log"
 }
-# a few hand-picked sets of a study trained again with one training option changed (issue 38.3): the study's
-# recipe otherwise, its answers reused, one seed, into their own outcome folder. The sets are named, so a small
-# capture serves (its statistics only feed the report's proxies, which nobody reads here).
+# a few sets of a study trained again with one training option changed (issue 38.3): the study's capture and
+# recipe otherwise, its answers reused, one seed, into an outcome folder of their own
 run_sets() {
   local model="$1" outcomes="$2"; shift 2
-  if [ -d "$study_dir/responses" ]; then
-    mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
-  fi
-  key=$(.venv/bin/layerscope capture --model "$model" --prompts sharegpt --limit 16 --max-new-tokens 32 \
-          --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+  copy_responses
+  key=$(study_capture "$model")
   echo "sets capture: $key" >> "$log.log"
   exec .venv/bin/layerscope study "$key" --online --train-prompts sharegpt --responses regenerate "$@" \
     --seeds 0 --outcomes "$study_dir/$outcomes" --limit 40 --max-new-tokens 32 --wait-quiet 10m \
