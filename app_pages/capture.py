@@ -145,7 +145,8 @@ def start_capture(target) -> None:
             model=model, prompts=prompt_spec, limit=options.limit, max_new_tokens=options.max_new_tokens,
             batch_size=options.batch_size, seed=options.seed, sample_positions=options.sample_positions,
             max_store_bytes=options.max_store_bytes, store=store, analysis_options=target.analysis_options,
-            upload_hold=hold), title=f"Capture of {model}")
+            upload_hold=hold), title=f"Capture of {model}",
+            on_drop=(lambda spec=prompt_spec: tasks.release_upload(store, spec, hold)) if hold else None)
     except Exception:
         if hold:
             tasks.release_upload(store, prompt_spec, hold)

@@ -14,6 +14,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -185,6 +186,26 @@ def test_two_queued_captures_of_one_uploaded_file_both_read_it(manager, store):
         assert job.wait(TIMEOUT) and job.view().state == DONE, (job.error, job.fix)
     assert jobs[0].result["conversations"] == jobs[1].result["conversations"] == 2
     assert not path.parent.exists()                                # the last capture released it
+
+
+def test_a_queued_capture_cancelled_before_it_starts_releases_its_upload(manager, store):
+    """A capture of an upload waits behind another job and is cancelled before it starts: its hold goes with it
+    (on_drop, as the Capture page submits it), and the upload with the hold; before, the file stayed for good."""
+    path = tasks.save_upload(store, "queued.jsonl", b'{"prompt": "Name a river."}\n')
+    release = threading.Event()
+    blocker = manager.submit("s10", "other", lambda job: release.wait(TIMEOUT))   # holds the one slot
+    hold = tasks.hold_upload(store, str(path))
+    job = manager.submit("s11", "capture", tasks.capture_job(
+        model="tiny-llama", prompts=str(path), limit=1, max_new_tokens=4, batch_size=1, seed=0, store=store,
+        upload_hold=hold), on_drop=lambda: tasks.release_upload(store, str(path), hold))
+    try:
+        assert job.view().state == "queued" and path.parent.exists()
+        manager.cancel(job.id)
+        assert job.wait(TIMEOUT) and job.view().state == CANCELLED and job.view().started is None
+        assert not path.parent.exists()
+    finally:
+        release.set()
+        assert blocker.wait(TIMEOUT)
 
 
 def test_a_layerscope_error_in_the_worker_is_its_problem_and_fix(manager, store, tmp_path):

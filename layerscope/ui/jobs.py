@@ -160,6 +160,7 @@ class Job:
     title: str
     fn: Callable[["Job"], Any] = field(repr=False)
     tag: StatsTag | None = None
+    on_drop: Callable[[], Any] | None = field(default=None, repr=False)    # called if it ends before it starts
     state: str = QUEUED
     progress: float | None = None
     message: str = "waiting to start"
@@ -276,16 +277,17 @@ class JobManager:
         self.records = records
 
     def submit(self, owner: str, kind: str, fn: Callable[[Job], Any], *, title: str | None = None,
-               tag: StatsTag | None = None) -> Job:
+               tag: StatsTag | None = None, on_drop: Callable[[], Any] | None = None) -> Job:
         """Start `fn(job)` in the background (a `Task` in the worker, in process mode). A running job of the
-        same owner and kind is refused."""
+        same owner and kind is refused. `on_drop()` runs when the job is cancelled before it starts (it then never
+        runs `fn`, so what `fn` would release at its end is released there: an upload's hold)."""
         with self._lock:
             current = self._latest_locked(owner, kind)
             if current is not None and current.state in (QUEUED, RUNNING):
                 raise LayerScopeError(f"A {kind} job is already running for this session ({current.title})",
                                       "Wait for it to finish or cancel it first")
             job = Job(id=f"{kind}-{next(self._ids)}-{int(time.time() * 1000) % 100000}", owner=owner, kind=kind,
-                      title=title or kind, fn=fn, tag=tag)
+                      title=title or kind, fn=fn, tag=tag, on_drop=on_drop)
             self._jobs[job.id] = job
             self._trim_locked()
             for j in [j for j in self._jobs.values() if j.owner == owner and j.kind == kind and j.state == INTERRUPTED]:
@@ -301,12 +303,12 @@ class JobManager:
             job.update(message=f"waiting for {ahead} running job(s) to finish")
         while not self._slots.acquire(timeout=0.2):
             if job.should_stop():
-                job._finish(CANCELLED)
+                self._cancelled_unstarted(job)
                 self._drop_record(job)
                 return
         try:
             if job.should_stop():
-                job._finish(CANCELLED)
+                self._cancelled_unstarted(job)
                 return
             with job._lock:
                 job.state, job.started, job.message = RUNNING, time.time(), "starting"
@@ -318,6 +320,15 @@ class JobManager:
         finally:
             self._slots.release()
             self._drop_record(job)
+
+    def _cancelled_unstarted(self, job: Job) -> None:
+        """`job` was cancelled while it waited: it ends cancelled, and its on_drop runs (its failure logged)."""
+        if job.on_drop is not None:
+            try:
+                job.on_drop()
+            except Exception:
+                log.exception("releasing what the cancelled job %s held failed", job.title)
+        job._finish(CANCELLED)
 
     # ------------------------------------------------------------------ records of running jobs (restarts)
     def _record_path(self, owner: str, kind: str) -> Path | None:
