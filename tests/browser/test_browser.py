@@ -111,6 +111,16 @@ def set_number(page, label: str, value) -> None:
     wait_idle(page)
 
 
+def wait_value(page, label: str, expected: str, timeout: float = 30) -> None:
+    """Wait until the text box `label` shows `expected`: a page just opened on a loaded machine may draw its fields
+    empty first and fill them from the session a moment later (the value is asserted, not a fixed sleep)."""
+    box = page.get_by_role("textbox", name=label, exact=True)
+    deadline = time.time() + timeout
+    while (value := box.input_value()) != expected:
+        assert time.time() < deadline, f"{label} shows {value!r}, not {expected!r}, {timeout:.0f} s after the page opened"
+        page.wait_for_timeout(250)
+
+
 def open_app(browser, server: str, *, timeout_ms: int):
     """A new tab on the Capture page, by its own URL (/capture: the bare URL is the Home page), idle and ready."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -317,7 +327,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     wait_idle(page)
     goto_page(page, "CKA heatmap")
     goto_page(page, "Entropy")
-    assert page.get_by_role("textbox", name="Max tokens", exact=True).input_value() == "4096"
+    wait_value(page, "Max tokens", "4096")
     assert page.get_by_role("radio", name="cosine").is_checked()
     page.get_by_role("button", name="Review and apply…").click()
     wait_idle(page)
@@ -376,7 +386,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     set_number(page, "Training steps", 3)
     goto_page(page, "Entropy")                     # the training steps stay after leaving the page
     goto_page(page, "Speculative decoding")
-    assert page.get_by_role("textbox", name="Training steps", exact=True).input_value() == "3"
+    wait_value(page, "Training steps", "3")
     page.get_by_role("button", name="Train draft").click()
     page.get_by_text(re.compile(r"Draft for hand-picked \[1, 3\]: done in")).wait_for(timeout=180_000)
     wait_idle(page)
