@@ -6,8 +6,17 @@
 #   benchmarks/long_run.sh continue  # the builtin draft trained on (--init-from builtin): 1.25M more tokens over
 #                                    # 4,000 drawn ShareGPT prompts (the first 2,000's answers are reused; it holds
 #                                    # out what the builtin held out); ship the result with scripts/ship_draft.py
-#   benchmarks/long_run.sh ship      # after `continue`: ship its draft as --draft builtin (scripts/ship_draft.py),
-#                                    # then the two benchmarks of the drafts issue (item 5), quiet, into docs/bench/
+#   benchmarks/long_run.sh continue-kinds  # issue 39.3: the builtin draft trained on again, 1.25M more tokens over
+#                                    # 4,000 ShareGPT prompts drawn with more of the kinds it loses on
+#                                    # (--kinds translation=10,summarization=5,math=5: about 8 % translation, 8 %
+#                                    # summarization, 4 % maths instead of 1-2 % each); THREADS=1 on a shared machine
+#   benchmarks/long_run.sh ship      # after `continue` (SHIP_FROM=continue-kinds: after that one): ship its draft
+#                                    # as --draft builtin (scripts/ship_draft.py), then the two benchmarks of the
+#                                    # drafts issue (item 5), quiet, into docs/bench/
+#   benchmarks/long_run.sh bench-builtin   # issue 39.4, the benchmark that counts: --draft builtin with --k auto
+#                                    # --tree auto --lookup auto against plain decoding, HF generate and HF prompt
+#                                    # lookup on 96 builtin and 40 held-out ShareGPT prompts, quiet, all cores, into
+#                                    # docs/bench/builtin-<its run key>-{builtin,sharegpt-heldout}.{txt,json}
 #   benchmarks/long_run.sh study     # the study itself: its capture, then `layerscope study --online`, which
 #                                    # trains every proposed set (default rule, entropy/CKA strategies, last-k,
 #                                    # single, two seeded random controls) for seeds 0 and 1, four sets per
@@ -50,6 +59,9 @@ data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerat
 continued=("${data[@]}")
 continued[5]=4000                    # --limit: twice the distinct conversations
 continued+=(--layers 2,15,27 --init-from builtin --tokens 1.25M)
+by_kind=("${continued[@]}")
+by_kind[11]="${THREADS:-2}"          # --threads
+by_kind+=(--kinds translation=10,summarization=5,math=5)
 # the answers kept in the repository go into the store first (never over what it holds)
 copy_responses() {
   if [ -d "$study_dir/responses" ]; then
@@ -89,10 +101,16 @@ case "$mode" in
     exec .venv/bin/layerscope train-draft "${data[@]}" --layers 2,15,27 --time 100m --json >> "$log.json" 2>> "$log.log" ;;
   continue)
     exec .venv/bin/layerscope train-draft "${continued[@]}" --json >> "$log.json" 2>> "$log.log" ;;
+  continue-kinds)
+    exec .venv/bin/layerscope train-draft "${by_kind[@]}" --json >> "$log.json" 2>> "$log.log" ;;
   ship)
     # run it from the work tree you commit from: it writes layerscope/data/drafts/ and docs/bench/ there.
-    # The newest draft `continue` made (the last JSON document it printed), shipped with the command that made it
-    draft=$(.venv/bin/python - "$LAYERSCOPE_STORE/logs/long-continue.json" <<'PY'
+    # The newest draft `continue` (or SHIP_FROM) made (the last JSON document it printed), shipped with the command
+    # that made it
+    from="${SHIP_FROM:-continue}"
+    case "$from" in continue) made=("${continued[@]}") ;; continue-kinds) made=("${by_kind[@]}") ;;
+      *) echo "SHIP_FROM is continue or continue-kinds, not $from" >&2; exit 2 ;; esac
+    draft=$(.venv/bin/python - "$LAYERSCOPE_STORE/logs/long-$from.json" <<'PY'
 import json, sys
 text, docs, i, dec = open(sys.argv[1]).read(), [], 0, json.JSONDecoder()
 while text[i:].strip():
@@ -103,7 +121,7 @@ print(docs[-1]["drafts"][0]["path"])
 PY
 )
     .venv/bin/python scripts/ship_draft.py "$draft" \
-      --command "layerscope train-draft ${continued[*]}   # benchmarks/long_run.sh continue" >> "$log.log" 2>&1
+      --command "layerscope train-draft ${made[*]}   # benchmarks/long_run.sh $from" >> "$log.log" 2>&1
     # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran); `--lookup 4`
     # adds the chosen chain with prompt lookup first (a 5-token verify costs about what a 3-token one does here)
     for spec in "sharegpt-heldout 20 builtin-v2-sharegpt-heldout" "builtin 24 builtin-v2-builtin-prompts"; do
@@ -112,6 +130,14 @@ PY
         --wait-quiet 10m \
         --prompts "$prompts" --limit "$limit" --save-json "docs/bench/$name.json" \
         > "docs/bench/$name.txt" 2>> "$log.log"
+    done ;;
+  bench-builtin)
+    key=$(.venv/bin/python -c 'import json,glob; print(json.load(open(glob.glob("layerscope/data/drafts/smollm2-135m-*/layerscope.json")[0]))["shipped"]["from"][:12])')
+    for spec in "builtin 96" "sharegpt-heldout 40"; do
+      read -r prompts limit <<< "$spec"
+      .venv/bin/layerscope bench --draft builtin --k auto --tree auto --lookup auto --wait-quiet 10m \
+        --prompts "$prompts" --limit "$limit" --save-json "docs/bench/builtin-$key-$prompts.json" \
+        > "docs/bench/builtin-$key-$prompts.txt" 2>> "$log.log"
     done ;;
   keep)
     for d in "$LAYERSCOPE_STORE"/responses/*/; do      # finished parts only (a part being written is a dotfile)
@@ -135,5 +161,6 @@ PY
     read -r -a sets <<< "${GEMMA3_SETS:---layers 13,15,17 --layers 4,7,8}"
     run_sets gemma3-270m outcomes-no-fc-norm --strategies default "${sets[@]}" --train-limit 640 \
       --train-max-prompt-tokens 1024 --train-max-new-tokens 64 --val-conversations 32 --tokens 200k --no-fc-norm ;;
-  *) echo "usage: $0 default|continue|ship|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm" >&2; exit 2 ;;
+  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm" >&2
+     exit 2 ;;
 esac
