@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -455,6 +456,13 @@ def test_kinds_weight_the_drawn_conversations_and_agreement_is_reported_by_kind(
     assert sum(v["positions"] for v in by_kind.values()) == meta["val_positions"] > 0
     mean = sum(v["val_accuracy"][0] * v["positions"] for v in by_kind.values()) / meta["val_positions"]
     assert mean == pytest.approx(result.drafts[0].val_accuracy[0], abs=1e-4) and mean > 0
+    assert result.drafts[0].val_by_kind_start is None and meta["val_by_kind_start"] is None
+    # a continued run evaluates its starting draft by kind before it trains, on the held-out split it shares with it:
+    # the starting draft's own final numbers (issue 39.3's before and after)
+    more = train_online(tiny, [[1, 2]], store, options=replace(mixed, steps=1, lr=1e-30,
+                                                               init_from=(result.drafts[0].path,))).drafts[0]
+    assert read_meta(more.path)["online"]["val_ids"] == val_ids
+    assert more.val_by_kind_start == by_kind == read_meta(more.path)["val_by_kind_start"]
 
     args = ["train-draft", "--model", "tiny-llama", "--prompts", "sharegpt", "--limit", "60", "--max-new-tokens", "16",
             "--batch-size", "4", "--seq-len", "64", "--val-conversations", "6", "--eval-points", "1",

@@ -166,10 +166,11 @@ def run_online(args, store) -> int:
         print(f"  layers {d.layers}: {seen}; held-out agreement per TTT step {acc} "
               f"(draft vocabulary covers {d.val_coverage:.1%}); {fmt.NAMES['simulated_acc_len']} "
               f"{fmt.number(d.simulated_acc_len)}; curve (tokens:step-1) {curve}")
-        if d.val_by_kind:
-            print("    held-out agreement by kind: " + "; ".join(
-                f"{k} {', '.join(f'{a:.3f}' for a in v['val_accuracy'])} ({v['conversations']} conversations, "
-                f"{v['positions']} positions)" for k, v in d.val_by_kind.items()))
+        for when, by_kind in (("", d.val_by_kind), (" of the draft it continued, before", d.val_by_kind_start)):
+            if by_kind:
+                print(f"    held-out agreement by kind{when}: " + "; ".join(
+                    f"{k} {', '.join(f'{a:.3f}' for a in v['val_accuracy'])} ({v['conversations']} conversations, "
+                    f"{v['positions']} positions)" for k, v in by_kind.items()))
         print(f"    {d.path}")
     return 0
 

@@ -67,7 +67,7 @@ from layerscope.draft.fit import (
 from layerscope.draft.loss import evaluate, simulated_acc_len
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
-from layerscope.errors import DraftError
+from layerscope.errors import DraftError, LayerScopeError
 from layerscope.models import LoadedModel
 from layerscope.prompts.kinds import KINDS, canonical, kind_of, parse_weights
 from layerscope.prompts.sets import chat_ids, load_prompts
@@ -170,6 +170,7 @@ class DraftResult:
     tokens_seen_total: int | None = None  # a continued draft (--init-from): its tokens before + tokens_seen
     simulated_acc_len: float | None = None  # of val_accuracy (loss.simulated_acc_len; set here, whatever is passed)
     val_by_kind: dict | None = None      # {kind: {"conversations", "positions", "val_accuracy"}}: val_by_kind()
+    val_by_kind_start: dict | None = None  # a continued draft: its starting draft's, on the same held-out split
 
     def __post_init__(self):
         self.simulated_acc_len = round(simulated_acc_len(self.val_accuracy), 5) if self.val_accuracy else None
@@ -651,6 +652,18 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     # held-out features, once: one split per set over all held-out conversations (rank 0 evaluates)
     val_splits = held_out_splits(target, convs, val_idx, sets, union, o, say) if distributed.rank() == 0 else None
 
+    # a continued run: its starting drafts' held-out agreement by kind on this run's held-out split, before any
+    # training (the drafters hold the starting weights until a checkpoint is loaded below); kept in the run folder
+    kinds_val = [convs.kinds[i] for i in val_idx]
+    by_kind_start = None
+    if start is not None and distributed.rank() == 0:
+        before = run_dir / "start-by-kind.json"
+        with contextlib.suppress(OSError, LayerScopeError):             # missing or damaged: evaluated again
+            by_kind_start = jsonsafe.loads(before.read_bytes(), what=str(before))
+        if not isinstance(by_kind_start, list) or len(by_kind_start) != len(sets):
+            by_kind_start = [val_by_kind(d, sp, kinds_val, o, device) for d, sp in zip(drafters, val_splits)]
+            atomic_write_json(before, by_kind_start)
+
     state = FitState(len(sets))
     ckpts = complete_checkpoints(run_dir)
     resumed = bool(ckpts)
@@ -674,7 +687,8 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
     if distributed.rank() != 0:
         dist.barrier()                                      # rank 0 writes them
         return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens, mix, o)
-    by_kind = [val_by_kind(d, sp, [convs.kinds[i] for i in val_idx], o, device) for d, sp in zip(drafters, val_splits)]
+    by_kind = [val_by_kind(d, sp, kinds_val, o, device) for d, sp in zip(drafters, val_splits)]
+    start_of = (lambda s_i: by_kind_start[s_i]) if by_kind_start else (lambda s_i: None)
     drafts = []
     data = {"online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
                        "conversations": len(train_idx), "data_tokens": data_tokens,
@@ -687,11 +701,12 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         path = store.path("drafts", dkey)
         meta = {**draft_meta(s, o, state, s_i, target=target, strategy=strategy[s_i] if strategy else None, data=data,
                              vocab_size=len(d2t), started=start.summary(s_i) if start else None),
-                "key": dkey, "run_key": key, "val_by_kind": by_kind[s_i]}
+                "key": dkey, "run_key": key, "val_by_kind": by_kind[s_i], "val_by_kind_start": start_of(s_i)}
         save_draft(path, d.head, meta, target=target)
         store.touch("drafts", dkey)
         drafts.append(DraftResult(s, str(path), state.tokens, meta["val_accuracy"], meta["val_coverage"], meta["curve"],
-                                  meta.get("tokens_seen_total"), val_by_kind=by_kind[s_i]))
+                                  meta.get("tokens_seen_total"), val_by_kind=by_kind[s_i],
+                                  val_by_kind_start=start_of(s_i)))
     rate = state.tokens / max(state.elapsed, 1e-9)
     atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state.elapsed,
                                                 "tokens_per_s": rate, "sets": sets})
