@@ -43,6 +43,7 @@ import torch
 
 from layerscope import fmt, models, preflight
 from layerscope.decoding import bench as bench_mod
+from layerscope.draft.progress import ResponsesProgress, TrainProgress
 from layerscope.store import Store, make_key
 
 DECODE_S = 1e-9            # seconds a decode step of one row costs per target parameter (the rule)
@@ -115,6 +116,26 @@ def remember(store: Store, kind: str, model: str, seconds: float, rule_seconds: 
     store.put_json(PACE, _key(kind, model, device), {
         "kind": kind, "model": str(model).strip(), "device": device, "pace": seconds / rule_seconds,
         "threads": torch.get_num_threads(), "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+
+
+def measured(store: Store, kind: str, model: str, loaded, seconds: float, rule) -> None:
+    """Record a finished run's pace for the next forecast of its kind: `seconds` against `rule(Target)`, the rule's
+    seconds for the same work, on the device of `loaded` (the LoadedModel that ran it)."""
+    t = target(store, model)
+    if t is not None:
+        remember(store, kind, model, seconds, rule(t), loaded.device.type)
+
+
+def online_measured(store: Store, model: str, loaded, sets, options, last: dict) -> None:
+    """An online training's paces (workflow.train_online and the study's passes): its target's answers when this run
+    wrote them all, and its training's seconds a row. `last`: the last ResponsesProgress and TrainProgress it reported
+    (draft.progress.last_of)."""
+    a, p = last.get(ResponsesProgress), last.get(TrainProgress)
+    if a is not None and a.done == a.total and a.prompts:
+        measured(store, "answers", model, loaded, a.elapsed_s,
+                 lambda t: generated_s(t, a.prompts, options.max_new_tokens, options.gen_batch_size))
+    if p is not None and p.tokens_per_s > 0:
+        measured(store, "online", model, loaded, 1 / p.tokens_per_s, lambda t: row_rule(t, sets, options, True))
 
 
 def pace(store: Store, kind: str, model: str, t: Target) -> tuple[float, str]:

@@ -11,7 +11,7 @@ Loading the target model is the caller's choice of `load(spec, store) -> LoadedM
 it afresh (`load_target`), the app from its per-process cache (ui.models.get_model). Before a capture, a
 training, a benchmark or a study starts (its checks passed; a capture once its prompts are tokenized), its
 `estimate` callback hears the step's forecast.Forecast: time and disk; a finished capture, training or
-benchmark records its pace on this machine (`paced`) for the next estimate of that kind.
+benchmark records its pace on this machine (`forecast.measured`) for the next estimate of that kind.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from layerscope.draft import online as online_mod
 from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.draft.fit import TrainOptions
-from layerscope.draft.progress import OnlineProgress, ResponsesProgress, TrainProgress
+from layerscope.draft.progress import OnlineProgress, ResponsesProgress, TrainProgress, last_of
 from layerscope.draft.train import draft_for, train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL, LoadedModel, default_device, load_model
@@ -101,30 +101,9 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
     result = capture_mod.capture(target, prompt_set, store, progress=watch, should_stop=should_stop,
                                  **asdict(options))
     if not result.cached and seen.get("resumed") is False and options.max_tokens is None:   # a whole capture: its pace
-        paced(store, "capture", model, target, result.seconds,
-              lambda t: forecast.capture_rule(t, seen["plan"], options.batch_size))
+        forecast.measured(store, "capture", model, target, result.seconds,
+                          lambda t: forecast.capture_rule(t, seen["plan"], options.batch_size))
     return Captured(result, prompt_set, target)
-
-
-def paced(store: Store, kind: str, model: str, target: LoadedModel, seconds: float, rule) -> None:
-    """Record a finished run's pace for the next forecast of its kind (forecast.remember): `seconds` against
-    `rule(forecast.Target)`, the rule's seconds for the same work."""
-    t = forecast.target(store, model)
-    if t is not None:
-        forecast.remember(store, kind, model, seconds, rule(t), target.device.type)
-
-
-def last_of(progress, *kinds):
-    """A progress callback passing every update on to `progress`, and a dict that keeps the last of each class in
-    `kinds` (the run's own measurements, for its pace)."""
-    last = {}
-
-    def watch(p):
-        if isinstance(p, kinds):
-            last[type(p)] = p
-        if progress is not None:
-            progress(p)
-    return watch, last
 
 
 def import_states(directory: str | Path, model: str, options: ImportOptions, store: Store, *,
@@ -220,8 +199,8 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
         path = save_draft(out, head, report.meta, target=target)         # out: its real path (links followed)
     p = last.get(TrainProgress)
     if p is not None and p.tokens_per_s > 0:            # trained now (not from the store): seconds a row
-        paced(store, "training", target.spec, target, 1 / p.tokens_per_s,
-              lambda t: forecast.row_rule(t, [layers], o, online=False))
+        forecast.measured(store, "training", target.spec, target, 1 / p.tokens_per_s,
+                          lambda t: forecast.row_rule(t, [layers], o, online=False))
     return Trained(Path(path), read_meta(path))
 
 
@@ -247,12 +226,7 @@ def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], 
     watch, last = last_of(progress, ResponsesProgress, TrainProgress)
     result = online_mod.train_online(target, sets, store, progress=watch, should_stop=should_stop, strategy=strategy,
                                      options=options)
-    a, p = last.get(ResponsesProgress), last.get(TrainProgress)
-    if a is not None and a.done == a.total and a.prompts:        # the answers written now: their pace
-        paced(store, "answers", model, target, a.elapsed_s,
-              lambda t: forecast.generated_s(t, a.prompts, options.max_new_tokens, options.gen_batch_size))
-    if p is not None and p.tokens_per_s > 0:                     # the training's: seconds a row
-        paced(store, "online", model, target, 1 / p.tokens_per_s, lambda t: forecast.row_rule(t, sets, options, True))
+    forecast.online_measured(store, model, target, sets, options, last)     # its paces, for the next estimate
     return result
 
 
@@ -291,7 +265,7 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
                                machine_options=options.machine)
     bench_mod.annotate(report, contenders, curve)
-    paced(store, "bench", spec, target, time.perf_counter() - t0, lambda t: forecast.generated_s(
+    forecast.measured(store, "bench", spec, target, time.perf_counter() - t0, lambda t: forecast.generated_s(
         t, forecast.bench_tokens(options, len(heads), prompts=len(prompts), contenders=len(contenders))))
     return Benchmarked(report, prompt_set, target)
 

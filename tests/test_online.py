@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from layerscope import forecast
 from layerscope.cli import main
 from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.data import make_batch, target_argmax, windows_of
@@ -268,6 +269,23 @@ def test_study_trains_its_sets_online_in_one_pass(tiny, tiny_capture, session_st
     assert all(r.seeds[0]["curve"] == m["curve"] and m["curve"] for m, r in zip(metas, report.rows))   # learning curves
     header = format_study(report).splitlines()[0]
     assert "online training (" in header and "steps=3" in header and "training steps per draft" not in header
+
+
+def test_a_study_records_its_paces_so_the_next_estimate_is_measured(tiny, tiny_capture, tmp_path, one_thread):
+    """An online study's passes and benchmark record this machine's pace (forecast.online_measured, bench), as
+    train-draft and bench do: the next study's estimate says it is measured here, not the rule of thumb."""
+    store = Store(tmp_path / "s")
+    options = StudyOptions(strategies=("default",), k=2, online=OnlineOptions(**SMALL, steps=2), prompts="builtin",
+                           limit=2, max_new_tokens=6, depth=2, kernels=("linear",), filters=(0.0,), probe=None)
+    t = forecast.target(store, "tiny-llama")
+    for kind in ("online", "answers", "bench"):
+        assert forecast.pace(store, kind, "tiny-llama", t)[1].startswith("by a conservative rule")
+    run_study(tiny_capture, tiny, store, options)
+    for kind in ("online", "answers", "bench"):
+        x, source = forecast.pace(store, kind, "tiny-llama", t)
+        assert source.startswith("at the pace the last") and x > 0, (kind, source)
+    assert "measured here" in " ".join(p.source for p in forecast.study(store, "tiny-llama", options).parts)
+    store.close()
 
 
 def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_capture, tmp_path, one_thread):

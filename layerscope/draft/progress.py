@@ -15,7 +15,7 @@ metrics; the study passes them on as StudyProgress.detail).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 
 @dataclass(frozen=True)
@@ -85,3 +85,16 @@ class DoneProgress:
 
 FitProgress = TrainProgress | EvalProgress                      # what draft/fit.py's loop reports
 OnlineProgress = ResponsesProgress | FeaturesProgress | TrainProgress | EvalProgress | DoneProgress
+
+
+def last_of(progress: Callable | None, *kinds) -> tuple[Callable, dict]:
+    """A progress callback passing every update on to `progress`, and a dict that keeps the last of each class in
+    `kinds` (the run's own measurements, for its pace: forecast.online_measured)."""
+    last = {}
+
+    def watch(p):
+        if isinstance(p, kinds):
+            last[type(p)] = p
+        if progress is not None:
+            progress(p)
+    return watch, last

@@ -32,10 +32,11 @@ or the app's background job.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import eta, fmt, machine
+from layerscope import eta, fmt, forecast, machine
 from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
 from layerscope.draft import probe as probe_mod
@@ -44,7 +45,7 @@ from layerscope.draft.fit import TrainOptions
 from layerscope.draft.loss import simulated_acc_len
 from layerscope.draft.online import OnlineOptions, train_online
 from layerscope.draft.probe import ProbeOptions
-from layerscope.draft.progress import OnlineProgress
+from layerscope.draft.progress import OnlineProgress, ResponsesProgress, TrainProgress, last_of
 from layerscope.draft.train import draft_for
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.machine import MachineOptions
@@ -282,10 +283,15 @@ def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOp
         message = (f"online training of {len(todo)} draft{'s' if len(todo) != 1 else ''}"
                    + (f", seed {seed}" if len(seeds) > 1 else "") + (f" (pass {unit + 1}/{units})" if units > len(seeds) else ""))
         say(StudyProgress("train", message, unit, units))
-        result = train_online(target, [sets[i][0] for i, _ in todo], store, strategy=[sets[i][1][0] for i, _ in todo],
-                              progress=lambda u, m=message: say(StudyProgress("train", m, unit, units, u,
-                                                                              getattr(u, "eta_s", None))),
-                              options=replace(o.online, seed=seed, data_seed=online_data_seed(o)))
+        layer_sets = [sets[i][0] for i, _ in todo]
+        options = replace(o.online, seed=seed, data_seed=online_data_seed(o))
+
+        def seen(u, m=message):
+            say(StudyProgress("train", m, unit, units, u, getattr(u, "eta_s", None)))
+        watch, last = last_of(seen, ResponsesProgress, TrainProgress)
+        result = train_online(target, layer_sets, store, strategy=[sets[i][1][0] for i, _ in todo], progress=watch,
+                              options=options)
+        forecast.online_measured(store, target.spec, target, layer_sets, options, last)   # the next estimate's pace
         return {ij: d.path for ij, d in zip(todo, result.drafts)}
     paths, total = {}, len(sets) * len(seeds)
     timer, trained, served = eta.PhaseClock(len(todo)), 0, 0     # a draft from the store takes no time: not counted
@@ -327,13 +333,22 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
             todo.append((path, key))
     if todo:
         heads = bench.load_drafts(target, [(path, path) for path, _ in todo])   # named by their (unique) paths
+        started = []                   # when decoding began (after any wait for a quiet machine): for its pace
+
         def seen(p):
+            if p.phase != "wait" and not started:
+                started.append(time.perf_counter())
             say(StudyProgress("bench", p.message if p.phase != "decode" else f"benchmark: {p.contender}", detail=p,
                               eta_s=p.eta_s))
 
         bench_options = o.bench_options()
-        report = bench.measure(target, prompts, bench.contenders_for(heads, bench_options), o.max_new_tokens,
-                               progress=seen, machine_options=bench_options.machine)
+        contenders = bench.contenders_for(heads, bench_options)
+        report = bench.measure(target, prompts, contenders, o.max_new_tokens, progress=seen,
+                               machine_options=bench_options.machine)
+        if started:
+            forecast.measured(store, "bench", target.spec, target, time.perf_counter() - started[0],
+                              lambda t: forecast.generated_s(t, forecast.bench_tokens(
+                                  bench_options, len(heads), prompts=len(prompts), contenders=len(contenders))))
         by_name = {r["name"]: r for r in report.results}
         baseline = by_name["autoregressive"] | {"machine": report.machine}
         for path, key in todo:
