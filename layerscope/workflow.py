@@ -293,7 +293,9 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
     if estimate is not None:
         estimate(forecast.study(store, model or cap.manifest["model"],
                                 replace(options, train=with_budget(options.train, default_device()[0]))))
-    target = load(model or cap.manifest["model"], store)
+    spec = model or cap.manifest["model"]
+    target = load(spec, store)
     o = replace(options, train=with_budget(options.train, target.device))
-    report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress)
+    report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress,     # its paces as it goes
+                       measured=lambda what: forecast.study_measured(store, spec, target, what))
     return Studied(report, target)

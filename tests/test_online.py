@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from layerscope import forecast
+from layerscope import forecast, workflow
+from layerscope.capture.run import CaptureOptions
 from layerscope.cli import main
 from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.data import make_batch, target_argmax, windows_of
@@ -277,10 +278,12 @@ def test_a_study_records_its_paces_so_the_next_estimate_is_measured(tiny, tiny_c
     store = Store(tmp_path / "s")
     options = StudyOptions(strategies=("default",), k=2, online=OnlineOptions(**SMALL, steps=2), prompts="builtin",
                            limit=2, max_new_tokens=6, depth=2, kernels=("linear",), filters=(0.0,), probe=None)
+    key = workflow.capture("tiny-llama", "builtin", CaptureOptions(limit=4, max_new_tokens=6, batch_size=4), store,
+                           load=lambda spec, st: tiny).result.key
     t = forecast.target(store, "tiny-llama")
     for kind in ("online", "answers", "bench"):
         assert forecast.pace(store, kind, "tiny-llama", t)[1].startswith("by a conservative rule")
-    run_study(tiny_capture, tiny, store, options)
+    workflow.study(store, key, options, load=lambda spec, st: tiny)
     for kind in ("online", "answers", "bench"):
         x, source = forecast.pace(store, kind, "tiny-llama", t)
         assert source.startswith("at the pace the last") and x > 0, (kind, source)

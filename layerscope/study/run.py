@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import eta, fmt, forecast, machine
+from layerscope import eta, fmt, machine
 from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
 from layerscope.draft import probe as probe_mod
@@ -274,9 +274,11 @@ def online_data_seed(o: StudyOptions) -> int:
 
 
 def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOptions, say,
-               unit: int, units: int) -> dict[tuple[int, int], str]:
+               unit: int, units: int, measured: Callable[[dict], None] | None = None) -> dict[tuple[int, int], str]:
     """Draft paths of the (set index, seed index) pairs `todo`: from the capture, draft_for each (trained once,
-    then from the store); online, train_online: every set of the unit from the same target pass (one seed)."""
+    then from the store); online, train_online: every set of the unit from the same target pass (one seed).
+    measured: an online pass passes it what it measured ({"kind": "online", "sets", "options", "last"}: the last
+    ResponsesProgress and TrainProgress) as soon as it is done; workflow.study records it as this machine's pace."""
     seeds = training_seeds(o)
     if o.online is not None:
         seed = seeds[todo[0][1]]
@@ -291,7 +293,8 @@ def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOp
         watch, last = last_of(seen, ResponsesProgress, TrainProgress)
         result = train_online(target, layer_sets, store, strategy=[sets[i][1][0] for i, _ in todo], progress=watch,
                               options=options)
-        forecast.online_measured(store, target.spec, target, layer_sets, options, last)   # the next estimate's pace
+        if measured is not None:
+            measured({"kind": "online", "sets": layer_sets, "options": options, "last": last})
         return {ij: d.path for ij, d in zip(todo, result.drafts)}
     paths, total = {}, len(sets) * len(seeds)
     timer, trained, served = eta.PhaseClock(len(todo)), 0, 0     # a draft from the store takes no time: not counted
@@ -317,7 +320,8 @@ def bench_cache(target, prompt_set, o: StudyOptions) -> dict:
             "device": str(target.device), "format": BENCH_FORMAT}
 
 
-def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOptions, say) -> dict:
+def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOptions, say,
+              measured: Callable[[dict], None] | None = None) -> dict:
     """Every draft of `paths` ({(set, seed): path}) on the same prompts against plain decoding, as
     {(set, seed): Outcome}; drafts benchmarked before with these prompts and options come from the store
     (with the machine's state of their run, and plain decoding's entry of the latest run that measured it)."""
@@ -345,10 +349,9 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
         contenders = bench.contenders_for(heads, bench_options)
         report = bench.measure(target, prompts, contenders, o.max_new_tokens, progress=seen,
                                machine_options=bench_options.machine)
-        if started:
-            forecast.measured(store, "bench", target.spec, target, time.perf_counter() - started[0],
-                              lambda t: forecast.generated_s(t, forecast.bench_tokens(
-                                  bench_options, len(heads), prompts=len(prompts), contenders=len(contenders))))
+        if started and measured is not None:    # its decoding's seconds, for workflow.study to record as a pace
+            measured({"kind": "bench", "seconds": time.perf_counter() - started[0], "options": bench_options,
+                      "drafts": len(heads), "prompts": len(prompts), "contenders": len(contenders)})
         by_name = {r["name"]: r for r in report.results}
         baseline = by_name["autoregressive"] | {"machine": report.machine}
         for path, key in todo:
@@ -367,7 +370,8 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
     return out
 
 
-def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[Outcome]]:
+def finish_drafts(cap, target, store, sets, o: StudyOptions, say,
+                  measured: Callable[[dict], None] | None = None) -> list[list[Outcome]]:
     """Outcome per set and training seed ([set][seed]): from the outcomes folder where it holds one, else
     trained and benchmarked unit by unit (study_units), each written to the folder once benchmarked."""
     seeds = training_seeds(o)
@@ -386,8 +390,8 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[O
         say(StudyProgress("train", f"{len(done)} of {len(identities)} drafts (set, seed) already in {folder.root}"))
     units = study_units(len(sets), len(seeds), o, done)
     for u, todo in enumerate(units):
-        paths = train_unit(cap, target, store, sets, todo, o, say, u, len(units))
-        for ij, outcome in benchmark(target, store, sets, paths, prompts, cache, o, say).items():
+        paths = train_unit(cap, target, store, sets, todo, o, say, u, len(units), measured)
+        for ij, outcome in benchmark(target, store, sets, paths, prompts, cache, o, say, measured).items():
             done[ij] = outcome
             if folder is not None:
                 folder.put(identities[ij], outcome)
@@ -395,8 +399,11 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say) -> list[list[O
 
 
 def run_study(cap, target, store, options: StudyOptions | None = None, analysis: AnalysisOptions | None = None,
-              progress: Callable[[StudyProgress], None] | None = None) -> StudyReport:
-    """Run the study for capture `cap` (a CaptureReader) with `target` (its LoadedModel)."""
+              progress: Callable[[StudyProgress], None] | None = None,
+              measured: Callable[[dict], None] | None = None) -> StudyReport:
+    """Run the study for capture `cap` (a CaptureReader) with `target` (its LoadedModel). `measured` hears what
+    each online pass and each benchmark measured of this machine, as soon as it is done (workflow.study records
+    them as paces for the next estimates: forecast.study_measured)."""
     o = options or StudyOptions()
     seeds = training_seeds(o)
     analysis = analysis or AnalysisOptions()
@@ -425,7 +432,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
         except probe_mod.ProbeError as e:        # e.g. a capture without held-out response positions
             probe_skipped = str(e)
 
-    finished = finish_drafts(cap, target, store, sets, o, say)
+    finished = finish_drafts(cap, target, store, sets, o, say, measured)
     n_prompts = len(finished[0][0].per_prompt.tokens)
     merged = machine.merge([oc.machine for ocs in finished for oc in ocs])
     machine_state = merged.to_json() if merged is not None else None
