@@ -138,14 +138,22 @@ def online_measured(store: Store, model: str, loaded, sets, options, last: dict)
         measured(store, "online", model, loaded, 1 / p.tokens_per_s, lambda t: row_rule(t, sets, options, True))
 
 
+def bench_measured(store: Store, model: str, loaded, seconds: float, options, drafts: int, prompts: int,
+                   contenders: int) -> None:
+    """A benchmark's pace (workflow.bench and the study's benchmarks): `seconds` of decoding against the rule's for
+    the tokens it generated at most (bench_tokens)."""
+    measured(store, "bench", model, loaded, seconds, lambda t: generated_s(t, bench_tokens(
+        options, drafts, prompts=prompts, contenders=contenders)))
+
+
 def study_measured(store: Store, model: str, loaded, what: dict) -> None:
     """Record what a study's online pass or benchmark measured (study.run's `measured` dicts) as this machine's
     pace of that kind, as train-draft and bench record theirs."""
     if what["kind"] == "online":
         online_measured(store, model, loaded, what["sets"], what["options"], what["last"])
     elif what["kind"] == "bench":
-        measured(store, "bench", model, loaded, what["seconds"], lambda t: generated_s(t, bench_tokens(
-            what["options"], what["drafts"], prompts=what["prompts"], contenders=what["contenders"])))
+        bench_measured(store, model, loaded, what["seconds"], what["options"], what["drafts"], what["prompts"],
+                       what["contenders"])
 
 
 def pace(store: Store, kind: str, model: str, t: Target) -> tuple[float, str]:

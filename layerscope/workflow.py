@@ -265,8 +265,8 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
                                machine_options=options.machine)
     bench_mod.annotate(report, contenders, curve)
-    forecast.measured(store, "bench", spec, target, time.perf_counter() - t0, lambda t: forecast.generated_s(
-        t, forecast.bench_tokens(options, len(heads), prompts=len(prompts), contenders=len(contenders))))
+    forecast.bench_measured(store, spec, target, time.perf_counter() - t0, options, len(heads), len(prompts),
+                            len(contenders))
     return Benchmarked(report, prompt_set, target)
 
 
@@ -289,11 +289,10 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
     """One draft per strategy's layer set with the same budget, benchmarked together; see layerscope/study/run.py."""
     cap = open_capture(store, capture_key)
     cap.require_every_position("a study (it trains drafts on the capture)", preflight.TRAIN_FIX)
-    preflight.study(store, model or cap.manifest["model"], options)     # before the model loads
-    if estimate is not None:
-        estimate(forecast.study(store, model or cap.manifest["model"],
-                                replace(options, train=with_budget(options.train, default_device()[0]))))
     spec = model or cap.manifest["model"]
+    preflight.study(store, spec, options)     # before the model loads
+    if estimate is not None:
+        estimate(forecast.study(store, spec, replace(options, train=with_budget(options.train, default_device()[0]))))
     target = load(spec, store)
     o = replace(options, train=with_budget(options.train, target.device))
     report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress,     # its paces as it goes

@@ -688,7 +688,7 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         dist.barrier()                                      # rank 0 writes them
         return cached_result(run_dir / "result.json", key, len(train_idx), data_tokens, mix, o)
     by_kind = [val_by_kind(d, sp, kinds_val, o, device) for d, sp in zip(drafters, val_splits)]
-    start_of = (lambda s_i: by_kind_start[s_i]) if by_kind_start else (lambda s_i: None)
+    starts = by_kind_start or [None] * len(sets)          # the starting drafts' by kind (continued runs)
     drafts = []
     data = {"online": {"prompts": o.prompts, "responses": o.responses, "data_key": convs.key,
                        "conversations": len(train_idx), "data_tokens": data_tokens,
@@ -701,12 +701,12 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         path = store.path("drafts", dkey)
         meta = {**draft_meta(s, o, state, s_i, target=target, strategy=strategy[s_i] if strategy else None, data=data,
                              vocab_size=len(d2t), started=start.summary(s_i) if start else None),
-                "key": dkey, "run_key": key, "val_by_kind": by_kind[s_i], "val_by_kind_start": start_of(s_i)}
+                "key": dkey, "run_key": key, "val_by_kind": by_kind[s_i], "val_by_kind_start": starts[s_i]}
         save_draft(path, d.head, meta, target=target)
         store.touch("drafts", dkey)
         drafts.append(DraftResult(s, str(path), state.tokens, meta["val_accuracy"], meta["val_coverage"], meta["curve"],
                                   meta.get("tokens_seen_total"), val_by_kind=by_kind[s_i],
-                                  val_by_kind_start=start_of(s_i)))
+                                  val_by_kind_start=starts[s_i]))
     rate = state.tokens / max(state.elapsed, 1e-9)
     atomic_write_json(run_dir / "result.json", {"drafts": [asdict(d) for d in drafts], "seconds": state.elapsed,
                                                 "tokens_per_s": rate, "sets": sets})
