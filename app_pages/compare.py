@@ -115,11 +115,13 @@ with guard("captures"):
             else:
                 st.info(reason, icon=":material/info:")
                 h1, h2 = st.columns(2)
+                # one height for both, so that a 30-layer and an 18-layer matrix line up side by side
+                height = max(plots.cka_heatmap_height(len(compare.cka_of(x, estimator))) for x in (a, b))
                 for col, st_, name, k in ((h1, a, name_a, "a"), (h2, b, name_b, "b")):
                     with col:
                         chart(plots.cka_heatmap(compare.cka_of(st_, estimator), compartments=st_.get("compartments"),
                                                 title=f"CKA ({kernel}, {estimator}), {name}",
-                                                final_state=st_.get("final_state", "post-norm")),
+                                                final_state=st_.get("final_state", "post-norm"), height=height),
                               key=f"ls_cmp_cka_{k}", filename=f"cka-{k}")
 
 st.header("Benchmark runs side by side")

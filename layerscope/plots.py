@@ -228,9 +228,11 @@ def cka_heatmap(
     zmax: float | None = 1.0,
     box_select: bool = False,
     colors: Mapping | None = None,
+    height: int | None = None,
 ) -> go.Figure:
     """(N+1)×(N+1) CKA heatmap; `box_select`: a drag draws a selection box (else a drag zooms and a click selects
-    a cell).
+    a cell); `height`: the chart's height in pixels (default `cka_heatmap_height(N+1)`; two heatmaps side by side
+    pass the larger of theirs so that they line up).
 
     Trace 0 is the heatmap; trace 1 is a transparent marker on every cell so that clicks and box
     selections report cells (heatmaps themselves are not selectable in plotly.js): a selected point
@@ -283,11 +285,17 @@ def cka_heatmap(
     # box_select: dragging draws a selection box; otherwise dragging zooms in (a double click zooms out) and a click
     # selects the cell (Streamlit's chart selects on click, clickmode event+select, whatever the dragmode).
     # uirevision keeps the tool, zoom and pan when the page redraws the figure.
-    _base_layout(fig, title, height=max(480, min(760, 18 * n + 200)), uirevision="cka-heatmap",
+    _base_layout(fig, title, height=height or cka_heatmap_height(n), uirevision="cka-heatmap",
                  dragmode="select" if box_select else "zoom")
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
     _square_layer_axes(fig, n, top=n - 0.5 + SET_ROW * (n_sets + 0.6) if n_sets else n - 0.5)   # set rows above
     return fig
+
+
+def cka_heatmap_height(n: int) -> int:
+    """Pixel height of the heatmap of an n×n CKA matrix (n = layers + 1): 18 px a row and room for the title and
+    legend, between 480 and 760."""
+    return max(480, min(760, 18 * n + 200))
 
 
 def _square_layer_axes(fig: go.Figure, n: int, *, top: float) -> None:

@@ -212,7 +212,8 @@ def test_compare_page_overlays_entropy_and_differences_cka(app_store, three_capt
     assert figs[0]["data"][1]["x"][-1] == 1.0 and len(figs[0]["data"][1]["x"]) == 7
     assert "relative depth" in figs[0]["layout"]["xaxis"]["title"]["text"]
     assert any("No CKA difference heatmap: capture A has 4 layers and B has 6" in i.value for i in at.info)
-    assert [len(f["data"][0]["z"]) for f in figs[1:3]] == [5, 7]       # the two heatmaps side by side
+    assert [len(f["data"][0]["z"]) for f in figs[1:3]] == [5, 7]       # the two heatmaps side by side ...
+    assert figs[1]["layout"]["height"] == figs[2]["layout"]["height"]   # ... at one height
 
     # a capture with itself: exactly zero, and a warning that says so
     at.selectbox(key="ls_w_cmp_b").set_value(a).run()

@@ -161,6 +161,16 @@ def test_heatmap_drags_a_selection_box_and_keeps_the_tool():
     assert click.layout.dragmode == "zoom" and click.layout.uirevision  # a drag zooms, a click selects a cell
 
 
+def test_heatmaps_of_different_depths_take_one_height_when_told():
+    """Grown with the layer count by default (a 30-layer model's is taller than an 18-layer one's); the Compare page
+    passes the larger height to both so that two models' heatmaps line up side by side."""
+    deep, shallow = plots.cka_heatmap(_cka(31)), plots.cka_heatmap(_cka(19))
+    assert deep.layout.height == plots.cka_heatmap_height(31) == 18 * 31 + 200
+    assert shallow.layout.height == plots.cka_heatmap_height(19) < deep.layout.height
+    assert plots.cka_heatmap(_cka(19), height=deep.layout.height).layout.height == deep.layout.height
+    assert plots.cka_heatmap_height(3) == 480 and plots.cka_heatmap_height(200) == 760
+
+
 @pytest.mark.parametrize("sets", [None, {"default": [1, 3]}, [("a", [0, 1]), ("b", [2, 4]), ("c", [5])]])
 def test_heatmap_tick_labels_sit_at_the_matrix_edges_whatever_the_chart_width(sets):
     """Set markers go in rows above the matrix and both axes keep square cells by giving up domain, never range: the
