@@ -9,7 +9,9 @@
 #   benchmarks/long_run.sh continue-kinds  # issue 39.3: the builtin draft trained on again, 1.25M more tokens over
 #                                    # 4,000 ShareGPT prompts drawn with more of the kinds it loses on
 #                                    # (--kinds translation=10,summarization=5,math=5: about 8 % translation, 8 %
-#                                    # summarization, 4 % maths instead of 1-2 % each); THREADS=1 on a shared machine
+#                                    # summarization, 4 % maths instead of 1-2 % each); THREADS=1 on a shared machine.
+#                                    # It answers only the prompts the kept unweighted answers lack (about 1,700,
+#                                    # ~90 min on 2 cores, resumable per part); run `keep` before a session ends
 #   benchmarks/long_run.sh ship      # after `continue` (SHIP_FROM=continue-kinds: after that one): ship its draft
 #                                    # as --draft builtin (scripts/ship_draft.py), then the two benchmarks of the
 #                                    # drafts issue (item 5), quiet, into docs/bench/
@@ -102,6 +104,9 @@ case "$mode" in
   continue)
     exec .venv/bin/layerscope train-draft "${continued[@]}" --json >> "$log.json" 2>> "$log.log" ;;
   continue-kinds)
+    # the weighted draw takes the unweighted draw's answers kept in docs/study-500k/responses (its first 2,000 are
+    # among the 4,000) and answers the rest; `keep` then keeps its own parts, so a new machine resumes from them
+    copy_responses
     exec .venv/bin/layerscope train-draft "${by_kind[@]}" --json >> "$log.json" 2>> "$log.log" ;;
   ship)
     # run it from the work tree you commit from: it writes layerscope/data/drafts/ and docs/bench/ there.

@@ -496,3 +496,31 @@ def test_kinds_weight_the_drawn_conversations_and_agreement_is_reported_by_kind(
     text = capsys.readouterr().out
     assert f"training conversations by kind: code {result.kind_mix['code']}," in text
     assert "held-out agreement by kind: " in text and all(f"{k} " in text for k in by_kind)
+
+
+def test_a_weighted_draw_answers_only_what_the_unweighted_draw_has_not(tiny, tmp_path, one_thread):
+    """A draw weighted by kind keeps parts of its own but takes the unweighted draw's stored answers by prompt
+    (id and hash): a weighted order merges the unweighted one with the heavier kinds, so the weighted 24 hold the
+    unweighted first 12, and only the rest is answered, in full batches. Answers are kept as they were stored, the
+    parts are read back whole, and a second load answers nothing."""
+    store = Store(tmp_path / "store")
+    base = dict(prompts="sharegpt", responses="regenerate", max_new_tokens=6, gen_batch_size=4, batch_size=3,
+                seq_len=64, val_conversations=2, eval_points=1, draft_vocab=64, steps=1)
+    plain = load_conversations(tiny, OnlineOptions(**base, limit=12), store)
+    weighted = OnlineOptions(**base, limit=24, kinds="translation=10,summarization=5,math=5")
+    seen = []
+    drawn = load_conversations(tiny, weighted, store, progress=seen.append)
+    answers = dict(zip(plain.ids, plain.response))
+    shared = [i for i in drawn.ids if i in answers]
+    assert set(plain.ids) <= set(drawn.ids) and len(drawn.ids) > len(plain.ids)      # the merge holds the first 12
+    assert all(r == answers[i] for i, r in zip(drawn.ids, drawn.response) if i in answers)
+    last = seen[-1]
+    assert last.reused == len(shared) and last.prompts == len(drawn.ids) - len(shared)
+    assert last.done == last.total == -(-last.prompts // 4)                           # full batches of 4
+    again = []
+    assert load_conversations(tiny, weighted, store, progress=again.append).response == drawn.response
+    assert again == []                                                               # every part is stored
+    # the same weighted draw in a store that never saw the unweighted one answers everything itself
+    alone = []
+    fresh = load_conversations(tiny, weighted, Store(tmp_path / "fresh"), progress=alone.append)
+    assert fresh.ids == drawn.ids and alone[-1].reused == 0 and alone[-1].prompts == len(drawn.ids)

@@ -134,7 +134,7 @@ def run_online(args, store) -> int:
     def on_progress(p):
         if isinstance(p, ResponsesProgress):
             bar = bars.setdefault(p.phase, Progress("responses", unit="batch"))
-            bar.update(p.done, p.total, eta_s=p.eta_s, tok_s=p.tokens_per_s)
+            bar.update(p.done, p.total, eta_s=p.eta_s, tok_s=p.tokens_per_s, **({"reused": p.reused} if p.reused else {}))
         elif isinstance(p, FeaturesProgress):
             bar = bars.setdefault(p.phase, Progress("held-out features", unit="conv"))
             bar.update(p.done, p.total)

@@ -262,17 +262,24 @@ def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, 
     """The target's greedy answers, generated once into responses/<key>/: one JSON part per `gen_batch_size`
     prompts, written atomically, each row carrying its prompt id and a hash of its prompt's token ids. The key
     leaves out the limit, so a larger --limit of the same (prefix-stable) sample reuses every finished part;
-    a part whose prompts differ is generated again."""
+    a part whose prompts differ is generated again.
+
+    A draw weighted by kind (`kinds`) keeps its own parts (its order differs), but first takes every answer the
+    unweighted draw of the same settings already holds (responses/<that key>/, matched by prompt id and prompt
+    hash): a weighted order merges the unweighted one with the heavier kinds (prompts/kinds.weighted_order), so
+    `--limit 4000 --kinds ...` contains the unweighted first 2,000 and answers only the rest. A reused answer was
+    generated in another batch: the target's greedy answer all the same, up to float rounding under padding."""
     weights = o.kind_weights              # a weighted draw has its own order: its own parts
-    key = make_key({"target": target.fingerprint, "prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate",
-                    "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
-                    "batch": o.gen_batch_size, "format": RESPONSES_FORMAT,
-                    **({"kinds": canonical(weights)} if weights is not None else {})})
+    settings = {"target": target.fingerprint, "prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate",
+                "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
+                "batch": o.gen_batch_size, "format": RESPONSES_FORMAT}
+    key = make_key({**settings, **({"kinds": canonical(weights)} if weights is not None else {})})
     root = store.path("responses", key)
     parts = [(start, prompts[start: start + o.gen_batch_size]) for start in range(0, len(prompts), o.gen_batch_size)]
     if any(read_part(root, start, batch) is None for start, batch in parts):
         with store.lock("responses", key, should_stop=should_stop):
-            generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop)
+            reuse = stored_answers(store.path("responses", make_key(settings))) if weights is not None else {}
+            generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop, reuse=reuse)
     out = Conversations([], [], [], make_key({"responses": key, "prompts": content_hash}))
     for start, batch in parts:
         for (p, ids), response in zip(batch, read_part(root, start, batch)):
@@ -280,6 +287,19 @@ def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, 
                 out.prompt.append(ids)
                 out.response.append(response)
                 out.ids.append(p.id)
+    return out
+
+
+def stored_answers(root: Path) -> dict[tuple[str, str], list[int]]:
+    """Every answer in the finished parts of responses/<key>/ `root`: {(prompt id, prompt hash): token ids}
+    (nothing when there is no such folder; a part that does not read is left out)."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for path in sorted(root.glob("part-*.json")) if root.is_dir() else ():
+        try:
+            rows = jsonsafe.loads(path.read_bytes(), what=f"Response part {path}", error=DraftError)["responses"]
+            out.update({(str(r["id"]), str(r["prompt_hash"])): [int(t) for t in r["response"]] for r in rows})
+        except (OSError, ValueError, KeyError, TypeError, DraftError):
+            continue
     return out
 
 
@@ -305,37 +325,61 @@ def read_part(root: Path, start: int, batch) -> list[list[int]] | None:
 
 
 def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None, should_stop=None,
-                   clock: Callable[[], float] = time.monotonic) -> None:
-    """The answers of every part not in `root` yet, one part per batch; a ResponsesProgress after every decode
-    step and every batch, its time left from the rate of this run's decode steps (max_new_tokens per batch,
-    layerscope.eta; `clock`: its seconds)."""
+                   clock: Callable[[], float] = time.monotonic, reuse: dict | None = None) -> None:
+    """The answers of every part not in `root` yet. Answers found in `reuse` ({(prompt id, prompt hash): token
+    ids}, stored_answers) are taken as they are; the other prompts of those parts, in order, are answered in
+    batches of `gen_batch_size`, and each part is written as soon as all its answers are known (without reuse
+    every batch is one part). A ResponsesProgress after every decode step and every batch, its time left from
+    the rate of this run's decode steps (max_new_tokens per batch, layerscope.eta; `clock`: its seconds)."""
     opts = CaptureOptions(max_new_tokens=o.max_new_tokens)
-    made, total = 0, sum(len(b) for _, b in parts)
+    reuse = reuse or {}
+    total = sum(len(b) for _, b in parts)
     todo = [(start, batch) for start, batch in parts if read_part(root, start, batch) is None]
-    timer, prompts = eta.PhaseClock(len(todo) * o.max_new_tokens, clock=clock), sum(len(b) for _, b in todo)
+    known: dict[int, list[int]] = {}                 # place among all prompts -> answer
+    queue = []                                        # (place, token ids) of the prompts to answer, in order
+    for start, batch in todo:
+        for i, (p, ids) in enumerate(batch):
+            found = reuse.get((p.id, prompt_hash(ids)))
+            if found is None:
+                queue.append((start + i, ids))
+            else:
+                known[start + i] = found
+    reused, waiting = len(known), list(todo)
+    batches = [queue[i: i + o.gen_batch_size] for i in range(0, len(queue), o.gen_batch_size)]
+    timer, made = eta.PhaseClock(len(batches) * o.max_new_tokens, clock=clock), 0
 
     def say(n, step=0):
         if progress is not None:
             elapsed = clock() - timer.t0
-            progress(ResponsesProgress(done=n, total=len(todo), conversations=total,
+            progress(ResponsesProgress(done=n, total=len(batches), conversations=total,
                                        tokens_per_s=made / max(elapsed, 1e-9),
                                        eta_s=timer.left(n * o.max_new_tokens + step), step=step, elapsed_s=elapsed,
-                                       prompts=prompts))
+                                       prompts=len(queue), reused=reused))
 
-    for n, (start, batch) in enumerate(todo):
+    def write_complete():
+        nonlocal waiting
+        for start, batch in [w for w in waiting if all(w[0] + i in known for i in range(len(w[1])))]:
+            atomic_write_json(root / part_name(start, start + len(batch)),
+                              {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids), "response": known[start + i]}
+                                             for i, (p, ids) in enumerate(batch)]})
+        waiting = [w for w in waiting if not all(w[0] + i in known for i in range(len(w[1])))]
+
+    write_complete()                                  # parts answered entirely by `reuse`
+    for n, chunk in enumerate(batches):
         if should_stop is not None and should_stop():
-            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(todo)} batches done)",
+            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(batches)} batches done)",
                                     "Run the same command again to resume")
-        responses = generate_responses(target, [ids for _, ids in batch], opts, should_stop=should_stop,
+        responses = generate_responses(target, [ids for _, ids in chunk], opts, should_stop=should_stop,
                                        on_step=lambda step, n=n: say(n, min(step, o.max_new_tokens)))
         if should_stop is not None and should_stop():
-            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(todo)} batches done)",
+            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(batches)} batches done)",
                                     "Run the same command again to resume")
-        atomic_write_json(root / part_name(start, start + len(batch)),
-                          {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids), "response": r}
-                                         for (p, ids), r in zip(batch, responses)]})
+        known.update({place: r for (place, _), r in zip(chunk, responses)})
+        write_complete()
         made += sum(len(r) for r in responses)
         say(n + 1)
+    if not batches:
+        say(0)
 
 
 def held_out(n: int, count: int, seed: int) -> torch.Tensor:

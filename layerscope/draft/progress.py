@@ -31,6 +31,7 @@ class ResponsesProgress:
     step: int = 0                     # decode steps done of the batch being answered (of max_new_tokens)
     elapsed_s: float = 0.0            # seconds this run has spent answering
     prompts: int = 0                  # prompts this run answers (those of its `total` batches)
+    reused: int = 0                   # answers taken from the unweighted draw's store instead (online.stored_answers)
 
 
 @dataclass(frozen=True)

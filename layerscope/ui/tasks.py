@@ -264,7 +264,8 @@ def online_train_job(*, store, model: str, sets: list[tuple[str, list[int], str 
             if isinstance(p, ResponsesProgress):
                 job.update(0.02 + 0.18 * p.done / max(p.total, 1),
                            f"the target answers the training prompts: batch {p.done}/{p.total} · "
-                           f"{p.tokens_per_s:.0f} tok/s", phase=p.phase, eta_s=p.eta_s)
+                           f"{p.tokens_per_s:.0f} tok/s" + (f" · {p.reused:,} answers reused" if p.reused else ""),
+                           phase=p.phase, eta_s=p.eta_s)
             elif isinstance(p, FeaturesProgress):
                 job.update(0.2, f"held-out conversations through the target: {p.done}/{p.total}", phase=p.phase,
                            eta_s=None)
