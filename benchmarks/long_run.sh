@@ -57,7 +57,9 @@ mkdir -p "$LAYERSCOPE_STORE/logs"
 log="$LAYERSCOPE_STORE/logs/long-$mode"
 case "$mode" in gemma3-*) default_dir=docs/study-gemma3 ;; *) default_dir=docs/study-500k ;; esac
 study_dir="${STUDY_DIR:-$(pwd)/$default_dir}"
-data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2)
+# --no-fc-norm: the builtin draft and the SmolLM2 study were trained before fc_norm became the default, and a continued
+# draft keeps its norm (their keys and outcomes are those of runs without it)
+data=(--model smollm2-135m --prompts sharegpt --limit 2000 --responses regenerate --max-prompt-tokens 256 --threads 2 --no-fc-norm)
 continued=("${data[@]}")
 continued[5]=4000                    # --limit: twice the distinct conversations
 continued+=(--layers 2,15,27 --init-from builtin --tokens 1.25M)
@@ -152,7 +154,7 @@ PY
       echo "kept $(basename "$d"): $(ls "$study_dir/responses/$(basename "$d")" | wc -l) parts"
     done ;;
   study)
-    run_study smollm2-135m --train-limit 2000 --tokens 500k ;;
+    run_study smollm2-135m --train-limit 2000 --tokens 500k --no-fc-norm ;;
   gemma3-study)
     # the training data of docs/results.md's first Gemma 3 drafts (their regenerated answers are reused)
     run_study gemma3-270m --train-limit 640 --train-max-prompt-tokens 1024 --train-max-new-tokens 64 \

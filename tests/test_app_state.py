@@ -96,32 +96,36 @@ def test_training_options_stay_after_navigating_away(app_store, copy_of):
     at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     set_number(at, "ls_w_spec_steps", 7)
     set_number(at, "ls_w_spec_seed", 3)
-    assert at.checkbox(key="ls_w_spec_fc_norm").value is False             # TrainOptions' default
-    at.checkbox(key="ls_w_spec_fc_norm").check()
+    assert at.checkbox(key="ls_w_spec_fc_norm").value is True              # TrainOptions' default
+    at.checkbox(key="ls_w_spec_fc_norm").uncheck()
     at.run()
     at.switch_page(ENTROPY).run()
     at.switch_page(SPEC).run()
     no_exception(at)
     assert number_shown(at, "ls_w_spec_steps") == 7
     assert number_shown(at, "ls_w_spec_seed") == 3
-    assert at.checkbox(key="ls_w_spec_fc_norm").value is True
+    assert at.checkbox(key="ls_w_spec_fc_norm").value is False
     other = new_app(copy_of).run()
     other.switch_page(SPEC).run()
     assert number_shown(other, "ls_w_spec_steps") == 7
 
 
-def test_the_fc_norm_box_trains_a_draft_with_fc_norm(app_store, copy_of):
+def test_the_fc_norm_box_trains_a_draft_with_fc_norm_or_without(app_store, copy_of):
     at = new_app(copy_of).run()
     at.switch_page(SPEC).run()
     at.radio(key="ls_w_spec_mode").set_value("capture").run()     # the tiny capture starts online (small)
     set_number(at, "ls_w_spec_steps", 2)
-    at.checkbox(key="ls_w_spec_fc_norm").check().run()
-    at.button(key="ls_spec_train").click().run()
-    settle(at)
-    no_exception(at)
-    path = Path(at.session_state["ls_session"].drafts[0]["path"])
-    assert json.loads((path / "config.json").read_text())["fc_norm"] is True
-    assert json.loads((path / "layerscope.json").read_text())["options"]["fc_norm"] is True
+    seen = set()
+    for on in (True, False):                                      # on by default, then unticked
+        if not on:
+            at.checkbox(key="ls_w_spec_fc_norm").uncheck().run()
+        at.button(key="ls_spec_train").click().run()
+        settle(at)
+        no_exception(at)
+        (path,) = {Path(d["path"]) for d in at.session_state["ls_session"].drafts} - seen    # the new draft
+        seen.add(path)
+        assert json.loads((path / "config.json").read_text())["fc_norm"] is on
+        assert json.loads((path / "layerscope.json").read_text())["options"].get("fc_norm", False) is on
 
 
 def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store, copy_of):

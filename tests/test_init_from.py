@@ -137,11 +137,12 @@ def test_a_continued_run_holds_out_what_its_starting_draft_held_out(tiny, starte
 
 
 def test_fc_norm_is_trained_recorded_and_kept_by_a_continued_draft(tiny, started, capsys, one_thread):
-    store, plain = started                                             # trained without fc_norm
+    store, _ = started
+    plain = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, fc_norm=False)).drafts[0]
     args = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "10",
             "--layers", "1,2", "--steps", "2", "--batch-size", "3", "--seq-len", "64", "--draft-vocab", "64",
             "--val-conversations", "2", "--eval-points", "2", "--store", str(store.root), "--json"]
-    assert main(args + ["--fc-norm"]) == 0
+    assert main(args) == 0                                             # fc_norm is on by default
     path = json.loads(capsys.readouterr().out)["drafts"][0]["path"]
     assert json.loads((Path(path) / "config.json").read_text())["fc_norm"] is True
     assert meta(path)["fc_norm"] is True and meta(path)["options"]["fc_norm"] is True
@@ -153,9 +154,10 @@ def test_fc_norm_is_trained_recorded_and_kept_by_a_continued_draft(tiny, started
                                                                       init_from=(path,))).drafts[0]
     assert all(torch.equal(w[k], weights(still.path)[k]) for k in w)
     with pytest.raises(DraftError, match="Pass --fc-norm"):
-        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, init_from=(path,)))
-    with pytest.raises(DraftError, match="Pass --no-fc-norm"):
-        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, fc_norm=True, init_from=(plain.path,)))
-    # off, the option leaves a run's store key as it was before it existed; on, it is another run
-    assert "fc_norm" not in OnlineOptions(**SMALL, steps=1).run_fields()
-    assert OnlineOptions(**SMALL, steps=1, fc_norm=True).run_fields()["fc_norm"] is True
+        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, fc_norm=False, init_from=(path,)))
+    with pytest.raises(DraftError, match="Pass --no-fc-norm"):                 # the default run continuing a plain draft
+        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, init_from=(plain.path,)))
+    assert main(args + ["--init-from", plain.path]) == 2 and "Pass --no-fc-norm" in capsys.readouterr().err
+    # off, the option leaves a run's store key as it was before it existed; on (the default), it is another run
+    assert "fc_norm" not in OnlineOptions(**SMALL, steps=1, fc_norm=False).run_fields()
+    assert OnlineOptions(**SMALL, steps=1).run_fields()["fc_norm"] is True

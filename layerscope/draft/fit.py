@@ -68,7 +68,9 @@ class TrainOptions:
     warm_start: int = 0               # steps of data for the closed-form fc before gradient training
     clock: str = "wall"               # what a time budget counts: "wall" seconds, or "cpu" seconds of this process
     init_from: tuple[str, ...] = ()   # drafts to continue, one per layer set (draft/init_from.py); (): fresh heads
-    fc_norm: bool = False             # an RMSNorm on each auxiliary state before fc (EAGLE-3.1); off until measured
+    fc_norm: bool = True              # an RMSNorm on each auxiliary state before fc (EAGLE-3.1): on, as measured on
+                                      # both models (docs/results.md, issue 38.3: +0.02..+0.07 τ on SmolLM2,
+                                      # +0.09..+0.26 on Gemma 3, whose deep layers' large states otherwise dominate fc)
 
     def __post_init__(self):
         if isinstance(self.init_from, list):        # read back from JSON (a draft's layerscope.json, the app)
@@ -120,7 +122,8 @@ class TrainOptions:
     def key_fields(self) -> dict:
         """The options as they enter a store key: every field but init_from (where the starting drafts lie);
         a continued run's key adds their weights' identity instead (init_from.key_part). fc_norm enters only
-        when on: a run without it keeps the key it had before the option existed."""
+        when on: a run without it (--no-fc-norm, the default before it was measured) keeps the key it had before
+        the option existed."""
         d = asdict(self)
         d.pop("init_from")
         if not d["fc_norm"]:
