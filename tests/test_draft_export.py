@@ -55,7 +55,9 @@ def test_checkpoint_has_the_engines_names_and_keys(trained, tiny):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == ENGINE_NAMES                  # no embed_tokens: engines share the target's
+        # no embed_tokens: engines share the target's; fc_norm (on by default) one gain per layer
+        assert set(f.keys()) == ENGINE_NAMES | {f"fc_norm.{i}.weight" for i in range(3)}
+        assert cfg["fc_norm"] is True
         assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
         assert f.get_tensor("fc.weight").shape == (tiny.hidden_size, 3 * tiny.hidden_size)
         assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * tiny.hidden_size
