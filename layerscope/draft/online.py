@@ -358,11 +358,13 @@ def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None
 
     def write_complete():
         nonlocal waiting
-        for start, batch in [w for w in waiting if all(w[0] + i in known for i in range(len(w[1])))]:
-            atomic_write_json(root / part_name(start, start + len(batch)),
-                              {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids), "response": known[start + i]}
-                                             for i, (p, ids) in enumerate(batch)]})
-        waiting = [w for w in waiting if not all(w[0] + i in known for i in range(len(w[1])))]
+        complete = [all(start + i in known for i in range(len(batch))) for start, batch in waiting]
+        for (start, batch), done in zip(waiting, complete):
+            if done:
+                atomic_write_json(root / part_name(start, start + len(batch)),
+                                  {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids),
+                                                  "response": known[start + i]} for i, (p, ids) in enumerate(batch)]})
+        waiting = [w for w, done in zip(waiting, complete) if not done]
 
     write_complete()                                  # parts answered entirely by `reuse`
     for n, chunk in enumerate(batches):
