@@ -12,7 +12,8 @@ from layerscope.ui import apply, state, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import guard, job_status, md_text, number_field, poll_interval, show_error, table
+from layerscope.ui.widgets import (guard, job_status, md_text, number_field, offered, poll_interval, show_error,
+                                   table)
 from layerscope.validate import parse_size
 
 s, store = page_header("Capture hidden states",
@@ -234,6 +235,7 @@ with guard("stored captures"):
         } for c in caps])
         table(df, key="ls_cap_table", filename="captures")
         keys = [c["key"] for c in caps if c.get("state") != "incomplete"]
+        offered("ls_cap_pick", keys)
         pick = st.selectbox("Capture to open", keys, key="ls_cap_pick",
                             index=keys.index(s.capture_key) if s.capture_key in keys else 0,
                             format_func=lambda k: next(f"{k} · {c.get('model')} · {c.get('prompt_set')} · "

@@ -13,7 +13,7 @@ from layerscope.ui import report
 from layerscope.ui.access import me
 from layerscope.ui.state import SHARE, commit, make_share_snapshot, session_title, switch_to
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import guard, md_text, table
+from layerscope.ui.widgets import guard, md_text, offered, table
 
 s, store = page_header("Sessions",
                        "A session is everything on these pages: the capture, analysis options, statistics, layer sets, "
@@ -118,6 +118,7 @@ with guard("list sessions"):
         labels = {r["id"]: f"{r.get('name') or '(unnamed)'} · {r['id']}" for r in rows}
         if ids:
             c1, c2, c3 = st.columns([3, 1, 1])
+            offered("ls_sess_pick", ids)
             pick = c1.selectbox("Session", ids, format_func=labels.get, key="ls_sess_pick")
             if c2.button("Open", key="ls_sess_open", icon=":material/folder_open:"):
                 with guard("open session"):

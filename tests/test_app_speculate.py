@@ -49,7 +49,10 @@ def test_drafts_table_and_the_store_picker():
     assert learned[0]["held-out agreement per step"] == "25.0%"
     stored = [drafts[0], {"name": "b", "layers": [3], "steps": 50, "capture_key": "k2", "path": "/store/drafts/b"}]
     choices = speculate.stored_choices(stored, drafts, "k1")
-    assert list(choices) == ["/store/drafts/b"] and choices["/store/drafts/b"][1] == "b [3] · 50 steps · capture k2"
+    assert list(choices) == ["/store/drafts/b"] and choices["/store/drafts/b"][1] == "b [3] · 50 steps · capture k2 · b"
+    twins = [{**stored[1], "path": "/store/drafts/b2", "saved": "2026-12-01T10:09:00+00:00"}, stored[1]]
+    labels = [label for _, label in speculate.stored_choices(twins, drafts, "k1").values()]
+    assert len(set(labels)) == 2 and labels[0].endswith(" · b2") and " · saved " in labels[0]   # apart
     assert speculate.broken_text([{"key": "x", "problem": "no weights", "fix": "retrain"}]) == \
         "1 draft(s) in the store cannot be used:\n  x: no weights. retrain"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from layerscope.draft import builtin
 from layerscope.session import storage
+from layerscope.session.model import new_id
 from layerscope.ui.widgets import text_key
 from tests.test_app import captured, copy_of, new_app, no_exception, number_shown, plain, set_number, settle, start_tiny_capture  # noqa: F401
 
@@ -164,6 +165,40 @@ def test_a_new_draft_joins_the_comparison_and_a_new_benchmark_is_shown(app_store
     assert len(runs) == 2 and runs[-1]["prompts"] == 2
     assert at.selectbox(key="ls_spec_bench_run").value == 1, "the new benchmark is the one shown"
     assert any("over the 2 prompts" in plain(c.value) for c in at.caption)      # the table is the new run's
+
+
+def test_a_stored_draft_added_to_the_session_leaves_the_picker_which_then_offers_what_is_left(app_store, captured):
+    """The store's picker offers the drafts for this model the session lacks, each under its own label. Once one is
+    added it leaves the list, and the picker shows one still offered. (Twins once shared a label: the picker kept the
+    added draft as its choice, and the next run failed on a choice that was no longer an option.)"""
+    trainer = storage.load(app_store, captured)
+    trainer.id = new_id()
+    storage.save(trainer, app_store)
+    at = new_app(trainer.id).run()
+    at.switch_page(SPEC).run()
+    at.radio(key="ls_w_spec_mode").set_value("capture").run()
+    set_number(at, "ls_w_spec_steps", 2)
+    for seed in (11, 12):                   # two drafts of one set and length in the store: only their seeds differ
+        set_number(at, "ls_w_spec_seed", seed).run()
+        at.button(key="ls_spec_train").click().run()
+        settle(at)
+        no_exception(at)
+    trained = [d["path"] for d in at.session_state["ls_session"].drafts]
+    fresh = storage.load(app_store, captured)                     # another session on the same capture, no drafts
+    fresh.id = new_id()
+    storage.save(fresh, app_store)
+    other = new_app(fresh.id).run()
+    other.switch_page(SPEC).run()
+    offered = len(other.selectbox(key="ls_spec_stored").options)
+    assert offered >= 2
+    other.selectbox(key="ls_spec_stored").set_value(trained[0]).run()
+    other.button(key="ls_spec_add_stored").click().run()
+    other.run()                                                   # the run after the add replays the picker
+    no_exception(other)
+    assert trained[0] in [d["path"] for d in other.session_state["ls_session"].drafts]
+    picker = other.selectbox(key="ls_spec_stored")
+    assert len(picker.options) == offered - 1
+    assert picker.value != trained[0] and picker.index is not None      # a choice the picker offers
 
 
 def refusals(at) -> list[str]:

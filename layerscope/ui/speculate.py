@@ -107,10 +107,13 @@ def draft_curves(drafts, labels: dict[str, str]) -> tuple[dict, dict]:
 
 
 def stored_choices(stored, session_drafts, capture_key: str | None) -> dict[str, tuple[dict, str]]:
-    """{path: (draft, label)} of the store's drafts this session does not hold yet, for the picker that adds one."""
+    """{path: (draft, label)} of the store's drafts this session does not hold yet, for the picker that adds one.
+    Each label ends with the draft's store key, so two drafts of one set and length (another seed, fc_norm off) read
+    apart and a choice is never taken for its twin."""
     held = {x["path"] for x in session_drafts}
     return {d["path"]: (d, f"{d['name']} {d['layers']} · {d.get('steps')} steps · "
-                           + ("this capture" if d.get("capture_key") == capture_key else f"capture {d.get('capture_key')}"))
+                           + ("this capture" if d.get("capture_key") == capture_key else f"capture {d.get('capture_key')}")
+                           + (f" · saved {fmt.when(d['saved'])}" if d.get("saved") else "") + f" · {Path(d['path']).name}")
             for d in stored if d["path"] not in held}
 
 

@@ -13,7 +13,8 @@ from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.ui import sanity, speculate, tasks
 from layerscope.ui.state import bind_view, commit
-from layerscope.ui.widgets import chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, show_error, table
+from layerscope.ui.widgets import (chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, offered,
+                                   show_error, table)
 
 # ---------------------------------------------------------------------------- live panels (views.live_job's details)
 
@@ -107,6 +108,7 @@ def session_drafts(s, store, labels_of: dict[str, str], colors: dict) -> None:
     with guard("stored drafts"):
         stored = speculate.stored_choices(tasks.stored_drafts(store, fingerprint=fp), s.drafts, s.capture_key)
         if stored:
+            offered("ls_spec_stored", stored)      # a draft added a moment ago has left the list
             p = st.selectbox("Trained drafts in the store for this model", list(stored), format_func=lambda x: stored[x][1],
                              key="ls_spec_stored")
             if st.button("Add to this session", key="ls_spec_add_stored", icon=":material/add:"):

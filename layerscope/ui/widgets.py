@@ -243,6 +243,19 @@ def wait_briefly(job, seconds: float = 0.8) -> None:
         time.sleep(0.05)
 
 
+# ---------------------------------------------------------------------------- pickers
+
+def offered(key: str, options, default=None) -> None:
+    """Forget the choice remembered at `key` when its picker no longer offers it (a draft that joined the session
+    leaves the store's list; a capture or session was deleted), so the picker shows `default` (its first option when
+    None) instead of a choice that is gone. Call it before drawing the picker."""
+    if key in st.session_state and st.session_state[key] not in list(options):
+        if default is None:
+            del st.session_state[key]
+        else:
+            st.session_state[key] = default
+
+
 # ---------------------------------------------------------------------------- number fields
 
 def refused_key(key: str) -> str:
