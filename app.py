@@ -15,7 +15,7 @@ import streamlit as st
 st.set_page_config(page_title="LayerScope", page_icon=":material/layers:", layout="wide")
 
 from layerscope.ui import access, sidebar  # noqa: E402  (after set_page_config)
-from layerscope.ui.apply import collect  # noqa: E402
+from layerscope.ui.apply import COLLECTED, collect  # noqa: E402
 from layerscope.ui.state import active_session, dismiss_notes, notes, pop_notice  # noqa: E402
 from layerscope.ui.views import read_only_banner  # noqa: E402
 from layerscope.ui.widgets import CANCEL_OWNER_KEY, guard, md_text  # noqa: E402
@@ -39,6 +39,7 @@ access.remember()         # this browser's owner token (and access) kept in its 
 st.session_state[CANCEL_OWNER_KEY] = {}   # a full run: the first panel drawn for a job gets its cancel button
 session = active_session()
 collect(session)          # results of jobs that finished since the last run land in the session
+collected = st.session_state.get(COLLECTED, 0)
 page = st.navigation(PAGES, position="sidebar", expanded=True)
 read_only_banner()        # a session this browser does not own: read-only, with "Make my copy"
 notice = pop_notice()
@@ -56,6 +57,10 @@ try:
     with guard(page.title):   # a bug shows as one readable line, never a traceback
         page.run()
 finally:
-    # Drawn after the page ran, so it shows what the page just changed (a capture attached, a set added).
+    # A job that finished while the page ran lands now, if the page did not take it in itself; the sidebar, drawn
+    # after the page, shows what the page just changed (a capture attached, a set added).
+    collect(active_session())
     with summary:
         sidebar.render(active_session())
+if st.session_state.get(COLLECTED, 0) != collected:
+    st.rerun()             # the page may have drawn the session without that result, and the job as done: once more

@@ -207,11 +207,16 @@ APPLIERS = {"capture": _apply_capture, "probe": _apply_probe, "analysis": _apply
             "study": _apply_study}
 
 
+COLLECTED = "ls_collected"      # st.session_state: how many times collect took a result into the session
+
+
 def collect(s: Session) -> bool:
     """Take the results of this session's finished jobs into it (once each) and save it.
 
     Called on every run (app.py), so a job that finished while its page was not open, or before a
-    browser refresh, lands in the session all the same. Returns whether anything changed.
+    browser refresh, lands in the session all the same. Returns whether anything changed; a change
+    also counts in st.session_state[COLLECTED], so app.py sees a result that landed while a page ran
+    (a page that drew the session before it, and the job as done, polls no more: it reruns once).
     """
     changed = False
     for kind, apply_fn in APPLIERS.items():
@@ -224,6 +229,7 @@ def collect(s: Session) -> bool:
             changed = apply_fn(s, v.result) or changed
     if changed:
         commit(s)
+        st.session_state[COLLECTED] = st.session_state.get(COLLECTED, 0) + 1
     return changed
 
 
