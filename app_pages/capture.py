@@ -12,8 +12,7 @@ from layerscope.ui import apply, state, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import (guard, job_status, md_text, number_field, offered, poll_interval, show_error,
-                                   table)
+from layerscope.ui.widgets import guard, job_status, md_text, number_field, offered, poll_interval, show_error, table
 from layerscope.validate import parse_size
 
 s, store = page_header("Capture hidden states",

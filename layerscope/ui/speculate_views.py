@@ -13,8 +13,7 @@ from layerscope.draft import engines
 from layerscope.draft.engine_export import engine_verdict, export_zip
 from layerscope.ui import sanity, speculate, tasks
 from layerscope.ui.state import bind_view, commit
-from layerscope.ui.widgets import (chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, offered,
-                                   show_error, table)
+from layerscope.ui.widgets import chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, offered, show_error, table
 
 # ---------------------------------------------------------------------------- live panels (views.live_job's details)
 
