@@ -293,20 +293,29 @@ def bench(store: Store, model: str, drafts: int, options) -> Forecast:
                                              f"{options.max_new_tokens} tokens x each decoder)", s, source)])
 
 
-def study(store: Store, model: str, options, sets: int | None = None) -> Forecast:
+def study(store: Store, model: str, options, sets: int | None = None,
+          left: tuple[int, int, int] | None = None) -> Forecast:
     """A study with StudyOptions `options` (its training budget resolved): `sets` layer sets when known (the app
-    knows its plan), else as many as it may train (preflight.study_sets: an upper bound)."""
+    knows its plan), else as many as it may train (preflight.study_sets: an upper bound). `left` = (drafts still
+    to train, their target passes, drafts read back from the outcomes folder) once the study has its plan: the
+    estimate of what remains, training and benchmarks (the answers, written once, are then in hand or next)."""
     t = target(store, model)
     if t is None:
         return Forecast("study", None, None, [], NO_CONFIG)
-    sizes = [options.k] * sets if sets is not None else preflight.study_sets(t.shape, options)
     seeds = len(options.seeds) if options.seeds else 1
-    stored, _ = preflight.study_bytes(store, t.shape, options, sizes)
+    if left is None:
+        sizes = [options.k] * sets if sets is not None else preflight.study_sets(t.shape, options)
+        drafts = sizes * seeds                   # one per (set, seed)
+        stored, _ = preflight.study_bytes(store, t.shape, options, sizes)
+        passes = seeds * math.ceil(len(sizes) / (options.sets_per_pass or len(sizes))) if options.online else 1
+        what, read_back = "study", ""
+    else:
+        drafts, passes, done = [options.k] * left[0], left[1], left[2]
+        stored, what, read_back = None, "study's training", f" ({done} read back from its outcomes folder)" if done else ""
     parts, seconds = [], 0.0
     if options.online is not None:
         on = options.online
-        passes = seeds * math.ceil(len(sizes) / (options.sets_per_pass or len(sizes)))
-        if on.responses == "regenerate":
+        if on.responses == "regenerate" and left is None:
             x, source = pace(store, "answers", model, t)
             s = generated_s(t, preflight.online_conversations(on, store), on.max_new_tokens, on.gen_batch_size) * x
             seconds += s
@@ -315,23 +324,21 @@ def study(store: Store, model: str, options, sets: int | None = None) -> Forecas
             s, source = passes * float(on.time_s), "its time budget"
         else:
             x, source = pace(store, "online", model, t)
-            per_set = [row_rule(t, [range(n)], on, online=False) for n in sizes]
-            s = training_rows(on, online=True) * (passes * t.params * FORWARD_S + seeds * sum(per_set)) * x
-        label = f"{len(sizes) * seeds} drafts in {passes} target pass{'es' if passes != 1 else ''}"
+            s = training_rows(on, online=True) * (passes * t.params * FORWARD_S
+                                                  + sum(row_rule(t, [range(n)], on, online=False) for n in drafts)) * x
+        label = f"{len(drafts)} drafts in {passes} target pass{'es' if passes != 1 else ''}"
     else:
         tr = options.train
         if tr.time_s is not None:
-            s, source = len(sizes) * seeds * float(tr.time_s), "its time budget"
+            s, source = len(drafts) * float(tr.time_s), "its time budget"
         else:
             x, source = pace(store, "training", model, t)
-            s = training_rows(tr, online=False) * seeds * sum(row_rule(t, [range(n)], tr, online=False)
-                                                               for n in sizes) * x
-        label = f"{len(sizes) * seeds} drafts"
-        passes = 1
+            s = training_rows(tr, online=False) * sum(row_rule(t, [range(n)], tr, online=False) for n in drafts) * x
+        label = f"{len(drafts)} drafts"
     seconds += s
-    parts.append(Part(f"training {label}, none for drafts already in the store", s, source))
+    parts.append(Part(f"training {label}{read_back}, none for drafts already in the store", s, source))
     b = options.bench_options()
     x, source = pace(store, "bench", model, t)
-    s = generated_s(t, b.limit * b.max_new_tokens * (len(sizes) * seeds + passes)) * x
+    s = generated_s(t, b.limit * b.max_new_tokens * (len(drafts) + passes)) * x if drafts else 0.0
     parts.append(Part(f"benchmarks of {options.limit} prompts x {options.max_new_tokens} tokens", s, source))
-    return Forecast("study", seconds + s, stored, parts)
+    return Forecast(what, seconds + s, stored, parts)

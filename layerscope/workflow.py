@@ -296,5 +296,7 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
     target = load(spec, store)
     o = replace(options, train=with_budget(options.train, target.device))
     report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress,     # its paces as it goes
-                       measured=lambda what: forecast.study_measured(store, spec, target, what))
+                       measured=lambda what: forecast.study_measured(store, spec, target, what),
+                       planned=None if estimate is None else
+                       lambda drafts, units, done: estimate(forecast.study(store, spec, o, left=(drafts, units, done))))
     return Studied(report, target)

@@ -79,6 +79,12 @@ def test_a_study_is_its_drafts_training_and_its_benchmark(store):
     assert study.seconds == pytest.approx(3 * draft.seconds + bench.seconds)
     assert bench.bytes == 0 and "up to 96 tokens decoded (3 prompts x 8 tokens x each decoder)" in bench.line()
     assert study.bytes >= 3 * draft.bytes and "training 3 drafts" in study.line()
+    # once the plan is known: what is left, and what the outcomes folder gave back without training
+    assert forecast.study(store, "tiny-llama", o, left=(3, 1, 0)).seconds == pytest.approx(study.seconds)
+    left = forecast.study(store, "tiny-llama", o, left=(1, 1, 2))
+    assert left.seconds == pytest.approx(draft.seconds + forecast.bench(store, "tiny-llama", 1, o.bench_options()).seconds)
+    assert "Estimate before the study's training starts" in left.line() and "(2 read back from its outcomes folder)" in left.line()
+    assert forecast.study(store, "tiny-llama", o, left=(0, 0, 3)).seconds == 0
     assert forecast.study(store, "no/such-model", o).seconds is None       # no config before a load: said so
     assert "no time estimate" in forecast.study(store, "no/such-model", o).line()
 

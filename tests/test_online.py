@@ -301,8 +301,8 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
                            depth=2, kernels=("linear",), filters=(0.0,), seeds=(0, 1), sets_per_pass=2,
                            outcomes=str(folder), probe=None)
     first = Store(tmp_path / "first")
-    seen = []
-    report = run_study(tiny_capture, tiny, first, options, progress=seen.append)
+    seen, plans = [], []
+    report = run_study(tiny_capture, tiny, first, options, progress=seen.append, planned=lambda *p: plans.append(p))
     rows = report.rows
     assert len(rows) == 3 and len(OutcomeFolder(folder)) == 6
     listed = OutcomeFolder(folder).listing()
@@ -321,7 +321,8 @@ def test_study_in_passes_keeps_outcomes_that_outlive_the_store(tiny, tiny_captur
 
     fresh = Store(tmp_path / "fresh")                      # the store is gone; the folder is what was kept
     again = []
-    report2 = run_study(tiny_capture, tiny, fresh, options, progress=again.append)
+    report2 = run_study(tiny_capture, tiny, fresh, options, progress=again.append, planned=lambda *p: plans.append(p))
+    assert plans == [(6, 4, 0), (0, 0, 6)]          # (drafts to train, passes, read back): what the estimate counts
     assert not [p for p in again if p.phase == "bench" or (p.phase == "train" and p.detail is not None)]
     assert f"6 of 6 drafts (set, seed) already in {folder}" in [p.message for p in again]
     assert not (fresh.root / "drafts").exists() or not any((fresh.root / "drafts").iterdir())

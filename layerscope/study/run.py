@@ -371,9 +371,11 @@ def benchmark(target, store, sets, paths: dict, prompts, cache: dict, o: StudyOp
 
 
 def finish_drafts(cap, target, store, sets, o: StudyOptions, say,
-                  measured: Callable[[dict], None] | None = None) -> list[list[Outcome]]:
+                  measured: Callable[[dict], None] | None = None,
+                  planned: Callable[[int, int, int], None] | None = None) -> list[list[Outcome]]:
     """Outcome per set and training seed ([set][seed]): from the outcomes folder where it holds one, else
-    trained and benchmarked unit by unit (study_units), each written to the folder once benchmarked."""
+    trained and benchmarked unit by unit (study_units), each written to the folder once benchmarked. `planned`
+    hears (drafts to train, their units, drafts read back) before the first unit starts."""
     seeds = training_seeds(o)
     folder = OutcomeFolder(o.outcomes) if o.outcomes else None
     prompt_set, prompts = bench.fitting_prompts(target.tokenizer, o.bench_options(), cache=store.root / "prompts")
@@ -389,6 +391,8 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say,
                     done[i, j] = got
         say(StudyProgress("train", f"{len(done)} of {len(identities)} drafts (set, seed) already in {folder.root}"))
     units = study_units(len(sets), len(seeds), o, done)
+    if planned is not None:
+        planned(sum(len(todo) for todo in units), len(units), len(done))
     for u, todo in enumerate(units):
         paths = train_unit(cap, target, store, sets, todo, o, say, u, len(units), measured)
         for ij, outcome in benchmark(target, store, sets, paths, prompts, cache, o, say, measured).items():
@@ -400,10 +404,13 @@ def finish_drafts(cap, target, store, sets, o: StudyOptions, say,
 
 def run_study(cap, target, store, options: StudyOptions | None = None, analysis: AnalysisOptions | None = None,
               progress: Callable[[StudyProgress], None] | None = None,
-              measured: Callable[[dict], None] | None = None) -> StudyReport:
+              measured: Callable[[dict], None] | None = None,
+              planned: Callable[[int, int, int], None] | None = None) -> StudyReport:
     """Run the study for capture `cap` (a CaptureReader) with `target` (its LoadedModel). `measured` hears what
     each online pass and each benchmark measured of this machine, as soon as it is done (workflow.study records
-    them as paces for the next estimates: forecast.study_measured)."""
+    them as paces for the next estimates: forecast.study_measured). `planned` hears how many drafts remain to
+    train, in how many units, and how many were read back, once the plan is known (workflow.study estimates
+    what remains: the estimate before the start cannot know what the outcomes folder holds)."""
     o = options or StudyOptions()
     seeds = training_seeds(o)
     analysis = analysis or AnalysisOptions()
@@ -432,7 +439,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
         except probe_mod.ProbeError as e:        # e.g. a capture without held-out response positions
             probe_skipped = str(e)
 
-    finished = finish_drafts(cap, target, store, sets, o, say, measured)
+    finished = finish_drafts(cap, target, store, sets, o, say, measured, planned)
     n_prompts = len(finished[0][0].per_prompt.tokens)
     merged = machine.merge([oc.machine for ocs in finished for oc in ocs])
     machine_state = merged.to_json() if merged is not None else None
