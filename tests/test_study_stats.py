@@ -1,5 +1,10 @@
 """The study's statistics: bootstrap coverage, paired differences, seed spread, correlations, verdict."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -259,3 +264,34 @@ def test_two_outcome_folders_pair_by_set_seed_and_benchmark_and_give_a_paired_de
     assert f"{tau_b - tau_a:+.3f} [" in text and "online.fc_norm: None → True" in text
     with pytest.raises(OutcomeError, match="has a partner"):
         pair_folders(off, OutcomeFolder(tmp_path / "empty"))
+
+
+def test_study_tables_prints_a_reports_numbers_as_markdown(tmp_path):
+    """benchmarks/study_tables.py turns a study's --json report into docs/results.md's tables: each set's numbers as
+    the report holds them, τ per seed in seed order, the seed spread's extremes, ρ in format_study's form, the
+    verdict word for word; a file that is not a report is one line and exit code 2."""
+    def row(strategies, layers, tau, taus, delta, ci, spread, agreement, probe):
+        return {"strategies": strategies, "layers": layers, "val_accuracy": [agreement, 0.2], "probe": {"agreement": probe},
+                "tau": tau, "tau_ci": [tau - 0.1, tau + 0.1], "delta_vs_default": delta, "delta_ci": ci, "speedup": 0.6,
+                "tau_seed_range": spread, "seeds": [{"seed": 1, "tau": taus[1]}, {"seed": 0, "tau": taus[0]}]}
+    report = {"rows": [row(["default"], [2, 9, 15], 1.49, (1.5, 1.48), 0.0, [0.0, 0.0], 0.02, 0.342, 0.374),
+                       row(["probe"], [13, 15, 17], 1.52, (1.536, 1.504), 0.03, [0.004, 0.061], 0.032, 0.366, 0.405)],
+              "correlations": [{"proxy": "mean_entropy", "version": "linear, H≥0.5", "rho": 0.4, "ci": [-0.5, 1.0]},
+                               {"proxy": "mean_entropy", "version": "cosine, H≥1", "rho": 0.6, "ci": [-0.2, 1.0]}],
+              "best_proxies": {"mean_entropy": {"version": "cosine, H≥1", "rho": 0.6, "ci": [-0.2, 1.0]},
+                               "probe": {"version": "held-out agreement", "rho": 1.0, "ci": [1.0, 1.0]}},
+              "verdict": "No difference at this budget: planted.", "prompts": 40}
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(report))
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "study_tables.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, check=True).stdout
+    assert "| default [2, 9, 15] | 0.342 | 0.374 | 1.490 | [1.390, 1.590] | 1.500 / 1.480 | 0 |" in out
+    assert "| probe [13, 15, 17] | 0.366 | 0.405 | 1.520 | [1.420, 1.620] | 1.536 / 1.504 | +0.030 | " \
+           f"{fmt.ci([0.004, 0.061], 'delta')} | 0.60× |" in out
+    assert "by 0.020 (default [2, 9, 15]) to 0.032 (probe [13, 15, 17])" in out
+    assert f"| mean entropy | +0.40 {fmt.ci([-0.5, 1.0], 'delta')} | +0.60 {fmt.ci([-0.2, 1.0], 'delta')} (cosine, H≥1) |" in out
+    assert f"| probe (held-out agreement, training-free) | +1.00 {fmt.ci([1.0, 1.0], 'delta')} | — |" in out
+    assert '*"No difference at this budget: planted."*' in out
+    path.write_text("{}")
+    bad = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a study's --json report" in bad.stderr
