@@ -23,7 +23,8 @@
 #                                    # trains every proposed set (default rule, entropy/CKA strategies, last-k,
 #                                    # single, two seeded random controls) for seeds 0 and 1, four sets per
 #                                    # target pass, each pass benchmarked on 40 held-out prompts when it is done
-#   benchmarks/long_run.sh keep      # copy the store's regenerated answers into $STUDY_DIR/responses (commit them)
+#   benchmarks/long_run.sh keep      # copy the store's regenerated answers of $STUDY_DIR's model (MODEL to name
+#                                    # another) into $STUDY_DIR/responses (commit them)
 #   benchmarks/long_run.sh gemma3-study  # the same study on Gemma 3 270M (issue 38), at 200k tokens per draft with
 #                                    # fc_norm (the budget at which the default set's held-out agreement passes 0.3:
 #                                    # docs/results.md), kept in docs/study-gemma3 (STUDY_DIR); `keep` with
@@ -147,11 +148,24 @@ PY
         > "docs/bench/builtin-$key-$prompts.txt" 2>> "$log.log"
     done ;;
   keep)
+    # the answers of this study's model only (MODEL; by default the one STUDY_DIR's study runs): each folder's
+    # about.json names its model; a folder from before about.json is kept only where STUDY_DIR already keeps it
+    case "$study_dir" in *study-gemma3*) keep_model="${MODEL:-gemma3-270m}" ;; *) keep_model="${MODEL:-smollm2-135m}" ;; esac
     for d in "$LAYERSCOPE_STORE"/responses/*/; do      # finished parts only (a part being written is a dotfile)
       [ -d "$d" ] || continue
-      mkdir -p "$study_dir/responses/$(basename "$d")"
-      cp -n "$d"part-*.json "$study_dir/responses/$(basename "$d")/"
-      echo "kept $(basename "$d"): $(ls "$study_dir/responses/$(basename "$d")" | wc -l) parts"
+      name=$(basename "$d")
+      if [ -f "$d/about.json" ]; then
+        owner=$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1])).get("model", ""))' "$d/about.json")
+      elif [ -d "$study_dir/responses/$name" ]; then
+        owner="$keep_model"
+      else
+        echo "left $name: no about.json says whose answers these are (copy it by hand if it is $keep_model's)"; continue
+      fi
+      if [ "$owner" != "$keep_model" ]; then echo "left $name: $owner's answers, not $keep_model's"; continue; fi
+      mkdir -p "$study_dir/responses/$name"
+      cp -n "$d"part-*.json "$study_dir/responses/$name/"
+      [ -f "$d/about.json" ] && cp -n "$d/about.json" "$study_dir/responses/$name/"
+      echo "kept $name: $(ls "$study_dir/responses/$name" | grep -c '^part-') parts"
     done ;;
   study)
     run_study smollm2-135m --train-limit 2000 --tokens 500k --no-fc-norm ;;

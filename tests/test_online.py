@@ -523,6 +523,10 @@ def test_a_weighted_draw_answers_only_what_the_unweighted_draw_has_not(tiny, tmp
     again = []
     assert load_conversations(tiny, weighted, store, progress=again.append).response == drawn.response
     assert again == []                                                               # every part is stored
+    # each draw's folder says whose answers it holds (long_run.sh keep keeps a model's own)
+    abouts = [json.loads(f.read_text()) for f in (store.root / "responses").glob("*/about.json")]
+    assert sorted("kinds" in a for a in abouts) == [False, True]
+    assert {(a["model"], a["target"]) for a in abouts} == {(tiny.spec, tiny.fingerprint)}
     # the same weighted draw in a store that never saw the unweighted one answers everything itself
     alone = []
     fresh = load_conversations(tiny, weighted, Store(tmp_path / "fresh"), progress=alone.append)

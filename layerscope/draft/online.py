@@ -257,6 +257,9 @@ def first_reply(record: dict) -> str | None:
     return None
 
 
+ABOUT = "about.json"      # responses/<key>/about.json: the model and settings the answers were written with
+
+
 def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, store: Store, *, progress=None,
                           should_stop=None) -> Conversations:
     """The target's greedy answers, generated once into responses/<key>/: one JSON part per `gen_batch_size`
@@ -279,6 +282,10 @@ def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, 
     if any(read_part(root, start, batch) is None for start, batch in parts):
         with store.lock("responses", key, should_stop=should_stop):
             reuse = stored_answers(store.path("responses", make_key(settings))) if weights is not None else {}
+            if not (root / ABOUT).is_file():      # whose answers these are, for a person who keeps or copies them
+                root.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(root / ABOUT, {"model": target.spec, **settings,
+                                                 **({"kinds": canonical(weights)} if weights is not None else {})})
             generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop, reuse=reuse)
     out = Conversations([], [], [], make_key({"responses": key, "prompts": content_hash}))
     for start, batch in parts:
