@@ -394,7 +394,7 @@ def test_capture_heatmap_pick_benchmark_save_and_share(server, browser):
     page.get_by_role("radio", name="builtin").check(force=True)
     wait_idle(page)
     set_number(page, "Prompts", 4)
-    set_number(page, "New tokens", 120)
+    set_number(page, "New tokens", 240)      # a few seconds of decoding: on one loaded core, 120 were over between two redraws
     page.get_by_role("button", name="Run benchmark").click()
     page.get_by_text("Running τ", exact=True).first.wait_for(timeout=60_000)
     seen, deadline, live_shot = [], time.time() + 180, False
