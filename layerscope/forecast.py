@@ -336,7 +336,8 @@ def study(store: Store, model: str, options, sets: int | None = None,
             s = training_rows(tr, online=False) * sum(row_rule(t, [range(n)], tr, online=False) for n in drafts) * x
         label = f"{len(drafts)} drafts"
     seconds += s
-    parts.append(Part(f"training {label}{read_back}, none for drafts already in the store", s, source))
+    # at most: a draft the store already holds (a pass stopped at its benchmark) is served from it, in no time
+    parts.append(Part(f"training {label}{read_back}, at most (none for drafts the store holds)", s, source))
     b = options.bench_options()
     x, source = pace(store, "bench", model, t)
     s = generated_s(t, b.limit * b.max_new_tokens * (len(drafts) + passes)) * x if drafts else 0.0
