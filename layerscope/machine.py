@@ -343,8 +343,9 @@ def state_of(obj: MachineState | dict | None) -> MachineState | None:
 
 def merge(states: Iterable[MachineState | dict | None]) -> MachineState | None:
     """Several runs as one (e.g. a study's benchmark, partly from the store): the worst of each number;
-    quiet only if every run was; the reasons of every busy run."""
-    ss = [s for s in (state_of(x) for x in states) if s is not None]
+    quiet only if every run was; the reasons of every busy run. A run several results share (a study's pass
+    benchmarks several drafts in one run) counts once, so the window is the time measured, not a multiple of it."""
+    ss = list(dict.fromkeys(s for s in (state_of(x) for x in states) if s is not None))
     if not ss:
         return None
     if len(ss) == 1:

@@ -119,6 +119,8 @@ def test_quiet_rule_thresholds():
     assert m.caution(quiet) is None and "busy machine" in m.caution(busy)
     merged = m.merge([quiet.to_json(), busy, None])
     assert not merged.quiet and merged.others_cpu == pytest.approx(busy.others_cpu) and merged.samples == 2
+    shared = m.merge([quiet.to_json(), quiet.to_json(), busy])    # two results of one run: that run counts once
+    assert shared.samples == 2 and shared.window_s == pytest.approx(quiet.window_s + busy.window_s)
     with pytest.raises(LayerScopeError, match="--wait-quiet"):
         MachineOptions(wait_s=-1).validate()
 
