@@ -132,7 +132,11 @@ PY
       --command "layerscope train-draft ${made[*]}   # benchmarks/long_run.sh $from" >> "$log.log" 2>&1
     # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran); `--lookup 4`
     # adds the chosen chain with prompt lookup first (a 5-token verify costs about what a 3-token one does here)
-    for spec in "sharegpt-heldout 20 builtin-v2-sharegpt-heldout" "builtin 24 builtin-v2-builtin-prompts"; do
+    # into docs/bench/builtin-v<N>-*, N one past the newest there (v2: the draft continued on ShareGPT, v3: continued
+    # by kind), so an earlier draft's tables stay where docs/results.md cites them
+    n=$(ls docs/bench | sed -n 's/^builtin-v\([0-9]*\)-.*/\1/p' | sort -n | tail -1)
+    v="builtin-v$(( ${n:-1} + 1 ))"
+    for spec in "sharegpt-heldout 20 $v-sharegpt-heldout" "builtin 24 $v-builtin-prompts"; do
       read -r prompts limit name <<< "$spec"
       .venv/bin/layerscope bench --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto --lookup 4 \
         --wait-quiet 10m \
