@@ -101,6 +101,10 @@ run_sets() {
     --seeds 0 --outcomes "$study_dir/$outcomes" --limit 40 --max-new-tokens 32 --wait-quiet 10m \
     --json >> "$log.json" 2>> "$log.log"
 }
+# the shipped builtin draft's store key, 12 characters: what its benchmark tables in docs/bench are named by
+shipped_key() {
+  .venv/bin/python -c 'import json,glob; print(json.load(open(glob.glob("layerscope/data/drafts/smollm2-135m-*/layerscope.json")[0]))["shipped"]["from"][:12])'
+}
 case "$mode" in
   default)
     exec .venv/bin/layerscope train-draft "${data[@]}" --layers 2,15,27 --time 100m --json >> "$log.json" 2>> "$log.log" ;;
@@ -132,10 +136,10 @@ PY
       --command "layerscope train-draft ${made[*]}   # benchmarks/long_run.sh $from" >> "$log.log" 2>&1
     # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran); `--lookup 4`
     # adds the chosen chain with prompt lookup first (a 5-token verify costs about what a 3-token one does here)
-    # into docs/bench/builtin-v<N>-*, N one past the newest there (v2: the draft continued on ShareGPT, v3: continued
-    # by kind), so an earlier draft's tables stay where docs/results.md cites them
-    n=$(ls docs/bench | sed -n 's/^builtin-v\([0-9]*\)-.*/\1/p' | sort -n | tail -1)
-    v="builtin-v$(( ${n:-1} + 1 ))"
+    # into docs/bench/builtin-<the shipped draft's key>-ship-*, as bench-builtin names its tables: an earlier draft's
+    # stay where docs/results.md cites them (builtin-v2-*: the draft before the one continued by kind), and a rerun
+    # for the same draft replaces its own
+    v="builtin-$(shipped_key)-ship"
     for spec in "sharegpt-heldout 20 $v-sharegpt-heldout" "builtin 24 $v-builtin-prompts"; do
       read -r prompts limit name <<< "$spec"
       .venv/bin/layerscope bench --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto --lookup 4 \
@@ -144,7 +148,7 @@ PY
         > "docs/bench/$name.txt" 2>> "$log.log"
     done ;;
   bench-builtin)
-    key=$(.venv/bin/python -c 'import json,glob; print(json.load(open(glob.glob("layerscope/data/drafts/smollm2-135m-*/layerscope.json")[0]))["shipped"]["from"][:12])')
+    key=$(shipped_key)
     for spec in "builtin 96" "sharegpt-heldout 40"; do
       read -r prompts limit <<< "$spec"
       .venv/bin/layerscope bench --draft builtin --k auto --tree auto --lookup auto --wait-quiet 10m \
