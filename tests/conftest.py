@@ -17,6 +17,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
+# Real models run in float32 in the tests whatever this machine's bf16 units are (layerscope/precision.py would pick
+# bfloat16 where it measures faster): their tests compare decoders token for token. tests/test_precision.py tests
+# the choice itself.
+os.environ.setdefault("LAYERSCOPE_DTYPE", "float32")
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from layerscope.models import load_model
@@ -84,6 +90,14 @@ def gemma3(session_store):
     from layerscope.models import load_model
 
     return load_model("gemma3-270m", store=session_store)
+
+
+@pytest.fixture(scope="session")
+def qwen05(session_store):
+    """Qwen2.5-Coder-0.5B-Instruct: assembled from its six part packages and de-quantized once per test session."""
+    from layerscope.models import load_model
+
+    return load_model("qwen2.5-coder-0.5b", store=session_store)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from layerscope.models import tiny_model
 from layerscope.prompts.sets import load_prompts
 from tests.helpers import untrained_draft
 
-ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "by_category",
+ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "mismatched", "by_category",
               "per_prompt", "tau_ci", "speedup_ci", "acceptance", "acceptance_ci"}
 
 
@@ -174,7 +174,8 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "cost_curve", "draft_step_seconds",
-                        "intervals", "machine", "cost_curve_machine"}
+                        "intervals", "machine", "cost_curve_machine", "dtype", "dtype_why"}
+    assert doc["dtype"] == "float32"           # tiny-llama: built in float32
     assert [r["name"] for r in doc["results"]] == ["autoregressive", "low", "hf-generate", "hf-prompt-lookup"]
     assert doc["intervals"]["reference"] == "low" and doc["intervals"]["prompts"] == 3
     for r in doc["results"]:          # the same intervals the library computes, printed as JSON

@@ -16,7 +16,8 @@ from layerscope.errors import LayerScopeError
 from layerscope.store import atomic_write_json
 
 NAME = "bench"
-HELP = ("decode the same prompts with each draft, plain decoding, HF generate and HF prompt lookup; "
+HELP = ("decode the same prompts with each draft, plain decoding, HF generate, HF prompt lookup and (--assistant) "
+        "HF assisted generation; "
         "report tau, acceptance per draft position, tokens/s, speedup and losslessness")
 
 
@@ -48,6 +49,10 @@ def add_arguments(p) -> None:
     p.add_argument("--tree-top-k", type=int, default=t.top_k, help="children per expanded node (default %(default)s)")
     p.add_argument("--tree-depth", type=int, default=t.depth, help="tree depth (default %(default)s)")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and HF prompt lookup")
+    p.add_argument("--assistant", default=d.assistant, metavar="MODEL",
+                   help="also transformers' assisted generation with this small model as assistant_model (contender "
+                        "hf-assisted, the classic small-model draft), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; "
+                        "its tokenizer must be the target's")
     p.add_argument("--prompt-lookup", type=int, default=d.lookup_tokens,
                    help="prompt_lookup_num_tokens for the HF peer (default %(default)s)")
     p.add_argument("--lookup", default=str(d.draft_lookup), metavar="N|N..M|auto",
@@ -96,7 +101,8 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(model=args.model, prompts=args.prompts, split=args.split, limit=args.limit, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         ks=tuple(dict.fromkeys(ks)), trees=trees, peers=not args.no_peers,
-                        lookup_tokens=args.prompt_lookup, draft_lookup=draft_lookup, auto_k=auto_k, auto_tree=args.tree == "auto",
+                        lookup_tokens=args.prompt_lookup, assistant=args.assistant, draft_lookup=draft_lookup,
+                        auto_k=auto_k, auto_tree=args.tree == "auto",
                         auto_lookup=auto_lookup, auto_even_if_slower=args.auto_even_if_slower,
                         machine=machine_options(args))
 

@@ -6,11 +6,15 @@ Every contender decodes the same prompts with the same `max_new_tokens`, greedil
     <draft>            specdec.speculative with that draft (a chain of depth k, or a tree)
     hf-generate        transformers `generate`, greedy
     hf-prompt-lookup   transformers `generate` with `prompt_lookup_num_tokens`
+    hf-assisted        transformers `generate` with a small model as `assistant_model` (`--assistant`: the classic
+                       small-model draft; its tokenizer must be the target's, `check_assistant`)
 
 Per contender: τ = tokens produced / target forwards (prefill included; 1 for plain decoding),
 acceptance at each draft position (the share of verification steps whose i-th draft token was
 accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
-`lossless` = every output equals autoregressive's token for token; all also per prompt category. A draft's
+`lossless` = every output equals autoregressive's token for token (`mismatched`: how many prompts' outputs do
+not; in bfloat16 a near-tie can flip between a verification and a one-token step, so this is reported, never
+hidden: layerscope/precision.py); all also per prompt category. A draft's
 entry also has `spec_decode`: its acceptance histogram under vLLM's metric names (num_drafts,
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, mean_acceptance_length; Tally.spec_decode).
 Prompts are the outer loop, so a change in machine load touches every contender alike.
@@ -76,6 +80,7 @@ class BenchOptions:
     trees: tuple[TreeSpec, ...] = ()             # EAGLE-2 trees, each a contender per draft
     peers: bool = True               # HF generate and HF prompt lookup
     lookup_tokens: int = 10          # prompt_lookup_num_tokens of the HF peer
+    assistant: str | None = None     # a model spec: also transformers' assisted generation with it (hf-assisted)
     draft_lookup: int | LookupSpan = 0   # > 0: also each draft's chain with prompt lookup first (specdec `lookup`;
                                          # a LookupSpan: adaptive); `parse_lookup` reads --lookup
     auto_k: bool = False             # also the chain depth with the best predicted speedup (`plan`)
@@ -109,10 +114,11 @@ class EncodedPrompt:
 @dataclass(frozen=True)
 class Contender:
     name: str
-    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup" ("declined":
+    kind: str                        # "autoregressive" | "draft" | "hf-generate" | "hf-prompt-lookup" | "hf-assisted"
+                                     # ("declined":
                                      # a marker auto_contenders leaves for lookup_declined, never decoded)
     decoding: str                    # e.g. "chain k=4", "tree budget=16 top_k=4 depth=5", "greedy"
-    draft: object = None             # DraftHead for kind "draft"
+    draft: object = None             # DraftHead for kind "draft"; the assistant model for "hf-assisted"
     k: int = specdec.DEFAULT_K
     tree: TreeSpec | None = None
     lookup_tokens: int | LookupSpan = 0   # HF prompt lookup: prompt_lookup_num_tokens; a draft: specdec's `lookup`
@@ -131,6 +137,7 @@ class Tally:
     drafted_at: list[int] = field(default_factory=list)     # per draft position: verification steps that drafted it
     accepted_at: list[int] = field(default_factory=list)    # per draft position: ... that accepted it
     lossless: bool = True
+    mismatched: int = 0              # prompts (runs) whose output differs from plain decoding's
     drafted: int = 0                 # draft tokens verified (a tree: its nodes), over all steps
     accepted: int = 0                # ... of those accepted
     lookup_steps: int = 0            # steps whose tokens prompt lookup proposed (counted in drafted/accepted,
@@ -195,10 +202,14 @@ class BenchReport:
     intervals: dict | None = None    # how the entries' intervals were made: level, draws, over, reference
     machine: dict | None = None      # MachineState.to_json() while it decoded (`measure`; `run` alone: None)
     cost_curve_machine: dict | None = None     # ... while the cost curve was measured
+    dtype: str = ""                  # the target's dtype (float32, bfloat16) and why (precision.Choice.why)
+    dtype_why: str = ""
 
     def to_json(self) -> dict:
         out = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
                "results": self.results}
+        if self.dtype:
+            out |= {"dtype": self.dtype, "dtype_why": self.dtype_why}
         if self.intervals is not None:
             out["intervals"] = self.intervals
         if self.machine is not None:
@@ -237,9 +248,9 @@ def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
 
 def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] = (specdec.DEFAULT_K,),
                trees: Sequence[TreeSpec] = (), peers: bool = True, lookup_tokens: int = 10,
-               draft_lookup: int | LookupSpan = 0) -> list[Contender]:
+               draft_lookup: int | LookupSpan = 0, assistant=None) -> list[Contender]:
     """autoregressive, each draft under each decoding (with `draft_lookup`, each chain also with prompt lookup
-    first), then the HF peers."""
+    first), then the HF peers (with `assistant`, a LoadedModel, also hf-assisted)."""
     out = [Contender("autoregressive", "autoregressive", "greedy")]
     decodings = [(f"chain k={k}", k, None, 0) for k in ks] + \
                 [(f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}", specdec.DEFAULT_K, t, 0) for t in trees]
@@ -253,6 +264,8 @@ def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] 
         out.append(Contender("hf-generate", "hf-generate", "greedy"))
         out.append(Contender("hf-prompt-lookup", "hf-prompt-lookup", f"prompt lookup n={lookup_tokens}",
                              lookup_tokens=lookup_tokens))
+    if assistant is not None:
+        out.append(Contender("hf-assisted", "hf-assisted", f"assistant {assistant.spec}", assistant.model))
     return out
 
 
@@ -308,12 +321,13 @@ def load_drafts(target, named: Sequence[tuple[str, object]]) -> list[tuple[str, 
     return list(zip(unique_names([n for n, _ in named], heads), heads))
 
 
-def contenders_for(drafts: Sequence[tuple[str, object]], o: BenchOptions) -> list[Contender]:
+def contenders_for(drafts: Sequence[tuple[str, object]], o: BenchOptions, assistant=None) -> list[Contender]:
     """The line-up `o` asks for: autoregressive, each draft under each of o.ks and o.trees (and with
     o.draft_lookup each chain with prompt lookup first, unless o.auto_k: then only the automatic chain gets
-    it, auto_contenders; o.auto_lookup: auto_contenders adds them), the HF peers."""
+    it, auto_contenders; o.auto_lookup: auto_contenders adds them), the HF peers, hf-assisted with `assistant`
+    (o.assistant loaded)."""
     return build_contenders(drafts, ks=o.ks, trees=o.trees, peers=o.peers, lookup_tokens=o.lookup_tokens,
-                            draft_lookup=0 if o.auto_k or o.auto_lookup else o.draft_lookup)
+                            draft_lookup=0 if o.auto_k or o.auto_lookup else o.draft_lookup, assistant=assistant)
 
 
 def stop_tokens(target) -> tuple[object, int | None]:
@@ -331,11 +345,13 @@ CALIBRATION_PROMPTS = 8              # prompts of a calibration run, a seed apar
 
 
 def plan(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, store,
-         progress: Callable[[BenchProgress], None] | None = None) -> tuple[list[Contender], costmodel.CostCurve | None]:
+         progress: Callable[[BenchProgress], None] | None = None,
+         assistant=None) -> tuple[list[Contender], costmodel.CostCurve | None]:
     """The benchmark's line-up with its `auto` contenders resolved, and the cost curve its predictions use
     (measured once per machine and draft shape on a quiet machine, then read from the store; None without
-    drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration ("calibrate")."""
-    contenders = contenders_for(drafts, options)
+    drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration ("calibrate").
+    `assistant`: options.assistant loaded (hf-assisted)."""
+    contenders = contenders_for(drafts, options, assistant)
     if not drafts:
         return contenders, None
 
@@ -495,6 +511,7 @@ def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Conte
         else:
             raise AssertionError("bench.run ended without a report")
     report.machine = watched.state.to_json()
+    report.dtype, report.dtype_why = str(target.dtype).replace("torch.", ""), getattr(target, "dtype_why", "")
     return report
 
 
@@ -539,6 +556,7 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
             elif out != reference:
                 for t in tallies:
                     t.lossless = False
+                    t.mismatched += 1
             done += 1
             yield BenchProgress(c.name, i, len(prompts), done, runs_total, total[c.name].tau,
                                 total[c.name].tokens_per_s, None, eta_s=timer.left(done * max_new_tokens))
@@ -604,7 +622,7 @@ def _entry(c: Contender, t: Tally, baseline: Tally, short: bool = False) -> dict
         entry["layers"] = list(c.draft.aux_layers)
         entry["decoding"] = c.decoding
     entry |= {"tau": t.tau, "acceptance_by_position": t.acceptance_by_position(), "tokens_per_s": tps,
-              "speedup": tps / base if tps and base else None, "lossless": t.lossless}
+              "speedup": tps / base if tps and base else None, "lossless": t.lossless, "mismatched": t.mismatched}
     if c.kind == "draft" and not short:
         entry["spec_decode"] = t.spec_decode()
     if c.kind == "draft" and c.lookup_tokens:
@@ -624,14 +642,17 @@ def _decode(model, c: Contender, ids: list[int], max_new_tokens: int, eos_token_
         yield from specdec.speculative(model, c.draft, ids, max_new_tokens, k=c.k, tree=c.tree,
                                        lookup=c.lookup_tokens, eos_token_id=eos_token_id)
     else:
-        yield _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, c.lookup_tokens)
+        yield _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, c.lookup_tokens,
+                           assistant=c.draft if c.kind == "hf-assisted" else None)
 
 
-def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_tokens: int):
-    """transformers generate, plain greedy (with prompt lookup when lookup_tokens > 0), counting target forwards.
+def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_tokens: int, assistant=None):
+    """transformers generate, plain greedy (with prompt lookup when lookup_tokens > 0; with `assistant` as its
+    assistant_model when given), counting the target's forwards (the assistant's are its own module's: not counted).
 
     generate fills unset options from `model.generation_config` (a repetition penalty, say), so that
-    config is swapped for a bare one for the call: the peer decodes exactly greedily, like ours.
+    config is swapped for a bare one for the call, and the assistant's too: the peer decodes exactly greedily,
+    like ours (the assistant keeps transformers' defaults for how many tokens it drafts: 20, then its heuristic).
     """
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -640,17 +661,37 @@ def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_
     forwards = []
     hook = model.register_forward_hook(lambda *_: forwards.append(1))
     saved, model.generation_config = model.generation_config, GenerationConfig()
+    if assistant is not None:
+        saved_assistant, assistant.generation_config = assistant.generation_config, GenerationConfig()
     try:
         machine.sync(model.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config,
+                                 **({"assistant_model": assistant} if assistant is not None else {}))
         machine.sync(model.device)
         seconds = time.perf_counter() - t0
     finally:
         model.generation_config = saved
+        if assistant is not None:
+            assistant.generation_config = saved_assistant
         hook.remove()
     return out[0, len(ids):].tolist(), len(forwards), seconds
+
+
+def check_assistant(target, assistant) -> None:
+    """An assistant model drafts in token ids, so its tokenizer must be the target's (the same vocabulary, ids and
+    special tokens; one LayerScopeError line otherwise, before anything is decoded)."""
+    tv, av = target.tokenizer.get_vocab(), assistant.tokenizer.get_vocab()
+    if tv != av:
+        differ = len(set(tv.items()) ^ set(av.items()))
+        raise LayerScopeError(f"--assistant {assistant.spec} has another tokenizer than the target {target.spec} "
+                              f"({len(av):,} against {len(tv):,} tokens, {differ:,} entries differ)",
+                              "Give a small model of the target's own family and tokenizer (e.g. qwen2.5-coder-0.5b "
+                              "for qwen2.5-coder-1.5b)")
+    if stop_tokens(target)[0] != stop_tokens(assistant)[0] and assistant.tokenizer.eos_token_id != target.tokenizer.eos_token_id:
+        raise LayerScopeError(f"--assistant {assistant.spec} ends its answers with another token than the target "
+                              f"{target.spec}", "Give a small model of the target's own family and chat template")
 
 
 def format_table(report: BenchReport) -> str:
@@ -666,8 +707,10 @@ def format_table(report: BenchReport) -> str:
                      *([_f(r.get("break_even_tau"))] if pred else []), *acc, _f(r["tokens_per_s"], 1),
                      fmt.interval(r["speedup"], r.get("speedup_ci"), "speedup"),
                      *([_f(r.get("predicted_speedup")) + ("x" if r.get("predicted_speedup") else "")] if pred else []),
-                     "yes" if r["lossless"] else "NO"])
-    lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}",
+                     lossless_text(r, report.prompts)])
+    lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}"
+             + (f", target in {report.dtype}" if report.dtype else "")
+             + (f" ({report.dtype_why.partition(': ')[2]})" if report.dtype_why.partition(': ')[2] else ""),
              fmt.table(head, rows, left=2)]
     lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
@@ -693,6 +736,14 @@ def format_table(report: BenchReport) -> str:
                              _f(e["speedup"]) + ("x" if e["speedup"] else ""), "yes" if e["lossless"] else "NO"])
         lines += ["", fmt.table(["category", "contender", "tau", "tok/s", "speedup", "lossless"], rows, left=2)]
     return "\n".join(lines)
+
+
+def lossless_text(entry: dict, prompts: int) -> str:
+    """'yes', or 'NO (3 of 40 prompts differ)': how many prompts' outputs differ from plain decoding's."""
+    if entry["lossless"]:
+        return "yes"
+    m = entry.get("mismatched")
+    return f"NO ({m} of {prompts} prompts differ)" if m else "NO"
 
 
 def spec_decode_lines(report: BenchReport) -> list[str]:

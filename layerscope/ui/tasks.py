@@ -458,14 +458,14 @@ class _BenchLive:
 
 
 def bench_options(*, model: str | None, prompts: str, limit: int, max_new_tokens: int, k: int | str, peers: bool,
-                  lookup: int | str = 0, seed: int = 0) -> BenchOptions:
+                  lookup: int | str = 0, seed: int = 0, assistant: str = "") -> BenchOptions:
     """The BenchOptions of the page's choices (k: a chain depth, or "auto"; lookup as `bench --lookup` takes it,
-    bench.parse_lookup), for the job and its estimate."""
+    bench.parse_lookup; assistant: a model spec for hf-assisted, "" for none), for the job and its estimate."""
     auto = k == "auto"
     draft_lookup, auto_lookup = parse_lookup(lookup)
     return BenchOptions(model=model, prompts=prompts, limit=limit, seed=seed, max_new_tokens=max_new_tokens,
                         ks=() if auto else (int(k),), auto_k=auto, peers=peers, draft_lookup=draft_lookup,
-                        auto_lookup=auto_lookup)
+                        auto_lookup=auto_lookup, assistant=(assistant or "").strip() or None)
 
 
 def bench_estimate(store, drafts: list[dict], **choice):
@@ -477,7 +477,8 @@ def bench_estimate(store, drafts: list[dict], **choice):
 
 @job_task
 def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int, max_new_tokens: int,
-              k: int | str = "auto", peers: bool, lookup: int | str = 0, seed: int = 0, capture_key: str | None = None):
+              k: int | str = "auto", peers: bool, lookup: int | str = 0, seed: int = 0, capture_key: str | None = None,
+              assistant: str = ""):
     """workflow.bench of the session's drafts (and plain decoding, HF peers) with live stats on the job.
     k: a chain depth, or "auto" (the default): the depth with the best predicted speedup, chosen by a
     calibration (bench.plan) whose prompts show as progress like the decoding's.
@@ -488,19 +489,20 @@ def bench_job(*, store, model: str, drafts: list[dict], prompts: str, limit: int
     metrics["phase"] ("cost curve", "calibrate") with the message saying what it does.
     lookup: as `bench --lookup` takes it (bench.parse_lookup): N > 0 or "N..M" (adaptive), each draft's chain is also
     decoded with prompt lookup first (BenchOptions.draft_lookup); "auto": with the span predicted best, if one pays.
+    assistant: a model spec, also decoded as transformers' assisted generation (hf-assisted); "" for none.
     """
     options = bench_options(model=model, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, k=k, peers=peers,
-                            lookup=lookup, seed=seed)
+                            lookup=lookup, seed=seed, assistant=assistant)
 
     def run(job):
         if not drafts:
             raise LayerScopeError("No draft chosen for the benchmark", "Train a draft or pick one above first")
         live, loaded = _BenchLive(job), []
 
-        def load(spec, store_):
+        def load(spec, store_):                 # the target, then the assistant (the same tokenizer: checked)
             target = load_in_job(job, spec, store_)
             loaded.append(target)
-            live.tokenizer = target.tokenizer
+            live.tokenizer = loaded[0].tokenizer
             job.update(0.01, "warming up")
             return target
 
