@@ -55,10 +55,10 @@ FAMILY_FIELDS = {                   # on top of tests/test_sliding_window.py's
     "cohere2": {},
 }
 ALL = set(ENGINES)
-# SpecForge trains the families SGLang cannot capture through its HF backend (engines.specforge_backend)
-SERVED_NOWHERE = ALL - {"specforge"}
+# SpecForge captures through SGLang only (its HF backend was removed in July 2026), so the families SGLang cannot
+# capture are served nowhere (engines.family_support; tests/test_engine_support.py has every family)
 REFUSED = {"llama": set(), "gpt_oss": set(), "mistral": {"vllm", "speculators"},
-           "starcoder2": SERVED_NOWHERE, "gemma2": SERVED_NOWHERE, "gemma3": SERVED_NOWHERE, "cohere2": SERVED_NOWHERE}
+           "starcoder2": ALL, "gemma2": ALL, "gemma3": ALL, "cohere2": ALL}
 OPTIONS = dict(steps=40, batch_size=4, seq_len=64, draft_vocab=128, warmup=5, lr=3e-3, eval_points=1)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -295,25 +295,9 @@ def test_every_engine_exports_what_it_serves_and_refuses_the_rest_in_one_line(fa
             assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == LAYERS
         if engine == "specforge":
             run = yaml.safe_load((out / "specforge.yaml").read_text())
-            backend = "sglang" if fam.name in ("llama", "gpt_oss", "mistral") else "hf"
-            assert run["model"]["target_backend"] == backend
-            # exactly one data source (SpecForge's DataConfig): SGLang's offline states, or the HF backend online
-            assert set(run["data"]) & {"hidden_states_path", "train_data_path"} == (
-                {"hidden_states_path"} if backend == "sglang" else {"train_data_path"})
-            if backend == "hf":
-                # HFEagle3TargetModel hooks the output of model.layers[id] = hidden_states[id + 1]
-                hooked = [i + 1 for i in run["model"]["aux_hidden_state_layer_ids"]]
-                assert hooked == LAYERS and "HF backend" in (out / "COMMANDS.md").read_text()
-                with torch.no_grad():
-                    outputs = {}
-                    hooks = [fam.target.model.model.layers[i].register_forward_hook(
-                        lambda _m, _a, o, i=i: outputs.__setitem__(i, o[0] if isinstance(o, tuple) else o))
-                        for i in run["model"]["aux_hidden_state_layer_ids"]]
-                    ids = torch.tensor([[5, 6, 7, 8, 9]])
-                    states = fam.target.model(ids, output_hidden_states=True).hidden_states
-                    for h in hooks:
-                        h.remove()
-                assert all(torch.equal(outputs[i - 1], states[i]) for i in LAYERS)   # the layers the draft reads
+            assert run["model"]["target_backend"] == "sglang"
+            # exactly one data source (SpecForge's DataConfig): SGLang's offline states
+            assert set(run["data"]) & {"hidden_states_path", "train_data_path"} == {"hidden_states_path"}
 
 
 def test_a_262k_vocabulary_draft_builds_saves_and_decodes(tmp_path):

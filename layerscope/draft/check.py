@@ -69,8 +69,8 @@ def check_draft(directory, facts: TargetFacts, only: list[str] | None = None) ->
         refused = engines.refusal(engine, trained, facts, norm["widths"])
         checked = engine in wanted
         ok = refused is None and reads == trained
-        if refused:
-            status = f"cannot load it: {refused}"
+        if refused:      # a family the engine's rule does not cover reads "unknown: not in <list> as of <source>"
+            status = refused if refused.startswith("unknown:") else f"cannot load it: {refused}"
         elif reads == trained:
             status = "reads the trained layers"
         elif source.startswith("default"):

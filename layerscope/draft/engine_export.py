@@ -75,7 +75,9 @@ def export_draft(draft_dir, engine: str, out, facts: TargetFacts, *, dtype: str 
     reason = engines.refusal(engine, layers, facts, head.config.fc_norm_widths)
     if reason:
         fix = ("Export for another engine (layers.json lists every engine's verdict for this target); LayerScope's "
-               "own decoder (bench) runs the draft" if engines.family_refusal(engine, facts.model_type) else
+               "own decoder (bench) runs the draft" + (f"; if your {engine} release serves this family, report it"
+                                                       if reason.startswith("unknown:") else "")
+               if engines.family_refusal(engine, facts.model_type) else
                f"Train a draft on a layer set {engine} takes (layers.json lists every engine's verdict), or export "
                "for another engine")
         raise DraftError(f"Cannot export for {engine}: {reason}", fix)

@@ -10,7 +10,6 @@ stream entering decoder layer l (= the output of decoder layer l-1). Each engine
                   l   (deepseek_v2/v3, glm4_moe_lite; a set starting at 1 cannot be written)         yes
                   l   (gpt_oss: hidden-state boundaries since PR #32334, July 2026)                  no
     specforge     the SGLang id                 run config, else draft eagle_config      exactly 3  no (ids >= 0)
-                  (through its HF backend where SGLang cannot capture the family: specforge_backend)
 
 (*) vLLM releases whose decoder loops capture through EagleModelMixin._maybe_add_hidden_state (2026) take
     the embedding output; older Llama loops add a residual that is still None before layer 0 and fail.
@@ -20,8 +19,10 @@ fc_norm (EAGLE-3.1: an RMSNorm on each auxiliary state before fc, the top-level 
 `fc_norm.{i}.weight`) is read by every engine in its 2026 releases (`fc_norm_notes` says which and what older
 ones do); `refusal` takes the draft's fc_norm widths for the one case an engine cannot build.
 
-Some engines run no EAGLE-3 draft at all for some target families, whatever the layers (`family_refusal`:
-vLLM's list of targets, SGLang targets without a capture hook or with a broken one).
+Some engines run no EAGLE-3 draft at all for some target families, whatever the layers (`family_support`, each
+engine's own rule: vLLM's aux_hidden_states_supported substring test, SGLang's per-model-file
+set_eagle3_layers_to_capture, SpecForge through SGLang, speculators through vLLM); a family no rule covers is
+"unknown", never "ok". `support_table` renders the README's engine table from the same rule.
 
 Every reading rule below is reproduced from the engines' sources (paths in the comments; none of their code
 is copied). When the ids are missing, every engine silently falls back to a default set, so `read_layers`
@@ -55,21 +56,102 @@ SGLANG_FIRST_ID_ONE = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_
 # hidden-state boundary indices"); releases before it add 1 (notes() says so).
 SGLANG_BOUNDARY = frozenset({"gpt_oss"})
 
-# Target families an engine runs no EAGLE-3 draft for (model_type -> why). vLLM refuses method eagle3 unless the
-# target's hf_text_config.model_type contains one of aux_hidden_states_supported (vllm/config/speculative.py: llama,
-# qwen, minicpm, gpt_oss, hunyuan_vl, hunyuan_v1_dense, afmoe, nemotron_h, deepseek_v2, deepseek_v3, kimi_k2,
-# kimi_k25, minimax_m2, gemma4 in the newest copy read); these families contain none of them. Only the families
-# LayerScope has checked are listed: others are not refused here.
-VLLM_WITHOUT_EAGLE3 = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere", "cohere2", "starcoder2", "mistral"})
-# SGLang calls set_eagle3_layers_to_capture on the target (python/sglang/srt/model_executor/model_runner.py); these
-# targets have none: gemma2.py Gemma2ForCausalLM, commandr.py CohereForCausalLM (Cohere2ForCausalLM subclasses
-# it), starcoder2.py Starcoder2ForCausalLM.
-SGLANG_WITHOUT_EAGLE3 = {"gemma2": "gemma2.py", "cohere": "commandr.py", "cohere2": "commandr.py",
-                         "starcoder2": "starcoder2.py"}
+# Which target families each engine runs an EAGLE-3 draft for, decided by the engine's own rule (family_support).
+# Every list below is read from the engine's source (files and dates in the comments; none of their code is copied).
+# A family no rule covers is "unknown: not in <list> as of <source>", never "ok".
+#
+# vLLM: SpeculativeConfig refuses method eagle3 unless the target's hf_text_config.model_type CONTAINS one of
+# aux_hidden_states_supported (a substring test: "qwen3_moe" and "qwen3_5_text" pass through "qwen"), vllm/config/
+# speculative.py, in every release until PR #42536 (merged 2026-05-13) removed the list; since then the target's model
+# class must implement SupportsEagle3 (vllm/v1/worker/gpu_model_runner.py, eagle3_utils.py: "Model does not support
+# EAGLE3 interface"), which every class the list named does. The list below is the last one vLLM shipped.
+VLLM_SOURCE = "vllm/config/speculative.py (before PR #42536, May 2026)"
+VLLM_AUX_HIDDEN_STATES_SUPPORTED = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe",
+                                    "nemotron_h", "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "minimax_m2",
+                                    "gemma4")
+# Families checked outside the list, so refused rather than unknown (model_type -> what else was checked): vLLM's
+# BambaForCausalLM (vllm/model_executor/models/bamba.py) does not implement SupportsEagle3 either.
+VLLM_CHECKED_REFUSALS = {"gemma2": "", "gemma3": "", "gemma3_text": "", "cohere": "", "cohere2": "", "starcoder2": "",
+                         "mistral": "", "bamba": "; its BambaForCausalLM (bamba.py) has no SupportsEagle3 either"}
+# SGLang calls set_eagle3_layers_to_capture on the target (python/sglang/srt/model_executor/model_runner.py): the
+# families whose model file defines it, directly or through the class it subclasses (model_type -> file).
+SGLANG_SOURCE = "python/sglang/srt/models/*.py (sglang main, 2026)"
+SGLANG_EAGLE3_TARGETS = {
+    "llama": "llama.py", "phi3": "llama.py (Phi3ForCausalLM subclasses LlamaForCausalLM)",
+    "mistral": "mistral.py (MistralForCausalLM subclasses LlamaForCausalLM)", "qwen2": "qwen2.py", "qwen3": "qwen3.py",
+    "qwen3_moe": "qwen3_moe.py", "gpt_oss": "gpt_oss.py", "deepseek_v2": "deepseek_v2.py",
+    "deepseek_v3": "deepseek_v2.py", "kimi_k2": "deepseek_v2.py", "glm4_moe_lite": "glm4_moe_lite.py"}
+# Targets whose model file has no set_eagle3_layers_to_capture and whose decoder loop captures nothing: gemma2.py
+# Gemma2ForCausalLM, commandr.py CohereForCausalLM (cohere2.py's Cohere2ForCausalLM subclasses it), starcoder2.py,
+# granite.py GraniteForCausalLM, olmo2.py Olmo2ForCausalLM, lfm2.py Lfm2ForCausalLM.
+SGLANG_WITHOUT_EAGLE3 = {"gemma2": "gemma2.py", "cohere": "commandr.py", "cohere2": "cohere2.py and commandr.py",
+                         "starcoder2": "starcoder2.py", "granite": "granite.py", "olmo2": "olmo2.py", "lfm2": "lfm2.py"}
 # SGLang's Gemma 3 target captures the branch output, not the residual stream a draft reads: the decoder keeps the
 # residual apart and python/sglang/srt/models/gemma3_causal.py appends hidden_states, not hidden_states + residual
 # (gpt_oss.py adds it); the fix, "Fix Gemma auxiliary hidden-state captures", is open (sglang PR #39286).
 SGLANG_BROKEN_CAPTURE = frozenset({"gemma3", "gemma3_text"})
+# SpecForge captures the target through SGLang only: model.target_backend accepts "sglang" alone
+# (specforge/config/schema.py since commit 97d7880d, 2026-07-15); the in-process HF and custom target backends were
+# removed with the server-only cutover (commit 7d1fbf08, 2026-07-14), and its capture calls the target's
+# set_eagle3_layers_to_capture (specforge/offline_capture/sglang_backend/capture.py). So SpecForge trains what SGLang
+# captures. speculators: its drafts are served by vLLM and trained on hidden states vLLM generates, so vLLM's rule.
+SPECFORGE_SOURCE = "specforge/config/schema.py (main, 2026-08-08)"
+
+
+@dataclass(frozen=True)
+class Support:
+    """An engine's verdict on a target family: status "ok" | "refused" | "unknown", and why (one line; "" for ok)."""
+    status: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def family_support(engine: str, model_type: str) -> Support:
+    """Whether `engine` runs an EAGLE-3 draft for a target of this family, by the engine's own rule (the lists above)."""
+    _check_engine(engine)
+    if engine in ("vllm", "speculators"):
+        return _vllm_support(engine, model_type)
+    sglang = _sglang_support(model_type)
+    if engine == "sglang" or sglang.ok:
+        return sglang
+    if sglang.status == "unknown":
+        return Support("unknown", f"unknown: specforge captures through SGLang only ({SPECFORGE_SOURCE}), and "
+                                  + sglang.reason.removeprefix("unknown: "))
+    return Support("refused", "specforge captures through SGLang only (model.target_backend: sglang, "
+                              f"{SPECFORGE_SOURCE}; its HF backend was removed 2026-07-14), and " + sglang.reason)
+
+
+def _vllm_support(engine: str, model_type: str) -> Support:
+    if any(name in model_type for name in VLLM_AUX_HIDDEN_STATES_SUPPORTED):
+        return Support("ok")
+    served = "" if engine == "vllm" else "speculators drafts are served by vLLM, and "
+    listed = ", ".join(VLLM_AUX_HIDDEN_STATES_SUPPORTED)
+    if model_type in VLLM_CHECKED_REFUSALS:
+        return Support("refused", f"{served}vllm runs EAGLE-3 only for targets whose model_type contains one of "
+                                  f"aux_hidden_states_supported ({VLLM_SOURCE}), and {model_type} contains none"
+                                  + VLLM_CHECKED_REFUSALS[model_type])
+    return Support("unknown", f"unknown: {served}{model_type} is not in vllm's aux_hidden_states_supported ({listed}) "
+                              f"as of {VLLM_SOURCE}; newer vLLM serves it only if its model class implements "
+                              "SupportsEagle3")
+
+
+def _sglang_support(model_type: str) -> Support:
+    if model_type in SGLANG_EAGLE3_TARGETS:
+        return Support("ok")
+    if model_type in SGLANG_WITHOUT_EAGLE3:
+        return Support("refused", f"SGLang's {model_type} target (python/sglang/srt/models/"
+                                  f"{SGLANG_WITHOUT_EAGLE3[model_type]}) has no set_eagle3_layers_to_capture, which "
+                                  "EAGLE-3 calls on the target")
+    if model_type in SGLANG_BROKEN_CAPTURE:
+        return Support("refused", "SGLang's Gemma 3 target captures the layers' branch output without the residual "
+                                  "stream the draft was trained on (python/sglang/srt/models/gemma3_causal.py; the "
+                                  "fix, PR #39286, is not merged)")
+    listed = ", ".join(sorted(SGLANG_EAGLE3_TARGETS))
+    return Support("unknown", f"unknown: {model_type} is not in SGLang's targets with set_eagle3_layers_to_capture "
+                              f"({listed}) as of {SGLANG_SOURCE}")
 
 
 @dataclass(frozen=True)
@@ -99,35 +181,38 @@ def sglang_rule(model_type: str) -> str:
     return "first-is-one" if model_type in SGLANG_FIRST_ID_ONE else "always"
 
 
+# The families the README's engine table lists (tests/test_families.py's matrix and the hybrid families transformers
+# 5 has configs for), in its order; qwen3_5 is the text model_type vLLM tests (hf_text_config).
+TABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "mistral", "phi3", "olmo2",
+                  "granite", "gemma2", "gemma3_text", "cohere2", "starcoder2", "bamba", "lfm2", "granitemoehybrid",
+                  "jamba", "falcon_h1", "qwen3_next", "qwen3_5_text", "olmo_hybrid")
+ENGINE_TITLES = {"vllm": "vLLM", "sglang": "SGLang", "specforge": "SpecForge", "speculators": "speculators"}
+CELLS = {"ok": "✓", "refused": "refused", "unknown": "unknown"}
+
+
+def support_table(families=TABLE_FAMILIES) -> str:
+    """The README's engine support table (Markdown), one row per target model_type, from family_support."""
+    lines = ["| target `model_type` | " + " | ".join(ENGINE_TITLES[e] for e in ENGINES) + " |",
+             "|---" * (len(ENGINES) + 1) + "|"]
+    for model_type in families:
+        cells = [CELLS[family_support(e, model_type).status] for e in ENGINES]
+        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def family_refusal(engine: str, model_type: str) -> str | None:
-    """Why `engine` runs no EAGLE-3 draft for a target of this family, whatever its layers (None: it may)."""
-    _check_engine(engine)
-    if engine == "vllm" and model_type in VLLM_WITHOUT_EAGLE3:
-        return (f"vllm runs EAGLE-3 only for targets whose model_type contains one of its aux_hidden_states_supported "
-                f"families (llama, qwen, gpt_oss, ...: vllm/config/speculative.py), and {model_type} is not one")
-    if engine == "speculators" and model_type in VLLM_WITHOUT_EAGLE3:
-        return (f"speculators drafts are served by vLLM and trained on hidden states vLLM generates, and vLLM runs "
-                f"EAGLE-3 for no {model_type} target (aux_hidden_states_supported, vllm/config/speculative.py)")
-    why = None
-    if model_type in SGLANG_WITHOUT_EAGLE3:
-        why = (f"SGLang's {model_type} target (python/sglang/srt/models/{SGLANG_WITHOUT_EAGLE3[model_type]}) has no "
-               "set_eagle3_layers_to_capture, which EAGLE-3 calls on the target")
-    elif model_type in SGLANG_BROKEN_CAPTURE:
-        why = ("SGLang's Gemma 3 target captures the layers' branch output without the residual stream the draft was "
-               "trained on (python/sglang/srt/models/gemma3_causal.py; the fix, PR #39286, is not merged)")
-    if why and engine == "sglang":
-        return why
-    return None          # specforge: such a family trains through SpecForge's HF backend (specforge_backend)
+    """Why `engine` runs no EAGLE-3 draft for a target of this family, whatever its layers (None: it does). A family
+    no rule covers gets its "unknown: not in <list> as of <source>" line: never served on a guess."""
+    support = family_support(engine, model_type)
+    return None if support.ok else support.reason
 
 
 def specforge_backend(model_type: str) -> str:
-    """The target backend SpecForge must capture this family with: "sglang" (its default), or "hf" where SGLang
-    has no capture hook for the family or a broken one. SpecForge's HFEagle3TargetModel
-    (specforge/modeling/target/eagle3_target_model.py) hooks the output of model.layers[id], i.e.
-    hidden_states[id + 1]: the same layers as the SGLang ids (sglang_ids' "always" rule, which these families
-    follow), and the residual stream the draft was trained on. model.target_backend takes "sglang", "hf" or
-    "custom" (specforge/config/schema.py)."""
-    return "hf" if model_type in SGLANG_WITHOUT_EAGLE3 or model_type in SGLANG_BROKEN_CAPTURE else "sglang"
+    """The target backend SpecForge captures this family with: "sglang", the only one model.target_backend takes
+    since the server-only cutover (specforge/config/schema.py, 2026-07-15; the HF backend, which hooked
+    model.layers[id] of any transformers causal LM, was removed 2026-07-14). A family SGLang cannot capture is
+    refused for SpecForge by family_support."""
+    return "sglang"
 
 
 def default_layers(engine: str, num_layers: int) -> list[int]:
@@ -189,11 +274,6 @@ def notes(engine: str, layers: list[int], facts: TargetFacts, fc_norm: bool = Fa
     if engine in ("sglang", "specforge") and sglang_rule(facts.model_type) == "boundary":
         out.append(f"SGLang reads {facts.model_type} ids as hidden-state boundaries since PR #32334 (July 2026); "
                    "older releases add 1 to every id and would read the layers after these: serve with a newer one")
-    if engine == "specforge" and specforge_backend(facts.model_type) == "hf":
-        out.append(f"SpecForge must capture this {facts.model_type} target through its HF backend "
-                   "(model.target_backend: hf in specforge.yaml, online training: its offline "
-                   "prepare_hidden_states.py runs SGLang), because " + family_refusal("sglang", facts.model_type)
-                   + "; so no engine serves the trained draft yet, and LayerScope's own decoder (bench) runs it")
     if engine == "speculators":
         out.append("speculators convert ignores the ids in the draft's config.json and falls back to "
                    f"{default_layers('speculators', facts.num_layers)} unless they are passed in --algorithm-kwargs")
