@@ -15,7 +15,11 @@ in place whole (`staged`, `replace_dir`); only names that are entry keys are lis
 (a link leaving the store is a problem every listing, `verify` and every open reports alike). The index
 is a cache of what is on disk: when it is damaged (and only then: a full or read-only disk is not
 damage) a new one is started; when it cannot be written it is read as it is and new results
-live in memory. Its values are bounded JSON (layerscope/jsonsafe.py). A write that meets a full or
+live in memory. Its values are bounded JSON (layerscope/jsonsafe.py). The index is untrusted input (a store
+may be shared or copied): it is checked before diskcache opens it (vet_index: triggers, views and Settings it
+would run or apply are removed, its settings come from INDEX_SETTINGS; an index that fails sqlite's check or is not
+diskcache's layout is started anew), and a row's file is read or removed only when it is one of the index's own
+value files (BoundedJSONDisk), so no row makes a command read, follow or delete a path elsewhere. A write that meets a full or
 read-only disk is one `StoreWriteError` line (`as_write_error` is the one rule, also applied by the CLI
 and the app's worker to OSErrors that escape elsewhere); what was finished stays on disk.
 """
@@ -26,6 +30,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -33,6 +38,7 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
 import struct
 import tempfile
 import time
@@ -42,7 +48,7 @@ from pathlib import Path
 
 import diskcache
 import torch
-from diskcache.core import MODE_BINARY, MODE_RAW
+from diskcache.core import DEFAULT_SETTINGS, EVICTION_POLICY, METADATA, MODE_BINARY, MODE_RAW, UNKNOWN
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -320,16 +326,84 @@ def check_entry_name(kind: str, key: str) -> str:
 
 # ---------------------------------------------------------------------------- the index
 
+INDEX_FILE_RE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")   # the only file names Disk.filename makes
+INDEX_FIX = "It is ignored (never read nor removed) and recomputed"
+
+
 class BoundedJSONDisk(diskcache.JSONDisk):
     """diskcache's JSON disk whose values are read as bounded JSON: a value planted in the index that is
     too large once decompressed, or nested too deep, or stored in another mode than the two JSONDisk writes
     (compressed bytes in the row or in a file; never pickle, which would run code), is a StoreError (the
-    caller treats it as a miss)."""
+    caller treats it as a miss).
+
+    The index is untrusted input (a store may be shared or copied): a row's `filename` is used only when it is
+    a name diskcache itself makes (INDEX_FILE_RE: relative, inside the index directory, no `..`), reached
+    through real directories (no link on the way), and the file is a regular file (not a link, a pipe or a
+    device) of bounded size. Any other row reads as a damaged value and its file is never removed."""
+
+    def value_path(self, filename) -> str:
+        """The full path of the value file a row names, or StoreError."""
+        if not isinstance(filename, str) or not INDEX_FILE_RE.fullmatch(filename):
+            shown = filename if not isinstance(filename, str) else filename[:120]
+            raise StoreError(f"An index row names the file {shown!r}, not a value file of the index", INDEX_FIX)
+        parent = self._directory
+        for part in filename.split("/")[:2]:
+            parent = os.path.join(parent, part)
+            try:
+                mode = os.lstat(parent).st_mode
+            except FileNotFoundError:
+                break                       # the file is not there: a miss
+            if not stat.S_ISDIR(mode):
+                raise StoreError(f"An index value file {filename} lies behind a link or a file, not a directory",
+                                 INDEX_FIX)
+        return os.path.join(self._directory, filename)
+
+    def filename(self, key=UNKNOWN, value=UNKNOWN):
+        filename, full_path = super().filename(key, value)
+        self.value_path(filename)           # a link planted on the way: the value is not written through it
+        return filename, full_path
+
+    def remove(self, file_path):
+        try:
+            self.value_path(file_path)
+        except StoreError:
+            return                          # a path the index names outside its own files is never removed
+        super().remove(file_path)
+
+    def _open_value(self, filename):
+        path = self.value_path(filename)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StoreError(f"An index value file {filename} is a link", INDEX_FIX) from None
+            raise                           # missing: diskcache reads it as a miss
+        f = os.fdopen(fd, "rb")
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise StoreError(f"An index value file {filename} is not a regular file (a pipe or a device)",
+                                 INDEX_FIX)
+            if info.st_size > MAX_INDEX_VALUE_BYTES:
+                raise StoreError(f"An index value file is larger than {MAX_INDEX_VALUE_BYTES >> 20} MiB", INDEX_FIX)
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def fetch(self, mode, filename, value, read):
         if mode not in (MODE_RAW, MODE_BINARY):
             raise StoreError(f"An index value is stored in diskcache mode {mode!r}, not as JSON bytes", "It is recomputed")
-        data = diskcache.Disk.fetch(self, mode, filename, value, read)
+        if mode == MODE_BINARY:
+            f = self._open_value(filename)
+            if read:
+                return f
+            with f:
+                data = f.read(MAX_INDEX_VALUE_BYTES + 1)
+            if len(data) > MAX_INDEX_VALUE_BYTES:
+                raise StoreError(f"An index value file is larger than {MAX_INDEX_VALUE_BYTES >> 20} MiB", INDEX_FIX)
+        else:
+            data = diskcache.Disk.fetch(self, mode, filename, value, read)
         if read:
             return data
         if not isinstance(data, bytes):
@@ -344,10 +418,163 @@ class BoundedJSONDisk(diskcache.JSONDisk):
         return jsonsafe.loads(text, what="An index value", error=StoreError, fix="It is recomputed")
 
 
-def open_cache(directory: Path) -> diskcache.Cache:
-    """The diskcache index in `directory` (JSON only, never pickle), its table touched once (opening is lazy
+# Every setting the index is opened with comes from here, never from its Settings table (which diskcache would
+# otherwise apply: pragmas, Disk arguments, attributes of the Cache).
+INDEX_SETTINGS = {**DEFAULT_SETTINGS, "eviction_policy": "none", "size_limit": 2**40}
+MAX_INDEX_ROW_BYTES = 16 * 2**20       # one string or blob sqlite reads from the index (inline values are < 32 kB)
+INDEX_CHECK_SECONDS = 30.0             # checking an index that takes longer: it is not used as it is
+
+
+class StoreIndexError(StoreError):
+    """The store's index cannot be used at all (an error no rule of the store foresaw): one line, exit 2."""
+
+
+class UntrustedIndex(sqlite3.DatabaseError):
+    """The index is not one diskcache made (its layout, its files) or fails sqlite's integrity check: a new one
+    is started (index_damaged)."""
+
+
+def bound_connection(con: sqlite3.Connection, seconds: float | None = None) -> None:
+    """Bound what one sqlite connection to the index may do: no string or blob over MAX_INDEX_ROW_BYTES is read
+    (memory), and with `seconds` every statement after this is interrupted once that time has passed."""
+    setlimit = getattr(con, "setlimit", None)          # Python 3.11+
+    if setlimit is not None:
+        setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_INDEX_ROW_BYTES)
+    with contextlib.suppress(sqlite3.Error):
+        con.execute("PRAGMA trusted_schema = OFF")
+    if seconds is not None:
+        deadline = time.monotonic() + seconds
+        con.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+
+
+class IndexCache(diskcache.Cache):
+    """diskcache's Cache whose every sqlite connection is bound (bound_connection)."""
+
+    @property
+    def _con(self):
+        con = diskcache.Cache._con.fget(self)
+        if getattr(self._local, "bounded", None) is not con:
+            bound_connection(con)
+            self._local.bounded = con
+        return con
+
+
+@functools.lru_cache(maxsize=1)
+def _index_schema() -> frozenset:
+    """The schema objects (type, name, table, sql) diskcache 5 makes: those of a new index opened with
+    INDEX_SETTINGS, and the indexes its other eviction policies and its tag index add."""
+    with tempfile.TemporaryDirectory(prefix="layerscope-index-") as tmp:
+        cache = diskcache.Cache(tmp, disk=diskcache.JSONDisk, **INDEX_SETTINGS)
+        try:
+            for policy in EVICTION_POLICY.values():
+                if policy["init"]:
+                    cache._sql(policy["init"])
+            cache.create_tag_index()
+            return frozenset(cache._sql("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
+        finally:
+            cache.close()
+
+
+def _index_files_problem(directory: Path) -> str | None:
+    """Why the index directory or its database files may not be opened (a link, a pipe, a device ...), or None."""
+    try:
+        mode = os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(mode):
+        return f"{directory.name} is {'a link' if stat.S_ISLNK(mode) else 'not a directory'}"
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm", "cache.db-journal"):
+        try:
+            mode = os.lstat(directory / name).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            return f"its {name} is {'a link' if stat.S_ISLNK(mode) else 'not a regular file'}"
+    return None
+
+
+def _table_problem(schema, table: str) -> str | None:
+    """Why `table` in `schema` (rows of sqlite_master) is not diskcache's table of that name, or None (also
+    when it is absent: diskcache makes it)."""
+    rows = [r for r in schema if str(r[1]).lower() == table.lower()]
+    if rows and not all(tuple(r) in _index_schema() for r in rows):
+        return f"its {table} table is not diskcache's (a {rows[0][0]} of another layout)"
+    return None
+
+
+def vet_index(directory: Path) -> list[str]:
+    """Check the index in `directory` before diskcache opens it, as untrusted input: its files must be regular
+    files, sqlite's quick_check must pass and its Cache and Settings tables must be diskcache's own, else
+    UntrustedIndex (a new index is started). What diskcache would run or apply from it is removed in place:
+    triggers, views and indexes it does not make, and Settings rows it does not write (INDEX_SETTINGS then
+    replaces the rest). Returns what was removed (for a warning). Bounded in time (INDEX_CHECK_SECONDS)."""
+    directory = Path(directory)
+    problem = _index_files_problem(directory)
+    if problem:
+        raise UntrustedIndex(problem)
+    if not (directory / "cache.db").exists():
+        return []
+    con = sqlite3.connect(str(directory / "cache.db"), timeout=60, isolation_level=None, check_same_thread=False)
+    try:
+        bound_connection(con, INDEX_CHECK_SECONDS)
+        try:
+            check = con.execute("PRAGMA quick_check").fetchall()
+            schema = con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+        except sqlite3.OperationalError as e:
+            if "interrupted" in str(e):
+                raise UntrustedIndex(f"it could not be checked within {INDEX_CHECK_SECONDS:.0f} s") from None
+            raise
+        if check != [("ok",)]:
+            raise UntrustedIndex(f"it fails sqlite's integrity check ({str(check[0][0])[:200] if check else 'no answer'})")
+        for table in ("Cache", "Settings"):
+            problem = _table_problem(schema, table)
+            if problem:
+                raise UntrustedIndex(problem)
+        drop = [(kind, name) for kind, name, table, sql in schema
+                if kind in ("trigger", "view", "index") and sql is not None
+                and (kind, name, table, sql) not in _index_schema()]
+        keys = sorted(set(INDEX_SETTINGS) | set(METADATA))
+        settings_rule = (f"NOT (key IN ({', '.join('?' * len(keys))}) AND typeof(value) IN ('integer', 'real', 'text')"
+                         " AND length(value) <= 64)")
+        has_settings = any(str(r[1]).lower() == "settings" and r[0] == "table" for r in schema)
+        bad_settings = con.execute(f"SELECT count(*) FROM Settings WHERE {settings_rule}", keys).fetchone()[0] \
+            if has_settings else 0
+        if not drop and not bad_settings:
+            return []
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            for kind, name in drop:
+                con.execute(f'DROP {kind.upper()} IF EXISTS "{name.replace(chr(34), chr(34) * 2)}"')
+            if bad_settings:
+                con.execute(f"DELETE FROM Settings WHERE {settings_rule}", keys)
+            con.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                con.execute("ROLLBACK")
+            raise
+        removed = [f"{kind} {name[:60]!r}" for kind, name in drop]
+        if bad_settings:
+            removed.append(f"{bad_settings} Settings row(s) diskcache does not write")
+        return removed
+    finally:
+        con.close()
+
+
+def new_cache(directory: Path) -> IndexCache:
+    """diskcache's Cache in `directory` with INDEX_SETTINGS (JSON only, never pickle). Open an existing index
+    with open_cache, which checks it first."""
+    return IndexCache(str(directory), disk=BoundedJSONDisk, **INDEX_SETTINGS)
+
+
+def open_cache(directory: Path, warn=None) -> IndexCache:
+    """The diskcache index in `directory`, checked first as untrusted input (vet_index: UntrustedIndex when it
+    may not be used as it is; `warn` gets what was removed from it), its table touched once (opening is lazy
     about some damage)."""
-    cache = diskcache.Cache(str(directory), disk=BoundedJSONDisk, eviction_policy="none", size_limit=2**40)
+    removed = vet_index(directory)
+    if removed and warn is not None:
+        warn(f"The store index in {Path(directory).parent} held what diskcache does not make "
+             f"({', '.join(removed)}); removed (cached results are kept)")
+    cache = new_cache(directory)
     cache.get("used/check")
     return cache
 
@@ -355,7 +582,8 @@ def open_cache(directory: Path) -> diskcache.Cache:
 def index_damaged(e: BaseException) -> bool:
     """Whether an index error means its database is damaged (start a new one), rather than that the disk is full,
     read-only, locked or failing (read it as it is; never move it aside)."""
-    return isinstance(e, sqlite3.DatabaseError) and any(w in str(e).lower() for w in INDEX_DAMAGE)
+    return isinstance(e, UntrustedIndex) or \
+        isinstance(e, sqlite3.DatabaseError) and any(w in str(e).lower() for w in INDEX_DAMAGE)
 
 
 # diskcache has no read-only mode (opening a Cache writes its Settings table), so an index that cannot be written
@@ -377,10 +605,19 @@ class _MemoryIndex(dict):
     def __init__(self, readonly_dir: Path | None = None):
         super().__init__()
         self._db = self._disk = self.problem = None
+        self._deadline = 0.0
         db = Path(readonly_dir) / "cache.db" if readonly_dir else None
+        problem = _index_files_problem(Path(readonly_dir)) if readonly_dir else None
+        if problem:                 # a link or a pipe in place of the index: never opened
+            self.problem = problem
+            return
         if db is not None and db.is_file():
             try:   # immutable: a WAL database opens without writing its -shm file
                 self._db = sqlite3.connect(f"{db.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False)
+                bound_connection(self._db)
+                self._db.set_progress_handler(lambda: time.monotonic() > self._deadline, 10_000)
+                self._deadline = time.monotonic() + INDEX_CHECK_SECONDS
+                schema = self._db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
                 self._db.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
                 columns = {row[1] for row in self._db.execute("PRAGMA table_info(Cache)")}
                 self._disk = BoundedJSONDisk(str(readonly_dir))
@@ -391,6 +628,10 @@ class _MemoryIndex(dict):
             if missing:
                 self.problem = f"its Cache table has no {', '.join(missing)} column (not diskcache 5's layout)"
                 self.close()
+            else:
+                self.problem = _table_problem(schema, "Cache")     # a view or another table: never queried
+                if self.problem:
+                    self.close()
 
     def get(self, key, default=None):
         if key in self:
@@ -398,6 +639,7 @@ class _MemoryIndex(dict):
         if self._db is not None:
             with contextlib.suppress(sqlite3.Error, OSError, ValueError):
                 db_key, raw = self._disk.put(key)
+                self._deadline = time.monotonic() + INDEX_CHECK_SECONDS
                 row = self._db.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ? "
                                        "AND (expire_time IS NULL OR expire_time > ?)",
                                        (db_key, raw, time.time())).fetchone()
@@ -455,11 +697,19 @@ class Store:
 
     def _open_index(self):
         try:
-            return open_cache(self.root / "index")
-        except (sqlite3.DatabaseError, OSError) as e:
-            if index_damaged(e):
-                return self._repair_index(e)
-            return self._unwritable_index(e)
+            try:
+                return open_cache(self.root / "index", self.warn)
+            except (sqlite3.DatabaseError, OSError) as e:
+                if index_damaged(e):
+                    return self._repair_index(e)
+                return self._unwritable_index(e)
+        except StoreError:
+            raise
+        except Exception as e:    # anything else an index can make diskcache or sqlite raise: one line, never a traceback
+            raise StoreIndexError(f"The store index in {self.root / 'index'} cannot be used ({type(e).__name__}: "
+                             f"{str(e)[:200]})",
+                             f"Move {self.root / 'index'} aside (it holds only cached results; the entries stay) "
+                             "and run again") from None
 
     def _unwritable_index(self, error: Exception):
         """The index read as it is (sqlite opened read-only), new results in memory: a full or read-only disk,
@@ -487,15 +737,14 @@ class Store:
             except StoreWriteError as e:          # the lock file cannot be made: the disk is full or read-only
                 return self._unwritable_index(e)
             try:   # another process may have repaired it while we waited
-                return open_cache(self.root / "index")
+                return open_cache(self.root / "index", self.warn)
             except (sqlite3.DatabaseError, OSError) as e:
                 if not index_damaged(e):
                     return self._unwritable_index(e)
             aside = self.root / f".index.damaged-{int(time.time())}-{os.getpid()}"
             try:
-                os.replace(self.root / "index", aside)
-                cache = diskcache.Cache(str(self.root / "index"), disk=BoundedJSONDisk, eviction_policy="none",
-                                        size_limit=2**40)
+                os.replace(self.root / "index", aside)     # a link or a pipe in its place is moved, never followed
+                cache = new_cache(self.root / "index")
             except (sqlite3.DatabaseError, OSError) as e:
                 self.warn(f"The store index in {self.root} is damaged and could not be rebuilt ({e}); "
                           "cached results are kept in memory only")
@@ -519,6 +768,11 @@ class Store:
             except OSError as e:
                 self.warn(f"The store index in {self.root} cannot be used ({e.strerror or e}); results are not cached")
                 return default
+            except diskcache.Timeout:
+                self.warn(f"The store index in {self.root} stayed locked by another process; results are not cached")
+                return default
+            except StoreIndexError:
+                raise
             except StoreError as e:
                 self.warn(f"The store index in {self.root} holds a damaged value under {args[0] if args else '?'} "
                           f"({e.problem}); it is ignored and recomputed")
