@@ -200,6 +200,11 @@ def live_capture():
     if j is None:
         return
     v = j.view()
+    if view is not None and view.running and not v.running:
+        # It just finished: redraw the whole page with its result. Only then: a job that is still running (loading
+        # the model, waiting in line) must not rerun the page, or every rerun finds it running and reruns again at
+        # once: a loop of full runs that greys the page out, slows the job, and can leave the page frozen (issue 51).
+        st.rerun()
     job_status(v, key="capture")
     if v.running and m_total(v):
         m = v.metrics
@@ -207,8 +212,11 @@ def live_capture():
         a.metric("Tokens recorded", f"{m.get('tokens', 0):,}")
         b.metric("Tokens / s", f"{m.get('tokens_per_s', 0.0):.0f}")
         c.metric("Prompts done", f"{m.get('conversations', 0)}/{m_total(v)}")
-    elif view is not None and view.running:
-        st.rerun()   # the job just finished: redraw the whole page with its result
+    elif v.running:
+        # before the first batch (the model loading, a first use de-quantizing it; or waiting for another job) there
+        # are no numbers yet: the bar above says what it does and for how long, and the panel keeps polling
+        st.caption("Tokens recorded, tokens/s and prompts done show here from the first batch; the page stays usable "
+                   "meanwhile.")
     elif v.finished_ok and v.result:
         r = v.result
         st.caption(f"Capture `{r['key']}`: {r['tokens']:,} tokens"

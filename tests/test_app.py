@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -25,7 +26,7 @@ from layerscope.decoding.bench import auto_note
 from layerscope.session import share, storage
 from layerscope.session.model import new_id
 from layerscope.session.schema import valid_id
-from layerscope.ui import speculate
+from layerscope.ui import speculate, tasks
 from layerscope.ui.access import OWNER_KEY
 from layerscope.ui.apply import heatmap_picks, kernel_of, toggle_picks
 from layerscope.ui.jobs import JobView, get_manager
@@ -220,6 +221,46 @@ def test_a_bad_model_spec_is_an_error_message_not_a_traceback(app_store):
     assert at.session_state["ls_session"].capture_key is None
     assert at.session_state["ls_session"].model is None          # a failed model name is not kept
     assert storage.load(app_store, sid(at)).model is None if storage.exists(app_store, sid(at)) else True
+
+
+def test_a_capture_loading_its_model_leaves_the_page_usable(app_store):
+    """Issue 51: while a capture loads its model (a first use de-quantizes it: seconds to minutes) it has no numbers
+    yet; the Capture page once took that for "just finished" and reran itself at once, again and again, so the page
+    never finished a run (greyed out in the browser until the job ended). A run must end, saying the model loads,
+    and the result must show on a later run once the job is done."""
+    at = new_app().run()
+    at.switch_page("app_pages/capture.py").run()
+    loaded = threading.Event()
+
+    def slow_capture(job):
+        """The page's capture job with a model load that lasts until the test says so."""
+        job.update(None, "loading model tiny-llama (a first load de-quantizes the weights: up to a few minutes on a "
+                         "small CPU)", eta_s=None)
+        loaded.wait(120)
+        return tasks.capture_job(model="tiny-llama", prompts="builtin", limit=2, max_new_tokens=4, batch_size=2, seed=0,
+                                 store=app_store)(job)
+
+    job = manager().submit(sid(at), "capture", slow_capture, title="Capture of tiny-llama")
+    try:
+        deadline = time.time() + 30
+        while not job.view().message.startswith("loading model"):
+            assert time.time() < deadline, f"the job did not start: {job.view().message}"
+            time.sleep(0.05)
+        at.run(timeout=30)            # the old page reran in a loop here: the run timed out
+        no_exception(at)
+        bars = [plain(p.proto.text) for p in at.get("progress")]
+        assert any("loading model tiny-llama" in b and "elapsed" in b for b in bars), bars
+        assert any("from the first batch" in c.value for c in at.caption)
+        assert job.view().running, "the model was still loading while the page ran"
+    finally:
+        loaded.set()                  # the job goes on and ends (a looping old page then stops too)
+        job.wait(120)
+    assert job.view().finished_ok, job.view().error
+    at.run()
+    no_exception(at)
+    key = job.view().result["key"]
+    assert any(c.value.startswith(f"Capture `{key}`: ") for c in at.caption), [c.value for c in at.caption]
+    assert at.session_state["ls_session"].capture_key == key
 
 
 def test_a_bad_prompt_upload_is_an_error_message(app_store):
