@@ -225,7 +225,9 @@ def test_greedy_decoding_with_prompt_lookup_is_lossless(fam):
 
 @pytest.mark.parametrize("config,problem", [
     (Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8), "chunked_attention"),
-    (Qwen3NextConfig(num_hidden_layers=4), "linear_attention"),
+    # a layer with no cache of its own ("moe" -> transformers' "dummy"); linear attention decodes: test_hybrid_decoding.py
+    (Qwen3NextConfig(num_hidden_layers=4, layer_types=["linear_attention", "moe", "linear_attention", "full_attention"]),
+     "dummy"),
     (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), "bidirectionally"),
 ])
 def test_what_cannot_be_kept_exact_is_refused_before_decoding(config, problem):

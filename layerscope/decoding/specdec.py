@@ -30,17 +30,30 @@ every layer keeps a full-length cache (a `DynamicLayer`, which crops exactly; tr
 the window is applied by the masks alone: the target builds its sliding masks from the cache length
 when no mask is passed, and the tree passes a windowed version of its mask to the sliding layers
 (`AttentionLayout`, `verification_mask`).
+
+Targets with recurrent state beside attention (gated delta-nets, Mamba/Mamba-2 mixers, short convolutions: Qwen3-Next,
+Qwen3.5, OLMo-Hybrid, Jamba, Bamba, GraniteMoeHybrid, Falcon-H1, LFM2): after the prefill their layers record the state
+after each token of a verification forward (`record_states`), and the crop takes back the state after the accepted
+ones. A tree is verified one root-to-leaf path per batch row from a copy of the cache, then the accepted path is
+replayed on the cache itself (`_tree_step_by_paths`). docs/internals.md, "Targets with recurrent state".
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
 
 from layerscope import layerset
 from layerscope.draft.model import DraftCache
@@ -148,19 +161,30 @@ def collect(events: Iterable[StepEvent]) -> tuple[list[int], list[StepEvent]]:
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"      # transformers' layer kinds (config.layer_types)
+# Layer kinds that keep a recurrent state (transformers' LinearAttentionLayer): gated delta-nets and Mamba/Mamba-2 mixers
+# ("linear_attention": a short convolution and a recurrent or SSM state), short convolutions alone ("conv", LFM2),
+# and a Mamba mixer beside full attention in the same layer ("hybrid", Falcon-H1).
+LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
+RECURRENT = (LINEAR, CONV, HYBRID)
 
 
 @dataclass(frozen=True)
 class AttentionLayout:
     """How the target's layers attend, as transformers builds their masks.
 
-    kinds: each layer's kind, FULL or SLIDING. window: the sliding layers' window (None without them): a query
-    at position q sees the keys at positions p with q - window < p <= q, the rule of transformers'
+    kinds: each layer's kind, FULL, SLIDING or one of RECURRENT. window: the sliding layers' window (None without
+    them): a query at position q sees the keys at positions p with q - window < p <= q, the rule of transformers'
     `sliding_window_overlay` (masking_utils.py), which every sliding mask is built from.
     """
 
     kinds: tuple[str, ...]
     window: int | None
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (conv, SSM or delta-net), which a crop cannot cut back by itself
+        (docs/internals.md, "Targets with recurrent state")."""
+        return any(kind in RECURRENT for kind in self.kinds)
 
 
 def attention_layout(model) -> AttentionLayout:
@@ -172,11 +196,12 @@ def attention_layout(model) -> AttentionLayout:
     """
     config = model.config.get_text_config(decoder=True)
     kinds, kwargs = get_layer_types_and_kwargs(config)
-    odd = sorted(set(kinds) - {FULL, SLIDING})
+    odd = sorted(set(kinds) - {FULL, SLIDING, *RECURRENT})
     if odd:
         raise LayerScopeError(f"the target has layers of kind {odd}, whose cache or mask this decoder cannot keep exact "
-                              f"(it handles {FULL} and {SLIDING})",
-                              "Use a target whose layers all use full or sliding-window attention")
+                              f"(it handles {FULL}, {SLIDING} and the recurrent kinds {list(RECURRENT)})",
+                              "Use a target whose layers all use full or sliding-window attention, "
+                              "or linear attention, Mamba or short convolutions beside them")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise LayerScopeError("the target attends bidirectionally, so its tokens cannot be decoded one after another",
                               "Use a causal language model")
@@ -189,18 +214,54 @@ def attention_layout(model) -> AttentionLayout:
 
 
 def new_cache(model) -> DynamicCache:
-    """An empty DynamicCache for `model` whose every layer is a full-length `DynamicLayer`, which can be cut
-    back exactly (sliding layers too: their window is applied by the masks); refuses what `attention_layout`
-    refuses."""
+    """An empty DynamicCache for `model` whose every attention layer is a full-length `DynamicLayer`, which can be cut
+    back exactly (sliding layers too: their window is applied by the masks); a recurrent layer gets transformers' own
+    `LinearAttentionLayer` (a Falcon-H1 "hybrid" layer: `LinearAttentionAndFullAttentionLayer`, full-length too), which
+    cuts back only while it records its states (`record_states`). Refuses what `attention_layout` refuses."""
+    config = model.config.get_text_config(decoder=True)
+    _, kwargs = get_layer_types_and_kwargs(config)
+    layers = {LINEAR: LinearAttentionLayer, CONV: LinearAttentionLayer, HYBRID: LinearAttentionAndFullAttentionLayer}
     cache = DynamicCache()
-    cache.layers = [DynamicLayer() for _ in attention_layout(model).kinds]
+    cache.layers = [layers[kind](**kw) if kind in layers else DynamicLayer()
+                    for kind, kw in zip(attention_layout(model).kinds, kwargs)]
     return cache
 
 
+def _recurrent_layers(cache: DynamicCache) -> list:
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def record_states(cache: DynamicCache) -> None:
+    """From now on, let the recurrent layers of `cache` be cut back: each keeps, until the next `crop_cache`, its
+    convolution inputs of the forward and the recurrent state after each of the forward's tokens (transformers'
+    `activate_past_recording`; `_target_forward` asks for one state per token). No-op for attention-only caches.
+
+    Called after the prefill, so the prompt runs through the model's chunked kernels exactly as in `generate` and
+    nothing of it is kept twice."""
+    for layer in _recurrent_layers(cache):
+        layer.activate_past_recording()
+        # one list per state: activate_past_recording's dict.fromkeys would share one list between a layer's states
+        layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+
+
+def _records(cache: DynamicCache) -> bool:
+    return any(layer.record_past for layer in _recurrent_layers(cache))
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Positions held by the cache, read from an attention layer where there is one (a recurrent layer counts its
+    tokens in a tensor, `cumulative_length_linear`)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer):
+            return int(layer.get_seq_length())
+    return int(cache.get_seq_length())
+
+
 def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions. (DynamicCache.crop takes minus the number to drop.)"""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
+    """Keep the first `length` positions. (DynamicCache.crop takes minus the number to drop.) A recording recurrent
+    layer takes back its state after `length` tokens and drops its record, so it is cropped even when nothing is cut."""
+    extra = cache_length(cache) - length
+    if extra > 0 or _records(cache):
         cache.crop(-extra)
 
 
@@ -220,8 +281,14 @@ def compact_cache(cache: DynamicCache, start: int, keep: list[int]) -> None:
 def _target_forward(model, ids: Sequence[int], positions: torch.Tensor, cache, aux_layers=None, mask=None,
                     last_only: bool = False, keep: torch.Tensor | None = None):
     """Append `ids` at `positions` [T] to the cache: logits [T, V] ([1, V] with last_only, [len(keep), V] for
-    the rows `keep`), aux [T, k*d] or None."""
+    the rows `keep`), aux [T, k*d] or None.
+
+    A recurrent layer that records (`record_states`) keeps its state after each of the T tokens, so `crop_cache` can
+    go back to any of them: the model then runs all T tokens through its one-token recurrent kernel, the one plain
+    decoding runs, instead of the chunked one."""
     dev = positions.device
+    for layer in _recurrent_layers(cache):
+        layer.recurrent_states_to_keep = len(ids) if layer.record_past else 0
     out = model(input_ids=torch.tensor([list(ids)], device=dev), position_ids=positions[None], cache=cache,
                 attention_mask=mask, use_cache=True, output_hidden_states=aux_layers is not None,
                 logits_to_keep=keep if keep is not None else 1 if last_only else 0)
@@ -311,7 +378,7 @@ def autoregressive(model, input_ids, max_new_tokens: int, *, eos_token_id=None, 
     while produced < max_new_tokens:
         t0 = clock()
         with torch.inference_mode():
-            start = cache.get_seq_length()
+            start = cache_length(cache)
             logits, _ = _target_forward(model, feed, torch.arange(start, start + len(feed), device=device), cache,
                                         last_only=True)
             tok = _pick(logits[-1], temperature, gen)
@@ -392,7 +459,8 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
     if k < 1 or (tree is not None and min(tree.budget, tree.top_k, tree.depth) < 1):
         raise LayerScopeError("the draft depth, tree budget, top-k and depth must be at least 1", "")
     span_rule = lookup_span(lookup)
-    if tree is not None and model.config._attn_implementation not in ("sdpa", "eager"):
+    layout = attention_layout(model)
+    if tree is not None and not layout.recurrent and model.config._attn_implementation not in ("sdpa", "eager"):
         raise LayerScopeError(f"tree verification needs a 4-D attention mask, which the "
                               f"{model.config._attn_implementation} attention of the target cannot take",
                               "Load the target with attn_implementation='sdpa', or use the chain")
@@ -403,7 +471,6 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
     device = model.device
     gen = _generator(device, seed) if temperature > 0 else None
     cache, d = new_cache(model), _Draft(draft, device)
-    layout = attention_layout(model) if tree is not None else None
     aux_layers = list(draft.aux_layers)
 
     # step 0: prefill the target; the draft's rows 0..n-1 are queued
@@ -413,6 +480,7 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
                                       last_only=True)
         last = _pick(logits[-1], temperature, gen)
         d.add_rows(ids[1:] + [last], aux)
+        record_states(cache)                                 # recurrent layers: from now on, states per token
     yield StepEvent(0, 0, 0, (), last, (last,), clock() - t0, "none")
     produced, step, context = 1, 1, ids + [last]
     span = span_rule.start if span_rule else 0               # tokens the next lookup proposes at most
@@ -426,6 +494,8 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
                 qs = [_one_hot(t, model.config.vocab_size, device) for t in found] if temperature > 0 else []
                 drafted, accepted, mask, new = _verify_chain(model, d, cache, last, found, qs, aux_layers,
                                                              temperature, gen)
+            elif tree is not None and depth > 0 and layout.recurrent:
+                drafted, accepted, mask, new = _tree_step_by_paths(model, d, cache, last, depth, tree, aux_layers)
             elif tree is not None and depth > 0:
                 drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout)
             else:
@@ -474,7 +544,7 @@ def _draft_distribution(draft, logits: torch.Tensor, temperature: float, vocab: 
 
 def _chain_step(model, d: _Draft, cache, last: int, depth: int, aux_layers, temperature: float, gen):
     """Draft `depth` tokens one after another, verify them in one forward, cut both caches back."""
-    L = cache.get_seq_length()                       # positions of everything but `last`
+    L = cache_length(cache)                          # positions of everything but `last`
     drafts, qs = [], []
     if depth > 0:
         logits, hidden = d.feed()                    # row L-1: predicts the token after `last`
@@ -496,7 +566,7 @@ def _verify_chain(model, d: _Draft, cache, last: int, drafts: list[int], qs: lis
                   temperature: float, gen):
     """Verify the proposed tokens `drafts` (each with its proposal distribution in `qs` when sampling) after
     `last` in one target forward; keep the accepted ones and the bonus token in both caches."""
-    L, depth = cache.get_seq_length(), len(drafts)
+    L, depth = cache_length(cache), len(drafts)
     logits, aux = _target_forward(model, [last] + drafts, torch.arange(L, L + depth + 1, device=d.device), cache,
                                   aux_layers)
     if temperature > 0:
@@ -537,7 +607,7 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     row is projected afterwards from the final hidden state. A target whose head transforms the logits
     (`HEAD_TRANSFORMS`) gets its logits at every row instead.
     """
-    L = cache.get_seq_length()
+    L = cache_length(cache)
     tokens, parents, depths = _grow_tree(d, depth, spec)
     M, dev = len(tokens), d.device
     node_ids = torch.tensor([last] + tokens, device=dev)                        # [M+1]
@@ -561,6 +631,78 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     d.add_rows(new, aux[rows])
     a = len(rows) - 1
     return M, a, tuple(i < a for i in range(max(depths))), new
+
+
+def _tree_step_by_paths(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers):
+    """`_tree_step` for a target with recurrent layers: grow the same EAGLE-2 tree, verify each root-to-leaf path as
+    one row of a batch, then replay the accepted path on the target's own cache.
+
+    A recurrent layer reads its input as one sequence, so a tree flattened into one (as `_tree_step` verifies it under
+    a tree mask) would hand each node the state after its siblings and cousins. Here row b of the batch is
+    [last, path b's tokens, padding] [P, D+1] (P leaves, D the deepest), run from a copy of the cache repeated P times
+    (`_batch_copy`): every row is the forward a chain verifying that path would run. The accepted path is the longest
+    prefix of a path that matches the target's own tokens (siblings carry distinct tokens, so it is one path whatever
+    row shows it), and the bonus is the target's token after it. The copy is then dropped and [last, accepted tokens]
+    run on the cache itself: its recurrent states become exactly those after the accepted tokens, and the draft gets
+    their aux states from that replay.
+    Cost: P*(D+1) rows against `_tree_step`'s M+1, the attention layers' cache repeated P times for that forward,
+    and a replay of a+1 tokens (docs/internals.md, "Targets with recurrent state").
+    """
+    L = cache_length(cache)
+    tokens, parents, depths = _grow_tree(d, depth, spec)
+    M, dev = len(tokens), d.device
+    children = set(parents)
+    paths = []                                                       # each leaf's node indices, root side first
+    for leaf in (i for i in range(M) if i not in children):
+        path, node = [], leaf
+        while node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        paths.append(path)
+    D = max(len(path) for path in paths)
+    rows = torch.tensor([[last] + [tokens[n] for n in path] + [last] * (D - len(path)) for path in paths],
+                        device=dev)                                  # [P, D+1]; padding is never read back
+    P = rows.shape[0]
+    positions = torch.arange(L, L + D + 1, device=dev).expand(P, -1)
+    out = model(input_ids=rows, position_ids=positions, cache=_batch_copy(cache, P, D + 1), use_cache=True)
+    target = out.logits.argmax(-1)                                   # [P, D+1]: the target's token after each row
+    lengths = torch.tensor([len(path) for path in paths], device=dev)
+    match = (rows[:, 1:] == target[:, :-1]) & (torch.arange(D, device=dev)[None] < lengths[:, None])   # [P, D]
+    accepted = match.long().cumprod(1).sum(1)                        # [P] matching prefix of each path
+    b = int(accepted.argmax())
+    a = int(accepted[b])
+    new = rows[b, 1:a + 1].tolist() + [int(target[b, a])]
+    _, aux = _target_forward(model, [last] + new[:-1], torch.arange(L, L + a + 1, device=dev), cache, aux_layers)
+    crop_cache(cache, L + a + 1)                                     # nothing to cut: drops the replay's record
+    d.rewind()
+    d.add_rows(new, aux)
+    return M, a, tuple(i < a for i in range(max(depths))), new
+
+
+def _batch_copy(cache: DynamicCache, rows: int, tokens: int) -> DynamicCache:
+    """A cache holding what `cache` holds, `rows` times over in the batch dimension, that a forward of `tokens` tokens
+    can extend without touching `cache`: attention entries are expanded views (a forward concatenates to them into new
+    tensors), the recurrent and convolution states, which a forward overwrites in place, are copied. Its recurrent
+    layers record, as the chain's verification does (`_target_forward`), so every token goes through the one-token
+    kernel: plain decoding's, and the only one some models apply to a cache that is not empty (transformers' Jamba
+    scans a multi-token forward from a zero state, `mamba_scan_forward`)."""
+    out = DynamicCache()
+    out.layers = []
+    for layer in cache.layers:
+        twin = copy.copy(layer)
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            twin.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
+            twin.values = layer.values.expand(rows, *layer.values.shape[1:])
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for name in ("conv_states", "recurrent_states"):
+                setattr(twin, name, {i: None if t is None else t.repeat(rows, *[1] * (t.dim() - 1))
+                                     for i, t in getattr(layer, name).items()})
+            twin.has_previous_state = dict(layer.has_previous_state)
+            twin.cumulative_length_linear = layer.cumulative_length_linear.clone()
+            twin.record_past, twin.recurrent_states_to_keep = True, tokens
+            twin.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+        out.layers.append(twin)
+    return out
 
 
 def _plain_head(config) -> bool:
