@@ -47,6 +47,10 @@ if even:
     st.markdown(f"**Break-even τ on this machine** ({md_text(even['device'] or '?')}, from the cost curve of "
                 f"{even['source']}, {fmt.when(even['when'])}): "
                 + " · ".join(f"K = {k}: {fmt.tau(t)}" for k, t in zip(even["k"], even["tau"])))
+    st.caption(f"A draft step costs {fmt.number(even['draft_step'], 3)}× a one-token target forward here, "
+               + (f"as {md_text(even['draft_from'])} measured it in that benchmark (the draft and the decoder's "
+                  "upkeep per step), the figure its verdict uses" if even["draft_from"] else
+                  "as the cost curve timed it alone (no draft row of that benchmark measured a speedup)") + ".")
     if even["busy"]:
         st.caption("That benchmark ran while other work loaded this machine, so its cost curve (and these τ) are "
                    "rough; a benchmark on a quiet machine measures them again.")

@@ -70,6 +70,9 @@ if stats is not None:
                            "scored by how often it gives the target's next token on held-out conversations: evidence "
                            "no strategy optimises, without training a draft"
                            + ("" if unscored else " (every set here has its score)") + ".")
+                too_few = recommend.probe_note((s.capture or {}).get("conversations"))
+                if too_few:
+                    st.warning(md_text(too_few), icon=":material/info:")
                 probe_job = get_manager().latest(s.id, "probe")
                 if recommend.probe_job_current(probe_job.view() if probe_job else None, int(k)):
                     live_job(s.id, "probe", key="sets_probe")
@@ -80,7 +83,9 @@ if stats is not None:
             if tau and rec.basis == "τ" and r.tau_source != rec.source:
                 tau += f" ({r.tau_source})"          # measured elsewhere than the ranking's source
             marks = ("★ " if r is rec.best else "") + r.name.replace(" = ", ", ") + (" ◆" if r.is_default else "")
-            return {"rank": r.rank, "set": marks, "layers": fmt.layers(r.layers), "τ [95% CI]": tau,
+            return {"rank": r.rank, "set": marks, "layers": fmt.layers(r.layers),
+                    "draft": recommend.draft_text(r),     # whose figures: one draft's to a row
+                    "τ [95% CI]": tau,
                     "agreement": fmt.percent(r.agreement) if r.agreement is not None else None,
                     "trained on": f"{fmt.count(r.budget)} tok" if r.budget else None,
                     "probe [95% CI]": fmt.interval(r.probe, r.probe_ci, "percent") if r.probe is not None else None,
@@ -156,12 +161,14 @@ if stats is not None:
 
         a3.button("Add", type="primary", key="ls_sets_add", disabled=not to_add, icon=":material/add:", on_click=_add)
 
-        shown = [(r.name.split(" = ")[0], r.layers) for r in rec.ranked]
+        distinct = [r for i, r in enumerate(rec.ranked)                      # a set once, whatever its drafts
+                    if all(x.layers != r.layers for x in rec.ranked[:i])]
+        shown = [(r.name.split(" = ")[0], r.layers) for r in distinct]
         t1, t2 = st.tabs(["Proxies", "On the curves"])
         with t1:
             chart(plots.set_comparison([{"name": r.name.split(" = ")[0], "layers": r.layers,
                                          "aggregate_entropy": r.aggregate_entropy, "mean_entropy": r.mean_entropy,
-                                         "mean_cka": r.mean_cka} for r in rec.ranked],
+                                         "mean_cka": r.mean_cka} for r in distinct],
                                        metrics=("aggregate_entropy", "mean_entropy", "mean_cka"),
                                        title=f"Proxies of the sets of {int(k)} layers (they describe, they do not rank)",
                                        colors=colors),

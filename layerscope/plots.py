@@ -516,21 +516,36 @@ def cost_curve(
     points: Sequence[Mapping],
     *,
     draft_step_seconds: float | None = None,
+    steps: Sequence[Mapping] = (),
     title: str | None = "Cost of verifying T tokens here",
 ) -> go.Figure:
-    """A cost curve ([{tokens, seconds}], layerscope profile / bench JSON) as multiples of a one-token forward."""
+    """A cost curve ([{tokens, seconds}], layerscope profile / bench JSON) as multiples of a one-token forward, with
+    one draft step (`draft_step_seconds`) as a dotted line, and `steps`: benchmark rows ({name, verified_tokens,
+    break_even_tau, curve_break_even_tau}) each marked at the tokens its step verifies with what a whole step cost
+    (its break-even τ, the number its verdict names) beside what the curve priced it at."""
     if not points:
         raise ValueError("cost_curve needs at least one point")
     base = float(points[0]["seconds"])
     fig = go.Figure(go.Scatter(x=[int(p["tokens"]) for p in points], y=[float(p["seconds"]) / base for p in points],
                                mode="lines+markers", name="target forward",
                                hovertemplate="T=%{x}: %{y:.2f}× a one-token forward<extra></extra>"))
+    shown = [x for x in steps if x.get("verified_tokens") and x.get("break_even_tau") is not None]
+    for what, key, symbol in (("step measured", "break_even_tau", "diamond"),
+                              ("step on the curve", "curve_break_even_tau", "circle-open")):
+        marked = [x for x in shown if x.get(key) is not None]
+        if marked:
+            fig.add_trace(go.Scatter(
+                x=[int(x["verified_tokens"]) for x in marked], y=[float(x[key]) for x in marked], mode="markers",
+                name=what, marker=dict(symbol=symbol, size=10), text=[fmt.escape(str(x.get("name", ""))) for x in marked],
+                hovertemplate="%{text}: a whole step cost %{y:.3f}× a one-token forward (its break-even τ), "
+                              + what + "<extra></extra>"))
     if draft_step_seconds:
         fig.add_hline(y=float(draft_step_seconds) / base, line=dict(color="#7f7f7f", dash="dot"),
-                      annotation_text="one draft step", annotation_position="top left")
+                      annotation_text="one draft step" + (" (measured)" if shown else ""),
+                      annotation_position="top left")
     fig.update_xaxes(title_text="tokens verified in one forward (T)")
     fig.update_yaxes(title_text="cost (× one-token forward)", rangemode="tozero")
-    _base_layout(fig, title, showlegend=False, height=380)
+    _base_layout(fig, title, showlegend=bool(shown), height=380)
     return fig
 
 

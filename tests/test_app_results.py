@@ -117,6 +117,39 @@ def test_drafts_of_different_budgets_are_not_ranked_against_each_other():
     assert got.drafts == {(1, 9, 20): {"positions": 96, "tokens": 1_267_000}}
 
 
+def test_a_row_shows_one_drafts_figures():
+    """Issue 51 (3): the shipped draft's τ (measured with lookup too) and a new 1k-token draft of the same set's
+    agreement and budget shared one row. Now each draft of the set is its own row, labelled; τ is the run's first
+    decoding of that draft (not its lookup row)."""
+    shipped = {"name": "builtin", "path": "builtin", "layers": [2, 15, 27], "val_accuracy": 0.52,
+               "tokens_seen": 3_750_000, "val_positions": 9000}
+    fresh = {"name": "default-1k", "path": "/store/drafts/ab12", "layers": [2, 15, 27], "val_accuracy": 0.086,
+             "tokens_seen": 1_556, "val_positions": 120}
+    run = {"drafts": [{"name": "builtin", "path": "builtin", "layers": [2, 15, 27]},
+                      {"name": "greedy", "path": "/store/drafts/cd34", "layers": [1, 9, 20]}],
+           "results": [{"name": "autoregressive", "tau": 1.0},
+                       {"name": "builtin chain k=2", "layers": [2, 15, 27], "decoding": "chain k=2", "tau": 1.61},
+                       {"name": "builtin chain k=2 + lookup 4", "layers": [2, 15, 27],
+                        "decoding": "chain k=2 + lookup 4", "tau": 1.803},
+                       {"name": "greedy chain k=2", "layers": [1, 9, 20], "decoding": "chain k=2", "tau": 1.4}]}
+    session = SimpleNamespace(study=[], bench_results=[run], drafts=[shipped, fresh], view={}, capture_key=None)
+    rec = recommend.recommend(rows(), 3, recommend.evidence_of(session))
+    default = [r for r in rec.ranked if r.layers == [2, 15, 27]]
+    assert len(default) == 2
+    measured, new = default
+    assert (measured.tau, measured.agreement, measured.budget, measured.draft) == (1.61, 0.52, 3_750_000, "builtin")
+    assert (new.tau, new.agreement, new.budget, new.draft) == (None, 0.086, 1_556, "default-1k")
+    assert recommend.draft_text(measured) == "builtin · 3,750,000 tok · benchmark #1, chain k=2"
+    assert recommend.draft_text(new) == "default-1k · 1,556 tok"
+    assert "(draft builtin)" in measured.name and "(draft default-1k)" in new.name
+    assert rec.basis == "τ" and not any(r.tau == 1.803 for r in rec.ranked)
+    # the same draft behind τ and agreement: one row, as before
+    session.drafts = [shipped]
+    rec = recommend.recommend(rows(), 3, recommend.evidence_of(session))
+    (one,) = [r for r in rec.ranked if r.layers == [2, 15, 27]]
+    assert (one.tau, one.agreement, one.budget, one.draft, one.name) == (1.61, 0.52, 3_750_000, "builtin", "default")
+
+
 def test_a_session_that_moved_to_another_model_is_not_told_the_first_models_verdict():
     """A session studied SmolLM2, then captured Gemma 3 in place ("Replace here"): SmolLM2's study, benchmark and
     drafts measured another model's layers, so none ranks Gemma's sets; the text says what was left out and why.
@@ -221,6 +254,19 @@ def test_every_ranking_states_its_sample_and_ties_are_called_ties():
     assert "A tie" in recommend.recommend(rows(), 3, few).text
     many = Evidence(agreement=few.agreement, drafts={k: {"positions": 50_000} for k in few.agreement})
     assert "A tie" not in recommend.recommend(rows(), 3, many).text
+
+
+def test_a_tie_over_too_few_conversations_says_so_once():
+    """Issue 51 (4): six sets probed over the same 2 held-out conversations tie; the reason is one sentence in the
+    paragraph, not one per set."""
+    sets = [Ranked(f"s{i}", [1 + i, 10 + i, 20 + i], 4.0, 3.0, 0.4) for i in range(6)]
+    ev = Evidence(probe={tuple(r.layers): 0.15 - 0.01 * i for i, r in enumerate(sets)},
+                  probe_sample={tuple(r.layers): {"hits": [8 - i, 7], "counts": [48, 48], "ci": [0.05, 0.3]}
+                                for i, r in enumerate(sets)})
+    text = recommend.recommend(sets, 3, ev).text
+    assert "A tie" in text and [r.rank for r in recommend.recommend(sets, 3, ev).ranked] == [1] * 6
+    assert text.count("too few to tell sets apart") == 1 and text.count("held-out positions of 2 conversation(s)") == 1
+    assert "no interval" not in text and "s5 [6, 15, 25] 10.0% [5.0%, 30.0%]" in text
 
 
 def test_a_set_reading_the_embedding_is_never_recommended_on_a_tie():

@@ -271,14 +271,15 @@ def test_lookup_auto_lands_on_its_chain_and_says_why_in_one_line():
 
 
 def test_the_verdict_says_so_when_the_run_measured_otherwise_than_the_curve_predicts():
-    assert bench.verdict(2.18, 1.33, "chain k=3") == \
-        "tau 2.18 is above the break-even tau 1.33 of chain k=3: it pays on this machine"
-    assert bench.verdict(2.18, 1.33, "chain k=3", measured=1.2).endswith(": it pays on this machine")
+    assert bench.verdict(2.18, 1.33, "chain k=3") == ("tau 2.180 is above the break-even tau 1.330 of chain k=3: "
+                                                      "the cost curve predicts it pays on this machine (not measured)")
+    assert bench.verdict(2.18, 1.33, "chain k=3", measured=1.2).endswith(": it pays here (1.20x)")
+    # the measurement decides: "pays" only above 1x, whatever break-even it was handed
     lost = bench.verdict(2.18, 1.33, "chain k=3", measured=0.70)
-    assert lost.startswith("tau 2.18 is above the break-even tau 1.33 of chain k=3, so the cost curve says it pays")
-    assert "it measured 0.70x here: it lost to plain decoding in this run" in lost
+    assert lost.startswith("tau 2.180 is above the break-even tau 1.330 of chain k=3, yet it does not pay here (0.70x")
+    assert "the run is what happened" in lost and "it pays" not in lost
     won = bench.verdict(1.2, 1.6, "chain k=1", measured=1.05)
-    assert "the cost curve says it loses, yet it measured 1.05x here" in won
+    assert "yet it pays here (1.05x)" in won
     entry = {"name": "d auto chain k=5", "chosen": {"k": 5}, "calibrated": {"speedup": 1.62}, "speedup": 0.94,
              "predicted_speedup": 1.5}
     assert bench.auto_note(entry).endswith("measured 0.94x (1.50x predicted from its measured tau): the pick lost "

@@ -512,7 +512,8 @@ def test_bench_auto_says_no_when_nothing_pays(tmp_path, draft_dir, capsys):
     assert cal["speedup"] < 1.0 and cal["tau"] < cal["break_even_tau"]
     chain = doc["results"][1]
     assert chain["break_even_tau"] > 1.0
-    assert chain["verdict"].startswith(f"tau {chain['tau']:.2f} is below the break-even tau {chain['break_even_tau']:.2f}")
+    assert chain["verdict"].startswith(f"tau {chain['tau']:.3f} is below the break-even tau {chain['break_even_tau']:.3f}")
+    assert chain["break_even_tau"] == pytest.approx(chain["tau"] / chain["speedup"])     # the run's own step cost
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "break-even tau" in text and "no depth or tree pays on this machine" in text and "decoded plainly" in text
@@ -523,6 +524,69 @@ def test_cost_curve_figure():
                            draft_step_seconds=0.005)
     assert list(fig.data[0].x) == [1, 2, 3] and list(fig.data[0].y) == pytest.approx([1.0, 1.2, 1.6])
     assert fig.layout.shapes[0].y0 == pytest.approx(0.1)
+
+
+def test_one_break_even_rule_with_the_draft_step_a_run_measured():
+    """Issue 51 (5): planted step costs, closed-form break-even. The curve timed a draft step at almost nothing, so
+    its break-even tau of chain k=4 is about 1.09, yet a run measured tau 1.54 at 0.85x: the break-even that run
+    names is tau / speedup (its draft step, and the step's upkeep, as measured), the verdict says it does not pay,
+    and Home and the cost chart show that same number."""
+    from types import SimpleNamespace
+
+    from layerscope.decoding import bench
+    from layerscope.ui import progress
+    target = tuple(0.06 + 0.0012 * (T - 1) for T in range(1, 33))   # c(1) = 0.06, c(5) = 0.0648: a flat curve
+    curve = cm.CostCurve("cpu", "float32", 1, target, (0.0001,) * 8)
+    assert cm.break_even_tau(curve, k=4) == pytest.approx((4 * 0.0001 + 0.0648) / 0.06)          # 1.087
+    # with a planted draft step: K draft forwards and a verification of K + 1 tokens, over one plain step
+    planted = cm.with_draft_step(curve, 0.006)
+    for k in (1, 2, 4, 8):
+        assert cm.break_even_tau(planted, k=k) == pytest.approx((k * 0.006 + target[k]) / 0.06)
+    tree = TreeSpec(budget=6, top_k=2, depth=3)                        # depth draft forwards, budget + 1 tokens
+    assert cm.break_even_tau(planted, tree=tree) == pytest.approx((3 * 0.006 + target[6]) / 0.06)
+    # a run's draft step: what its steps cost beyond the curve's verification, per draft forward
+    step = cm.run_draft_step(curve, k=4, tau=1.54, speedup=0.85)
+    assert step == pytest.approx((1.54 * 0.06 / 0.85 - 0.0648) / 4)
+    assert cm.break_even_tau(cm.with_draft_step(curve, step), k=4) == pytest.approx(1.54 / 0.85)
+    assert cm.run_draft_step(curve, k=4, tau=3.0, speedup=3.0) == 0.0          # never below nothing
+    entry = {"name": "builtin chain k=4", "tau": 1.54, "speedup": 0.85}
+    entry |= bench.break_even_entry(curve, 4, None, entry)
+    assert entry["break_even_tau"] == pytest.approx(1.54 / 0.85) and entry["verified_tokens"] == 5
+    assert entry["curve_break_even_tau"] == pytest.approx(cm.break_even_tau(curve, k=4))
+    line = bench.verdict(entry["tau"], entry["break_even_tau"], "chain k=4", entry["speedup"],
+                         predicted=entry["curve_break_even_tau"], draft=entry["draft_step_share"])
+    assert line.startswith("tau 1.540 is below the break-even tau 1.812 of chain k=4 measured in this run: "
+                           "it does not pay here (0.85x")
+    assert "the cost curve's break-even tau 1.087 said it pays" in line and "pays here" not in line.replace(
+        "does not pay here", "")
+    # a run that won: pays, and only then
+    won = {"tau": 2.4, "speedup": 1.3} | bench.break_even_entry(curve, 4, None, {"tau": 2.4, "speedup": 1.3})
+    assert "it pays here (1.30x)" in bench.verdict(2.4, won["break_even_tau"], "chain k=4", 1.3,
+                                                   predicted=won["curve_break_even_tau"])
+    # Home: the same rule on the same draft step gives the same K = 4 number
+    session = SimpleNamespace(bench_results=[{
+        "device": "cpu", "created": None, "draft_step_seconds": curve.draft_s(1),
+        "cost_curve": [{"tokens": T, "seconds": c} for T, c in enumerate(target, start=1)],
+        "results": [{"name": "autoregressive", "tau": 1.0}, entry]}])
+    home = progress.break_even(session)
+    assert home["tau"][3] == pytest.approx(entry["break_even_tau"]) and home["draft_from"] == "builtin chain k=4"
+    assert home["tau"][0] == pytest.approx((step + target[1]) / 0.06)
+    # the cost chart: the step as measured at T = 5, with the curve's price beside it, and the measured draft step
+    fig = plots.cost_curve(session.bench_results[0]["cost_curve"], steps=[entry],
+                           draft_step_seconds=entry["draft_step_seconds"])
+    measured = next(t for t in fig.data if t.name == "step measured")
+    assert list(measured.x) == [5] and list(measured.y) == pytest.approx([1.54 / 0.85])
+    assert fig.layout.shapes[0].y0 == pytest.approx(step / 0.06)
+
+
+def test_a_verdict_never_prints_two_numbers_alike():
+    from layerscope.decoding import bench
+    for tau, even in ((0.9996, 1.0004), (0.99999, 1.00001), (1.2349, 1.2351)):
+        line = bench.verdict(tau, even, "chain k=1", 0.97)
+        shown_tau, shown_even = line.split("tau ")[1].split(" ")[0], line.split("break-even tau ")[1].split(" ")[0]
+        assert shown_tau != shown_even and "is below" in line, line
+    assert "tau 1.000 is below the break-even tau 1.015 of chain k=1" in bench.verdict(1.0, 1.015, "chain k=1", 0.98)
+    assert bench.verdict(1.5, 1.5, "chain k=1", 1.0).startswith("tau 1.500 is at the break-even tau 1.500")
 
 
 def test_default_draft_has_a_consistent_vocabulary(tiny):

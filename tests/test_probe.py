@@ -301,3 +301,25 @@ def test_each_score_states_its_sample_and_a_bootstrap_interval_over_conversation
     assert P.agreement_interval([5], [10]) is None                  # one conversation: no interval
     out = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert P.ProbeReport.from_json(out).to_json() == out
+
+
+def test_the_default_capture_leaves_the_probe_enough_held_out_conversations(tmp_path):
+    """Issue 51 (4): the default capture (16 prompts) held out 2 conversations at the draft's 10%, and the probe
+    needs 5 to tell sets apart, so every set tied. It now holds out 5 (the draft's 2 among them) wherever a third
+    of the conversations allows; a smaller capture is said before the run (recommend.probe_note)."""
+    from layerscope.draft.data import split_conversations
+    from layerscope.ui import recommend
+    assert [P.held_out_conversations(n, 0.1) for n in (2, 8, 14, 15, 16, 100)] == [1, 2, 4, 5, 5, 10]
+    store = Store(tmp_path / "store")
+    cap = write_capture(store, make_conversations(convs=16), per_chunk=8, name="default-size")
+    pos = P.positions(cap, P.ProbeOptions())
+    assert pos.conversations["held_out"] == 5 >= recommend.MIN_CONVERSATIONS
+    assert pos.conversations["validation"] >= 1 and pos.conversations["fit"] >= 1
+    conv = cap.tokens()["conversation"]
+    o = P.ProbeOptions()
+    drafts = set(torch.unique(conv[split_conversations(conv, o.val_fraction, o.seed)]).tolist())
+    assert len(drafts) == 2 and drafts <= set(torch.unique(conv[pos.held_out]).tolist())
+    assert recommend.probe_note(16) is None
+    note = recommend.probe_note(8)
+    assert "holds out 2, fewer than 5" in note and "at least 15 prompts" in note
+    store.close()

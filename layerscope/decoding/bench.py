@@ -462,13 +462,30 @@ def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmo
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
             tau = 1.0 + sum(entry["acceptance_by_position"])              # per verification step
             entry["predicted_speedup"] = tau * curve.target_s(1) / costmodel.step_seconds(curve, k=k, tree=tree, tau=tau)
-            entry["break_even_tau"] = costmodel.break_even_tau(curve, k=k, tree=tree)
-            entry["verdict"] = verdict(entry["tau"], entry["break_even_tau"], c.decoding, entry.get("speedup"))
+            entry |= break_even_entry(curve, k, tree, entry)
+            entry["verdict"] = verdict(entry["tau"], entry["break_even_tau"], c.decoding, entry.get("speedup"),
+                                       predicted=entry["curve_break_even_tau"], draft=entry.get("draft_step_share"))
             if c.auto is not None:
                 entry["chosen"] = {"k": k} if tree is None else {"tree": asdict(tree)}
                 entry["calibrated"] = {"tau": c.auto["tau"], "speedup": c.auto["speedup"]}
         else:
             entry["predicted_speedup"] = None
+
+
+def break_even_entry(curve: costmodel.CostCurve, k: int | None, tree: TreeSpec | None, entry: dict) -> dict:
+    """A draft entry's break-even, one rule (costmodel.break_even_tau) with the draft step this run measured
+    (costmodel.run_draft_step, when it has a measured speedup): `break_even_tau`, `curve_break_even_tau` (the cost
+    curve's alone), `draft_step_seconds` (measured) and `draft_step_share` ([the curve's, this run's] draft forward
+    as a share of a one-token target forward), `verified_tokens` (what the cost chart places the step at)."""
+    out = {"curve_break_even_tau": costmodel.break_even_tau(curve, k=k, tree=tree),
+           "verified_tokens": costmodel.verified_tokens(k=k, tree=tree)}
+    out["break_even_tau"] = out["curve_break_even_tau"]
+    if entry.get("tau") and entry.get("speedup"):
+        step = costmodel.run_draft_step(curve, k=k, tree=tree, tau=entry["tau"], speedup=entry["speedup"])
+        out |= {"break_even_tau": costmodel.break_even_tau(costmodel.with_draft_step(curve, step), k=k, tree=tree),
+                "draft_step_seconds": step,
+                "draft_step_share": [curve.draft_s(1) / curve.target_s(1), step / curve.target_s(1)]}
+    return out
 
 
 def _lookup_predicted(curve: costmodel.CostCurve, k: int, entry: dict) -> float | None:
@@ -766,19 +783,55 @@ def _curve_line(report: BenchReport) -> str:
     return "cost curve: " + machine.line(report.cost_curve_machine, "predicted speedups").removeprefix("machine: ")
 
 
-def verdict(tau: float, break_even: float, decoding: str, measured: float | None = None) -> str:
-    """One line in words: "tau 1.44 is below the break-even tau 2.08 of chain k=3: it loses to plain decoding
-    on this machine" (or "above ...: it pays"); when the `measured` speedup of the same run says otherwise, it says
-    that too, and that the measurement is what happened."""
-    pays = tau > break_even
-    head = (f"tau {tau:.2f} is {'above' if pays else 'below'} the break-even tau {break_even:.2f} of {decoding}")
-    if measured is not None and pays and measured < 1.0:
-        return (f"{head}, so the cost curve says it pays, but it measured {measured:.2f}x here: it lost to plain "
-                "decoding in this run (steps cost more than the curve says: a busy machine, or a stale curve)")
-    if measured is not None and not pays and measured > 1.0:
-        return (f"{head}, so the cost curve says it loses, yet it measured {measured:.2f}x here: steps cost less "
-                "than the curve says (the curve was measured busy, or is stale)")
-    return f"{head}: it pays on this machine" if pays else f"{head}: it loses to plain decoding on this machine"
+def verdict(tau: float, break_even: float, decoding: str, measured: float | None = None, *,
+            predicted: float | None = None, draft: Sequence[float] | None = None) -> str:
+    """One line in words: does `decoding` pay here. `break_even`: its break-even tau (costmodel.break_even_tau; the
+    benchmark passes it with the draft step the run measured, so it is tau / measured); `measured`: the run's
+    speedup over plain decoding, which decides when it is given ("pays" only above 1x); `predicted`: the cost
+    curve's own break-even tau, named with the reason when it said otherwise; `draft`: [the curve's, the run's] draft
+    forward as a share of a one-token target forward. Two different numbers never print alike ("1.00 is below
+    1.00"): they get the digits that tell them apart.
+
+    "tau 1.540 is below the break-even tau 1.812 of chain k=4 measured in this run: it does not pay here (0.85x, ...);
+    the cost curve's break-even tau 1.090 said it pays: ...", or without a measurement "tau 2.180 is above the
+    break-even tau 1.330 of chain k=3: the cost curve predicts it pays on this machine (not measured)"."""
+    t, b = _distinct(tau, break_even, digits=3)     # fmt.tau's digits, as Home and the app's tables show them
+    side = "at" if t == b else "above" if tau > break_even else "below"
+    if measured is None:
+        pays = tau > break_even
+        return (f"tau {t} is {side} the break-even tau {b} of {decoding}: the cost curve predicts it "
+                + ("pays on this machine" if pays else "loses to plain decoding on this machine")
+                + " (not measured)")
+    pays = measured > 1.0
+    m = _distinct(measured, 1.0)[0]
+    said = f"it pays here ({m}x)" if pays else f"it does not pay here ({m}x, plain decoding is faster)"
+    if (tau > break_even) != pays:       # a break-even other than this run's: the measurement is what happened
+        return (f"tau {t} is {side} the break-even tau {b} of {decoding}, yet {said}: a step cost "
+                f"{'less' if pays else 'more'} in this run than that break-even assumes, and the run is what happened")
+    here = " measured in this run" if predicted is not None else ""
+    line = f"tau {t} is {side} the break-even tau {b} of {decoding}{here}: {said}"
+    if predicted is not None and (tau > predicted) != pays:
+        p = _distinct(predicted, break_even, digits=3)[0]
+        share = ""
+        if draft and len(draft) == 2:
+            curve_share, run_share = _distinct(draft[0], draft[1], digits=3)
+            share = (f" (a draft forward and the step's upkeep: {run_share} of a one-token target forward here, "
+                     f"{curve_share} on the curve)")
+        cause = ("the curve was timed on a quieter machine or is stale, or it leaves out the decoder's per-step "
+                 "upkeep" if not pays else "the curve was timed on a busy machine, or is stale")
+        line += (f"; the cost curve's break-even tau {p} said it {'pays' if tau > predicted else 'loses'}: a step "
+                 f"cost {b} plain steps here against {p} on the curve{share}: {cause}")
+    return line
+
+
+def _distinct(a: float, b: float, digits: int = 2) -> tuple[str, str]:
+    """a and b with `digits` decimals, or more (up to 6) where that many would print two different numbers alike;
+    alike at 6 they are equal as far as any timing tells."""
+    for d in range(digits, 7):
+        x, y = f"{a:.{d}f}", f"{b:.{d}f}"
+        if x != y or a == b:
+            return x, y
+    return x, y
 
 
 def auto_note(entry: dict) -> str:

@@ -153,6 +153,7 @@ def measure_target(model, *, max_tokens: int = MAX_TOKENS, cache_lengths: Sequen
             cache = specdec.new_cache(model)
             prefix = torch.randint(0, V, (L,), generator=gen).tolist()
             specdec._target_forward(model, prefix, torch.arange(L, device=device), cache, last_only=True)
+            specdec.record_states(cache)                     # recurrent layers: cut back as a verification's are
             new = torch.randint(0, V, (max_tokens,), generator=gen).tolist()
 
             def run(T):
@@ -481,6 +482,38 @@ def break_even_tau(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | N
         if abs(tau - last) < 1e-12:
             break
     return tau
+
+
+def draft_forwards(*, k: int | None = None, tree: TreeSpec | None = None) -> int:
+    """Draft forwards in one step: a chain of depth k runs k (the feed and k - 1 steps), a tree its depth (the feed
+    and one per level below the first); plain decoding none."""
+    return tree.depth if tree is not None else (k or 0)
+
+
+def verified_tokens(*, k: int | None = None, tree: TreeSpec | None = None) -> int:
+    """Tokens one verification forward takes: the draft's tokens and the root (plain decoding: 1)."""
+    return tree.budget + 1 if tree is not None else (k or 0) + 1
+
+
+def with_draft_step(curve: CostCurve, seconds: float) -> CostCurve:
+    """`curve` with every draft forward costing `seconds`, whatever its rows: the draft step a benchmark measured
+    (run_draft_step) put in place of the one the curve timed alone. On it break_even_tau is closed-form:
+    (draft_forwards * seconds + c(verified_tokens)) / c(1)."""
+    return replace(curve, draft=(max(0.0, float(seconds)),))
+
+
+def run_draft_step(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None, tau: float,
+                   speedup: float) -> float:
+    """Seconds of one draft forward that a benchmark's measurement implies on `curve`: a step of a run with `tau`
+    tokens per step at `speedup` over plain decoding cost tau / speedup plain steps, i.e. tau * c(1) / speedup
+    seconds; less the curve's verification c(verified_tokens), over the step's draft forwards (never below 0).
+    Everything a step costs beyond the verification (the draft, and the decoder's own upkeep) counts as the draft's,
+    so break_even_tau(with_draft_step(curve, this)) is tau / speedup: above tau exactly when the run lost."""
+    n = draft_forwards(k=k, tree=tree)
+    if n < 1 or speedup <= 0:
+        raise ValueError("a run's draft step needs a chain or a tree and a positive speedup")
+    step = tau * curve.target_s(1) / speedup
+    return max(0.0, (step - curve.target_s(verified_tokens(k=k, tree=tree))) / n)
 
 
 def choose(curve: CostCurve, profile: AcceptanceProfile, *, ks: Sequence[int] = (),

@@ -34,7 +34,9 @@ conversation; and p−1 lies in that conversation too):
     explained_variance = 1 − Σ‖y − ŷ‖² / Σ‖y − ȳ‖²             over held-out p, ȳ their mean
 Splits, by whole conversations: held-out = draft.train.split_conversations(conversation, val_fraction, seed),
 the draft's own split with TrainOptions' defaults, so the agreement reads like a draft's held-out agreement at
-position 1 (same conversations, same positions). Of the other conversations, `lambda_fraction` (the same
+position 1 (same conversations, same positions); on a small capture it holds out at least MIN_HELD_OUT (5)
+conversations where a third of them allows (held_out_conversations: 5 of the default capture's 16, the draft's 2
+among them), as fewer cannot tell sets apart. Of the other conversations, `lambda_fraction` (the same
 function, seed + 1) is the validation split and the rest the fit split. The penalty of each column is λ
 times its centred sum of squares on the fit split (ridge on standardised features: the map, and the λ chosen,
 do not depend on the units of any block; one λ for all columns let the deep layers' massive activations set
@@ -80,8 +82,10 @@ from layerscope.stats.ridge import F64, Gram, block_columns, explained_variance,
 from layerscope.store import make_key
 from layerscope.validate import check_number
 
-FORMAT = 3                     # cache entries under the store's "probe" namespace (2: standardised penalty;
-                               # 3: the held-out hits per conversation and their bootstrap interval)
+FORMAT = 4                     # cache entries under the store's "probe" namespace (2: standardised penalty;
+                               # 3: the held-out hits per conversation and their bootstrap interval;
+                               # 4: at least MIN_HELD_OUT held-out conversations where a third of them allows)
+MIN_HELD_OUT = 5               # held-out conversations the probe needs to tell sets apart (fewer: every set ties)
 SEARCHES = ("greedy", "swap")
 OBJECTIVES = ("loss", "agreement")
 
@@ -258,6 +262,23 @@ def agreement_interval(hits, counts, seed: int = 0) -> list[float] | None:
 
 # ----------------------------------------------------------------------------- the capture, read once
 
+def held_out_conversations(conversations: int, val_fraction: float) -> int:
+    """How many of a capture's conversations the probe holds out: the draft's own share (split_conversations'
+    rounding), raised to MIN_HELD_OUT where a third of the conversations allows it. A bootstrap over fewer held-out
+    conversations cannot tell two sets apart, so the default capture (16 prompts; 2 at the draft's 10%) would tie
+    every set; from 15 conversations on it holds out 5, the draft's held-out conversations among them (the same
+    seeded order, more of it)."""
+    share = 0 if val_fraction == 0 or conversations < 2 else min(max(1, round(val_fraction * conversations)),
+                                                                  conversations - 1)
+    return max(share, min(MIN_HELD_OUT, conversations // 3))
+
+
+def held_out_fraction(conversations: int, val_fraction: float) -> float:
+    """The val_fraction that makes split_conversations hold out held_out_conversations(...) of them."""
+    n = held_out_conversations(conversations, val_fraction)
+    return n / conversations if conversations else val_fraction
+
+
 @dataclass
 class Positions:
     """Counted positions p (global token indices, ascending) of a capture, by split."""
@@ -282,7 +303,7 @@ def positions(cap, o: ProbeOptions) -> Positions:
     prev_same = torch.zeros(n, dtype=torch.bool)
     prev_same[1:] = conv[1:] == conv[:-1]
     counted &= prev_same
-    held = split_conversations(conv, o.val_fraction, o.seed)
+    held = split_conversations(conv, held_out_fraction(int(torch.unique(conv).numel()), o.val_fraction), o.seed)
     val = torch.zeros(n, dtype=torch.bool)
     val[~held] = split_conversations(conv[~held], o.lambda_fraction, o.seed + 1)
     fit = ~held & ~val

@@ -78,20 +78,27 @@ KS = tuple(range(1, 9))
 
 
 def break_even(s) -> dict | None:
-    """The τ a chain of depth K needs on this machine to match plain decoding, K = 1..8, from the cost curve the
-    session's latest benchmark measured (the target's cost of verifying T tokens, one draft step's cost)."""
+    """The τ a chain of depth K needs on this machine to match plain decoding, K = 1..8, from the session's latest
+    benchmark that measured a cost curve: costmodel.break_even_tau, the rule every verdict uses, with the draft step
+    that run measured (its first draft row's `draft_step_seconds`: the draft forward and the step's upkeep), else
+    the one the curve timed. So the K the run decoded reads here as in its verdict and on its cost chart."""
     for i in range(len(s.bench_results) - 1, -1, -1):
         b = s.bench_results[i]
         points, draft = b.get("cost_curve"), b.get("draft_step_seconds")
         if not points or not draft:
             continue
+        measured = next((r for r in b.get("results") or [] if r.get("draft_step_seconds") is not None), None)
         try:
             curve = costmodel.CostCurve(str(b.get("device") or "?"), "?", 0,
                                         tuple(float(p["seconds"]) for p in points), (float(draft),))
+            if measured is not None:
+                curve = costmodel.with_draft_step(curve, float(measured["draft_step_seconds"]))
             taus = costmodel.break_even_taus(curve, ks=KS, trees=())
         except (KeyError, TypeError, ValueError):
             continue
         return {"k": list(KS), "tau": [taus[f"chain k={k}"] for k in KS], "source": f"benchmark #{i + 1}",
                 "device": b.get("device"), "when": b.get("created"),
-                "busy": (b.get("machine") or {}).get("quiet") is False}
+                "busy": (b.get("machine") or {}).get("quiet") is False,
+                "draft_step": curve.draft_s(1) / curve.target_s(1),
+                "draft_from": measured.get("name") if measured is not None else None}
     return None

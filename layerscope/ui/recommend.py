@@ -35,11 +35,12 @@ Plain data in, plain data out; no Streamlit here (the HTML report uses it too).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from layerscope import fmt, layerset
+from layerscope.draft.probe import MIN_HELD_OUT, ProbeOptions, held_out_conversations
 from layerscope.stats import bootstrap
 from layerscope.stats import select as sel
 from layerscope.stats.analysis import LayerStats
@@ -72,6 +73,9 @@ class Ranked:
     probe_hits: list | None = None    # the probe's held-out positions right, per held-out conversation ...
     probe_counts: list | None = None  # ... of these positions
     tied: bool = False                # the evidence cannot tell it from the best measured set
+    draft: str | None = None          # whose figures τ, agreement and budget are: one draft's name (None: unknown)
+    draft_path: str | None = None
+    tau_decoding: str | None = None   # the decoding τ was measured with ("chain k=2 + lookup 4"), when a benchmark says
 
     def value(self, basis: str | None) -> float | None:
         return {"τ": self.tau, "held-out agreement": self.agreement, "probe agreement": self.probe}.get(basis)
@@ -111,6 +115,8 @@ class Evidence:
     drafts: dict = field(default_factory=dict)    # {layers: {"positions", "tokens"}}: the sample behind `agreement`
     probe_sample: dict = field(default_factory=dict)   # {layers: {"ci", "hits", "counts"}}: behind `probe`
     other_target: list[str] = field(default_factory=list)   # sources measured on another model: not used
+    draft_of: dict = field(default_factory=dict)  # {layers: {"path", "name"}}: the draft behind `agreement`
+    by_path: dict = field(default_factory=dict)   # {path: {"name", "agreement", "positions", "tokens"}}: every draft
 
 
 def same_target(s, entry: dict) -> bool:
@@ -139,14 +145,18 @@ def evidence_of(s) -> Evidence:
             ev.other_target.append(f"study #{i + 1}")
             continue
         rows = {_key(r["layers"]): {"tau": r["tau"], "tau_ci": r.get("tau_ci"), "delta": r.get("delta_vs_default"),
-                                    "delta_ci": r.get("delta_ci")}
+                                    "delta_ci": r.get("delta_ci"), "draft": r.get("draft")}
                 for r in s.study[i].get("rows") or [] if r.get("tau") is not None}
         if rows:
             ev.measured.append((f"study #{i + 1}", rows))
         break
     for i in range(len(s.bench_results) - 1, -1, -1):          # the latest run of this model that measured a draft
-        rows = {_key(r["layers"]): {"tau": r["tau"], "tau_ci": r.get("tau_ci")}
-                for r in s.bench_results[i].get("results") or [] if r.get("layers") and r.get("tau") is not None}
+        rows = {}
+        for r in s.bench_results[i].get("results") or []:     # a set's first row: its draft's first decoding
+            if r.get("layers") and r.get("tau") is not None and _key(r["layers"]) not in rows:
+                d = _bench_draft(s.bench_results[i], r)
+                rows[_key(r["layers"])] = {"tau": r["tau"], "tau_ci": r.get("tau_ci"), "draft": d.get("path"),
+                                           "draft_name": d.get("name"), "decoding": r.get("decoding")}
         if rows and not same_target(s, s.bench_results[i]):
             ev.other_target.append(f"benchmark #{i + 1}")
             continue
@@ -157,10 +167,13 @@ def evidence_of(s) -> Evidence:
         if not same_target(s, d):
             continue
         a = sanity.agreement(d.get("val_accuracy"))
+        sample = {"positions": d.get("val_positions"), "tokens": d.get("tokens_seen") or d.get("train_tokens")}
+        if d.get("path"):
+            ev.by_path[d["path"]] = {"name": d.get("name"), "agreement": a, **sample}
         if a is not None and d.get("layers"):
             ev.agreement[_key(d["layers"])] = a
-            ev.drafts[_key(d["layers"])] = {"positions": d.get("val_positions"),
-                                            "tokens": d.get("tokens_seen") or d.get("train_tokens")}
+            ev.drafts[_key(d["layers"])] = sample
+            ev.draft_of[_key(d["layers"])] = {"path": d.get("path"), "name": d.get("name")}
     probe = s.view.get("probe") if isinstance(s.view.get("probe"), dict) else {}
     if probe.get("capture_key") == s.capture_key:
         for x in probe.get("sets") or []:
@@ -169,6 +182,27 @@ def evidence_of(s) -> Evidence:
                 ev.probe_sample[_key(x["layers"])] = {"ci": x.get("agreement_ci"), "hits": x.get("hits"),
                                                       "counts": x.get("counts")}
     return ev
+
+
+def _bench_draft(run: dict, row: dict) -> dict:
+    """The draft ({"name", "path"}) a benchmark row decoded with, from the run's `drafts`: the one of the row's layers,
+    or of several the one whose name starts the row's name (bench.build_contenders names rows so); {} if unknown."""
+    same = [d for d in run.get("drafts") or [] if isinstance(d, dict) and _key(d.get("layers") or []) == _key(row["layers"])]
+    named = [d for d in same if str(row.get("name", "")).startswith(str(d.get("name")))]
+    pick = max(named, key=lambda d: len(str(d.get("name"))), default=None) or (same[0] if len(same) == 1 else None)
+    return pick or {}
+
+
+def draft_text(r: Ranked) -> str | None:
+    """Whose figures a row shows, so two drafts of one set tell apart: "builtin · 3,750,000 tok · benchmark #2"."""
+    if r.draft is None and r.draft_path is None:
+        return None
+    parts = [r.draft or r.draft_path.rstrip("/").rsplit("/", 1)[-1]]
+    if r.budget:
+        parts.append(f"{fmt.count(r.budget)} tok")
+    if r.tau is not None and r.tau_source:
+        parts.append(r.tau_source + (f", {r.tau_decoding}" if r.tau_decoding else ""))
+    return " · ".join(parts)
 
 
 # ---------------------------------------------------------------------------- the candidates
@@ -200,27 +234,54 @@ def candidates(selections, stats, num_layers: int, *, names: dict[str, str] | No
 
 # ---------------------------------------------------------------------------- the decision
 
-def _attach(rows: list[Ranked], ev: Evidence) -> str | None:
-    """Fill each row's measurements; returns the measured source used for τ (the one covering most rows)."""
+def _attach(rows: list[Ranked], ev: Evidence) -> tuple[list[Ranked], str | None]:
+    """Fill each row's measurements, one draft's figures to a row: when a set's τ was measured on another draft than
+    the one behind its held-out agreement and budget, the set gets a second row for that draft (labelled by `draft`),
+    never one row mixing the two. Returns (the rows, the measured source used for τ: the one covering most rows)."""
     best_source, best_cover = None, 0
     for source, measured in ev.measured:
         cover = sum(_key(r.layers) in measured for r in rows)
         if cover > best_cover:
             best_source, best_cover = source, cover
+    out = []
     for r in rows:
         key = _key(r.layers)
-        for source, measured in sorted(ev.measured, key=lambda m: m[0] != best_source):
+        m, source = None, None
+        for source, measured in sorted(ev.measured, key=lambda x: x[0] != best_source):
             if key in measured:
                 m = measured[key]
-                r.tau, r.tau_ci, r.delta, r.delta_ci, r.tau_source = (m["tau"], m.get("tau_ci"), m.get("delta"),
-                                                                      m.get("delta_ci"), source)
                 break
-        r.agreement = ev.agreement.get(key)
-        r.probe = ev.probe.get(key)
         d, p = ev.drafts.get(key) or {}, ev.probe_sample.get(key) or {}
-        r.agreement_n, r.budget = d.get("positions"), d.get("tokens")
+        r.probe = ev.probe.get(key)
         r.probe_ci, r.probe_hits, r.probe_counts = p.get("ci"), p.get("hits"), p.get("counts")
-    return best_source
+        latest = ev.draft_of.get(key) or {}
+        if m is None or not m.get("draft") or m.get("draft") == latest.get("path") or not latest.get("path"):
+            if m is not None:                        # one draft (or nothing tells them apart): one row
+                _set_tau(r, m, source)
+            r.agreement, r.agreement_n, r.budget = ev.agreement.get(key), d.get("positions"), d.get("tokens")
+            r.draft_path = (m or {}).get("draft") or latest.get("path")
+            r.draft = (m or {}).get("draft_name") or latest.get("name") or (ev.by_path.get(r.draft_path) or {}).get("name")
+            out.append(r)
+            continue
+        own = ev.by_path.get(m["draft"]) or {}        # τ's draft, with its own agreement and budget if the session has it
+        _set_tau(r, m, source)
+        r.agreement, r.agreement_n, r.budget = own.get("agreement"), own.get("positions"), own.get("tokens")
+        r.draft_path, r.draft = m["draft"], m.get("draft_name") or own.get("name")
+        twin = replace(r, flags=list(r.flags), tau=None, tau_ci=None, delta=None, delta_ci=None, tau_source=None,
+                       tau_decoding=None,
+                       probe=None, probe_ci=None, probe_hits=None, probe_counts=None,
+                       agreement=ev.agreement.get(key), agreement_n=d.get("positions"), budget=d.get("tokens"),
+                       draft_path=latest.get("path"), draft=latest.get("name"))
+        for x in (r, twin):                          # the text names them apart too
+            x.name += f" (draft {x.draft or 'unnamed'})"
+        out += [r, twin]
+    return out, best_source
+
+
+def _set_tau(r: Ranked, m: dict, source: str) -> None:
+    r.tau, r.tau_ci, r.delta, r.delta_ci, r.tau_source = (m["tau"], m.get("tau_ci"), m.get("delta"),
+                                                          m.get("delta_ci"), source)
+    r.tau_decoding = m.get("decoding")
 
 
 def _above(ci) -> bool:
@@ -231,9 +292,10 @@ def _interval_text(r: Ranked) -> str:
     return fmt.interval(r.tau, r.tau_ci, "tau")
 
 
-def evidence(r: Ranked, basis: str | None) -> str | None:
+def evidence(r: Ranked, basis: str | None, sample: bool = True) -> str | None:
     """A set's number on `basis` with its sample and interval, in words: "15.6% [9.4%, 22.9%] over 96 held-out
-    positions of 2 conversations"."""
+    positions of 2 conversations"; `sample` False: the probe's number and interval alone (a tie's listing, whose sets
+    share one sample, says it once: probe_sample_text)."""
     if basis == "τ":
         return None if r.tau is None else _interval_text(r) + (f" ({r.tau_source})" if r.tau_source else "")
     if basis == "held-out agreement":
@@ -247,16 +309,36 @@ def evidence(r: Ranked, basis: str | None) -> str | None:
             return None
         if not r.probe_counts:
             return f"{fmt.percent(r.probe)} (sample not recorded: score the sets again)"
-        ci = f" {fmt.ci(r.probe_ci, 'percent')}" if fmt.has_ci(r.probe_ci) else " (no interval: one conversation)"
-        few = (f", too few to tell sets apart (fewer than {MIN_CONVERSATIONS})"
-               if len(r.probe_counts) < MIN_CONVERSATIONS else "")
-        return (f"{fmt.percent(r.probe)}{ci} over {fmt.count(sum(r.probe_counts))} held-out positions of "
-                f"{len(r.probe_counts)} conversation(s){few}")
+        ci = f" {fmt.ci(r.probe_ci, 'percent')}" if fmt.has_ci(r.probe_ci) else ""
+        return f"{fmt.percent(r.probe)}{ci}" + (" " + probe_sample_text(r) if sample else "")
     return None
 
 
+def probe_sample_text(r: Ranked) -> str:
+    """The sample behind a probe score, once: "over 96 held-out positions of 2 conversation(s), too few to tell sets
+    apart (fewer than 5)"; "(no interval: one conversation)" where the bootstrap has one to draw from."""
+    n = len(r.probe_counts or [])
+    few = f", too few to tell sets apart (fewer than {MIN_CONVERSATIONS})" if n < MIN_CONVERSATIONS else ""
+    alone = "" if fmt.has_ci(r.probe_ci) or n != 1 else " (no interval: one conversation)"
+    return f"over {fmt.count(sum(r.probe_counts or []))} held-out positions of {n} conversation(s){alone}{few}"
+
+
+def probe_note(conversations) -> str | None:
+    """Said before the probe runs, when it cannot settle anything: a capture of `conversations` conversations leaves
+    the probe fewer than MIN_CONVERSATIONS held out (probe.held_out_conversations), so every set would tie; None
+    when it leaves enough (or the count is unknown)."""
+    if not isinstance(conversations, int) or conversations < 1:
+        return None
+    held = held_out_conversations(conversations, ProbeOptions.val_fraction)
+    if held >= MIN_CONVERSATIONS:
+        return None
+    return (f"This capture has {conversations} conversation(s): the probe holds out {held}, fewer than "
+            f"{MIN_CONVERSATIONS}, so it will call every set a tie. Capture at least {3 * MIN_CONVERSATIONS} prompts "
+            "for the probe to tell sets apart.")
+
+
 Z95 = 1.96
-MIN_CONVERSATIONS = 5   # fewer held-out conversations than this: the probe's sets are a tie, whatever the numbers
+MIN_CONVERSATIONS = MIN_HELD_OUT   # fewer held-out conversations: the probe's sets are a tie, whatever the numbers
 
 
 def _same_budget(rows: list[Ranked]) -> tuple[list[Ranked], list[Ranked]]:
@@ -346,8 +428,8 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
     other = [r for r in rows if len(r.layers) != k]
     if not same and not other:
         raise ValueError("recommend needs at least one layer set")
-    source = _attach(same, ev)
-    _attach(other, ev)
+    same, source = _attach(same, ev)
+    other, _ = _attach(other, ev)
     basis, measured, refused, left_out = None, [], [], []
     for b in BASES:
         have = [r for r in same if r.value(b) is not None]
@@ -418,7 +500,10 @@ def recommend(rows: list[Ranked], k: int, ev: Evidence | None = None) -> Recomme
         pick, reason = _tie_pick(group)
         if best is top or best not in group:
             best = pick
-        names = "; ".join(f"{r.name} {fmt.layers(r.layers)} {evidence(r, basis)}" for r in group)
+        shared = basis == "probe agreement" and all(r.probe_counts == group[0].probe_counts for r in group)
+        names = "; ".join(f"{r.name} {fmt.layers(r.layers)} {evidence(r, basis, sample=not shared)}" for r in group)
+        if shared and group[0].probe_counts:            # one sample for all: said once, not once per set
+            names += f"; each {probe_sample_text(group[0])}"
         tie_text = (f" A tie: the {basis} does not tell {len(group)} sets apart ({names}); they are ranked level, "
                     f"and {best.name} {fmt.layers(best.layers)} is recommended as "
                     + (reason if best is pick else "the default rule, the established choice") + ".")

@@ -87,6 +87,7 @@ def session_report(s: Session) -> str:
         basis = f"ranked by {rec.basis} ({rec.source})" if rec.basis else "not ranked: nothing measured tells them apart"
         parts.append(f"<h2>Layer sets of {rec.k} layers, {_e(basis)}</h2>" + _table([{
             "rank": r.rank, "set": r.name, "layers": fmt.layers(r.layers),
+            "draft": recommend.draft_text(r),        # whose τ, agreement and budget: one draft's to a row
             "role": " · ".join(x for x in ("recommended" if r is rec.best else "",
                                           "default rule" if r.is_default else "") if x),
             "τ [95% interval]": fmt.interval(r.tau, r.tau_ci, "tau") if r.tau is not None else None,

@@ -152,7 +152,7 @@ def bench_frame(res: dict, drafts) -> tuple[pd.DataFrame, str | None]:
     df = pd.DataFrame([{
         "contender": r["name"], "layers": fmt.layers(r["layers"]) if r.get("layers") else "",
         "τ": fmt.interval(r.get("tau"), r.get("tau_ci"), "tau"),
-        **({"break-even τ": fmt.number(r.get("break_even_tau"), 2) if r.get("break_even_tau") else ""}
+        **({"break-even τ": fmt.tau(r.get("break_even_tau")) if r.get("break_even_tau") else ""}
            if res.get("cost_curve") else {}),
         "speedup": fmt.interval(r.get("speedup"), r.get("speedup_ci"), "speedup"),     # what was measured first
         **{f"acc@{i + 1}": fmt.percent(((r.get("acceptance_by_position") or []) + [None] * depth_max)[i])

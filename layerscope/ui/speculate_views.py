@@ -181,7 +181,9 @@ def bench_run(s, i: int, colors: dict) -> None:
                   key="ls_spec_bench_acc", filename=f"benchmark-{i + 1}-acceptance")
     with g2:
         if res.get("cost_curve"):
-            chart(plots.cost_curve(res["cost_curve"], draft_step_seconds=res.get("draft_step_seconds")),
+            measured = next((r for r in rows if r.get("draft_step_seconds") is not None), None)
+            chart(plots.cost_curve(res["cost_curve"], steps=rows,     # the draft step Home and the verdicts use
+                                   draft_step_seconds=(measured or res).get("draft_step_seconds")),
                   key="ls_spec_bench_cost", filename=f"benchmark-{i + 1}-cost-curve")
     cdf = speculate.category_frame(rows)
     if cdf is not None:
