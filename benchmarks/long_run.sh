@@ -36,6 +36,15 @@
 #                                    # (GEMMA3_SETS, as --layers arguments) without fc_norm, seed 0, into
 #                                    # docs/study-gemma3/outcomes-no-fc-norm; either pair is then read with
 #                                    # benchmarks/paired_outcomes.py (the Markdown table of issue 38.3)
+#   benchmarks/long_run.sh qwen-stats    # issue 49.4: the statistics and the probe at depth 28 and 24: a capture of
+#                                    # qwen2.5-coder-1.5b and of -0.5b (120 ShareGPT prompts, 64 new tokens each),
+#                                    # analyze, every strategy's set (select --compare) and the probe's swap search,
+#                                    # as JSON into docs/study-qwen15/stats/ (commit them)
+#   benchmarks/long_run.sh qwen-study    # issue 50: one target pass of qwen2.5-coder-1.5b training the default rule
+#                                    # [2,14,25], the probe's best set, aggregate entropy's set and a random control
+#                                    # (fc_norm, the answers drawn mostly code: --train-kinds code=3), benchmarked on
+#                                    # 40 held-out ShareGPT prompts; outcomes and answers kept in docs/study-qwen15
+#                                    # (`keep` with STUDY_DIR=docs/study-qwen15 MODEL=qwen2.5-coder-1.5b)
 #
 # Keep the store outside the work tree (LAYERSCOPE_STORE, default $HOME/layerscope-store) so that it outlives
 # it, and run this alone on the machine: a second torch process on 2 cores slows both several times.
@@ -56,7 +65,7 @@ mode="${1:-default}"
 export LAYERSCOPE_STORE="${LAYERSCOPE_STORE:-$HOME/layerscope-store}"
 mkdir -p "$LAYERSCOPE_STORE/logs"
 log="$LAYERSCOPE_STORE/logs/long-$mode"
-case "$mode" in gemma3-*) default_dir=docs/study-gemma3 ;; *) default_dir=docs/study-500k ;; esac
+case "$mode" in gemma3-*) default_dir=docs/study-gemma3 ;; qwen-*) default_dir=docs/study-qwen15 ;; *) default_dir=docs/study-500k ;; esac
 study_dir="${STUDY_DIR:-$(pwd)/$default_dir}"
 # --no-fc-norm: the builtin draft and the SmolLM2 study were trained before fc_norm became the default, and a continued
 # draft keeps its norm (their keys and outcomes are those of runs without it)
@@ -158,7 +167,8 @@ PY
   keep)
     # the answers of this study's model only (MODEL; by default the one STUDY_DIR's study runs): each folder's
     # about.json names its model; a folder from before about.json is kept only where STUDY_DIR already keeps it
-    case "$study_dir" in *study-gemma3*) keep_model="${MODEL:-gemma3-270m}" ;; *) keep_model="${MODEL:-smollm2-135m}" ;; esac
+    case "$study_dir" in *study-gemma3*) keep_model="${MODEL:-gemma3-270m}" ;; *study-qwen15*) keep_model="${MODEL:-qwen2.5-coder-1.5b}" ;;
+      *) keep_model="${MODEL:-smollm2-135m}" ;; esac
     for d in "$LAYERSCOPE_STORE"/responses/*/; do      # finished parts only (a part being written is a dotfile)
       [ -d "$d" ] || continue
       name=$(basename "$d")
@@ -190,6 +200,35 @@ PY
     read -r -a sets <<< "${GEMMA3_SETS:---layers 13,15,17 --layers 4,7,8}"
     run_sets gemma3-270m outcomes-no-fc-norm --strategies default "${sets[@]}" --train-limit 640 \
       --train-max-prompt-tokens 1024 --train-max-new-tokens 64 --val-conversations 32 --tokens 200k --no-fc-norm ;;
-  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm" >&2
+  qwen-stats)
+    mkdir -p "$study_dir/stats"
+    for model in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
+      key=$(.venv/bin/layerscope capture --model "$model" --prompts sharegpt --limit 120 --max-new-tokens 64 \
+        --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+      echo "$model stats capture: $key" >> "$log.log"
+      # each step's peak resident memory goes to the log (GNU time); the probe's ridge maps over 28 layers of d=1536
+      # take ~9.5 GB, over its 6 GB default
+      for step in "analyze $key" "select $key --compare" "probe $key --search swap --k 3 --max-memory-gb 14"; do
+        read -r -a argv <<< "$step"
+        /usr/bin/time -f "$model ${argv[0]}: %e s, peak RSS %M KB" .venv/bin/layerscope "${argv[@]}" --json \
+          > "$study_dir/stats/$model-${argv[0]}.json" 2>> "$log.log"
+      done
+      # the probe's score of every strategy's set (held-out agreement with intervals), beside its own search's best
+      sets=$(.venv/bin/python -c 'import json,sys; print(" ".join("--layers " + ",".join(map(str, r["layers"])) for r in json.load(open(sys.argv[1]))))' \
+        "$study_dir/stats/$model-select.json")
+      /usr/bin/time -f "$model probe-sets: %e s, peak RSS %M KB" .venv/bin/layerscope probe "$key" $sets --max-memory-gb 14 \
+        --json > "$study_dir/stats/$model-probe-sets.json" 2>> "$log.log"
+    done ;;
+  qwen-study)
+    copy_responses
+    key=$(.venv/bin/layerscope capture --model qwen2.5-coder-1.5b --prompts sharegpt --limit 120 --max-new-tokens 64 \
+      --max-prompt-tokens 256 --batch-size 16 --json 2>> "$log.log" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+    echo "study capture: $key" >> "$log.log"
+    exec .venv/bin/layerscope study "$key" --strategies default,aggregate,probe,random --random-sets 1 \
+      --online --train-prompts sharegpt --train-kinds code=3 --responses regenerate --train-limit "${TRAIN_LIMIT:-1200}" \
+      --train-max-prompt-tokens 256 --train-max-new-tokens 192 --tokens "${TOKENS:-1M}" --fc-norm --seeds 0 \
+      --sets-per-pass 4 --outcomes "$study_dir/outcomes" --limit 40 --max-new-tokens 64 --wait-quiet 10m \
+      --json >> "$log.json" 2>> "$log.log" ;;
+  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study" >&2
      exit 2 ;;
 esac
