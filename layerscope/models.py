@@ -597,7 +597,7 @@ def check_memory(need: int, what: str, fix: str, *, detail: str = "", cuda: bool
                  error: type[LayerScopeError] = ModelSpecError) -> None:
     """The one memory check before something large is built (a model, a draft): `error` in one line when `need`
     bytes exceed MEMORY_SHARE of the memory available (the GPU's when `cuda`, default: when there is one)."""
-    available = _available_memory(torch.cuda.is_available() if cuda is None else cuda)
+    available = available_memory(torch.cuda.is_available() if cuda is None else cuda)
     if available is not None and need > MEMORY_SHARE * available:
         raise error(f"{what} needs about {need / 2**30:.1f} GiB{f' ({detail})' if detail else ''} but only "
                     f"{available / 2**30:.1f} GiB of memory is available ({MEMORY_SHARE:.0%} of it may be taken)", fix)
@@ -635,7 +635,7 @@ def _size(config, name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def _available_memory(cuda: bool = True) -> int | None:
+def available_memory(cuda: bool = True) -> int | None:
     """Bytes free on the GPU (`cuda` and there is one), else the system's available memory (None: unknown)."""
     if cuda and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()

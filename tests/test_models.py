@@ -53,7 +53,7 @@ def test_missing_hub_model_fails_fast_without_network(monkeypatch):
 
 
 def test_model_too_big_for_memory_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr(models, "_available_memory", lambda cuda=True: 1024)
+    monkeypatch.setattr(models, "available_memory", lambda cuda=True: 1024)
     saved = tmp_path / "m"
     tiny = tiny_model()
     tiny.model.save_pretrained(saved)

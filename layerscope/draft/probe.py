@@ -77,6 +77,7 @@ from layerscope.draft.data import split_conversations, split_of, target_argmax
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.train import target_weights
 from layerscope.errors import LayerScopeError
+from layerscope.models import available_memory
 from layerscope.stats import bootstrap
 from layerscope.stats.ridge import F64, Gram, block_columns, explained_variance, logit_loss, logit_metric, ridge, with_bias
 from layerscope.store import make_key
@@ -107,7 +108,8 @@ class ProbeOptions:
     candidates: tuple[int, ...] | None = None             # layers a search may pick (None: 0..N-1)
     top: int = 5                                          # sets a search reports, best first
     batch_rows: int = 1024                                # fit rows per Gram update
-    max_memory_gb: float = 6.0                            # refuse a probe that would hold more than this
+    max_memory_gb: float | None = None                    # refuse a probe that would hold more than this; None: half
+                                                          # the memory available when it starts, at least MIN_MEMORY_GB
 
     def validate(self) -> None:
         def num(name, lo, hi, fix, **kw):
@@ -118,7 +120,8 @@ class ProbeOptions:
         num("max_passes", 0, 1000, "Use e.g. 4", integer=True)
         num("top", 1, 1000, "Use e.g. 5", integer=True)
         num("batch_rows", 1, 1 << 20, "Use e.g. 1024", integer=True)
-        num("max_memory_gb", 0, None, "Use e.g. 6", above=True)
+        if self.max_memory_gb is not None:
+            num("max_memory_gb", 0, None, "Use e.g. 6", above=True)
         if not self.lambdas:
             raise ProbeError("The λ grid is empty", "Give at least one value, e.g. --lambdas 0.001,0.01,0.1")
         for x in self.lambdas:
@@ -535,10 +538,23 @@ def check_memory(pos: Positions, blocks: int, d: int, cap, o: ProbeOptions) -> N
     kept = (len(pos.validation) + len(pos.held_out)) * (blocks + 1) * d * 4
     chunk = max(n for _, n in cap.chunks) * (blocks + 1) * d * 4 + o.batch_rows * blocks * d * 8 * 2
     need = (gram + kept + chunk) / 2**30
-    if need > o.max_memory_gb:
-        raise ProbeError(f"The probe over {blocks - 1} layers of capture {cap.key} would hold {need:.1f} GB "
-                         f"(more than max_memory_gb={o.max_memory_gb:g})",
+    limit = memory_limit_gb(o)
+    if need > limit:
+        said = f"max_memory_gb={limit:g}" if o.max_memory_gb is not None else f"half the memory available now, {limit:.1f} GB"
+        raise ProbeError(f"The probe over {blocks - 1} layers of capture {cap.key} would hold {need:.1f} GB (more than {said})",
                          "Probe fewer candidate layers (--candidates) or raise --max-memory-gb")
+
+
+MIN_MEMORY_GB = 6.0
+
+
+def memory_limit_gb(o: ProbeOptions) -> float:
+    """What a probe may hold: o.max_memory_gb, else half the memory available now, at least MIN_MEMORY_GB (a 28-layer
+    probe at d=1536 holds ~9.5 GB: more than a fixed 6 GB allowed on a machine with room for it)."""
+    if o.max_memory_gb is not None:
+        return o.max_memory_gb
+    available = available_memory(cuda=False)
+    return max(MIN_MEMORY_GB, available / 2**30 / 2) if available else MIN_MEMORY_GB
 
 
 # ----------------------------------------------------------------------------- entry points
