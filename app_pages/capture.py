@@ -106,8 +106,8 @@ with right:
             st.subheader("Storage")
             with guard("storage estimate"):
                 plan = preflight.capture_estimate(store, st.session_state.ls_w_cap_model.strip(), ps.prompts, options)
-                estimate = forecast.capture(store, st.session_state.ls_w_cap_model.strip(), plan, options.batch_size) \
-                    if plan else None
+                estimate = forecast.capture(store, st.session_state.ls_w_cap_model.strip(), plan, options.batch_size,
+                                            held=tasks.held(manager, st.session_state.ls_w_cap_model)) if plan else None
                 if plan is None:
                     st.caption("The estimate needs the model's config: it shows once the model has loaded here (a "
                                "first capture), and the capture states it before its first batch.")

@@ -199,7 +199,7 @@ else:
               "k": "auto" if auto_k else int(depth or specdec.DEFAULT_K), "peers": bool(peers),
               "lookup": lookup, "assistant": assistant or ""}
     if chosen:
-        estimate_caption(lambda: tasks.bench_estimate(store, [by_path[c] for c in chosen], **choice))
+        estimate_caption(lambda: tasks.bench_estimate(store, [by_path[c] for c in chosen], manager, **choice))
     if st.button("Run benchmark", type="primary", key="ls_spec_bench", icon=":material/speed:",
                  disabled=not chosen or bench_running):
         with guard("start benchmark"):

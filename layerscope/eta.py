@@ -13,7 +13,7 @@ So the rate is the current phase's own, counted in units of work that are alike 
                                                MIN_SECONDS of its time are measured
     PhaseClock(total, done=0, clock=...)       the clock of one phase, started when the phase starts:
                                                .left(done, total=None) -> seconds left or None
-    text(seconds)                              "about 3 min left" | "estimating time left…"
+    text(seconds)                              "about 3 min left" | "under a second left" | "estimating time left…"
 
 Units, each phase's own: a capture's decode steps (max_new_tokens + 1 per batch), the answers' decode steps
 (max_new_tokens per batch), a share of the training budget, the benchmark's token budget (max_new_tokens
@@ -64,5 +64,8 @@ class PhaseClock:
 
 
 def text(seconds: float | None) -> str:
-    """How a time-left estimate reads: "about 3 min left", or "estimating time left…" while there is none."""
-    return ESTIMATING if seconds is None else f"about {fmt.duration(seconds)} left"
+    """How a time-left estimate reads: "about 3 min left", "under a second left" (never "about 0.0 s"), or
+    "estimating time left…" while there is none."""
+    if seconds is None:
+        return ESTIMATING
+    return "under a second left" if seconds < 1 else f"about {fmt.duration(seconds)} left"

@@ -22,13 +22,21 @@ preflight.target_shape), multiplied by the pace measured on this machine when th
     training    rows x (the target's forward when online + each set's draft): rows = the tokens budget, or steps x
                 batch x rows a window (capture: seq_len; online: max_prompt_tokens + max_new_tokens, an upper
                 bound); a time budget is its own time
-    bench       prompts x max_new_tokens x contenders, decoded one row at a time (+ the calibration's prompts for
-                K = auto); the cost curve, measured once per machine and draft shape, is not counted
+    model load  a first use of a GGUF (an alias, a .gguf file) de-quantizes it: P x DEQUANTIZE_S (SmolLM2-135M's
+                first load took ~15 s, Qwen2.5-Coder-1.5B's 2-3 min); a later load reads the float32 copy:
+                P x LOAD_S; none when the process that runs the step holds the model already (`held`)
+    bench       the model load; the cost curve (curve_rule: the forwards costmodel.cost_curve times), once per
+                machine and model: none when a run here measured it before (a busy curve is measured again when
+                the machine is quiet: counted, at most); for K = auto the calibration's prompts per draft
+                (bench.CALIBRATION_PROMPTS, at most 64 tokens each, decoded one row at a time); then prompts x
+                max_new_tokens x contenders, decoded one row at a time
     study       each draft's training, then the benchmarks of its drafts against plain decoding
 
 Measured pace: after every finished run, workflow records its seconds over the rule's (`remember`: the store's
 index, namespace "pace", per kind, model spec and device), and the next forecast of that kind multiplies the rule by
-it ("measured here"). Without one the rule stands alone, and says so. The model load is never counted.
+it ("measured here"). Without one the rule stands alone, and says so. The benchmark records a pace per phase
+(its model load, cost curve, calibration and decoding), so each part of its next estimate is this machine's own.
+A time under a second reads "under a second", never "about 0.0 s" (`about`).
 Disk: capture.size's Estimate; the drafts, checkpoints and answers as preflight counts them; a benchmark stores nothing.
 """
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -43,6 +52,7 @@ import torch
 
 from layerscope import fmt, models, preflight
 from layerscope.decoding import bench as bench_mod
+from layerscope.decoding import costmodel
 from layerscope.draft.progress import ResponsesProgress, TrainProgress
 from layerscope.store import Store, make_key
 
@@ -50,9 +60,20 @@ DECODE_S = 1e-9            # seconds a decode step of one row costs per target p
 BATCH_ROW = 0.25           # each row more in a decode step's batch adds this share of a one-row step
 FORWARD_S = 4e-11          # seconds a token read in a whole forward costs per parameter (2 flops at 50 GFLOP/s)
 TRAIN_PASSES = 3           # a training row's forward and backward through a draft, in forwards
+DEQUANTIZE_S = 1.1e-7      # seconds a first load costs per parameter: the GGUF parsed and de-quantized, stored
+LOAD_S = 1.5e-8            # seconds a later load costs per parameter: float32 safetensors read back
+HELD_S = 0.05              # a loader that returned sooner held the model already: no load measured
 PACE = "pace"              # the index namespace of measured paces
 KINDS = {"capture": "capture", "answers": "answer writing", "training": "training from a capture",
-         "online": "online training", "bench": "benchmark"}
+         "online": "online training", "bench": "benchmark", "load": "load", "first load": "first load",
+         "cost curve": "cost curve", "calibration": "calibration"}
+
+
+def about(seconds: float | None) -> str:
+    """An estimate's time in words: "about 3 min", "under a second" (never "about 0.0 s")."""
+    if seconds is None:
+        return "no time estimate"
+    return "under a second" if seconds < 1 else f"about {fmt.duration(seconds)}"
 
 
 @dataclass(frozen=True)
@@ -75,16 +96,16 @@ class Forecast:
 
     def line(self) -> str:
         """One line for the user: what it will take, what it stores, and what that assumed."""
-        took = f"about {fmt.duration(self.seconds)}" if self.seconds is not None else "no time estimate"
+        took = about(self.seconds)
         stored = "" if self.bytes is None else (", nothing stored" if self.bytes == 0
                                                  else f", up to {fmt.size(self.bytes)} stored")
         sources = list(dict.fromkeys(p.source for p in self.parts))
         if len(self.parts) == 1:
             how = f"{self.parts[0].what}, {self.parts[0].source}"
         elif len(sources) == 1:                   # one pace for every part: said once
-            how = "; ".join([f"{p.what}: about {fmt.duration(p.seconds)}" for p in self.parts] + sources)
+            how = "; ".join([f"{p.what}: {about(p.seconds)}" for p in self.parts] + sources)
         else:
-            how = "; ".join(f"{p.what}: about {fmt.duration(p.seconds)}, {p.source}" for p in self.parts) or self.why
+            how = "; ".join(f"{p.what}: {about(p.seconds)}, {p.source}" for p in self.parts) or self.why
         return f"Estimate before the {self.what} starts: {took}{stored} ({how})."
 
 
@@ -109,21 +130,43 @@ def _key(kind: str, model: str, device: str) -> str:
     return make_key({"kind": kind, "model": str(model).strip(), "device": device})
 
 
-def remember(store: Store, kind: str, model: str, seconds: float, rule_seconds: float, device: str) -> None:
-    """Record a finished run's pace: its seconds over the rule's for the same work (a kind of KINDS)."""
+def remember(store: Store, kind: str, model: str, seconds: float, rule_seconds: float, device: str,
+             **extra) -> None:
+    """Record a finished run's pace: its seconds over the rule's for the same work (a kind of KINDS); `extra`:
+    what else the next forecast needs to know (a cost curve: whether it was measured quiet)."""
     if not (seconds > 0 and rule_seconds > 0 and math.isfinite(seconds / rule_seconds)):
         return
     store.put_json(PACE, _key(kind, model, device), {
         "kind": kind, "model": str(model).strip(), "device": device, "pace": seconds / rule_seconds,
-        "threads": torch.get_num_threads(), "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+        "seconds": seconds, "threads": torch.get_num_threads(),
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")} | extra)
 
 
-def measured(store: Store, kind: str, model: str, loaded, seconds: float, rule) -> None:
+def measured(store: Store, kind: str, model: str, loaded, seconds: float, rule, **extra) -> None:
     """Record a finished run's pace for the next forecast of its kind: `seconds` against `rule(Target)`, the rule's
     seconds for the same work, on the device of `loaded` (the LoadedModel that ran it)."""
     t = target(store, model)
     if t is not None:
-        remember(store, kind, model, seconds, rule(t), loaded.device.type)
+        remember(store, kind, model, seconds, rule(t), loaded.device.type, **extra)
+
+
+def first_load(store: Store, model: str) -> bool:
+    """Whether loading `model` de-quantizes a GGUF file first (an alias or a .gguf file whose float32 copy is not in
+    the store yet)."""
+    spec = str(model).strip()
+    return (spec in models.ALIASES or spec.endswith(".gguf")) and not preflight.dequantized(spec, store)
+
+
+def timed_load(store: Store, model: str, load):
+    """`load(model, store)` (a workflow Loader), its seconds recorded as this machine's load pace (a first use's
+    apart) unless it returned at once: a loader that held the model already (the app's worker) loaded nothing."""
+    first = first_load(store, model)
+    t0 = time.perf_counter()
+    loaded = load(model, store)
+    seconds = time.perf_counter() - t0
+    if seconds >= HELD_S:
+        measured(store, "first load" if first else "load", model, loaded, seconds, lambda t: load_rule(t, first))
+    return loaded
 
 
 def online_measured(store: Store, model: str, loaded, sets, options, last: dict) -> None:
@@ -139,11 +182,19 @@ def online_measured(store: Store, model: str, loaded, sets, options, last: dict)
 
 
 def bench_measured(store: Store, model: str, loaded, seconds: float, options, drafts: int, prompts: int,
-                   contenders: int) -> None:
-    """A benchmark's pace (workflow.bench and the study's benchmarks): `seconds` of decoding against the rule's for
-    the tokens it generated at most (bench_tokens)."""
+                   contenders: int, timings: dict | None = None) -> None:
+    """A benchmark's paces (workflow.bench and the study's benchmarks): `seconds` of decoding against the rule's for
+    the tokens it generated at most (bench_tokens); `timings` (bench.plan's): the cost curve's measurement and the
+    calibration, each against its own rule."""
     measured(store, "bench", model, loaded, seconds, lambda t: generated_s(t, bench_tokens(
         options, drafts, prompts=prompts, contenders=contenders)))
+    timings = timings or {}
+    if "cost curve" in timings:
+        measured(store, "cost curve", model, loaded, timings["cost curve"], curve_rule,
+                 quiet=bool(timings.get("cost curve quiet", True)))
+    if "calibration" in timings:
+        measured(store, "calibration", model, loaded, timings["calibration"], lambda t: generated_s(
+            t, calibration_tokens(options, drafts, timings.get("calibration prompts"))))
 
 
 def study_measured(store: Store, model: str, loaded, what: dict) -> None:
@@ -167,8 +218,8 @@ def pace(store: Store, kind: str, model: str, t: Target) -> tuple[float, str]:
             return x, f"at the pace the last {KINDS[kind]} of {str(model).strip()} measured here"
     except (TypeError, KeyError, ValueError):
         pass
-    return 1.0, (f"by a conservative rule of thumb for {t.params / 1e6:.3g}M parameters (layerscope/forecast.py) "
-                 f"until a run here measures the pace")
+    return 1.0, (f"by a conservative rule of thumb for {t.params / 1e6:.3g}M parameters until a run here measures "
+                 f"the pace")
 
 
 # ---------------------------------------------------------------------------- the rules (seconds)
@@ -212,31 +263,79 @@ def training_rows(options, online: bool) -> int | None:
 
 
 def bench_tokens(options, drafts: int, prompts: int | None = None, contenders: int | None = None) -> int:
-    """The tokens a benchmark generates at most: prompts x max_new_tokens x contenders, and for K = auto the
-    calibration's prompts per draft (bench.CALIBRATION_PROMPTS, at most 64 tokens each)."""
+    """The tokens a benchmark decodes at most: prompts x max_new_tokens x contenders."""
     lineup = bench_mod.contenders_for([(f"draft {i}", None) for i in range(drafts)], options)
     auto = (int(options.auto_k) + int(options.auto_tree) + int(options.auto_k and options.draft_lookup > 0)) * drafts
     n = len(lineup) + auto if contenders is None else contenders
-    calibration = drafts * bench_mod.CALIBRATION_PROMPTS * min(options.max_new_tokens, 64) \
-        if (options.auto_k or options.auto_tree) else 0
-    return (options.limit if prompts is None else prompts) * options.max_new_tokens * n + calibration
+    return (options.limit if prompts is None else prompts) * options.max_new_tokens * n
+
+
+def calibrates(options) -> bool:
+    return bool(options.auto_k or options.auto_tree or options.auto_lookup)
+
+
+def calibration_tokens(options, drafts: int, prompts: int | None = None) -> int:
+    """The tokens a benchmark's calibration for K = auto decodes at most: its prompts (bench.CALIBRATION_PROMPTS)
+    per draft, at most 64 tokens each; none without auto."""
+    if not calibrates(options):
+        return 0
+    n = bench_mod.CALIBRATION_PROMPTS if prompts is None else int(prompts)
+    return int(drafts) * n * min(int(options.max_new_tokens), 64)
+
+
+def curve_rule(t: Target) -> float:
+    """The rule's seconds of measuring a cost curve (costmodel.cost_curve at its defaults): per cache length, its
+    prefill, a warm-up and REPEATS forwards over each of 1..MAX_TOKENS new tokens; then the draft's steps."""
+    lengths, repeats, most = costmodel.CACHE_LENGTHS, costmodel.REPEATS, costmodel.MAX_TOKENS
+    forwards = len(lengths) * (2 + repeats * most)
+    tokens = sum(lengths) + len(lengths) * (most + repeats * most * (most + 1) // 2)
+    return generated_s(t, forwards) + read_s(t, tokens) + generated_s(t, 1 + repeats * costmodel.DRAFT_ROWS) / 10
+
+
+def load_rule(t: Target, first: bool) -> float:
+    """The rule's seconds of loading the target: a first use de-quantizes a GGUF, a later load reads it back."""
+    return t.params * (DEQUANTIZE_S if first else LOAD_S)
 
 
 NO_CONFIG = "the target's config cannot be read before its first load here"
 
 
+def load_parts(store: Store, model: str, t: Target, held: bool = False) -> list[Part]:
+    """The model load's part of a step (none when the process that runs it holds the model: `held`)."""
+    if held:
+        return []
+    first = first_load(store, model)
+    x, source = pace(store, "first load" if first else "load", model, t)
+    what = ("loading the model, its GGUF file de-quantized on this first use" if first else "loading the model")
+    return [Part(what, load_rule(t, first) * x, source)]
+
+
+def curve_part(store: Store, model: str, t: Target) -> Part:
+    """The cost curve's part of a benchmark: measured once per machine and model, then read from the store."""
+    x, source = pace(store, "cost curve", model, t)
+    seconds = curve_rule(t) * x
+    seen = store.get_json(PACE, _key("cost curve", model, models.default_device()[0].type))
+    if seen is None:
+        return Part("measuring the cost curve (once per machine and model)", seconds, source)
+    if seen.get("quiet", True):
+        return Part("the cost curve, measured here before and read from the store", 0.0, "no time")
+    return Part("the cost curve, measured on a busy machine before: read from the store, or measured again if the "
+                "machine is quiet now, at most", seconds, source)
+
+
 # ---------------------------------------------------------------------------- the forecasts
 
-def capture(store: Store, model: str, plan, batch_size: int) -> Forecast:
-    """A capture of capture.size Estimate `plan` (None: unknown before the model loads) in batches of `batch_size`."""
+def capture(store: Store, model: str, plan, batch_size: int, held: bool = False) -> Forecast:
+    """A capture of capture.size Estimate `plan` (None: unknown before the model loads) in batches of `batch_size`,
+    after the model load (none when `held`)."""
     t = target(store, model)
     if plan is None or t is None:
         return Forecast("capture", None, None if plan is None else plan.total, [], NO_CONFIG)
     x, source = pace(store, "capture", model, t)
-    seconds = capture_rule(t, plan, batch_size) * x
-    return Forecast("capture", seconds, plan.total, [Part(
+    parts = load_parts(store, model, t, held) + [Part(
         f"{fmt.count(plan.conversations)} conversations, up to {fmt.count(plan.max_new_tokens)} answer tokens each",
-        seconds, source)])
+        capture_rule(t, plan, batch_size) * x, source)]
+    return Forecast("capture", sum(p.seconds for p in parts), plan.total, parts)
 
 
 def online(store: Store, model: str, sets, options) -> Forecast:
@@ -247,7 +346,8 @@ def online(store: Store, model: str, sets, options) -> Forecast:
     stored = preflight.online_bytes(store, t.shape if t else None, sets, options)[0]
     if t is None:
         return Forecast("online training", None, stored, [], NO_CONFIG)
-    parts, seconds = [], 0.0
+    parts = load_parts(store, model, t)
+    seconds = sum(p.seconds for p in parts)
     if options.responses == "regenerate":
         x, source = pace(store, "answers", model, t)
         s = generated_s(t, conversations, options.max_new_tokens, options.gen_batch_size) * x
@@ -265,8 +365,9 @@ def training(store: Store, model: str, layers, options) -> Forecast:
     if t is None:
         return Forecast("training", None, None, [], NO_CONFIG)
     s, label, source = training_time(store, t, model, [layers], options, online=False)
-    return Forecast("training", s, preflight.draft_bytes(t.shape, list(layers), int(options.draft_vocab)),
-                    [Part(label, s, source)])
+    parts = load_parts(store, model, t) + [Part(label, s, source)]
+    return Forecast("training", sum(p.seconds for p in parts),
+                    preflight.draft_bytes(t.shape, list(layers), int(options.draft_vocab)), parts)
 
 
 def training_time(store: Store, t: Target, model: str, sets, options, online: bool) -> tuple[float, str, str]:
@@ -281,16 +382,25 @@ def training_time(store: Store, t: Target, model: str, sets, options, online: bo
     return rows * row_rule(t, sets, options, online) * x, f"training {n} on {budget}", source
 
 
-def bench(store: Store, model: str, drafts: int, options) -> Forecast:
-    """A benchmark of `drafts` drafts with BenchOptions `options` on `model`."""
+def bench(store: Store, model: str, drafts: int, options, held: bool = False) -> Forecast:
+    """A benchmark of `drafts` drafts with BenchOptions `options` on `model`: its every phase, the model load (none
+    when `held`), the cost curve, the calibration for K = auto, and the decoding."""
     t = target(store, model)
     if t is None:
         return Forecast("benchmark", None, 0, [], NO_CONFIG)
+    parts = load_parts(store, model, t, held)
+    if drafts:
+        parts.append(curve_part(store, model, t))
+    if drafts and calibrates(options):
+        x, source = pace(store, "calibration", model, t)
+        parts.append(Part(f"the calibration for K = auto ({bench_mod.CALIBRATION_PROMPTS} prompts x up to "
+                          f"{min(options.max_new_tokens, 64)} tokens per draft)",
+                          generated_s(t, calibration_tokens(options, drafts)) * x, source))
     x, source = pace(store, "bench", model, t)
     tokens = bench_tokens(options, drafts)
-    s = generated_s(t, tokens) * x
-    return Forecast("benchmark", s, 0, [Part(f"up to {fmt.count(tokens)} tokens decoded ({options.limit} prompts x "
-                                             f"{options.max_new_tokens} tokens x each decoder)", s, source)])
+    parts.append(Part(f"up to {fmt.count(tokens)} tokens decoded ({options.limit} prompts x "
+                      f"{options.max_new_tokens} tokens x each decoder)", generated_s(t, tokens) * x, source))
+    return Forecast("benchmark", sum(p.seconds for p in parts), 0, parts)
 
 
 def study(store: Store, model: str, options, sets: int | None = None,
@@ -312,7 +422,8 @@ def study(store: Store, model: str, options, sets: int | None = None,
     else:
         drafts, passes, done = [options.k] * left[0], left[1], left[2]
         stored, what, read_back = None, "study's training", f" ({done} read back from its outcomes folder)" if done else ""
-    parts, seconds = [], 0.0
+    parts = load_parts(store, model, t) if left is None else []
+    seconds = sum(p.seconds for p in parts)
     if options.online is not None:
         on = options.online
         if on.responses == "regenerate" and left is None:
@@ -338,6 +449,10 @@ def study(store: Store, model: str, options, sets: int | None = None,
     seconds += s
     # at most: a draft the store already holds (a pass stopped at its benchmark) is served from it, in no time
     parts.append(Part(f"training {label}{read_back}, at most (none for drafts the store holds)", s, source))
+    if drafts:                                   # the benchmarks' cost curve: once, or read from the store
+        curve = curve_part(store, model, t)
+        parts.append(curve)
+        seconds += curve.seconds
     b = options.bench_options()
     x, source = pace(store, "bench", model, t)
     s = generated_s(t, b.limit * b.max_new_tokens * (len(drafts) + passes)) * x if drafts else 0.0

@@ -255,6 +255,23 @@ def alias_gguf(spec: str, store=None, *, assemble: bool = True) -> Path | None:
     return path
 
 
+def gguf_files(spec: str, store=None) -> list[Path] | None:
+    """The file of an alias or a .gguf spec as it lies now, without assembling anything: [the file], or an alias's parts
+    in order while they are not assembled yet; None when a file or part is missing (the load says why)."""
+    try:
+        if spec not in ALIASES:
+            path = Path(spec).expanduser()
+            return [path] if path.is_file() else None
+        whole = alias_gguf(spec, store, assemble=False)
+        if whole is not None:
+            return [whole]
+        alias = ALIASES[spec]
+        parts = [_package_file(spec, part, alias.part_path(i)) for i, part in enumerate(alias.parts)]
+    except (ModelSpecError, OSError):
+        return None
+    return parts if parts and all(p.is_file() for p in parts) else None
+
+
 def assemble_parts(chunks: list[Path], path: Path, expected_sha256: str, fix: str) -> None:
     """Concatenate `chunks` into `path`, streaming, through a staged folder (store.staged): the file appears
     whole with the expected sha256, or not at all (a wrong checksum is one ModelSpecError; nothing is left)."""

@@ -27,13 +27,14 @@ Every failure is a LayerScopeError (one line, exit 2 in the CLI) and nothing has
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from types import SimpleNamespace
 
 from huggingface_hub import try_to_load_from_cache
 
-from layerscope import disk, jsonsafe, layerset, models, paths
+from layerscope import disk, ggufhead, jsonsafe, layerset, models, paths
 from layerscope.capture import size
 from layerscope.capture.stored import open_capture
 from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
@@ -67,13 +68,16 @@ def checkpoint_bytes(shape, layer_sets, draft_vocab: int) -> int:
 
 def target_shape(spec: str, store: Store):
     """The target's config (hidden_size, num_hidden_layers, vocab_size, heads, ...) read without loading its
-    weights, or None when that is not possible (a GGUF not de-quantized yet, a hub id not in the local cache)."""
+    weights, or None when that is not possible (a hub id not in the local cache). A GGUF not de-quantized yet: from its
+    header (ggufhead: its file, or the parts an alias ships in, read as they lie)."""
     spec = (spec or "").strip()
     if spec == "tiny-llama" or spec.startswith("tiny-llama:"):
         return models.load_model(spec).model.config      # a random tiny model: built in milliseconds
     config = None
     if spec in models.ALIASES or spec.endswith(".gguf"):
         config = _gguf_config(spec, store)
+        if config is None or not config.is_file():
+            return _gguf_header(spec, store)
     elif Path(spec).expanduser().is_dir():
         config = Path(spec).expanduser() / "config.json"
     elif spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
@@ -111,15 +115,69 @@ def _gguf_config(spec: str, store: Store) -> Path | None:
     return Path(store.path("models", f"gguf-{digest}")) / "config.json" if digest else None
 
 
+def _gguf_header(spec: str, store: Store):
+    """The config a GGUF's header implies (ggufhead.config), read once per file version in this process."""
+    files = models.gguf_files(spec, store)
+    if not files:
+        return None
+    try:
+        ident = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    except OSError:
+        return None
+    return _header_config(ident)
+
+
+@functools.lru_cache(maxsize=8)
+def _header_config(ident: tuple):
+    return ggufhead.config([Path(f) for f, _, _ in ident])
+
+
+def chat_template(spec: str, store: Store, shape) -> str:
+    """The target's chat template read without loading it (a GGUF header's, tiny-llama's, a model directory's or
+    a de-quantized copy's tokenizer_config.json or chat_template.jinja); "" when none is found."""
+    spec = (spec or "").strip()
+    if getattr(shape, "chat_template", None):
+        return str(shape.chat_template)
+    if spec == "tiny-llama" or spec.startswith("tiny-llama:"):
+        return str(models.byte_tokenizer().chat_template or "")
+    folder = None
+    if spec in models.ALIASES or spec.endswith(".gguf"):
+        config = _gguf_config(spec, store)
+        folder = config.parent if config is not None else None
+    elif Path(spec).expanduser().is_dir():
+        folder = Path(spec).expanduser()
+    if folder is None:
+        return ""
+    try:
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file() and jinja.stat().st_size <= MAX_CONFIG_BYTES:
+            return jinja.read_text(errors="replace")
+        tc = folder / "tokenizer_config.json"
+        if tc.is_file() and tc.stat().st_size <= MAX_CONFIG_BYTES:
+            got = jsonsafe.loads(tc.read_bytes(), what=str(tc)).get("chat_template")
+            return got if isinstance(got, str) else "".join(str(t.get("template", "")) for t in got or [])
+    except (LayerScopeError, OSError, AttributeError, TypeError):
+        pass
+    return ""
+
+
+def dequantized(spec: str, store: Store) -> bool:
+    """Whether the GGUF of `spec` (an alias or a .gguf file) has its de-quantized copy in the store already."""
+    config = _gguf_config(spec, store)
+    return config is not None and config.is_file()
+
+
 def capture_estimate(store: Store, model: str, prompts, options) -> size.Estimate | None:
     """What a capture of `prompts` (a list of Prompt, the limit applied) with CaptureOptions `options` will write,
-    before the target loads: from its config (target_shape) and the prompts' characters (size.approx_tokens; the
-    capture tokenizes them and states the exact estimate before its first batch), with the store's free space and
+    before the target loads: from its config (target_shape) and the prompts' bytes and the chat template's, an upper
+    bound (size.prompt_tokens_at_most; the capture tokenizes them and states the exact estimate before its first
+    batch), with the store's free space and
     the budget. None when the config cannot be read without loading the model."""
     shape = target_shape(model, store)
     if shape is None:
         return None
-    plan = size.estimate([size.approx_tokens(p.turns[0]) for p in prompts], options.max_new_tokens,
+    template = chat_template(model, store, shape)
+    plan = size.estimate([size.prompt_tokens_at_most(p.turns[0], template) for p in prompts], options.max_new_tokens,
                          int(shape.num_hidden_layers), int(shape.hidden_size), max_tokens=options.max_tokens,
                          batch_size=options.batch_size, sample_positions=options.sample_positions, prompts_exact=False)
     plan.free, plan.budget = disk.free_bytes(store.root), options.max_store_bytes

@@ -57,6 +57,11 @@ def load_target(spec: str, store: Store) -> LoadedModel:
     return load_model(spec, store=store)
 
 
+def timed(load: Loader) -> Loader:
+    """`load`, its seconds recorded as this machine's load pace (forecast.timed_load) for the next estimate."""
+    return lambda spec, store: forecast.timed_load(store, spec, load)
+
+
 def default_train_steps(device) -> int:
     """The training budget when none is given: 300 optimizer steps on a CPU (20-25 min for a SmolLM2-135M
     draft on one core), 2000 on a GPU."""
@@ -86,7 +91,7 @@ def capture(model: str, prompts: str, options: CaptureOptions, store: Store, *, 
     options.validate()                                      # bad options fail before the model loads
     disk.writable(store)                               # ... and so does a read-only store
     prompt_set = load_prompts(prompts, limit=options.limit, seed=options.seed, cache=store.root / "prompts")
-    target = load(model, store)
+    target = timed(load)(model, store)
     seen = {}
 
     def watch(p):
@@ -184,7 +189,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     if estimate is not None:
         estimate(forecast.training(store, model or cap.manifest["model"], layers,
                                    with_budget(options, default_device()[0])))
-    target = load(model or cap.manifest["model"], store)
+    target = timed(load)(model or cap.manifest["model"], store)
     if target.fingerprint != cap.manifest.get("fingerprint", target.fingerprint):
         raise DraftError(f"Model {target.spec} now loads with fingerprint {target.fingerprint}, but capture "
                          f"{cap.key} was made with {cap.manifest['fingerprint']}", "Capture again with the current model")
@@ -222,7 +227,7 @@ def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], 
     preflight.train_online(store, model, sets, options)
     if estimate is not None:
         estimate(forecast.online(store, model, sets, options))
-    target = load(model, store)
+    target = timed(load)(model, store)
     watch, last = last_of(progress, ResponsesProgress, TrainProgress)
     result = online_mod.train_online(target, sets, store, progress=watch, should_stop=should_stop, strategy=strategy,
                                      options=options)
@@ -250,7 +255,7 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     spec = bench_model(options, drafts)
     if estimate is not None:
         estimate(forecast.bench(store, spec, len(drafts), options))
-    target = load(spec, store)
+    target = timed(load)(spec, store)
     target.check_room(1, options.max_new_tokens, "a prompt of one token", "--max-new-tokens")
     # prompts longer than the room --max-new-tokens leaves are replaced like any prompt over --max-prompt-tokens
     options = replace(options, max_prompt_tokens=min(options.max_prompt_tokens,
@@ -264,13 +269,15 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)
         bench_mod.wait_quiet(options.machine, progress)
         options = replace(options, machine=replace(options.machine, wait_s=None))
+    timings = {}                              # each phase's seconds: the next estimate's paces
+    contenders, curve = bench_mod.plan(target, heads, options, store, progress, assistant,   # `auto` resolved; the
+                                       timings=timings)                                       # curve
     t0 = time.perf_counter()
-    contenders, curve = bench_mod.plan(target, heads, options, store, progress, assistant)   # `auto` resolved; the curve
     report = bench_mod.measure(target, prompts, contenders, options.max_new_tokens, progress,
                                machine_options=options.machine)
     bench_mod.annotate(report, contenders, curve)
     forecast.bench_measured(store, spec, target, time.perf_counter() - t0, options, len(heads), len(prompts),
-                            len(contenders))
+                            len(contenders), timings)
     return Benchmarked(report, prompt_set, target)
 
 
@@ -297,7 +304,7 @@ def study(store: Store, capture_key: str, options: StudyOptions, *, model: str |
     preflight.study(store, spec, options)     # before the model loads
     if estimate is not None:
         estimate(forecast.study(store, spec, replace(options, train=with_budget(options.train, default_device()[0]))))
-    target = load(spec, store)
+    target = timed(load)(spec, store)
     o = replace(options, train=with_budget(options.train, target.device))
     report = run_study(cap, target, store, o, analysis or AnalysisOptions(), progress,     # its paces as it goes
                        measured=lambda what: forecast.study_measured(store, spec, target, what),

@@ -190,7 +190,7 @@ def test_capture_page_estimate_follows_its_options(app_store):
     assert at.button(key="ls_cap_start").disabled and "not a size" in at.error[0].value
     at.text_input(key="ls_w_cap_budget").set_value("").run()
     said = [c.value.replace("\\", "") for c in at.caption]              # as read: markdown's escapes dropped
-    said = [x for x in said if x.startswith("Estimate before the capture starts: about ")]
+    said = [x for x in said if x.startswith("Estimate before the capture starts: ")]
     assert len(said) == 1 and "16 conversations, up to 400 answer tokens each" in said[0]     # by its start button
     no_exception(at)
 

@@ -99,7 +99,7 @@ def test_no_module_imports_itself_through_others():
 LAYERS = [
     ("infrastructure", {"errors", "blas", "fmt", "jsonsafe", "paths", "validate", "layerset", "distributed", "store",
                         "machine", "disk", "head", "eta"}),
-    ("models and prompts", {"models", "precision", "prompts"}),
+    ("models and prompts", {"models", "ggufhead", "precision", "prompts"}),
     ("capture", {"capture"}),
     ("stats", {"stats"}),
     ("draft", {"draft"}),

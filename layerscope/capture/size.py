@@ -3,7 +3,11 @@
     bytes_per_token(N, d)      (N + 1 + 1 pre-norm) x d x 2 (float16 states) + 17 (the token table)
     kept_positions(n, s)       tokens a conversation of n tokens stores: n, or with --sample-positions s, min(s, n - 1)
                                (position 0, the attention sink the statistics always drop, is never sampled)
-    approx_tokens(text)        a prompt's tokens before tokenizing (the app's estimate before the model loads)
+    prompt_tokens_at_most(text, template)   a prompt's tokens before tokenizing, at most (the app's estimate before the
+                               model loads): the UTF-8 bytes of the text and of its chat template, and a few special
+                               tokens (a token covers a byte at least; issue 51: characters / 4 said 'at most 732
+                               stored' of a capture that stored 902 with SmolLM2's template, 2,365 with tiny-llama's
+                               byte tokenizer)
     estimate(lengths, ...)     an Estimate: bytes per token, tokens (prompts exact once tokenized, responses at most
                                max_new_tokens each: an upper bound), total bytes with every chunk's header
 """
@@ -18,7 +22,7 @@ from layerscope import fmt
 
 TOKEN_TABLE_BYTES = 4 + 4 + 4 + 1 + 4      # token id, position, conversation (int32), is_response (bool), entropy (f32)
 HEADER_BYTES_PER_TENSOR = 128              # a chunk's safetensors header, per tensor: name, dtype, shape, offsets
-CHARS_PER_TOKEN = 4                        # prompt tokens before the tokenizer has run (the app's estimate)
+SPECIAL_TOKENS = 4                         # tokens a tokenizer may add beyond the text (BOS, a prefix space, ...)
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, prenorm: bool = True) -> int:
@@ -37,9 +41,11 @@ def header_bytes(num_layers: int, prenorm: bool = True) -> int:
     return 8 + HEADER_BYTES_PER_TENSOR * (int(num_layers) + 1 + int(prenorm) + 5)
 
 
-def approx_tokens(text: str) -> int:
-    """Tokens of a prompt's text before the tokenizer has run: characters / CHARS_PER_TOKEN, at least 1."""
-    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+def prompt_tokens_at_most(text: str, template: str = "") -> int:
+    """Tokens of a prompt before the tokenizer has run, at most: the UTF-8 bytes of its text and of the chat template
+    that wraps it (its literal text, a system prompt included; one user turn renders each part once), plus
+    SPECIAL_TOKENS. Byte-level and byte-fallback tokenizers never make more tokens than bytes."""
+    return len(text.encode("utf-8")) + len((template or "").encode("utf-8")) + SPECIAL_TOKENS
 
 
 def kept_positions(length: int, sample_positions: int | None) -> int:
@@ -58,7 +64,7 @@ class Estimate:
     hidden_size: int
     max_new_tokens: int
     conversations: int
-    prompt_tokens: int               # exact once tokenized (`prompts_exact`), else characters / CHARS_PER_TOKEN
+    prompt_tokens: int               # exact once tokenized (`prompts_exact`), else at most (prompt_tokens_at_most)
     response_tokens: int             # at most: conversations x max_new_tokens (answers may end early)
     tokens: int                      # tokens stored at most: after --sample-positions and --max-tokens
     total: int                       # bytes at most: tokens x bytes_per_token + the chunks' headers
@@ -73,14 +79,14 @@ class Estimate:
 
     def lines(self) -> list[str]:
         """What the user reads before the capture starts: three lines."""
-        exact = "exact" if self.prompts_exact else f"about: characters / {CHARS_PER_TOKEN}, not tokenized yet"
+        exact = "exact" if self.prompts_exact else "at most: the bytes of the text and its chat template, not tokenized yet"
         sampled = (f", a sample of at most {fmt.count(self.sample_positions)} positions per conversation kept"
                    if self.sample_positions is not None else "")
         budget = f", budget {fmt.size(self.budget)}" if self.budget is not None else ""
         free = f"; {fmt.size(self.free)} free on the store's disk" if self.free is not None else ""
         return [f"estimate: {fmt.count(self.bytes_per_token)} bytes per token ({self.states} states x "
                 f"d={self.hidden_size} x 2 bytes + {TOKEN_TABLE_BYTES} for the token table)",
-                f"tokens: {fmt.count(self.prompt_tokens)} prompt ({exact}) + at most "
+                f"tokens: {'' if self.prompts_exact else 'at most '}{fmt.count(self.prompt_tokens)} prompt ({exact}) + at most "
                 f"{fmt.count(self.response_tokens)} response ({fmt.count(self.conversations)} conversations x "
                 f"{fmt.count(self.max_new_tokens)} new tokens: an upper bound){sampled}; at most "
                 f"{fmt.count(self.tokens)} stored",

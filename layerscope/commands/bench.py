@@ -118,8 +118,11 @@ def run(args) -> int:
     with Progress("bench", unit="run") as bar:
         def show(p):
             nonlocal shown
-            if p.phase in ("wait", "cost curve"):
+            if p.phase == "wait":
                 bar.update(0, None, phase=p.message)
+                return
+            if p.phase == "cost curve":
+                bar.update(0, None, eta_s=p.eta_s, phase=p.message)
                 return
             if p.phase == "calibrate":
                 bar.update(p.runs_done, p.runs_total, eta_s=p.eta_s, phase=p.message)

@@ -47,7 +47,7 @@ def run(args) -> int:
     with Progress("profile", unit="") as bar:
         curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=args.max_tokens,
                                      repeats=args.repeats, machine_options=options,
-                                     progress=lambda message: bar.update(0, None, phase=message))
+                                     progress=lambda message, eta_s=None: bar.update(0, None, phase=message))
     taus = costmodel.break_even_taus(curve)
     doc = curve.to_json() | {"model": target.spec, "break_even_tau": taus[f"chain k={DEFAULT_K}"],
                              "break_even_tau_by_decoding": taus}

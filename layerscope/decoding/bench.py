@@ -237,8 +237,9 @@ class BenchProgress:
     report: BenchReport | None = None   # set on the last item only
     phase: str = "decode"            # "wait" (for a quiet machine) | "cost curve" | "calibrate" | "decode"
     message: str = ""                # a phase other than decode, in words
-    eta_s: float | None = None       # seconds left of this phase (layerscope.eta; calibrate: its prompts, decode: its
-                                     # token budget, max_new_tokens per run); None: estimating, or a wait or cost curve
+    eta_s: float | None = None       # seconds left of this phase (layerscope.eta; cost curve: its timed forwards,
+                                     # calibrate: its prompts, decode: its token budget, max_new_tokens per run); None:
+                                     # estimating, or a wait
 
 
 def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
@@ -346,25 +347,35 @@ CALIBRATION_PROMPTS = 8              # prompts of a calibration run, a seed apar
 
 def plan(target, drafts: Sequence[tuple[str, object]], options: BenchOptions, store,
          progress: Callable[[BenchProgress], None] | None = None,
-         assistant=None) -> tuple[list[Contender], costmodel.CostCurve | None]:
+         assistant=None, timings: dict | None = None) -> tuple[list[Contender], costmodel.CostCurve | None]:
     """The benchmark's line-up with its `auto` contenders resolved, and the cost curve its predictions use
-    (measured once per machine and draft shape on a quiet machine, then read from the store; None without
-    drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration ("calibrate").
-    `assistant`: options.assistant loaded (hf-assisted)."""
+    (measured once per machine, model and draft shape, then read from the store: costmodel.cost_curve; None
+    without drafts). `progress` hears the curve's measurement (phase "cost curve") and the calibration
+    ("calibrate"), each with its time left. `assistant`: options.assistant loaded (hf-assisted). `timings`, when
+    given, gets each phase's seconds as it ran: "cost curve" (and "cost curve quiet") when the curve was measured,
+    "calibration" with its "calibration prompts" when --k/--tree/--lookup auto calibrated (forecast.bench_measured
+    makes them the next estimate's paces)."""
     contenders = contenders_for(drafts, options, assistant)
     if not drafts:
         return contenders, None
+    timings = timings if timings is not None else {}
 
-    def say(message):
+    def say(message, eta_s=None):
         if progress is not None:
-            progress(BenchProgress("", 0, 0, 0, 0, None, None, None, phase="cost curve", message=message))
+            progress(BenchProgress("", 0, 0, 0, 0, None, None, None, phase="cost curve", message=message, eta_s=eta_s))
 
-    curve = costmodel.cost_curve(target, store, drafts[0][1], machine_options=options.machine, progress=say)
+    def measured(seconds, quiet):
+        timings.update({"cost curve": seconds, "cost curve quiet": quiet})
+
+    curve = costmodel.cost_curve(target, store, drafts[0][1], machine_options=options.machine, progress=say,
+                                 measured=measured)
     if options.auto_k or options.auto_tree or options.auto_lookup:
+        t0 = time.monotonic()
         cal = replace(options, seed=options.seed + 1, limit=CALIBRATION_PROMPTS)
         _, prompts = fitting_prompts(target.tokenizer, cal, cache=store.root / "prompts")
         contenders = lookup_declined(lineup(contenders, auto_contenders(
             target, drafts, options, curve, [p.input_ids for p in prompts], progress)))
+        timings.update({"calibration": time.monotonic() - t0, "calibration prompts": len(prompts)})
     return contenders, curve
 
 

@@ -3,8 +3,8 @@
     cost curve    seconds of one target forward over T = 1..T_max new tokens (mean over a few cache
                   lengths) and of one draft forward over T rows, measured on the loaded model's device,
                   dtype and thread count with the machine watched (layerscope.machine); cached in the store
-                  under (fingerprint, device, dtype, threads, draft shape, quiet): only a curve measured on a
-                  quiet machine is ever read back, a busy one is measured again next time
+                  under (fingerprint, device, dtype, threads, draft shape, quiet): a quiet curve is read back;
+                  a busy one too while the machine is still busy (it says so), and measured again once it is quiet
     profile       acceptance of a draft: chain[i-1] = P(draft tokens 1..i all accepted) and
                   rank[j-1][r] = P(the target's token at depth j is the draft's (r+1)-th choice | the
                   path above it matched), measured by a calibration run (Sequoia's acceptance vector)
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from layerscope import blas, layerset, machine
+from layerscope import blas, eta, layerset, machine
 from layerscope.decoding import specdec
 from layerscope.decoding.specdec import LookupSpan, TreeSpec
 from layerscope.draft.fit import TrainOptions
@@ -124,8 +124,10 @@ def monotone(values: Sequence[float]) -> list[float]:
 
 
 def time_calls(run: Callable[[int], None], sizes: Sequence[int], repeats: int = REPEATS,
-               clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] = lambda: None) -> list[float]:
-    """Median seconds of run(size) for each size; the sizes are interleaved so a load change hits all alike."""
+               clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] = lambda: None,
+               tick: Callable[[], None] | None = None) -> list[float]:
+    """Median seconds of run(size) for each size; the sizes are interleaved so a load change hits all alike.
+    `tick()` after each timed call (the cost curve's time left)."""
     times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for i, n in enumerate(sizes):
@@ -134,13 +136,15 @@ def time_calls(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 
             run(n)
             sync()
             times[i].append(clock() - t0)
+            if tick is not None:
+                tick()
     return [sorted(t)[len(t) // 2] if len(t) % 2 else sum(sorted(t)[len(t) // 2 - 1:len(t) // 2 + 1]) / 2
             for t in times]
 
 
 def measure_target(model, *, max_tokens: int = MAX_TOKENS, cache_lengths: Sequence[int] = CACHE_LENGTHS,
                    repeats: int = REPEATS, aux_layers: Sequence[int] | None = None,
-                   clock: Callable[[], float] = time.perf_counter) -> list[float]:
+                   clock: Callable[[], float] = time.perf_counter, tick: Callable[[], None] | None = None) -> list[float]:
     """Seconds of a verification forward over T = 1..max_tokens new tokens after a prefix of each cache
     length, averaged over the cache lengths: [max_tokens]. The forward is specdec's, hidden states included."""
     device, V = model.device, model.config.vocab_size
@@ -161,12 +165,14 @@ def measure_target(model, *, max_tokens: int = MAX_TOKENS, cache_lengths: Sequen
                 specdec.crop_cache(cache, L)
 
             run(max_tokens)                                  # warm-up: first calls pay one-time costs
-            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: machine.sync(device)))
+            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: machine.sync(device),
+                                         tick))
     return [sum(col) / len(col) for col in zip(*per_length)]
 
 
 def measure_draft(model, draft, *, max_rows: int = DRAFT_ROWS, cache_length: int = 256,
-                  repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+                  repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter,
+                  tick: Callable[[], None] | None = None) -> list[float]:
     """Seconds of one draft forward over T = 1..max_rows rows after `cache_length` step-1 rows: [max_rows]."""
     device, V = model.device, model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -184,7 +190,7 @@ def measure_draft(model, draft, *, max_rows: int = DRAFT_ROWS, cache_length: int
             dr.rewind()
 
         run(max_rows)
-        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: machine.sync(device))
+        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: machine.sync(device), tick)
 
 
 def default_draft(loaded) -> DraftHead:
@@ -214,33 +220,54 @@ def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
 def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,
                cache_lengths: Sequence[int] = CACHE_LENGTHS, repeats: int = REPEATS,
                machine_options: MachineOptions | None = None,
-               progress: Callable[[str], None] | None = None) -> CostCurve:
+               progress: Callable[..., None] | None = None,
+               measured: Callable[[float, bool], None] | None = None) -> CostCurve:
     """The cost curve of `loaded` (a LoadedModel) with `draft` (default: an untrained draft of the default
     shape), both curves as their monotone fits. Read from the store when a curve of the same (weights,
-    device, dtype, threads, draft shape) was measured on a quiet machine; else measured, with the machine
-    watched before (machine.settle: `machine_options.wait_s` waits for a quiet machine) and during
-    (machine.Monitor), and stored under its quiet flag: a busy curve never replaces a quiet one and is
-    never read back. `progress(message)` hears what it is doing (the wait, the two measurements)."""
+    device, dtype, threads, draft shape) was measured before: a quiet one always; a busy one while the machine
+    is still busy (one short sample says; its `machine` says it was busy, and the report repeats it), for a
+    curve measured again on a busy machine would be no better, and measuring it takes minutes on a small CPU.
+    Else measured, with the machine watched before (machine.settle: `machine_options.wait_s` waits for a quiet
+    machine) and during (machine.Monitor), and stored under its quiet flag: a busy curve never replaces a
+    quiet one. `progress(message, eta_s)` hears what it is doing (the wait, the two measurements) and the
+    seconds left of the measurement (layerscope.eta, over its timed forwards; None while estimating);
+    `measured(seconds, quiet)` hears a measurement's seconds (not called when the curve is read back)."""
     draft = draft if draft is not None else default_draft(loaded)
-    say = progress or (lambda message: None)
-    if store is not None and not fresh:
-        cached = store.get_json("costcurve", curve_key(loaded, draft, quiet=True))
-        if cached is not None and len(cached["cost_curve"]) >= max_tokens:
-            return CostCurve.from_json(cached)
+    say = progress or (lambda message, eta_s=None: None)
     options = machine_options or MachineOptions()
+    if store is not None and not fresh:
+        for quiet in (True, False):
+            cached = store.get_json("costcurve", curve_key(loaded, draft, quiet=quiet))
+            if cached is None or len(cached["cost_curve"]) < max_tokens:
+                continue
+            if quiet or not options.wait_s and not machine.sample(options.before_s, options).quiet:
+                return CostCurve.from_json(cached)
+
+    t0 = time.monotonic()
+    total = len(cache_lengths) * repeats * max_tokens + repeats * DRAFT_ROWS     # timed forwards
+    timer, done, what = [eta.PhaseClock(total)], [0], [""]
+
+    def tick():
+        done[0] += 1
+        say(what[0], timer[0].left(done[0]))
 
     def measure():
-        say(f"measuring the cost of a target forward over 1..{max_tokens} tokens")
+        timer[0] = eta.PhaseClock(total)                     # the clock starts after the wait for a quiet machine
+        what[0] = f"measuring the cost of a target forward over 1..{max_tokens} tokens"
+        say(what[0], None)
         target = measure_target(loaded.model, max_tokens=max_tokens, cache_lengths=cache_lengths, repeats=repeats,
-                                aux_layers=draft.aux_layers)
-        say("measuring the cost of a draft step")
-        return target, measure_draft(loaded.model, draft, repeats=repeats)
+                                aux_layers=draft.aux_layers, tick=tick)
+        what[0] = "measuring the cost of a draft step"
+        say(what[0], timer[0].left(done[0]))
+        return target, measure_draft(loaded.model, draft, repeats=repeats, tick=tick)
 
-    (target, drafts), state = machine.watch(measure, options, lambda s, left: say(machine.wait_message(s, left)))
+    (target, drafts), state = machine.watch(measure, options, lambda s, left: say(machine.wait_message(s, left), None))
     curve = CostCurve(str(loaded.device), str(loaded.dtype).replace("torch.", ""), torch.get_num_threads(),
                       tuple(monotone(target)), tuple(monotone(drafts)), tuple(cache_lengths), state)
     if store is not None:
         store.put_json("costcurve", curve_key(loaded, draft, quiet=state.quiet), curve.to_json())
+    if measured is not None:
+        measured(time.monotonic() - t0, state.quiet)
     return curve
 
 

@@ -30,7 +30,7 @@ from layerscope.prompts.sets import load_prompts
 from layerscope.stats.analysis import AnalysisOptions, LayerStats
 from layerscope.store import atomic_write_bytes
 from layerscope.study.run import StudyOptions, propose_sets
-from layerscope.ui.models import get_model, load_message
+from layerscope.ui.models import get_model, load_message, loaded_models
 from layerscope.ui.worker import job_task
 
 
@@ -468,11 +468,19 @@ def bench_options(*, model: str | None, prompts: str, limit: int, max_new_tokens
                         auto_lookup=auto_lookup, assistant=(assistant or "").strip() or None)
 
 
-def bench_estimate(store, drafts: list[dict], **choice):
-    """The benchmark's forecast before it starts, for the session's `drafts` and the page's choices (bench_options)."""
+def held(manager, spec: str) -> bool:
+    """Whether a job would find `spec` loaded already (a worker holds it, or this process in thread mode): then its
+    estimate counts no model load."""
+    spec = (spec or "").strip()
+    return spec in manager.worker_models() or spec in loaded_models()
+
+
+def bench_estimate(store, drafts: list[dict], manager=None, **choice):
+    """The benchmark's forecast before it starts, for the session's `drafts` and the page's choices (bench_options);
+    with `manager`, no model load when its worker holds the model."""
     options = bench_options(**choice)
-    return forecast.bench(store, workflow.bench_model(options, [(d["name"], d["path"]) for d in drafts]), len(drafts),
-                          options)
+    spec = workflow.bench_model(options, [(d["name"], d["path"]) for d in drafts])
+    return forecast.bench(store, spec, len(drafts), options, held=manager is not None and held(manager, spec))
 
 
 @job_task
