@@ -6,6 +6,8 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import fmt, plots
+from layerscope.capture.format import capture_state_kinds
+from layerscope.capture.stored import KIND as CAPTURES
 from layerscope.stats.analysis import sample_note
 from layerscope.stats.entropy import KERNELS
 from layerscope.ui import apply
@@ -68,10 +70,12 @@ if stats is not None:
     said = st.session_state.pop("ls_cka_said", None)     # what the last box did not pick, and why
     if said:
         st.warning(md_text(said), icon=":material/select:")
+    # each layer's kind, from the capture's manifest (none for a capture made before kinds were recorded)
+    layer_kinds = capture_state_kinds(store.path(CAPTURES, s.capture_key), n) if s.capture_key else None
     fig = plots.cka_heatmap(matrix, compartments=comps, sets=apply.sets_for_display(s), picks=picks,
                             title=f"CKA, {kernel} kernel ({kind}){', ' + s.model if s.model else ''}",
                             final_state=stats.get("final_state", "post-norm"), box_select=tool == "drag a box",
-                            colors=apply.colors(s))
+                            colors=apply.colors(s), kinds=layer_kinds)
     round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key starts with no selection
     event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kernel}-{kind}-{s.capture_key or 'session'}",
                   on_select="rerun", selection_mode=("points", "box", "lasso"))

@@ -8,6 +8,8 @@ import pandas as pd
 import streamlit as st
 
 from layerscope import layerset, plots
+from layerscope.capture.format import capture_state_kinds
+from layerscope.capture.stored import KIND as CAPTURES
 from layerscope.stats.analysis import AnalysisOptions, sample_note
 from layerscope.stats.entropy import KERNELS
 from layerscope.stats.tokens import breakdown as token_breakdown
@@ -184,12 +186,18 @@ if stats is not None:
             job_status(job.view(), key="ent_cmp")
     default, _ = layerset.default_layers(n)
     sets = apply.sets_for_display(s, extra=[("default", default)])
+    # each layer's kind, from the capture's manifest (none for a capture made before kinds were recorded)
+    kinds = capture_state_kinds(store.path(CAPTURES, s.capture_key), n) if s.capture_key else None
     fig = plots.entropy_curve(curves, sets=sets, title=f"Matrix entropy per layer (α = {stats['alpha']:g})",
                               y_title="normalized entropy" if norm else "entropy (nats)",
-                              final_state=stats.get("final_state", "post-norm"), colors=apply.colors(s))
+                              final_state=stats.get("final_state", "post-norm"), colors=apply.colors(s),
+                              kinds=kinds)
     chart(fig, key="ls_entropy_curve", filename=f"entropy-{s.capture_key or 'session'}")
     st.caption(f"Layer 0 is the embedding output, layer {n} the final state ({md_text(stats.get('final_state', 'post-norm'))}); "
-               f"drafts read layers 0..{n - 1}. Markers: the layer sets of this session and the default rule.")
+               f"drafts read layers 0..{n - 1}. Markers: the layer sets of this session and the default rule."
+               + (" Bands: the kind of the decoder layer whose output each layer is (attention, sliding, linear "
+                  "attention, SSM, conv)." if plots.mixed_kinds(kinds) else
+                  f" Every decoder layer: {plots.kind_label(kinds[1])}." if kinds else ""))
 
     # The line follows the threshold slider at once; the counts are over the tokens shown in the histogram.
     live_threshold = float(st.session_state.ls_ent_threshold) if st.session_state.ls_ent_filter else None

@@ -93,6 +93,56 @@ def layer_label(layer: int, num_layers: int, final_state: str = "post-norm") -> 
     return str(layer)
 
 
+# Layer kinds (a capture's format.state_kinds: what the decoder layer producing each hidden state mixes tokens with),
+# marked on the per-layer curves: a tinted band behind each layer of the entropy curve, a colored tick label on the
+# CKA heatmap's axes, the kind in every hover, and one legend entry per kind present.
+KIND_LABELS = {"attention": "attention", "sliding": "sliding", "chunked": "chunked", "linear": "linear attention",
+               "ssm": "SSM", "ssm+attention": "SSM + attention", "conv": "conv"}
+KIND_COLORS = {"attention": "#1f77b4", "sliding": "#2ca02c", "chunked": "#8c564b", "linear": "#ff7f0e",
+               "ssm": "#9467bd", "ssm+attention": "#17becf", "conv": "#d62728"}
+OTHER_KIND_COLOR = "#7f7f7f"
+KIND_BAND_OPACITY = 0.13
+
+
+def _kinds(kinds, n: int) -> list[str] | None:
+    """`kinds` (one per hidden state 0..n-1, the first "embedding") checked against the figure's n layers; None
+    for none."""
+    if kinds is None:
+        return None
+    kinds = [str(k) for k in _as_list(kinds)]
+    if len(kinds) != n:
+        raise ValueError(f"kinds: one per layer 0..{n - 1} ({n}), got {len(kinds)}")
+    return kinds
+
+
+def mixed_kinds(kinds) -> bool:
+    """Whether the decoder layers are of more than one kind (`kinds` as in `entropy_curve`): only then do the
+    figures mark them with colors (a target of one kind gets its kind in the hover alone)."""
+    return kinds is not None and len(set(list(kinds)[1:])) > 1
+
+
+def kind_label(kind: str) -> str:
+    """How a layer kind reads in a legend and a hover ("SSM", "linear attention", ...); an unknown kind as it is."""
+    return KIND_LABELS.get(kind, fmt.escape(kind))
+
+
+def _layer_kind_labels(labels: list[str], kinds: list[str] | None) -> list[str]:
+    """The layer labels with each decoder layer's kind: '3 · SSM' (the embedding output keeps its own label)."""
+    if kinds is None:
+        return labels
+    return [label if i == 0 else f"{label} · {kind_label(kind)}" for i, (label, kind) in enumerate(zip(labels, kinds))]
+
+
+def _kind_legend(fig: go.Figure, kinds: list[str]) -> None:
+    """One legend entry per kind present, in LAYER_KINDS order (traces without points, grouped as "layer kind")."""
+    present = [k for k in KIND_LABELS if k in kinds[1:]] + sorted({k for k in kinds[1:] if k not in KIND_LABELS})
+    for kind in present:
+        fig.add_trace(go.Scatter(
+            x=[None], y=[None], mode="markers", name=f"layer kind: {kind_label(kind)}", legendgroup="layer kinds",
+            marker=dict(size=11, symbol="square", color=KIND_COLORS.get(kind, OTHER_KIND_COLOR),
+                        opacity=0.6), meta={"layer_kind": kind}, hoverinfo="skip"))
+
+
 def _base_layout(fig: go.Figure, title: str | None, **kw) -> go.Figure:
     fig.update_layout(
         title=dict(text=fmt.escape(title), x=0.0, xanchor="left") if title else None,
@@ -112,12 +162,17 @@ def entropy_curve(
     y_title: str = "entropy (nats)",
     final_state: str = "post-norm",
     colors: Mapping | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> go.Figure:
     """Per-layer curves (e.g. dataset-level and prompt-level entropy) with layer sets highlighted (`colors`: palette).
 
     curves: name -> values for layers 0..N (all curves the same length).
     sets: layer sets to mark on the first curve: {name: layers}, [(name, layers)] or objects with
     ``.layers``; each set gets its own color and marker, drawn on top of the curve.
+    kinds: each layer's kind (format.state_kinds: "embedding", then "attention", "sliding", "linear", "ssm",
+    "conv", ...), or None where the capture records none: each decoder layer gets its kind in the hover and, where
+    the layers are of more than one kind (`mixed_kinds`), a band of its kind's color behind the curves, each kind a
+    legend entry.
     """
     if not curves:
         raise ValueError("entropy_curve needs at least one curve")
@@ -127,8 +182,13 @@ def entropy_curve(
         raise ValueError("every curve needs one value per layer 0..N, all of the same length")
     num_layers = n_points - 1
     xs = list(range(n_points))
-    labels = [layer_label(x, num_layers, final_state) for x in xs]
+    kinds = _kinds(kinds, n_points)
+    labels = _layer_kind_labels([layer_label(x, num_layers, final_state) for x in xs], kinds)
     fig = go.Figure()
+    for l, kind in enumerate(kinds if mixed_kinds(kinds) else []):
+        if l:               # state 0, the embedding output, has no layer kind
+            fig.add_vrect(x0=l - 0.5, x1=l + 0.5, fillcolor=KIND_COLORS.get(kind, OTHER_KIND_COLOR),
+                          opacity=KIND_BAND_OPACITY, line_width=0, layer="below", name=f"kind {l}: {kind}")
     for i, (name, ys) in enumerate(named):
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="lines+markers", name=name,
@@ -146,9 +206,11 @@ def entropy_curve(
             x=inside, y=[base[l] for l in inside], mode="markers", name=f"{name} {layers}",
             marker=dict(size=14 - min(i, 4), color="rgba(0,0,0,0)", symbol=SET_SYMBOLS[i % len(SET_SYMBOLS)],
                         line=dict(color=color, width=2.5)),
-            customdata=[[layer_label(l, num_layers, final_state), name] for l in inside],
+            customdata=[[labels[l], name] for l in inside],
             hovertemplate="%{customdata[1]}: layer %{customdata[0]}<br>%{y:.4f}<extra></extra>",
         ))
+    if mixed_kinds(kinds):
+        _kind_legend(fig, kinds)
     _base_layout(fig, title)
     # the legend under the plot: above it, beside the title, it ran into the title at 1024 px
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0.0))
@@ -229,6 +291,7 @@ def cka_heatmap(
     box_select: bool = False,
     colors: Mapping | None = None,
     height: int | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> go.Figure:
     """(N+1)×(N+1) CKA heatmap; `box_select`: a drag draws a selection box (else a drag zooms and a click selects
     a cell); `height`: the chart's height in pixels (default `cka_heatmap_height(N+1)`; two heatmaps side by side
@@ -238,12 +301,15 @@ def cka_heatmap(
     selections report cells (heatmaps themselves are not selectable in plotly.js): a selected point
     carries ``customdata = [row layer, column layer, value]``. Compartments are outlined as
     rectangles on the diagonal; the layers of each set are marked in rows above the matrix, the current picks
-    by a frame on their diagonal cells.
+    by a frame on their diagonal cells. `kinds` (as in `entropy_curve`): each layer's kind in the hover and, where
+    the layers are of more than one kind, each layer's tick label on both axes in its kind's color and each kind a
+    legend entry.
     """
     z = _matrix(cka)
     n = len(z)
     num_layers = n - 1
-    labels = [layer_label(i, num_layers, final_state) for i in range(n)]
+    kinds = _kinds(kinds, n)
+    labels = _layer_kind_labels([layer_label(i, num_layers, final_state) for i in range(n)], kinds)
     hover = [[[labels[i], labels[j]] for j in range(n)] for i in range(n)]
     fig = go.Figure()
     fig.add_trace(go.Heatmap(
@@ -281,6 +347,8 @@ def cka_heatmap(
     for p in sorted({int(p) for p in picks if 0 <= int(p) < n}):
         fig.add_shape(type="rect", x0=p - 0.5, x1=p + 0.5, y0=p - 0.5, y1=p + 0.5, name=f"picked {p}",
                       line=dict(color="#ff2d2d", width=3), fillcolor="rgba(255,45,45,0.15)", layer="above")
+    if mixed_kinds(kinds):
+        _kind_legend(fig, kinds)
     n_sets = len(_named_sets(sets))
     # box_select: dragging draws a selection box; otherwise dragging zooms in (a double click zooms out) and a click
     # selects the cell (Streamlit's chart selects on click, clickmode event+select, whatever the dragmode).
@@ -289,6 +357,12 @@ def cka_heatmap(
                  dragmode="select" if box_select else "zoom")
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0.0))
     _square_layer_axes(fig, n, top=n - 0.5 + SET_ROW * (n_sets + 0.6) if n_sets else n - 0.5)   # set rows above
+    if mixed_kinds(kinds):
+        ticks = list(fig.layout.xaxis.tickvals)
+        text = [str(t) if t == 0 else f'<span style="color:{KIND_COLORS.get(kinds[t], OTHER_KIND_COLOR)}">'
+                f"<b>{t}</b></span>" for t in ticks]
+        fig.update_xaxes(ticktext=text)
+        fig.update_yaxes(ticktext=text)
     return fig
 
 

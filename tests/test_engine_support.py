@@ -44,6 +44,11 @@ EXPECTED = {
     "olmo2": (UNKNOWN, NO, NO, UNKNOWN),
     "granite": (UNKNOWN, NO, NO, UNKNOWN),
     "deepseek_v3": (OK, OK, OK, OK),
+    "exaone4": (UNKNOWN,) * 4,
+    "glm4_moe": (UNKNOWN,) * 4,
+    "hunyuan_v1_dense": (OK, UNKNOWN, UNKNOWN, OK),    # in vLLM's list
+    "minimax_m2": (OK, UNKNOWN, UNKNOWN, OK),          # in vLLM's list
+    "smollm3": (UNKNOWN,) * 4,
     "bamba": (NO, UNKNOWN, UNKNOWN, NO),      # and vLLM's BambaForCausalLM has no SupportsEagle3
     "lfm2": (UNKNOWN, NO, NO, UNKNOWN),
     "granitemoehybrid": (UNKNOWN,) * 4,

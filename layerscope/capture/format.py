@@ -19,6 +19,11 @@ manifest.json, a JSON object (capture.build_manifest writes it; `validate_manife
                       `position` holds the true positions. Such a capture serves statistics only: what reads
                       neighbouring tokens (training a draft, the probe, a study) refuses it
                       (CaptureReader.require_every_position)
+    layer_kinds       what each decoder layer 0..N-1 mixes tokens with (`LAYER_KINDS`: "attention", "sliding",
+                      "chunked", "linear" (a gated delta-net), "ssm" (a Mamba or Mamba-2 mixer), "ssm+attention"
+                      (both in one layer: Falcon-H1), "conv" (a short convolution: LFM2), else transformers' own
+                      name); absent in captures made before it was recorded, whose layers show no kind.
+                      `state_kinds` turns it into the kind of each hidden state 0..N
     prompts           [{id, category}] of the conversations, in order
     conversations     how many; the chunks cover [0, conversations) contiguously, in order
     tokens            how many; the sum of the chunks' tokens
@@ -189,6 +194,35 @@ def validate_manifest(m, key: str) -> None:
     need(sample is None or (_is_int(sample) and sample >= 1), "'sample_positions' must be null or a positive integer")
     prompts = m.get("prompts", [])
     need(isinstance(prompts, list) and all(isinstance(p, dict) for p in prompts), "'prompts' must be a list of objects")
+    kinds = m.get("layer_kinds")
+    need(kinds is None or (isinstance(kinds, list) and len(kinds) == m["num_layers"]
+                           and all(isinstance(k, str) and 0 < len(k) <= 64 for k in kinds)),
+         f"'layer_kinds' must be null or {m['num_layers']} short strings, one per decoder layer")
+
+
+# What a decoder layer mixes tokens with, as a capture records it (manifest "layer_kinds", capture.run.layer_kinds):
+LAYER_KINDS = ("attention", "sliding", "chunked", "linear", "ssm", "ssm+attention", "conv")
+EMBEDDING = "embedding"         # the kind of hidden state 0
+
+
+def state_kinds(manifest: dict) -> list[str] | None:
+    """The kind of each hidden state 0..N of a capture: "embedding" for 0, and for l >= 1 the kind of decoder layer
+    l-1, whose output it is (state N too: that layer's output after the final norm). None for a capture that does
+    not record its layers' kinds (made before they were recorded, or imported from an engine's dump)."""
+    kinds = manifest.get("layer_kinds") if isinstance(manifest, dict) else None
+    if not isinstance(kinds, list) or not kinds:
+        return None
+    return [EMBEDDING, *(str(k) for k in kinds)]
+
+
+def capture_state_kinds(path: Path, num_layers: int | None = None) -> list[str] | None:
+    """`state_kinds` of the capture directory `path`; None when it records none, cannot be read (a figure then
+    shows no kinds: whatever is wrong with the capture is said where it is opened) or is not `num_layers` deep."""
+    try:
+        kinds = state_kinds(read_manifest(path))
+    except (OSError, StoreError):
+        return None
+    return kinds if kinds is None or num_layers is None or len(kinds) == num_layers + 1 else None
 
 
 SUMMARY_KEYS = ("key", "model", "num_layers", "hidden_size", "prompt_set", "tokens", "conversations", "created",

@@ -527,4 +527,37 @@ def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opt
         "conversations": sum(e - s for s, e, _ in chunks), "tokens": sum(c["tokens"] for c in chunk_list),
         "options": asdict(opts), "chunks": chunk_list, "seconds": round(seconds, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **({"layer_kinds": kinds} if (kinds := layer_kinds(loaded.model)) is not None else {}),
     }
+
+
+# transformers' layer kinds (config.layer_types; cache_utils.get_layer_types_and_kwargs) -> the manifest's
+# (format.LAYER_KINDS). Its "linear_attention" covers gated delta-nets and Mamba mixers alike: `layer_kinds` tells
+# them apart by the layer's module.
+_KINDS = {"full_attention": "attention", "sliding_attention": "sliding", "chunked_attention": "chunked",
+          "conv": "conv", "hybrid": "ssm+attention"}
+
+
+def layer_kinds(model) -> list[str] | None:
+    """What each decoder layer of `model` mixes tokens with (format.LAYER_KINDS), for the manifest: transformers' own
+    layer kinds (those its caches are built from: the config's layer_types, else each layer's sliding_window /
+    attention_chunk_size), a "linear_attention" layer named "ssm" when it holds a Mamba mixer (a child module named
+    `mamba`, or of a Mamba class: Jamba, Bamba, GraniteMoeHybrid) and "linear" otherwise (gated delta-nets: Qwen3-Next,
+    Qwen3.5, OLMo-Hybrid). None when they cannot be told (a config transformers reads no kinds from, or a layer count
+    that is not the model's): the capture then records none, as older captures do."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    try:
+        config = model.config.get_text_config(decoder=True)
+        kinds, _ = get_layer_types_and_kwargs(config)
+        layers = list(model.model.layers)
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError):
+        return None
+    if len(kinds) != len(layers):
+        return None
+
+    def mamba(layer) -> bool:
+        return hasattr(layer, "mamba") or any("mamba" in type(m).__name__.lower() for m in layer.modules())
+
+    return [("ssm" if mamba(layer) else "linear") if kind == "linear_attention" else _KINDS.get(str(kind), str(kind))
+            for kind, layer in zip(kinds, layers)]
