@@ -125,18 +125,6 @@ def commands_md(engine: str, layers: list[int], facts: TargetFacts, dtype: str, 
             "## Train at scale", "",
             f"SpecForge trains SGLang drafts: `layerscope export DRAFT --for specforge --out DIR` writes its inputs "
             f"with the SGLang ids {sgl}.", ""]
-    elif engines.specforge_backend(facts.model_type) == "hf":
-        body = ["## Train at scale (SpecForge, HF backend)", "",
-                f"SGLang cannot capture this {facts.model_type} target, so `specforge.yaml` sets "
-                "`model.target_backend: hf`: the trainer runs the target through transformers on the conversations "
-                f"in `data.train_data_path` and hooks the output of `model.layers[id]` for the ids {sgl} (= the "
-                "layers above); `specforge.yaml` warm-starts from this draft:", "",
-                "```bash",
-                f"specforge train --config {out}/specforge.yaml",
-                "```", "",
-                "## Serve", "",
-                "No engine serves an EAGLE-3 draft for this family yet (`layerscope check-draft` prints each "
-                "engine's reason); `layerscope bench --draft DIR` runs it in LayerScope's own lossless decoder.", ""]
     else:
         body = ["## Train at scale (SpecForge)", "",
                 "Hidden states of the target for the layers in `draft_config.json` (its eagle_config ids "

@@ -235,18 +235,15 @@ def write_specforge(directory: Path, head: DraftHead, facts: TargetFacts, dtype:
     # written with torch.save because that is the format SpecForge reads; LayerScope itself never loads it
     torch.save({"d2t": head.d2t.detach().cpu().long(), "t2d": head.t2d.detach().cpu().bool()}, directory / "vocab_mapping.pt")
     ids = engines.sglang_ids(head.aux_layers, facts.model_type)
-    backend = engines.specforge_backend(facts.model_type)
-    # SpecForge's DataConfig takes exactly one source: offline hidden states (written by prepare_hidden_states.py,
-    # which runs SGLang) or, for the HF backend, raw conversations the trainer runs the target on itself
-    data = (SPECFORGE_OFFLINE if backend == "sglang" else SPECFORGE_ONLINE)
+    # SpecForge captures through SGLang only (engines.specforge_backend): its data are the offline hidden states
+    # prepare_hidden_states.py writes by running SGLang
     (directory / "specforge.yaml").write_text(SPECFORGE_YAML.format(
-        target=target_path, out=out, ids=json.dumps(ids), dtype=dtype, backend=backend, data=data))
+        target=target_path, out=out, ids=json.dumps(ids), dtype=dtype, backend=engines.specforge_backend(facts.model_type),
+        data=SPECFORGE_OFFLINE))
 
 
 SPECFORGE_OFFLINE = ('  # offline EAGLE-3: first write the target\'s hidden states with scripts/prepare_hidden_states.py '
                      '(COMMANDS.md)\n  hidden_states_path: "./cache/hidden_states/layerscope"')
-SPECFORGE_ONLINE = ('  # online EAGLE-3: the HF backend runs the target on these conversations during training '
-                    '(COMMANDS.md)\n  train_data_path: "./cache/dataset/sharegpt_train.jsonl"')
 
 
 SPECFORGE_YAML = """\
@@ -255,8 +252,7 @@ model:
   target_model_path: "{target}"
   draft_model_config: "{out}/draft_config.json"
   vocab_mapping_path: "{out}/vocab_mapping.pt"
-  # SGLang ids (SpecForge hands them to the target's set_eagle3_layers_to_capture; its HF backend hooks the
-  # output of model.layers[id], the same layers); exactly three
+  # SGLang ids (SpecForge hands them to the target's set_eagle3_layers_to_capture); exactly three
   aux_hidden_state_layer_ids: {ids}
   # start from the LayerScope draft instead of a random one (drop this line to train from scratch)
   draft_checkpoint_path: "{out}"
