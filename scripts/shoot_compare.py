@@ -14,43 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+from app_server import ServerDidNotStart, app_server  # scripts/app_server.py, beside this script
 from playwright.sync_api import sync_playwright
 
-ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("LAYERSCOPE_CHROMIUM", "/usr/bin/chromium")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, log) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
-                             "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-                            cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise SystemExit(f"error: streamlit did not start: see {log.name}")
 
 
 def wait_idle(page, timeout_s: float) -> None:
@@ -75,35 +46,30 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not Path(CHROMIUM).exists():
         raise SystemExit(f"error: {CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
-    port = free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
-        proc = start_server(port, log)
-        try:
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
-                page = browser.new_page(viewport={"width": args.width, "height": 1000})
-                page.set_default_timeout(600_000)
-                page.goto(f"http://127.0.0.1:{port}/compare")
-                page.get_by_text("Compare captures and runs").first.wait_for()
-                wait_idle(page, 600)
-                pick(page, "Capture A", args.a)
-                pick(page, "Capture B", args.b)
-                page.locator(".js-plotly-plot").nth(1).wait_for()      # the entropy overlay and the CKA figure(s)
-                wait_idle(page, 600)
-                page.wait_for_timeout(1500)                            # chart transitions
-                height = page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]').scrollHeight")
-                page.set_viewport_size({"width": args.width, "height": min(int(height) + 40, 8000)})
-                page.wait_for_timeout(1000)
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=args.out, full_page=True)
-                browser.close()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    print(f"wrote {args.out} (server log: {log.name})")
+        log_path = Path(log.name)
+    try:
+        with app_server(None, log_path, timeout_s=120) as url, sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": args.width, "height": 1000})
+            page.set_default_timeout(600_000)
+            page.goto(f"{url}/compare")
+            page.get_by_text("Compare captures and runs").first.wait_for()
+            wait_idle(page, 600)
+            pick(page, "Capture A", args.a)
+            pick(page, "Capture B", args.b)
+            page.locator(".js-plotly-plot").nth(1).wait_for()      # the entropy overlay and the CKA figure(s)
+            wait_idle(page, 600)
+            page.wait_for_timeout(1500)                            # chart transitions
+            height = page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]').scrollHeight")
+            page.set_viewport_size({"width": args.width, "height": min(int(height) + 40, 8000)})
+            page.wait_for_timeout(1000)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=args.out, full_page=True)
+            browser.close()
+    except ServerDidNotStart as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {args.out} (server log: {log_path})")
     return 0
 
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import sync_playwright
+
+from scripts.app_server import ServerDidNotStart
+from scripts.app_server import app_server as shared_app_server
 
 pytestmark = pytest.mark.browser
 
@@ -31,47 +30,16 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 N = 4          # tiny-llama: 4 decoder layers, hidden states 0..4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def app_server(store: Path, log_path: Path):
-    """`streamlit run app.py` on a free port with LAYERSCOPE_STORE at `store`; yields its URL, stops it after."""
+    """`streamlit run app.py` on a free port with LAYERSCOPE_STORE at `store` (scripts/app_server.py); yields its URL."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
-    port = _free_port()
-    log = open(log_path, "w")
-    env = dict(os.environ, LAYERSCOPE_STORE=str(store), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
-         "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            log.close()
-            pytest.fail(f"streamlit did not start: see {log.name}")
-        time.sleep(0.3)
     try:
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        with shared_app_server(store, log_path) as url:
+            yield url
+    except ServerDidNotStart as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
