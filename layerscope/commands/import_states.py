@@ -55,10 +55,12 @@ def run(args) -> int:
           (f"; {m['num_layers']} = final norm of id {imported['prenorm_final_engine_id']}"
            if imported["prenorm_final_engine_id"] is not None else f"; {m['num_layers']} = the dump's hidden_state") +
           (f"; computed from the target: {imported['computed_layers']}" if imported["computed_layers"] else ""))
-    if imported["skipped"]:
+    skipped = imported.get("skipped_count", len(imported["skipped"]))
+    if skipped:
         shown = "; ".join(f"{s['sample']}: {s['reason']}" for s in imported["skipped"][:10])
-        more = f"; and {len(imported['skipped']) - 10} more (--json lists them)" if len(imported["skipped"]) > 10 else ""
-        print(f"warning: {len(imported['skipped'])} of {imported['samples']} samples skipped, not used ({shown}{more})",
-              file=sys.stderr)
+        listed = min(len(imported["skipped"]), 10)
+        more = (f"; and {skipped - listed} more (--json lists the first {len(imported['skipped'])})"
+                if skipped > listed else "")
+        print(f"warning: {skipped} of {imported['samples']} samples skipped, not used ({shown}{more})", file=sys.stderr)
     print(f"stored at {result.path}")
     return 0
