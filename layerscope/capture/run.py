@@ -1,8 +1,14 @@
-"""Capture: the target answers each prompt, then one forward pass records every layer at every token.
+"""Capture: the target answers each prompt, then a forward over its conversation records every layer at every token.
 
-Per batch of conversations:
-  1. generate   the target writes its own response (greedy by default), as EAGLE-3 training data is made;
-  2. record     one forward over prompt + response with output_hidden_states: hidden_states[0..N]
+The conversations are cut into batches of --batch-size in order, one chunk file each, and the batches into windows
+of BUCKET_BATCHES. Per window:
+  1. generate   the target writes its own response (greedy by default), as EAGLE-3 training data is made, in
+                batches bucketed by prompt length: the window's conversations sorted by prompt length (ties by
+                index), batch_size neighbours a batch (`generation_batches`), so that one long prompt pads only
+                prompts of its own length; sampled responses are seeded per batch (its first conversation);
+Then per batch of conversations (chunk), in order:
+  2. record     forwards over prompt + response with output_hidden_states, the batch's conversations sorted by
+                length into groups that pad at most RECORD_PAD times their tokens (`record_groups`): hidden_states[0..N]
                 (state N is post-norm; the pre-norm output of the last layer is kept too), the
                 predictive entropy (nats) of the next-token distribution, token id, position,
                 conversation index, prompt/response flag;
@@ -12,9 +18,11 @@ Per batch of conversations:
 Before the first batch the capture reports its Estimate (capture.size: bytes per token, tokens, total, free space;
 a CaptureProgress of phase "estimate") and refuses, nothing written, when it is over --max-store-bytes. Every later
 CaptureProgress carries the time left (`eta_s`, layerscope.eta) from the rate of this run's decode steps.
-Peak memory is one batch, whatever the number of prompts. The store key is a hash of
-(model fingerprint, prompt-set content, options, format version); an identical request is served
-from the store, and an interrupted one resumes from its finished chunks.
+Peak memory is one batch's states (a window holds only its responses' token ids), whatever the number of prompts.
+The store key is a hash of (model fingerprint, prompt-set content, options, format version); an identical request
+is served from the store, and an interrupted one resumes from its finished chunks: a window with a missing chunk
+generates again exactly the bucketed batches that hold a conversation of a missing chunk, each the same batch as in
+an uninterrupted run, so the resumed capture's chunks are the uninterrupted one's, byte for byte.
 
 Concurrency: the writing happens under the store's lock for the key. Any number of identical
 captures may start at once; one writes, the others wait (phase "waiting") and are then served the
@@ -22,16 +30,16 @@ finished capture. A killed writer frees the lock at once and the next one resume
 The manifest records every chunk's size and sha256 (checked when the capture is read).
 
 Across processes (`torchrun --nproc-per-node N -m layerscope capture ...`, process group: layerscope/distributed.py):
-the batches of conversations are split into N contiguous ranges, one per rank:
+the windows of batches are split into N contiguous ranges, one per rank:
 
-    batches b = 0..B-1 (the one-process capture's batches, same size, same order)
-    rank r writes batches [r*B//N, (r+1)*B//N) as chunk files into the capture's one partial directory
+    windows w = 0..W-1 (the one-process capture's windows of batches, same size, same order)
+    rank r writes the batches of windows [r*W//N, (r+1)*W//N) as chunk files into the capture's one partial directory
     rank 0 holds the store's write lock for the key throughout, and after every rank is done writes the
     manifest and renames the capture into place, exactly as a one-process capture does
 
-Every chunk is computed from the same prompts, batch and model as in one process, so the finished capture
-is the same, chunk for chunk, as a one-process capture (greedy responses; sampled responses and a token
-budget depend on the order of batches and are refused across processes). A rank that fails makes every
+Every chunk is computed from the same prompts, batches and model as in one process, so the finished capture
+is the same, chunk for chunk, as a one-process capture (greedy responses; sampled responses, and a token
+budget, which depends on the order of batches, are refused across processes). A rank that fails makes every
 rank raise, with the failing rank's message, instead of leaving the others waiting.
 """
 
@@ -60,6 +68,8 @@ from layerscope.store import LockWaitCancelled, Store, atomic_save_tensors, make
 from layerscope.validate import check_number
 
 FORMAT_VERSION = 1
+BUCKET_BATCHES = 8     # batches of a window, whose responses are generated in batches bucketed by prompt length
+RECORD_PAD = 1.25      # a record forward pads its conversations to at most this many times their tokens
 
 
 @dataclass
@@ -110,6 +120,9 @@ class CaptureProgress:
     generated: int = 0         # "generate": new tokens generated so far for the current batch (of max_new_tokens)
     estimate: size.Estimate | None = None    # "estimate": what the capture will write (capture.size)
     eta_s: float | None = None # seconds left (layerscope.eta: the rate of this run's decode steps); None: estimating
+    fraction: float | None = None  # this run's share done, in decode steps (generated tokens + record passes; a
+                               # bucketed window generates out of conversation order, so conversations_done
+                               # alone can move back and forth); None: not counted
 
 
 @dataclass
@@ -192,32 +205,47 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     partial = partial_capture_dir(store, key)
     done = resume_partial(partial)
     tokens_done = sum(chunk_tokens(p) for p in done.values())
-    torch.manual_seed(opts.seed)
-    step = opts.max_new_tokens + 1         # the time left counts decode steps: a batch's answer, then its record pass
-    batches = [(s, min(s + opts.batch_size, len(prompts))) for s in range(0, len(prompts), opts.batch_size)]
-    timer, written = eta.PhaseClock(step * sum(b not in done for b in batches)), 0
-    for start, end in batches:
+    # the time left counts decode steps: max_new_tokens per generated batch, one per record pass
+    plans = [(w, [b for b in w if b not in done]) for w in capture_windows(len(prompts), opts.batch_size)]
+    timer = eta.PhaseClock(sum(len(generation_batches(encoded, w, missing, opts.batch_size)) * opts.max_new_tokens
+                               + len(missing) for w, missing in plans))
+    units = 0
+
+    def report(phase, conversations, generated=0):
+        if progress:
+            progress(CaptureProgress(phase, conversations, len(prompts), tokens_done,
+                                     tokens_done / max(time.perf_counter() - t0, 1e-9), time.perf_counter() - t0,
+                                     generated, eta_s=timer.left(units + generated),
+                                     fraction=min((units + generated) / timer.total, 1.0) if timer.total else None))
+
+    def stop_here(saved):
+        if should_stop is not None and should_stop():    # a batch stopped mid-way has cut-short responses: not kept
+            raise CaptureCancelled("Capture cancelled", f"{saved} of {len(prompts)} conversations are saved; run it "
+                                   "again to resume")
+
+    for window, missing in plans:
         if opts.max_tokens is not None and tokens_done >= opts.max_tokens:
             break
-        if (start, end) in done:
+        if not missing:
             continue
-        if should_stop is not None and should_stop():
-            raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
-        report = lambda phase, generated=0: progress and progress(CaptureProgress(  # noqa: E731
-            phase, start, len(prompts), tokens_done, tokens_done / max(time.perf_counter() - t0, 1e-9),
-            time.perf_counter() - t0, generated,
-            eta_s=timer.left(written * step + (generated if phase == "generate" else step - 1))))
-        report("generate")
-        responses = generate_responses(loaded, encoded[start:end], opts, on_step=lambda n: report("generate", n),
-                                       should_stop=should_stop)
-        if should_stop is not None and should_stop():     # stopped mid-batch: this batch's responses are cut short
-            raise CaptureCancelled("Capture cancelled", f"{start} of {len(prompts)} conversations are saved; run it again to resume")
-        report("record")
-        tensors = record(loaded, encoded[start:end], responses, first_conversation=start,
-                         sample_positions=opts.sample_positions, seed=opts.seed)
-        atomic_save_tensors(partial / chunk_name(start, end), tensors)
-        tokens_done += tensors["token_id"].numel()
-        written += 1
+        responses = {}
+        for group in generation_batches(encoded, window, missing, opts.batch_size):
+            stop_here(missing[0][0])
+            report("generate", missing[0][0])
+            responses |= dict(zip(group, generate_responses(
+                loaded, [encoded[i] for i in group], opts, on_step=lambda n: report("generate", missing[0][0], n),
+                should_stop=should_stop, seed=batch_seed(opts.seed, group[0]))))
+            units += opts.max_new_tokens
+        for start, end in missing:
+            if opts.max_tokens is not None and tokens_done >= opts.max_tokens:
+                break
+            stop_here(start)
+            report("record", start)
+            tensors = record(loaded, encoded[start:end], [responses[i] for i in range(start, end)],
+                             first_conversation=start, sample_positions=opts.sample_positions, seed=opts.seed)
+            atomic_save_tensors(partial / chunk_name(start, end), tensors)
+            tokens_done += tensors["token_id"].numel()
+            units += 1
     if progress:
         progress(CaptureProgress("done", len(prompts), len(prompts), tokens_done,
                                  tokens_done / max(time.perf_counter() - t0, 1e-9), time.perf_counter() - t0))
@@ -234,6 +262,31 @@ def _write_capture(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
     manifest = build_manifest(key, loaded, prompt_set, prompts, opts, chunks, time.perf_counter() - t0)
     path = finish_capture(store, key, manifest)
     return CaptureResult(key, False, time.perf_counter() - t0, manifest["tokens"], path, manifest)
+
+
+def capture_windows(conversations: int, batch_size: int) -> list[list[tuple[int, int]]]:
+    """The capture's batches (start, end) of `batch_size` conversations in order (one chunk each), in windows of
+    BUCKET_BATCHES consecutive batches."""
+    batches = [(s, min(s + batch_size, conversations)) for s in range(0, conversations, batch_size)]
+    return [batches[i:i + BUCKET_BATCHES] for i in range(0, len(batches), BUCKET_BATCHES)]
+
+
+def generation_batches(encoded, window: list[tuple[int, int]], missing: list[tuple[int, int]],
+                       batch_size: int) -> list[list[int]]:
+    """The batches (conversation indices) in which the responses of `window` are generated, bucketed by prompt
+    length: the window's conversations sorted by the length of their prompt `encoded[i]` (ties by index), cut into
+    batches of `batch_size` neighbours. Only the batches that hold a conversation of a `missing` chunk: a resumed
+    window runs exactly those, each the same batch as in an uninterrupted run."""
+    order = sorted(range(window[0][0], window[-1][1]), key=lambda i: (len(encoded[i]), i))
+    need = {i for start, end in missing for i in range(start, end)}
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [b for b in batches if need.intersection(b)]
+
+
+def batch_seed(seed: int, first_conversation: int) -> int:
+    """The seed of a generation batch whose first conversation is `first_conversation` (sampled responses): the
+    same whatever batches ran before it, so a resumed capture samples as an uninterrupted one."""
+    return (int(seed) * 0x9E3779B1 + int(first_conversation)) % 2**63
 
 
 def plan_capture(loaded: LoadedModel, encoded, opts: CaptureOptions, store: Store) -> size.Estimate:
@@ -321,10 +374,10 @@ def _capture_ranks(key, loaded, prompt_set, store, prompts, encoded, opts, t0, p
             partial.mkdir(parents=True, exist_ok=True)
             clear_temporaries(partial)
         dist.barrier()
-        batches = [(s, min(s + opts.batch_size, len(prompts))) for s in range(0, len(prompts), opts.batch_size)]
+        windows = capture_windows(len(prompts), opts.batch_size)
         error = None
         try:
-            _write_rank_batches(distributed.shard(batches, distributed.rank(), distributed.world()), loaded, encoded,
+            _write_rank_windows(distributed.shard(windows, distributed.rank(), distributed.world()), loaded, encoded,
                                 opts, partial, t0, progress, should_stop)
         except Exception as e:   # every rank must reach _all_ok, or the others would wait forever
             error = e
@@ -353,28 +406,40 @@ def _all_ok(error: BaseException | None) -> None:
                            "finished chunks are kept and the next run resumes from them")
 
 
-def _write_rank_batches(batches, loaded, encoded, opts, partial, t0, progress, should_stop) -> None:
-    """Write the chunk of each (start, end) batch of this rank that is not already complete in `partial`."""
-    torch.manual_seed(opts.seed)
+def _write_rank_windows(windows, loaded, encoded, opts, partial, t0, progress, should_stop) -> None:
+    """Write each chunk of this rank's windows that is not already complete in `partial`, as _write_capture does."""
     tokens = 0
-    for start, end in batches:
-        path = partial / chunk_name(start, end)
-        if path.is_file():
-            try:
-                read_header(path)
-                tokens += chunk_tokens(path)
-                continue
-            except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-                path.unlink(missing_ok=True)       # not a complete chunk (damaged on disk): write it again
+
+    def stop_here():
         if should_stop is not None and should_stop():
             raise CaptureCancelled("Capture cancelled", "Finished chunks are saved; run it again to resume")
-        if progress:
-            progress(CaptureProgress("generate", start, len(encoded), tokens, 0.0, time.perf_counter() - t0))
-        responses = generate_responses(loaded, encoded[start:end], opts, should_stop=should_stop)
-        tensors = record(loaded, encoded[start:end], responses, first_conversation=start,
-                         sample_positions=opts.sample_positions, seed=opts.seed)
-        atomic_save_tensors(path, tensors)
-        tokens += tensors["token_id"].numel()
+
+    for window in windows:
+        missing = []
+        for start, end in window:
+            path = partial / chunk_name(start, end)
+            if path.is_file():
+                try:
+                    read_header(path)
+                    tokens += chunk_tokens(path)
+                    continue
+                except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+                    path.unlink(missing_ok=True)       # not a complete chunk (damaged on disk): write it again
+            missing.append((start, end))
+        responses = {}
+        for group in generation_batches(encoded, window, missing, opts.batch_size):
+            stop_here()
+            if progress:
+                progress(CaptureProgress("generate", missing[0][0], len(encoded), tokens, 0.0, time.perf_counter() - t0))
+            responses |= dict(zip(group, generate_responses(loaded, [encoded[i] for i in group], opts,
+                                                            should_stop=should_stop,
+                                                            seed=batch_seed(opts.seed, group[0]))))
+        for start, end in missing:
+            stop_here()
+            tensors = record(loaded, encoded[start:end], [responses[i] for i in range(start, end)],
+                             first_conversation=start, sample_positions=opts.sample_positions, seed=opts.seed)
+            atomic_save_tensors(partial / chunk_name(start, end), tensors)
+            tokens += tensors["token_id"].numel()
 
 
 def _finish_ranks(key, loaded, prompt_set, store, prompts, opts, partial, t0) -> CaptureResult:
@@ -412,13 +477,15 @@ class _EveryStep:
 @torch.no_grad()
 def generate_responses(loaded: LoadedModel, prompts: list[list[int]], opts: CaptureOptions, *,
                        on_step: Callable[[int], None] | None = None,
-                       should_stop: Callable[[], bool] | None = None) -> list[list[int]]:
+                       should_stop: Callable[[], bool] | None = None, seed: int | None = None) -> list[list[int]]:
     """The target's own response to each prompt (left-padded batch), cut after its end-of-sequence token.
 
     on_step(n) is called after the n-th new token of the batch; should_stop() true ends the batch early
-    (the caller must then discard the cut-short responses)."""
+    (the caller must then discard the cut-short responses). `seed`: torch's seed for this batch (sampling)."""
     from transformers import StoppingCriteriaList  # transformers takes seconds to load; the CLI imports this module at start-up
 
+    if seed is not None:
+        torch.manual_seed(seed)
     tok, model = loaded.tokenizer, loaded.model
     width = max(len(p) for p in prompts)
     pad = tok.pad_token_id
@@ -469,12 +536,59 @@ def sample_rows(lengths: list[int], prompt_lengths: list[int], sample_positions:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
+def record_groups(lengths: list[int], pad: float = RECORD_PAD) -> list[list[int]]:
+    """Indices of conversations of `lengths` tokens in groups recorded by one (right-padded) forward each: sorted by
+    length (ties by index), a conversation joins the group of the shorter ones before it while the group padded to
+    its length stays within `pad` times its tokens, else starts the next group."""
+    groups, tokens = [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= pad * (tokens + lengths[i]):
+            groups[-1].append(i)
+            tokens += lengths[i]
+        else:
+            groups.append([i])
+            tokens = lengths[i]
+    return groups
+
+
 @torch.no_grad()
 def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[int]],
            first_conversation: int = 0, sample_positions: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One right-padded forward over prompt+response; returns the chunk's tensors (see CaptureReader): every token,
-    or with `sample_positions` the rows `sample_rows` keeps (their true positions in `position`)."""
+    """The chunk's tensors (see CaptureReader) of the conversations prompt + response, in order: every token, or
+    with `sample_positions` the rows `sample_rows` keeps (their true positions in `position`). The forwards run over
+    `record_groups` of similar length, so that one long conversation does not pad the others."""
     seqs = [p + r for p, r in zip(prompts, responses)]
+    kept = [sample_rows([len(s)], [len(p)], sample_positions, seed, first_conversation + i)
+            for i, (s, p) in enumerate(zip(seqs, prompts))]
+    states: list[list[torch.Tensor] | None] = [None] * len(seqs)     # per conversation: its kept rows of each state
+    entropy: list[torch.Tensor | None] = [None] * len(seqs)
+    for group in record_groups([len(s) for s in seqs]):
+        out = _forward_states(loaded, [seqs[i] for i in group])      # hidden_states[0..N], then the pre-norm output
+        rows = [kept[i].to(loaded.device) for i in group]
+        for j, i in enumerate(group):
+            states[i] = [h[j, :len(seqs[i])][rows[j]].cpu() for h in out]
+        final = torch.cat([out[-2][j, :len(seqs[i])][rows[j]] for j, i in enumerate(group)])
+        scores = predictive_entropy(loaded.model.lm_head, final, *head_transform(loaded.model.config)).float()
+        for i, e in zip(group, scores.split([len(r) for r in rows])):
+            entropy[i] = e
+        del out, final
+    dtype = state_dtype([h for per in states for h in per])         # float16 unless a state would overflow it
+    tensors = {}
+    for l in range(len(states[0])):
+        name = f"hidden.{l}" if l < len(states[0]) - 1 else "prenorm_final"
+        tensors[name] = torch.cat([per[l] for per in states]).to(dtype)
+        for per in states:
+            per[l] = None                                            # one copy of the chunk at a time
+    return {**tensors, "entropy": torch.cat(entropy),
+            "token_id": torch.cat([torch.tensor(s, dtype=torch.long)[k] for s, k in zip(seqs, kept)]).int(),
+            "position": torch.cat(kept).int(),
+            "conversation": torch.cat([torch.full((len(k),), first_conversation + i) for i, k in enumerate(kept)]).int(),
+            "is_response": torch.cat([k >= len(p) for k, p in zip(kept, prompts)])}
+
+
+def _forward_states(loaded: LoadedModel, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """One right-padded forward over `seqs` with output_hidden_states: hidden_states[0..N] (N: after the final norm)
+    and the last decoder layer's output before it, each [len(seqs), longest, d] on the model's device."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), loaded.tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -489,20 +603,7 @@ def record(loaded: LoadedModel, prompts: list[list[int]], responses: list[list[i
                                  output_hidden_states=True, use_cache=False)
     finally:
         hook.remove()
-    valid = mask.bool().to(loaded.device)
-    rows = sample_rows([len(s) for s in seqs], [len(p) for p in prompts], sample_positions, seed, first_conversation)
-    keep = rows.to(loaded.device)
-    states = [h[valid][keep] for h in out.hidden_states] + [last_layer_out["h"][valid][keep]]
-    dtype = state_dtype(states)                              # float16 unless a state would overflow it
-    hidden = {f"hidden.{l}": h.to(dtype).cpu() for l, h in enumerate(states[:-1])}
-    hidden["prenorm_final"] = states[-1].to(dtype).cpu()
-    entropy = predictive_entropy(loaded.model.lm_head, out.hidden_states[-1][valid][keep],
-                                 *head_transform(loaded.model.config))
-    position = torch.cat([torch.arange(len(s)) for s in seqs])[rows]
-    conversation = torch.cat([torch.full((len(s),), first_conversation + i) for i, s in enumerate(seqs)])[rows]
-    is_response = torch.cat([torch.arange(len(s)) >= len(p) for s, p in zip(seqs, prompts)])[rows]
-    return {**hidden, "entropy": entropy.float(), "token_id": ids[mask.bool()][rows].int(), "position": position.int(),
-            "conversation": conversation.int(), "is_response": is_response}
+    return [*out.hidden_states, last_layer_out["h"]]
 
 
 def predictive_entropy(lm_head, final: torch.Tensor, scale: float = 1.0, softcap: float | None = None,

@@ -142,7 +142,7 @@ def capture_job(*, model: str, prompts: str, limit: int | None, max_new_tokens: 
             total = max(p.conversations_total, 1)
             step = batch_size / total
             within = 0.8 * min(p.generated / max(max_new_tokens, 1), 1.0) if p.phase == "generate" else 0.8
-            frac = p.conversations_done / total + step * within
+            frac = p.conversations_done / total + step * within if p.fraction is None else p.fraction
             if p.phase == "done":
                 frac = 1.0
             job.update(0.05 + 0.85 * min(frac, 1.0),
