@@ -12,7 +12,7 @@ from layerscope.ui import apply, state, tasks
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import guard, job_status, md_text, number_field, offered, poll_interval, show_error, table
+from layerscope.ui.widgets import guard, holds_refused_entry, job_status, md_text, number_field, offered, poll_interval, show_error, table
 from layerscope.validate import parse_size
 
 s, store = page_header("Capture hidden states",
@@ -154,8 +154,11 @@ def start_capture(target) -> None:
     view = job.view()
 
 
-if st.button("Start capture", type="primary", icon=":material/play_arrow:", disabled=running or not prompt_spec or not budget_ok,
-             key="ls_cap_start"):
+refused = holds_refused_entry(*(f"ls_w_cap_{name}" for name in ("limit", "new", "batch", "seed", "sample")))
+if refused:
+    st.caption("Start capture is off while a field above shows an entry it refused: fix or clear it first.")
+if st.button("Start capture", type="primary", icon=":material/play_arrow:",
+             disabled=running or not prompt_spec or not budget_ok or refused, key="ls_cap_start"):
     if not model:
         show_error("No model given", f"Type a model spec or pick one of {', '.join(KNOWN)}")
     elif apply.capture_replaces(s):

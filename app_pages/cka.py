@@ -14,7 +14,7 @@ from layerscope.ui import apply
 from layerscope.ui.apply import kernel_of
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
-from layerscope.ui.widgets import chart, md_text, number_field, table
+from layerscope.ui.widgets import chart, layer_picker, md_text, number_field, table
 
 TOOLS = ["click cells", "drag a box"]
 
@@ -93,10 +93,15 @@ if stats is not None:
         s.manual_picks = sorted(int(x) for x in st.session_state["ls_cka_picks"])
         commit(s)
 
-    st.session_state["ls_cka_picks"] = apply.manual_layers(s)
-    st.multiselect("Picked layers", list(range(n)), key="ls_cka_picks", on_change=_picks_changed,
-                   placeholder="none yet: click cells or drag a box on the heatmap",
-                   help="Click a cell to pick its row and column layer, click it again to unpick; remove a layer here")
+    st.session_state["ls_cka_picks"] = picks
+    over = apply.picks_over_limit(picks, limit)
+    if over:
+        st.warning(md_text(over), icon=":material/select:")
+    layer_picker(st, "Picked layers", n, key="ls_cka_picks", on_change=_picks_changed,
+                 max_selections=max(limit, len(picks)),      # at most k, as a click or a box; more from elsewhere: no more
+                 placeholder="none yet: click cells or drag a box on the heatmap",
+                 help=f"Click a cell to pick its row and column layer, click it again to unpick; type a layer and "
+                      f"Enter to pick it, or remove a layer here. At most the set size k = {limit} (Layer sets page)")
     st.page_link("app_pages/layer_sets.py", label="Use them on Layer sets", icon=":material/arrow_forward:")
 
     with st.expander("CKA matrix as a table"):

@@ -34,12 +34,14 @@ with guard("captures"):
         st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
     else:
         default_a, default_b = compare.default_pair(keys, s.capture_key)
-        for slot, default in (("a", default_a), ("b", default_b)):
-            if st.session_state.get(f"ls_w_cmp_{slot}") not in keys:
-                st.session_state[f"ls_w_cmp_{slot}"] = default
+        # the choices live in the session (s.view), so they survive leaving the page and coming back
+        on_a = bind_view(s, "cmp_a", "ls_w_cmp_a", default_a, options=keys)
+        on_b = bind_view(s, "cmp_b", "ls_w_cmp_b", default_b, options=keys)
         c1, c2 = st.columns(2)
-        key_a = c1.selectbox("Capture A", keys, key="ls_w_cmp_a", format_func=lambda k: compare.capture_label(by_key[k]))
-        key_b = c2.selectbox("Capture B", keys, key="ls_w_cmp_b", format_func=lambda k: compare.capture_label(by_key[k]))
+        key_a = c1.selectbox("Capture A", keys, key="ls_w_cmp_a", on_change=on_a,
+                             format_func=lambda k: compare.capture_label(by_key[k]))
+        key_b = c2.selectbox("Capture B", keys, key="ls_w_cmp_b", on_change=on_b,
+                             format_func=lambda k: compare.capture_label(by_key[k]))
         st.caption(f"Statistics under this session's options: threshold {float(opts.get('min_entropy') or 0):.2f} nats · "
                    f"α = {float(opts['alpha']):g} · {md_text(opts['kernel'])} kernel · "
                    f"{'response tokens only' if opts['response_only'] else 'all tokens'} · at most "
@@ -114,15 +116,13 @@ with guard("captures"):
                            "symmetric about 0.")
             else:
                 st.info(reason, icon=":material/info:")
-                h1, h2 = st.columns(2)
-                # one height for both, so that a 30-layer and an 18-layer matrix line up side by side
-                height = max(plots.cka_heatmap_height(len(compare.cka_of(x, estimator))) for x in (a, b))
-                for col, st_, name, k in ((h1, a, name_a, "a"), (h2, b, name_b, "b")):
-                    with col:
-                        chart(plots.cka_heatmap(compare.cka_of(st_, estimator), compartments=st_.get("compartments"),
-                                                title=f"CKA ({kernel}, {estimator}), {name}",
-                                                final_state=st_.get("final_state", "post-norm"), height=height),
-                              key=f"ls_cmp_cka_{k}", filename=f"cka-{k}")
+                # one above the other at full width: side by side at 1024 px each square matrix was half as wide as
+                # its chart was tall, under a blank band
+                for st_, name, k in ((a, name_a, "a"), (b, name_b, "b")):
+                    chart(plots.cka_heatmap(compare.cka_of(st_, estimator), compartments=st_.get("compartments"),
+                                            title=f"CKA ({kernel}, {estimator}), {name}",
+                                            final_state=st_.get("final_state", "post-norm")),
+                          key=f"ls_cmp_cka_{k}", filename=f"cka-{k}")
 
 st.header("Benchmark runs side by side")
 with guard("run comparison"):

@@ -59,9 +59,12 @@ def stored_controls(value) -> dict | None:
 # The widgets edit a copy of the session's options, kept in the session (s.view["entropy_controls"]) so an edit
 # survives leaving the page, a reload and a new tab; nothing changes for the session (and for everyone who
 # opens it) until the changes are reviewed and confirmed.
+# A widget is set only when it holds another value: setting it sends the value to the browser, so a run begun before
+# the user's last arrow-key step would send the step before it back (the slider showed 0.75, 0.70 was applied).
 applied = {**asdict(AnalysisOptions()), **s.analysis_options}
 for name, value in (stored_controls(s.view.get("entropy_controls")) or controls_of(applied)).items():
-    st.session_state[f"ls_ent_{name}"] = value
+    if st.session_state.get(f"ls_ent_{name}") != value:
+        st.session_state[f"ls_ent_{name}"] = value
 
 
 def _edited():

@@ -6,7 +6,7 @@ import streamlit as st
 
 from layerscope import fmt
 from layerscope.ui import progress
-from layerscope.ui.views import page_header
+from layerscope.ui.views import interrupted_jobs, page_header
 from layerscope.ui.widgets import md_text
 
 s, store = page_header("LayerScope",
@@ -15,6 +15,7 @@ s, store = page_header("LayerScope",
                        "proposes layer sets, and then checks a proposal for real: it trains a draft that reads the set "
                        "and measures how many of its tokens the target accepts (τ) in lossless speculative decoding.")
 
+interrupted_jobs(s.id)      # a job a stopped server left unfinished: said here too, with how to resume
 steps = progress.steps(s)
 upcoming = progress.next_step(steps)
 st.subheader("The workflow, and where this session is")

@@ -12,7 +12,7 @@ from layerscope.ui.apply import kernel_of
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import chart, guard, md_text, number_field, table
+from layerscope.ui.widgets import chart, guard, layer_picker, md_text, number_field, table
 
 s, store = page_header("Layer sets",
                        "Each strategy proposes the layers a draft should read. Sets of one size are ranked by evidence no "
@@ -38,8 +38,8 @@ if stats is not None:
         commit(s)
 
     st.session_state["ls_sets_manual"] = apply.manual_layers(s)       # picks always fit (apply clears those that do not)
-    manual = c3.multiselect(f"Hand-picked set (layers 0..{n - 1}; pre-filled by clicks on the CKA heatmap)",
-                            list(range(n)), key="ls_sets_manual", on_change=_manual_changed)
+    manual = layer_picker(c3, f"Hand-picked set (layers 0..{n - 1}; pre-filled by clicks on the CKA heatmap)", n,
+                          key="ls_sets_manual", on_change=_manual_changed)
     name_changed = bind_view(s, "sets_name", "ls_w_sets_name", "hand-picked")
     manual_name = str(st.session_state.get("ls_w_sets_name") or "").strip() or "hand-picked"
 
@@ -139,14 +139,14 @@ if stats is not None:
                 "predicts τ on this model is what the study measures (Spearman correlation).\n"
                 f"- **Flags**: layer 0 is the embedding output; layer {n} (the final state) is not readable by a draft.")
         with st.expander("Each strategy's own objective (not comparable across strategies)"):
-            own = [{"strategy": x.strategy, "layers": fmt.layers(x.layers),
+            own = [{"strategy": fmt.strategy(x.strategy), "layers": fmt.layers(x.layers),
                     "objective": fmt.name((x.explanation.get("objective") or {}).get("name")),
                     "value": (x.explanation.get("objective") or {}).get("value"),
                     "mRMR (λ)": x.explanation.get("mrmr"), "note": x.explanation.get("note") or ""} for x in selections]
             table(pd.DataFrame(own), key="ls_sets_own", filename="layer-sets-objectives")
 
         a1, a2, a3 = st.columns([1.8, 1.5, 0.8])
-        labels = [f"{x.strategy} {fmt.layers(x.layers)}" for x in selections]
+        labels = [f"{fmt.strategy(x.strategy)} {fmt.layers(x.layers)}" for x in selections]
         by_label = {label: (x.strategy, list(x.layers)) for label, x in zip(labels, selections)}
         to_add = a1.multiselect("Add to the session's sets to test", labels, key="ls_sets_to_add",
                                 placeholder="choose one or more sets")
@@ -190,13 +190,14 @@ if stats is not None:
         for x in s.layer_sets:
             try:
                 e = sel.score_set(layer_stats, x["layers"], lam=float(lam))
-                scored.append({"name": x["name"], "strategy": x["strategy"], "layers": fmt.layers(x["layers"]),
-                               "aggr. entropy": e["aggregate_entropy"], "mean entropy": e["mean_entropy"],
+                scored.append({"name": x["name"], "strategy": fmt.strategy(x["strategy"]),
+                               "layers": fmt.layers(x["layers"]), "aggr. entropy": e["aggregate_entropy"],
+                               "mean entropy": e["mean_entropy"],
                                "mean CKA": e["mean_cka"] if len(x["layers"]) > 1 else None, "problem": ""})
             except Exception as err:  # a set that does not fit this capture: say so in the row
-                scored.append({"name": x["name"], "strategy": x["strategy"], "layers": fmt.layers(x["layers"]),
-                               "aggr. entropy": None, "mean entropy": None, "mean CKA": None,
-                               "problem": str(err)})
+                scored.append({"name": x["name"], "strategy": fmt.strategy(x["strategy"]),
+                               "layers": fmt.layers(x["layers"]), "aggr. entropy": None, "mean entropy": None,
+                               "mean CKA": None, "problem": str(err)})
         table(pd.DataFrame(scored), key="ls_sets_session", filename="session-layer-sets",
               na={"mean CKA": fmt.NOT_APPLICABLE})
         r1, r2 = st.columns([3, 1])

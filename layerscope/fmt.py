@@ -137,6 +137,14 @@ def name(raw) -> str:
     return NAMES.get(raw, raw.replace("_", " "))
 
 
+STRATEGIES = {"manual": "hand-picked"}     # a layer set's strategy as people read it (stored as "manual")
+
+
+def strategy(raw) -> str:
+    """A layer set's strategy as people read it, one word everywhere: "hand-picked" for "manual", others as they are."""
+    return MISSING if raw is None else STRATEGIES.get(str(raw), str(raw))
+
+
 def escape(text) -> str:
     """User text (a set, draft, session or capture name, a model spec, a prompt's category) as plain text wherever
     HTML is read: the HTML report and every Plotly text (legend names, titles, axis and tick labels, hover text,

@@ -143,15 +143,35 @@ def _kind_legend(fig: go.Figure, kinds: list[str]) -> None:
                         opacity=0.6), meta={"layer_kind": kind}, hoverinfo="skip"))
 
 
+# Where a figure's legend goes: under the plot (above it, beside the title, it ran into the title at 1024 px), or
+# right of it where the x axis carries long upright category names that a legend below would cover.
+LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0)
+LEGEND_RIGHT = dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.02)
+
+
 def _base_layout(fig: go.Figure, title: str | None, **kw) -> go.Figure:
     fig.update_layout(
         title=dict(text=fmt.escape(title), x=0.0, xanchor="left") if title else None,
         margin=dict(l=60, r=20, t=60 if title else 30, b=50),
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1.0),
+        legend=kw.pop("legend", LEGEND_BELOW),
         hovermode="closest",
         **kw,
     )
     return fig
+
+
+def contender_colors(names: Sequence[str], layers: Sequence, colors: Mapping | None = None) -> list[str]:
+    """One color per contender of a figure, each its own: its layer set's (set_color: the same in every figure),
+    unless a contender before it has that color already (a built-in draft reading the default rule's layers and the
+    default rule, two drafts of one set), then the first palette color that is no contender's own. The same
+    contenders in the same order get the same colors."""
+    own = [set_color(str(name), i, ls, colors) for i, (name, ls) in enumerate(zip(names, layers))]
+    out: list[str] = []
+    for color in own:
+        if color in out:
+            color = next((c for c in SET_COLORS + CURVE_COLORS if c not in out and c not in own), color)
+        out.append(color)
+    return out
 
 
 def entropy_curve(
@@ -366,10 +386,14 @@ def cka_heatmap(
     return fig
 
 
+HEATMAP_MAX_HEIGHT = 560   # px: at 1024 px the page's plot is about 460 px wide, and the square matrix keeps to that
+                           # width, so a taller chart left a blank band between the title and the matrix
+
+
 def cka_heatmap_height(n: int) -> int:
     """Pixel height of the heatmap of an n×n CKA matrix (n = layers + 1): 18 px a row and room for the title and
-    legend, between 480 and 760."""
-    return max(480, min(760, 18 * n + 200))
+    legend, between 480 and HEATMAP_MAX_HEIGHT (the matrix is square: more height than the chart's width is blank)."""
+    return max(480, min(HEATMAP_MAX_HEIGHT, 18 * n + 200))
 
 
 def _square_layer_axes(fig: go.Figure, n: int, *, top: float) -> None:
@@ -420,11 +444,12 @@ def acceptance_bars(
     if not isinstance(acceptance, Mapping):
         acceptance = {"draft": acceptance}
     fig = go.Figure()
+    bar_colors = contender_colors(list(acceptance), [(layers or {}).get(name) for name in acceptance], colors)
     for i, (name, rates) in enumerate(acceptance.items()):
         rates = [float(r) for r in _as_list(rates)]
         fig.add_trace(go.Bar(
             x=[f"pos {k + 1}" for k in range(len(rates))], y=rates, name=fmt.escape(name),
-            marker=dict(color=set_color(str(name), i, (layers or {}).get(name), colors)),
+            marker=dict(color=bar_colors[i]),
             text=[fmt.percent(r) for r in rates], textposition="outside", cliponaxis=False,
             hovertemplate="%{fullData.name}<br>%{x}: %{y:.1%}<extra></extra>",
         ))
@@ -509,7 +534,7 @@ def _contender(row: Mapping) -> str:
 
 def _study_set(row: Mapping) -> str:
     """A study's set as it reads on an axis: its strategies (escaped: a hand-made set's name) and its layers."""
-    return fmt.escape("/".join(row["strategies"])) + f" {fmt.layers(row['layers'])}"
+    return fmt.escape("/".join(fmt.strategy(x) for x in row["strategies"])) + f" {fmt.layers(row['layers'])}"
 
 
 def bench_comparison(
@@ -524,7 +549,7 @@ def bench_comparison(
         raise ValueError("bench_comparison needs at least one result")
     fig = make_subplots(rows=1, cols=2, subplot_titles=["τ", "speedup (× plain)"], horizontal_spacing=0.12)
     names = [_contender(r) for r in results]
-    bar_colors = [set_color(str(r.get("name", "")), i, r.get("layers"), colors) for i, r in enumerate(results)]
+    bar_colors = contender_colors([str(r.get("name", "")) for r in results], [r.get("layers") for r in results], colors)
     tops = []
     for col, (metric, form) in enumerate((("tau", fmt.tau), ("speedup", fmt.speedup)), start=1):
         ys = [None if r.get(metric) is None else float(r[metric]) for r in results]
@@ -578,7 +603,7 @@ def runs_comparison(
                          array=[(c[1] - y) if h else 0 for c, y, h in zip(cis, ys, has)],
                          arrayminus=[(y - c[0]) if h else 0 for c, y, h in zip(cis, ys, has)]) if any(has) else None))
     _base_layout(fig, title or ("τ of each contender, run by run" if metric == "tau" else "Speedup of each contender, run by run"),
-                 barmode="group", height=420)
+                 barmode="group", height=420, legend=LEGEND_RIGHT)
     fig.update_xaxes(tickangle=-90, automargin=True, tickfont=dict(size=11))
     fig.update_yaxes(title="tokens per target forward" if metric == "tau" else "× plain decoding", rangemode="tozero")
     if metric == "speedup":
@@ -651,7 +676,7 @@ def study_intervals(
     ref = next((t for r, t in zip(rows, taus) if "default" in r["strategies"]), None)
     if ref is not None:
         fig.add_hline(y=ref, line=dict(color=DEFAULT_SET_COLOR, dash="dot"), annotation_text="default rule")
-    return _base_layout(fig, title, height=420, yaxis_title="τ (tokens / target forward)")
+    return _base_layout(fig, title, height=420, yaxis_title="τ (tokens / target forward)", legend=LEGEND_RIGHT)
 
 
 def study_proxies(
@@ -846,6 +871,6 @@ def cka_difference_heatmap(
         hovertemplate="layer %{customdata[0]} × layer %{customdata[1]}<br>ΔCKA %{z:+.4f}<extra></extra>",
     ))
     _base_layout(fig, title or f"CKA difference {names[0]} − {names[1]} ({kernel} kernel, {estimator})",
-                 height=max(480, min(760, 18 * n + 200)))
+                 height=cka_heatmap_height(n))
     _square_layer_axes(fig, n, top=n - 0.5)
     return fig

@@ -342,13 +342,13 @@ def test_layer_sets_page_compares_adds_and_state_survives_page_switches(app_stor
     table = frame_with(at, "strategy")          # each strategy's own objective, in STRATEGIES order
     assert list(table["strategy"]) == ["default", "entropy-topk", "greedy", "aggregate", "spread"]
     at.multiselect(key="ls_sets_manual").set_value([0, 3]).run()
-    assert list(frame_with(at, "strategy")["strategy"])[-1] == "manual"
+    assert list(frame_with(at, "strategy")["strategy"])[-1] == "hand-picked"
     assert at.session_state["ls_session"].manual_picks == [0, 3]
     options = at.multiselect(key="ls_sets_to_add").options
     greedy = next(o for o in options if o.startswith("greedy "))
     greedy_layers = json.loads(table["layers"][2])          # shown in full as text: [1, 2, 3]
-    assert greedy == f"greedy {greedy_layers}" and "manual [0, 3]" in options
-    at.multiselect(key="ls_sets_to_add").set_value([greedy, "manual [0, 3]"]).run()
+    assert greedy == f"greedy {greedy_layers}" and "hand-picked [0, 3]" in options
+    at.multiselect(key="ls_sets_to_add").set_value([greedy, "hand-picked [0, 3]"]).run()
     at.text_input(key="ls_w_sets_name").set_value("mine").run()
     at.button(key="ls_sets_add").click().run()
     no_exception(at)
@@ -370,7 +370,7 @@ def test_share_link_opens_the_same_session(app_store, copy_of):
     first.switch_page("app_pages/layer_sets.py").run()
     settle(first)
     first.multiselect(key="ls_sets_manual").set_value([1, 2]).run()
-    first.multiselect(key="ls_sets_to_add").set_value(["manual [1, 2]"]).run()
+    first.multiselect(key="ls_sets_to_add").set_value(["hand-picked [1, 2]"]).run()
     first.button(key="ls_sets_add").click().run()
     first.switch_page("app_pages/cka.py").run()
     heat = charts(first)[0]["data"][0]["z"]

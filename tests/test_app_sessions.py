@@ -32,7 +32,7 @@ def add_set(at, layers: list[int]) -> None:
     at.switch_page(SETS).run()
     settle(at)
     at.multiselect(key="ls_sets_manual").set_value(layers).run()
-    at.multiselect(key="ls_sets_to_add").set_value([f"manual {layers}".replace(",", ",")]).run()
+    at.multiselect(key="ls_sets_to_add").set_value([f"hand-picked {layers}"]).run()
     at.button(key="ls_sets_add").click().run()
     no_exception(at)
 

@@ -165,10 +165,10 @@ def test_heatmaps_of_different_depths_take_one_height_when_told():
     """Grown with the layer count by default (a 30-layer model's is taller than an 18-layer one's); the Compare page
     passes the larger height to both so that two models' heatmaps line up side by side."""
     deep, shallow = plots.cka_heatmap(_cka(31)), plots.cka_heatmap(_cka(19))
-    assert deep.layout.height == plots.cka_heatmap_height(31) == 18 * 31 + 200
-    assert shallow.layout.height == plots.cka_heatmap_height(19) < deep.layout.height
+    assert deep.layout.height == plots.cka_heatmap_height(31) == plots.HEATMAP_MAX_HEIGHT
+    assert shallow.layout.height == plots.cka_heatmap_height(19) == 18 * 19 + 200 < deep.layout.height
     assert plots.cka_heatmap(_cka(19), height=deep.layout.height).layout.height == deep.layout.height
-    assert plots.cka_heatmap_height(3) == 480 and plots.cka_heatmap_height(200) == 760
+    assert plots.cka_heatmap_height(3) == 480 and plots.cka_heatmap_height(200) == plots.HEATMAP_MAX_HEIGHT
 
 
 @pytest.mark.parametrize("sets", [None, {"default": [1, 3]}, [("a", [0, 1]), ("b", [2, 4]), ("c", [5])]])

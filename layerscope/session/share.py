@@ -21,7 +21,7 @@ from layerscope.session import archive
 from layerscope.session.check import refuse
 from layerscope.session.model import Session, new_id
 from layerscope.session.schema import NAME_MAX
-from layerscope.session.storage import exists, load, save
+from layerscope.session.storage import ANY, exists, list_sessions, load, save
 from layerscope.store import ENTRY_NAME_RE, staged, write_error
 
 # ---------------------------------------------------------------------------- export
@@ -97,8 +97,9 @@ def import_bytes(data: bytes, store, *, source: str = "the uploaded file", owner
 
 
 def import_archive(data: bytes, store, *, source: str = "the uploaded file", owner: str | None = None) -> Imported:
-    """Validate an archive and save it into the store as `owner`'s session, named "<name> (imported)" and
-    editable (a snapshot imported is a session again). Keeps its id unless a different session has it.
+    """Validate an archive and save it into the store as `owner`'s session, named "<name> (imported)" ("<name>
+    (imported) (2)" when `owner` has a session of that name: distinct_name) and editable (a snapshot imported is a
+    session again). Keeps its id unless a different session has it.
     Drafts inside are checked and written to the store's drafts/ (all or none) before the session, whose
     draft paths then point at them."""
     doc, tensors, files = archive.read(data, source, with_drafts=True)
@@ -114,8 +115,24 @@ def import_archive(data: bytes, store, *, source: str = "the uploaded file", own
             same = False
         if not same:
             session.id = new_id()
+    session.name = distinct_name(session.name, store, owner=owner, own_id=session.id)
     save(session, store, touch=False)
     return Imported(session, sorted(set(placed.values())))
+
+
+def distinct_name(name: str | None, store, *, owner: str | None, own_id: str) -> str | None:
+    """`name`, or "<name> (2)", "(3)", ... when another session of `owner` in `store` (its Sessions page's list) has it
+    already: a file imported twice gives two sessions that read apart. Within NAME_MAX."""
+    if not name:
+        return name
+    taken = {r.get("name") for r in list_sessions(store, owner=owner if owner is not None else ANY) if r["id"] != own_id}
+    number = 1
+    candidate = name
+    while candidate in taken:
+        number += 1
+        suffix = f" ({number})"
+        candidate = name[:NAME_MAX - len(suffix)].rstrip() + suffix
+    return candidate
 
 
 def _install_drafts(drafts: list[dict], store, source: str) -> dict[str, str]:

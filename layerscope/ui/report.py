@@ -28,11 +28,27 @@ _e = fmt.escape
 
 
 def _table(rows: list[dict]) -> str:
-    """Rows as an HTML table; every text cell and header escaped by `fmt.escape` (numbers formatted by pandas)."""
+    """Rows as an HTML table; every text cell and header escaped by `fmt.escape`, every number in the one form
+    (`fmt.cell`: a whole number as one, 1 and 128, never 1.000 or 128.0; missing values "—")."""
     if not rows:
         return ""
-    df = pd.DataFrame([{_e(k): _e(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows])
-    return df.to_html(index=False, escape=False, na_rep=fmt.MISSING, float_format=fmt.number, border=0)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    whole = {k for k in columns if _whole_numbers([r.get(k) for r in rows])}
+    df = pd.DataFrame([{_e(k): _e(_cell(r.get(k), k in whole)) for k in columns} for r in rows], dtype=object)
+    return df.to_html(index=False, escape=False, border=0)
+
+
+def _whole_numbers(values) -> bool:
+    """A column of whole numbers, some of them floats (pandas turns ints into floats where a row has none)."""
+    present = [v for v in values if not fmt.missing(v)]
+    return bool(present) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()
+                                 for v in present) and any(isinstance(v, int) or fmt.missing(v) for v in values)
+
+
+def _cell(v, whole: bool) -> str:
+    if hasattr(v, "item"):                      # numpy and pandas scalars
+        v = v.item()
+    return fmt.count(v) if whole and not fmt.missing(v) else fmt.cell(v)
 
 
 def _figure(fig) -> str:

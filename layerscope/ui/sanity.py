@@ -93,10 +93,12 @@ def collapse_warning(rows, what: str = "drafts") -> str | None:
     flagged = [(r, why) for r, why in zip(rows, reasons) if why]
     if not flagged:
         return None
-    names = ", ".join(f"{r.get('name') or '/'.join(r.get('strategies') or []) or 'draft'} {fmt.layers(r.get('layers'))}"
-                      for r, _ in flagged)
-    return (f"{len(flagged)} of {len(rows)} {what} may not have learned ({names}): "
-            + flagged[0][1] + ". Their τ says nothing about their layer sets; train longer or on more data "
+    labels = [f"{r.get('name') or '/'.join(r.get('strategies') or []) or 'draft'} {fmt.layers(r.get('layers'))}"
+              for r, _ in flagged]
+    # each one's own reason (its own agreement), not the first one's for all of them
+    said = flagged[0][1] if len(flagged) == 1 else "; ".join(f"{label}: {why}" for label, (_, why) in zip(labels, flagged))
+    return (f"{len(flagged)} of {len(rows)} {what} may not have learned ({', '.join(labels)}): "
+            + said + ". Their τ says nothing about their layer sets; train longer or on more data "
             "(online training), then compare again.")
 
 

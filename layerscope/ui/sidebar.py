@@ -9,7 +9,7 @@ from layerscope import fmt
 from layerscope.session.model import Session
 from layerscope.ui.jobs import get_manager
 from layerscope.ui.models import device_label
-from layerscope.ui.state import bind_view, new_session
+from layerscope.ui.state import COPY_SUFFIX, bind_view, new_session, viewing
 from layerscope.ui.widgets import IMAGE_FORMAT_KEY, md_text
 
 # The page that shows a job of each kind (url paths of app.py's pages).
@@ -19,8 +19,15 @@ JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.p
 
 
 def render(s: Session) -> None:
-    # Every change is saved at once; a name only lists the session on the Sessions page.
-    st.markdown(f"**Session** · {md_text(s.name) if s.name else '*unnamed*'}  \n`{s.id}` · saved as you work")
+    # Every change is saved at once; a name only lists the session on the Sessions page. A session this browser does
+    # not own (a share link) is shown through an unsaved copy: read-only, as the banner says, until "Make my copy".
+    original = viewing()
+    if original is not None:
+        name = s.name.removesuffix(COPY_SUFFIX) if s.name else None
+        st.markdown(f"**Session** · {md_text(name) if name else '*unnamed*'}  \n`{original}` · read-only: "
+                    "“Make my copy” to edit")
+    else:
+        st.markdown(f"**Session** · {md_text(s.name) if s.name else '*unnamed*'}  \n`{s.id}` · saved as you work")
     st.button("New session", key="ls_new_session", icon=":material/add:", on_click=new_session,
               help="Start an empty session; this one stays saved (Sessions page)")
     cap = s.capture or {}

@@ -100,6 +100,9 @@ def _open(store, sid: str) -> Session:
         return Session(owner=me())
 
 
+COPY_SUFFIX = " (copy)"     # ends the name of a browser's copy of a session it does not own (the original's name)
+
+
 def _for_this_browser(s: Session) -> Session:
     """`s` itself when this browser may change it; else an unsaved copy of it that this browser owns, with the
     tab marked as viewing `s` read-only (the URL keeps naming `s` until the copy is saved)."""
@@ -107,7 +110,7 @@ def _for_this_browser(s: Session) -> Session:
         st.session_state.pop(VIEWING_KEY, None)
         return s
     st.session_state[VIEWING_KEY] = s.id
-    return s.copy(owner=me(), name=f"{s.name} (copy)"[:NAME_MAX] if s.name else None)
+    return s.copy(owner=me(), name=f"{s.name[:NAME_MAX - len(COPY_SUFFIX)]}{COPY_SUFFIX}" if s.name else None)
 
 
 SHARE = "share"          # s.view[SHARE]: {"id", "at"} of the snapshot the session's share link opens
@@ -201,14 +204,17 @@ def bind_view(s: Session, name: str, key: str, default, *, options=None, clamp=N
     """Tie the widget keyed `key` to the session's view choice `name` (s.view), so the choice survives page
     changes, refreshes, new tabs and share links. Call it for the widget's `on_change=` before the widget is
     drawn (the widget takes no `value=`): on every run it sets the widget from the session (the session is the
-    one place the value lives; Streamlit forgets a widget's value when its page is left); the callback saves
+    one place the value lives; Streamlit forgets a widget's value when its page is left) where the widget holds
+    another value, and only there: setting a widget sends the value to the browser, so a run that began before the
+    user's last change (an arrow key on a slider) would send the value before it back over it. The callback saves
     a change. A stored value not among `options`, or outside `clamp` = (lo, hi), falls back to `default`."""
     value = s.view.get(name, default)
     if options is not None and value not in options and not (isinstance(value, list) and all(v in options for v in value)):
         value = default
     if clamp is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = type(value)(min(max(value, clamp[0]), clamp[1]))
-    st.session_state[key] = value
+    if key not in st.session_state or st.session_state[key] != value:
+        st.session_state[key] = value
 
     def changed():
         current = st.session_state.get(SESSION_KEY) or s

@@ -6,9 +6,9 @@ import streamlit as st
 
 from layerscope.capture.stored import has_capture
 from layerscope.ui import apply
-from layerscope.ui.jobs import get_manager
+from layerscope.ui.jobs import INTERRUPTED, get_manager
 from layerscope.ui.state import active_session, get_store, make_my_copy, viewing
-from layerscope.ui.widgets import job_status, poll_interval, wait_briefly
+from layerscope.ui.widgets import JOB_WORDS, job_status, md_text, poll_interval, wait_briefly
 
 
 def live_job(owner: str, kind: str, *, key: str, details=None, interval: float = 0.5) -> None:
@@ -65,6 +65,21 @@ def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dic
     elif stats is not None and s.capture_key and not has_capture(store, s.capture_key):
         st.caption(f"Capture {s.capture_key} is not in this store: showing the statistics saved with the session.")
     return stats
+
+
+JOB_PAGES = {"capture": "app_pages/capture.py", "analysis": "app_pages/entropy.py", "probe": "app_pages/layer_sets.py",
+             "train": "app_pages/speculate.py", "bench": "app_pages/speculate.py", "study": "app_pages/speculate.py"}
+
+
+def interrupted_jobs(owner: str) -> None:
+    """One warning per job of `owner` that a stopped server left unfinished (jobs.INTERRUPTED, from its record in
+    the store), saying how to resume, with a link to the page that starts it again and dismisses it (Home)."""
+    manager = get_manager()
+    for kind, page in JOB_PAGES.items():
+        job = manager.latest(owner, kind)
+        if job is not None and job.state == INTERRUPTED:
+            st.warning(f"{md_text(job.error)}. {md_text(job.fix)}.", icon=":material/restart_alt:")
+            st.page_link(page, label=f"Open the page of the {JOB_WORDS.get(kind, kind)}", icon=":material/arrow_forward:")
 
 
 def page_header(title: str, caption: str):

@@ -193,7 +193,7 @@ def rate_text(view: JobView) -> str:
     """The job's own throughput, when it reports one: tokens/s, steps/s."""
     m = view.metrics
     if m.get("tokens_per_s"):
-        return f"{m['tokens_per_s']:,.0f} tokens/s"
+        return f"{fmt.count(m['tokens_per_s'])} tokens/s"
     return ""
 
 
@@ -256,10 +256,29 @@ def offered(key: str, options, default=None) -> None:
             st.session_state[key] = default
 
 
+def layer_picker(where, label: str, num_layers: int, *, key: str, on_change=None, max_selections: int | None = None,
+                 placeholder: str | None = None, help: str | None = None):
+    """A multiselect of layers 0..num_layers-1 where a typed number and Enter pick that one layer. Streamlit's
+    dropdown puts "Select N matches" first when several options match what was typed ("8" matches 8, 18 and 28), and
+    Enter takes the first row: so no bulk row here, and options match by prefix, which puts the typed number first."""
+    return where.multiselect(label, list(range(num_layers)), key=key, on_change=on_change, max_selections=max_selections,
+                             placeholder=placeholder, help=help, select_all=False, filter_mode="prefix")
+
+
 # ---------------------------------------------------------------------------- number fields
 
 def refused_key(key: str) -> str:
     return f"ls_refused_{key}"
+
+
+def showing_refused_key(key: str) -> str:
+    return f"ls_refused_shown_{key}"
+
+
+def holds_refused_entry(*keys: str) -> bool:
+    """Whether a number field of `keys`, as drawn this run, shows an entry it refused (its error under it): a button
+    that acts on the fields stays off until the entry is fixed, whatever number the field still keeps."""
+    return any(st.session_state.get(showing_refused_key(k), False) for k in keys)
 
 
 def text_key(key: str) -> str:
@@ -288,6 +307,7 @@ def number_field(where, label: str, *, key: str, min_value, max_value=None, inte
     `text_key(key)`. Returns the number the field holds."""
     box = text_key(key)
     refused = st.session_state.pop(refused_key(key), None)
+    st.session_state[showing_refused_key(key)] = refused is not None     # for holds_refused_entry, this run
     if refused is None:                       # the box shows the held number; a refused entry stays in view once
         st.session_state[box] = number_text(st.session_state.get(key))
 
