@@ -91,6 +91,7 @@ def interrupts():
 
 
 RESUMING = ("capture", "train-draft", "study", "import-states")    # the commands that keep what they finished
+                                                                 # (train-draft online only: from a capture, none)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             how = received[-1] if received else "SIGINT"
             command = getattr(args, "command", None)
-            fix = RESUME[0].upper() + RESUME[1:] if command in RESUMING else \
-                f"Run the same command again: `{command or 'layerscope'}` keeps nothing of an unfinished run, so it starts over"
+            if command == "train-draft" and getattr(args, "key", None) is not None:     # no checkpoint to resume from
+                fix = ("Run the same command again: training from a capture keeps no checkpoint, so it starts over "
+                       "(online training, --model, resumes from its last checkpoint)")
+            elif command in RESUMING:
+                fix = RESUME[0].upper() + RESUME[1:]
+            else:
+                fix = f"Run the same command again: `{command or 'layerscope'}` keeps nothing of an unfinished run, so it starts over"
             print(f"error: {LayerScopeError(f'Interrupted by {how}', fix)}", file=sys.stderr)
             return 2
 

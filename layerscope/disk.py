@@ -2,6 +2,7 @@
 
     writable(store)                      the store takes a new file (a real probe: root and a read-only mount)
     directory_writable(directory)        the same for any directory (or its nearest existing ancestor)
+    output_writable(folder, what)        the same where a folder the user names (--out) is made, said as it
     free_bytes(directory)                bytes free to this user on the disk holding `directory`
     need_space(directory, nbytes, what)  the disk holding `directory` has room for an estimated output
                                          (MARGIN over the estimate, plus RESERVE for the index and small files)
@@ -15,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from layerscope import fmt
-from layerscope.store import Store, StoreWriteError, write_error
+from layerscope.store import READ_ONLY, Store, StoreWriteError, write_error
 
 MARGIN = 1.05                  # free space must exceed the estimate by 5% ...
 RESERVE = 8 * 2**20            # ... and by 8 MiB (the index, locks, small JSON files)
@@ -55,12 +56,29 @@ def mib(n: int) -> str:
 
 def directory_writable(directory: Path) -> None:
     """A file can be created in `directory`, or in its nearest existing ancestor (which then gets the folders)."""
+    try:
+        _probe(directory)
+    except OSError as e:
+        raise write_error(e, Path(directory) / ".preflight") from None
+
+
+def output_writable(folder: Path, what: str) -> None:
+    """directory_writable where the folder the user names (`what`: --out) is made beside its siblings (its parent,
+    or the nearest existing ancestor); read-only or not permitted is said of that folder, never of the store."""
+    try:
+        _probe(Path(folder).parent)
+    except OSError as e:
+        if e.errno in READ_ONLY:
+            raise StoreWriteError(f"The output folder {folder} ({what}) is not writable ({e.strerror})",
+                                  f"Pass {what} a folder you can write to (nothing was written)") from None
+        raise write_error(e, Path(folder) / ".preflight") from None
+
+
+def _probe(directory: Path) -> None:
+    """Create and remove a file in `directory` or its nearest existing ancestor; the OSError when that fails."""
     d = Path(directory)
     while not d.exists() and d != d.parent:
         d = d.parent
-    try:
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".preflight-", suffix=".tmp")
-    except OSError as e:
-        raise write_error(e, Path(directory) / ".preflight") from None
+    fd, probe = tempfile.mkstemp(dir=d, prefix=".preflight-", suffix=".tmp")
     os.close(fd)
     os.unlink(probe)

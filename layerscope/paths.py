@@ -4,6 +4,8 @@
     entry_problem(base, entry)       a store entry: None when it may be used, else why not (one line)
     existing_dir(path, what)         a directory the user named that must exist (a draft): its real path
     output_dir(path, what)           a directory about to be written and replaced whole (--out): its real path
+    length_problem(path, room)       why a path cannot be created for its length (a name over NAME_MAX bytes, the
+                                     whole over PATH_MAX), or None
 
 Links are followed deliberately and the real path is what gets checked:
 - Inside the store, an entry (`<root>/<kind>/<name>`) is a directory whose real path lies inside its kind's
@@ -83,12 +85,50 @@ def existing_dir(path, what: str, error: type[LayerScopeError] = PathError, fix:
     return target
 
 
-def output_dir(path, what: str, error: type[LayerScopeError] = PathError) -> Path:
+NAME_MAX, PATH_MAX = 255, 4096        # Linux's limits, where the file system does not say its own
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system holding `path`'s nearest existing ancestor."""
+    for d in (path, *path.parents):
+        try:
+            if d.is_dir():
+                return os.pathconf(d, "PC_NAME_MAX"), os.pathconf(d, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            continue
+    return NAME_MAX, PATH_MAX
+
+
+def _shown(text: str, most: int = 60) -> str:
+    return text if len(text) <= most else f"{text[:most // 2]}…{text[-most // 2:]}"
+
+
+def length_problem(path: Path, room: int = 0) -> str | None:
+    """Why the absolute `path` cannot be created for its length, or None: a name longer than the file system's
+    NAME_MAX bytes, or the whole longer than PATH_MAX. `room`: bytes a temporary name made beside it adds."""
+    name_max, path_max = _limits(path)
+    names = path.parts[1:]
+    for i, name in enumerate(names):
+        n, extra = len(os.fsencode(name)), room if i == len(names) - 1 else 0
+        if n + extra > name_max:
+            allowed = f"{name_max - extra} (its temporary name beside it takes {extra} more)" if extra else f"{name_max}"
+            return f"has a name of {n} bytes ({_shown(name)}); the file system allows {allowed}"
+    n = len(os.fsencode(str(path))) + room
+    if n >= path_max:
+        return f"is {n} bytes long; the system allows paths under {path_max}"
+    return None
+
+
+def output_dir(path, what: str, error: type[LayerScopeError] = PathError, room: int = 0) -> Path:
     """The real path of a directory about to be written (replaced whole, or created with its parents):
-    refused when it goes through a link loop, is a link to nothing, is a file, or when the nearest existing
-    ancestor is not a directory."""
+    refused when it goes through a link loop, is a link to nothing, is a file, when the nearest existing
+    ancestor is not a directory, or when a name or the whole is too long to create (`room`: bytes a temporary
+    name beside it adds to its last name)."""
     p = Path(path).expanduser()
     target = real(p, what, error)
+    too_long = length_problem(target, room)
+    if too_long is not None:        # checked first: a stat of such a path fails (ENAMETOOLONG)
+        raise error(f"{what} {_shown(str(path), 120)} {too_long}", "Give a shorter path")
     if p.is_symlink() and not target.exists():
         raise error(f"{what} {path} is a symbolic link to {target}, which does not exist",
                     "Give the real directory, or remove the dangling link")

@@ -5,6 +5,7 @@ themselves are in `disk`, a capture's size in `capture.size`).
     prompt_spec(spec)                    a prompt set that exists and can be opened (builtin, sharegpt, a file)
     draft_dir(path)                      a draft the user named: the path rule, its files, its metadata agreeing
     output(path)                         a directory about to be written whole (--out): the path rule, writable
+    outside_store(store, path, ...)      a folder the user names that must not lie inside the store (export-states)
     starting_drafts(paths)               the drafts a training continues (--init-from)
     train_online(store, model, sets, o)  every check of online training (workflow.train_online calls it first);
                                          online_bytes: what it writes
@@ -37,6 +38,7 @@ from huggingface_hub import try_to_load_from_cache
 from layerscope import disk, ggufhead, jsonsafe, layerset, models, paths
 from layerscope.capture import size
 from layerscope.capture.stored import open_capture
+from layerscope.draft import builtin
 from layerscope.draft.checkpoint import draft_layers, read_config, read_layers_record, read_meta
 from layerscope.draft.model import DraftConfig
 from layerscope.errors import DraftError, LayerScopeError
@@ -194,6 +196,10 @@ def prompt_spec(spec: str) -> None:
 def draft_dir(path, *, agree: bool = True) -> Path:
     """A draft directory the user named: no link loop, exists, has config.json and model.safetensors, and
     (with `agree`) its layer records agree (draft.checkpoint.draft_layers). Returns its real path."""
+    if builtin.SHORT_PREFIX_RE.fullmatch(str(path)) and not Path(path).exists():     # meant as a stored draft's key
+        raise DraftError(f"{str(path)!r} is too short to be a stored draft's key prefix (at least "
+                         f"{builtin.MIN_PREFIX} characters)", f"Type at least {builtin.MIN_PREFIX} characters of the "
+                         "key (`ls` the store's drafts/ folder), or give the draft's directory")
     real = paths.existing_dir(path, "The draft", DraftError,
                               "Give the directory `layerscope train-draft` or `layerscope export` wrote")
     missing = [f for f in ("config.json", "model.safetensors") if not (real / f).is_file()]
@@ -211,6 +217,16 @@ def output(path, what: str = "--out") -> Path:
     where = paths.output_dir(path, what, DraftError)
     disk.directory_writable(where.parent)
     return where
+
+
+def outside_store(store: Store, path, what: str, written: str) -> None:
+    """A folder the user names for `written` (`what`: --out) lies outside the store, links followed on both: the
+    store counts, evicts and lists what is inside it as its own (an export under captures/ would read as an
+    unfinished capture)."""
+    where, root = paths.real(path, what), paths.real(store.root, "The store")
+    if where == root or root in where.parents:
+        raise LayerScopeError(f"{what} {path} lies inside the store ({root}), which would count, evict or list "
+                              f"{written} as its own", f"Pass {what} a folder outside {root}")
 
 
 def outcomes_folder(path) -> None:

@@ -1,11 +1,14 @@
 """The workflow, one function per step: capture → analyze → select → train → bench → study.
 
-The CLI (layerscope/commands/) and the app's background jobs (layerscope/ui/tasks.py) call these and
-nothing else for a step, so a step is written once. Each takes an options object (the one source of
-its defaults: capture.CaptureOptions, analysis.AnalysisOptions, SelectOptions here,
-draft.train.TrainOptions, bench.BenchOptions, study.StudyOptions), the store, and a progress callback
-(the step's own progress type: capture.CaptureProgress, a fraction and a message, draft.progress's
-TrainProgress (online: OnlineProgress), bench.BenchProgress, study.StudyProgress), and returns a typed result.
+The CLI's step commands (layerscope/commands/) and the app's background jobs (layerscope/ui/tasks.py) call
+these and nothing else for a step, so a step is written once. Five commands are no step and call no function
+here for one: `captures` and `verify` (stored captures: capture.stored), `check-draft` and `export` (a draft
+directory: draft.check, draft.engine_export) and `profile` (this machine's cost curve: decoding.costmodel; it
+loads the target with `load_target`). Each step takes an options object (the one source of its defaults:
+capture.run.CaptureOptions, stats.analysis.AnalysisOptions, SelectOptions here, draft.fit.TrainOptions,
+decoding.bench.BenchOptions, study.run.StudyOptions), the store, and a progress callback (the step's own
+progress type: capture.run.CaptureProgress, a fraction and a message, draft.progress's TrainProgress (online:
+OnlineProgress), decoding.bench.BenchProgress, study.run.StudyProgress), and returns a typed result.
 
 Loading the target model is the caller's choice of `load(spec, store) -> LoadedModel`: the CLI loads
 it afresh (`load_target`), the app from its per-process cache (ui.models.get_model). Before a capture, a
@@ -40,7 +43,7 @@ from layerscope.draft.progress import OnlineProgress, ResponsesProgress, TrainPr
 from layerscope.draft.train import draft_for, train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL, LoadedModel, default_device, load_model
-from layerscope.prompts.sets import PromptSet, load_prompts
+from layerscope.prompts.sets import NoPromptFits, PromptSet, load_prompts
 from layerscope.stats import select as select_mod
 from layerscope.stats.analysis import AnalysisOptions, LayerStats
 from layerscope.stats.analysis import analyze as analyze_capture
@@ -122,7 +125,9 @@ def import_states(directory: str | Path, model: str, options: ImportOptions, sto
 
 def export_states(store: Store, capture_key: str, layers: Sequence[int], out: str | Path,
                   progress: Callable[[int, int], None] | None = None) -> dict:
-    """A stored capture written as speculators' offline training data for `layers` (+ the last layer) at `out`."""
+    """A stored capture written as speculators' offline training data for `layers` (+ the last layer) at `out`,
+    a folder outside the store (checked first, with the rest of --out's rule: capture.export_states.output_folder)."""
+    preflight.outside_store(store, out, "--out", "the export")
     return export_capture_states(open_capture(store, capture_key), out, list(layers), progress=progress)
 
 
@@ -258,14 +263,22 @@ def bench(drafts: Sequence[tuple[str, str | Path]], options: bench_mod.BenchOpti
     target = timed(load)(spec, store)
     target.check_room(1, options.max_new_tokens, "a prompt of one token", "--max-new-tokens")
     # prompts longer than the room --max-new-tokens leaves are replaced like any prompt over --max-prompt-tokens
-    options = replace(options, max_prompt_tokens=min(options.max_prompt_tokens,
-                                                     target.context_length - options.max_new_tokens))
+    room = target.context_length - options.max_new_tokens
+    limit = "--max-prompt-tokens" if options.max_prompt_tokens <= room else "--max-new-tokens"   # the tighter one
+    options = replace(options, max_prompt_tokens=min(options.max_prompt_tokens, room))
     heads = bench_mod.load_drafts(target, drafts)
     assistant = None
     if options.assistant:                     # the classic small-model draft: its tokenizer must be the target's
         assistant = load(options.assistant, store)
         bench_mod.check_assistant(target, assistant)
-    prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
+    try:
+        prompt_set, prompts = bench_mod.fitting_prompts(target.tokenizer, options, cache=store.root / "prompts")
+    except NoPromptFits as e:
+        if limit == "--max-prompt-tokens":
+            raise
+        raise NoPromptFits(f"{e.problem}: --max-new-tokens {options.max_new_tokens} leaves that much of {spec}'s "
+                           f"context of {target.context_length} tokens for a prompt",
+                           "Lower --max-new-tokens, or use a prompt set with shorter prompts") from None
     if options.machine.wait_s:                # --wait-quiet: once, before the first timing (curve or decoding)
         bench_mod.wait_quiet(options.machine, progress)
         options = replace(options, machine=replace(options.machine, wait_s=None))

@@ -16,8 +16,10 @@ ArrowDataset, hs_connectors FileTransfer; the layout is documented in capture/en
     OUT/token_freq.pt     {token id: count} over response tokens, as speculators' save_token_frequency_distribution
                           counts them (its trainer builds the draft vocabulary from it)
 
-The folder is written beside OUT under a hidden name and renamed into place when complete; an existing
-non-empty OUT is refused. Memory: one chunk's chosen layers.
+The folder is written beside OUT under a hidden name and renamed into place when complete. OUT is checked before
+anything is read (`output_folder`): links are followed (a loop or a dangling link is refused), a file, a non-empty
+folder, a name or path too long to create and a place that cannot be written are each one line; workflow.export_states
+also refuses an OUT inside the store. Memory: one chunk's chosen layers.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import pyarrow as pa
 import torch
 from safetensors import safe_open
 
-from layerscope import disk
+from layerscope import disk, paths
 from layerscope.capture.format import CaptureReader
 from layerscope.errors import CaptureError
 from layerscope.store import atomic_save_tensors
@@ -59,11 +61,9 @@ def export_states(cap: CaptureReader, out, layers: list[int],
     if not cap.manifest.get("has_prenorm_final"):
         raise CaptureError(f"Capture {cap.key} has no pre-norm final states, which speculators trains against",
                            "Capture again with this version (or import a speculators dump, which holds them)")
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CaptureError(f"{out} exists and is not empty", "Pass a new folder with --out")
+    out = output_folder(out)
     disk.need_space(out.parent, export_bytes(cap.num_tokens, len(layers) + 1, cap.hidden_size), "the export")
-    tmp = out.parent / f".{out.name}.partial"
+    tmp = out.parent / partial_name(out)
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "hidden_states").mkdir(parents=True)
     try:
@@ -78,6 +78,23 @@ def export_states(cap: CaptureReader, out, layers: list[int],
     summary["train_command"] = (f"speculators train --data-path {out} --target-layer-ids {' '.join(map(str, layers))}"
                                 f" --verifier-name-or-path <the target's Hugging Face id or directory>")
     return summary
+
+
+def partial_name(out: Path) -> str:
+    """The hidden name beside `out` the export is written under until it is complete."""
+    return f".{out.name}.partial"
+
+
+def output_folder(out) -> Path:
+    """The real path of the folder an export writes (--out), checked before anything is read or written: the path
+    rule (paths.output_dir: no link loop, no dangling link, not a file, a length the system can create with the
+    temporary name beside it), a new or empty folder, and writable where it is made; else one CaptureError or
+    StoreWriteError line."""
+    real = paths.output_dir(out, "--out", CaptureError, room=len(partial_name(Path("x"))) - 1)
+    if real.exists() and any(real.iterdir()):
+        raise CaptureError(f"{out} exists and is not empty", "Pass a new folder with --out")
+    disk.output_writable(real, "--out")
+    return real
 
 
 def export_bytes(tokens: int, states: int, hidden_size: int) -> int:

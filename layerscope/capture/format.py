@@ -48,7 +48,6 @@ finishes and lists captures in a store (layerscope/store.py: the entry directori
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -60,6 +59,7 @@ from safetensors import safe_open
 
 from layerscope import jsonsafe
 from layerscope.errors import CaptureError, StoreError
+from layerscope.store import file_sha256
 
 MAX_MANIFEST_BYTES = 64 * 2**20
 MAX_HEADER_BYTES = 100 * 2**20
@@ -78,12 +78,6 @@ def state_dtype(states) -> torch.dtype:
     big = any(t.numel() and float(t.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).amax()) > FLOAT16_MAX
               for t in tensors)
     return torch.bfloat16 if big else torch.float16
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex of the file at `path` (what a manifest records for each chunk)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---------------------------------------------------------------------------- chunk names
@@ -137,10 +131,21 @@ def known_damage(path: Path) -> str | None:
     return str(doc.get("problem") or "a check found it damaged") if isinstance(doc, dict) else None
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest of the capture directory `path`, parsed and validated; StoreError naming the key if not."""
+def clear_damage(path: Path) -> None:
+    """Forget a damage mark (mark_damaged) once a full check finds every chunk whole again (a chunk restored);
+    best effort, as the mark itself."""
+    try:
+        (Path(path) / DAMAGE_FILE).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def read_manifest(path: Path, *, marked: bool = True) -> dict:
+    """The manifest of the capture directory `path`, parsed and validated; StoreError naming the key if not.
+    With `marked` (every open and listing) a damage mark (mark_damaged) is the answer at once; the full check
+    (verify_capture_files) reads past it and decides afresh."""
     f = Path(path) / "manifest.json"
-    if (damage := known_damage(path)) is not None:
+    if marked and (damage := known_damage(path)) is not None:
         raise damaged(path, damage)
     try:
         if f.stat().st_size > MAX_MANIFEST_BYTES:
@@ -291,9 +296,10 @@ def check_chunk_files(path: Path, manifest: dict) -> None:
 
 def verify_capture_files(path: Path) -> list[str]:
     """Every problem of the capture directory `path` (full check: schema, sizes, headers and the sha256 of
-    every chunk); [] when it is sound."""
+    every chunk, whatever an earlier check marked); [] when it is sound. A chunk that does not match is marked
+    (mark_damaged); every chunk whole again clears the mark."""
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, marked=False)
         check_chunk_files(path, manifest)
     except StoreError as e:
         return [e.problem]
@@ -304,6 +310,8 @@ def verify_capture_files(path: Path) -> list[str]:
         elif file_sha256(Path(path) / c["file"]) != c["sha256"]:
             problems.append(f"chunk {c['file']} does not match its checksum (its bytes changed)")
             mark_damaged(path, problems[-1])
+    if not any("does not match" in p for p in problems):
+        clear_damage(path)
     return problems
 
 

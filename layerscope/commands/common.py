@@ -1,13 +1,19 @@
-"""Helpers every subcommand uses: the store, JSON output, a progress bar on stderr."""
+"""Helpers every subcommand uses: the store, JSON output, a progress bar on stderr, and the options several
+commands share (lists, layer sets, the training flags of train-draft and study, --wait-quiet)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 
 from tqdm import tqdm
 
 from layerscope import eta, layerset
+from layerscope.draft.fit import TrainOptions
+from layerscope.draft.online import OnlineOptions
+from layerscope.errors import LayerScopeError
 from layerscope.machine import WAIT_S, MachineOptions
 from layerscope.store import Store
 from layerscope.validate import parse_duration
@@ -28,6 +34,46 @@ def print_json(obj) -> None:
 def parse_layers(text: str) -> list[int]:
     """'2,15,27' -> [2, 15, 27]; a clear error for anything else, an empty list included (layerset.parse)."""
     return layerset.parse(text)
+
+
+def parse_list(text: str, flag: str, kind) -> list:
+    """'0,1,2' -> [0, 1, 2] (kind int) or finite floats (kind float); a clear error for anything else."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LayerScopeError(f"{flag} {text!r} is not a comma-separated list of {kind.__name__}s",
+                              f"Write it like {flag} 0,1") from None
+    if kind is float and any(not math.isfinite(v) for v in values):
+        raise LayerScopeError(f"{flag} {text!r} holds a value that is not a finite number", f"Write it like {flag} 0,1")
+    return values
+
+
+def add_training_arguments(p) -> None:
+    """The training flags train-draft and study share, written once (defaults: TrainOptions and OnlineOptions): the
+    budget (--steps, --tokens, --time), the recipe (--ttt-steps, --batch-size, --seq-len, --lr, --fc-norm) and
+    online training's data (--responses, --val-conversations)."""
+    t, on = TrainOptions(), OnlineOptions()
+    p.add_argument("--steps", type=int, default=t.steps,
+                   help="training budget per draft, in optimizer steps (training from a capture: default 300 on a "
+                        "CPU, 2000 on a GPU)")
+    p.add_argument("--tokens", default=None, help="budget in tokens through the draft, e.g. 2M or 500k")
+    p.add_argument("--time", default=None, help="budget in training time, e.g. 45m, 2h, 1h30m")
+    p.add_argument("--ttt-steps", type=int, default=t.ttt_steps,
+                   help="unrolled draft steps in training, 1..7 (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=t.batch_size,
+                   help="windows per step (online: conversations per step); default %(default)s")
+    p.add_argument("--seq-len", type=int, default=t.seq_len, help="rows per draft window (default %(default)s)")
+    p.add_argument("--lr", type=float, default=t.lr, help="learning rate (default %(default)s)")
+    p.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=t.fc_norm,
+                   help="an RMSNorm on each auxiliary layer's state before fc (EAGLE-3.1: the layers' states have very "
+                        "different norms, and the largest dominate fc); saved as fc_norm, which vLLM, SGLang, "
+                        "SpecForge and speculators read")
+    p.add_argument("--responses", default=on.responses, choices=["regenerate", "own"],
+                   help="online: 'regenerate' = the target's own greedy answers, generated once and stored as token "
+                        "ids (EAGLE-3's choice); 'own' = the conversations' own assistant turns (ShareGPT, faster) "
+                        "(default %(default)s)")
+    p.add_argument("--val-conversations", type=int, default=on.val_conversations,
+                   help="online: held-out training conversations for the learning curve (default %(default)s)")
 
 
 def add_wait_quiet(p) -> None:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from layerscope import workflow
-from layerscope.commands.common import Progress, open_store, parse_layers, print_json
-from layerscope.commands.study import parse_list
+from layerscope.commands.common import Progress, open_store, parse_layers, parse_list, print_json
 from layerscope.draft import probe as probe_mod
 
 NAME = "probe"
@@ -30,8 +29,8 @@ def add_arguments(p) -> None:
                         "(default %(default)s)")
     p.add_argument("--top", type=int, default=d.top, help="sets a search reports (default %(default)s)")
     p.add_argument("--max-memory-gb", type=float, default=d.max_memory_gb,
-                   help="refuse a probe that would hold more than this many GB (default: half the memory "
-                        "available when it starts, at least 6)")
+                   help="refuse a probe that would hold more than this many GB (default: three quarters "
+                        "of the memory available when it starts, at least 6)")
     p.add_argument("--model", default=None, help="target model spec (default: the capture's model)")
     p.add_argument("--fresh", action="store_true", help="recompute instead of using the stored result")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from layerscope import workflow
-from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, parse_layers, print_json
+from layerscope.commands.common import (
+    Progress,
+    add_training_arguments,
+    add_wait_quiet,
+    machine_options,
+    open_store,
+    parse_layers,
+    parse_list,
+    print_json,
+)
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import DoneProgress, EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.errors import LayerScopeError
 from layerscope.stats.analysis import AnalysisOptions
+from layerscope.stats.entropy import KERNELS
 from layerscope.study.run import StudyOptions, budget_text, format_study
 from layerscope.validate import parse_count, parse_duration
 
@@ -22,7 +31,7 @@ HELP = ("train one draft per strategy's layer set (and per training seed) with t
 
 
 def add_arguments(p) -> None:
-    d, t, a = StudyOptions(), TrainOptions(), AnalysisOptions()
+    d, a = StudyOptions(), AnalysisOptions()
     p.add_argument("key", help="capture key (a unique prefix is enough)")
     p.add_argument("--model", default=None, help="target model spec (default: the capture's model)")
     p.add_argument("--strategies", default=",".join(d.strategies),
@@ -33,7 +42,7 @@ def add_arguments(p) -> None:
                    help="random control sets that 'random' adds (default %(default)s)")
     p.add_argument("--seeds", default=None, metavar="S1,S2,...",
                    help="training seeds: each set is trained once per seed, the table shows the spread (default: --seed)")
-    p.add_argument("--kernel", choices=("linear", "cosine"), default=a.kernel,
+    p.add_argument("--kernel", choices=KERNELS, default=a.kernel,
                    help="token preparation of the statistics that pick the sets: linear = standard linear CKA, "
                         "cosine = unit-length tokens (default %(default)s); the proxies are reported under both")
     p.add_argument("--min-entropy", type=float, default=a.min_entropy,
@@ -44,12 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", action="append", default=[], metavar="L1,L2,...", help="a hand-picked set (repeatable)")
     p.add_argument("--k", type=int, default=d.k, help="layers per set (default %(default)s)")
     p.add_argument("--lam", type=float, default=d.lam, help="λ of the greedy mRMR strategy (default %(default)s)")
-    p.add_argument("--steps", type=int, default=t.steps,
-                   help="training budget per draft, in optimizer steps (default 300 on a CPU, 2000 on a GPU)")
-    p.add_argument("--ttt-steps", type=int, default=t.ttt_steps, help="default %(default)s")
-    p.add_argument("--batch-size", type=int, default=t.batch_size, help="default %(default)s")
-    p.add_argument("--seq-len", type=int, default=t.seq_len, help="default %(default)s")
-    p.add_argument("--lr", type=float, default=t.lr, help="default %(default)s")
+    add_training_arguments(p)      # --steps --tokens --time --ttt-steps --batch-size --seq-len --lr --fc-norm
+    #                                --responses --val-conversations, as train-draft takes them
     on = OnlineOptions()
     p.add_argument("--online", action="store_true",
                    help="train the drafts online (the target in the loop, every set from one target pass per seed, "
@@ -59,18 +64,10 @@ def add_arguments(p) -> None:
     p.add_argument("--train-kinds", default=on.kinds, metavar="KIND=W,...",
                    help="online, --train-prompts sharegpt: draw the training conversations by kind of first request, "
                         "as train-draft --kinds takes it (e.g. code=2,summarization=2; docs/training.md)")
-    p.add_argument("--responses", choices=("regenerate", "own"), default=on.responses,
-                   help="online: the target's own answers or the conversations' own (default %(default)s)")
     p.add_argument("--train-max-prompt-tokens", type=int, default=on.max_prompt_tokens,
                    help="online: longer training prompts are left out (default %(default)s)")
     p.add_argument("--train-max-new-tokens", type=int, default=on.max_new_tokens,
                    help="online: cap of the regenerated answers (default %(default)s)")
-    p.add_argument("--val-conversations", type=int, default=on.val_conversations,
-                   help="online: held-out training conversations for the learning curves (default %(default)s)")
-    p.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=t.fc_norm,
-                   help="every draft with an RMSNorm on each auxiliary state before fc (EAGLE-3.1; see train-draft)")
-    p.add_argument("--tokens", default=None, help="online budget in tokens, e.g. 2M")
-    p.add_argument("--time", default=None, help="online budget in training time, e.g. 45m")
     p.add_argument("--sets-per-pass", type=int, default=d.sets_per_pass, metavar="N",
                    help="online: train N sets per target pass (default: all in one), each pass benchmarked as it "
                         "finishes: passes sized to what one sitting of the machine can finish (sets already in "
@@ -118,15 +115,6 @@ def options_from_args(args) -> StudyOptions:
                         random_sets=args.random_sets, filters=tuple(parse_list(args.filters, "--filters", float)),
                         online=online, machine=machine_options(args), sets_per_pass=args.sets_per_pass,
                         outcomes=args.outcomes)
-
-
-def parse_list(text: str, flag: str, kind) -> list:
-    """'0,1,2' -> [0, 1, 2] (kind int) or floats; a clear error for anything else."""
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise LayerScopeError(f"{flag} {text!r} is not a comma-separated list of {kind.__name__}s",
-                              f"Write it like {flag} 0,1") from None
 
 
 def run(args) -> int:

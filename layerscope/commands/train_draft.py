@@ -18,8 +18,8 @@ import torch
 
 from layerscope import fmt, preflight, workflow
 from layerscope.capture.stored import open_capture
-from layerscope.commands.common import Progress, open_store, parse_layers, print_json
-from layerscope.draft import builtin
+from layerscope.commands.common import Progress, add_training_arguments, open_store, parse_layers, print_json
+from layerscope.draft import builtin, init_from
 from layerscope.draft.fit import TrainOptions
 from layerscope.draft.online import OnlineOptions
 from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
@@ -48,30 +48,18 @@ def add_arguments(p) -> None:
                         "code=2,translation=2,summarization=2 (kinds: code, translation, summarization, math, chat; "
                         "a weight is how many times more often than weight 1, 0 leaves the kind out, a kind not "
                         "named keeps 1, *=W sets the rest; docs/training.md has the rules)")
-    p.add_argument("--responses", default=D["responses"], choices=["regenerate", "own"],
-                   help="online: 'regenerate' = the target's own greedy answers, generated once and stored as token "
-                        "ids (EAGLE-3's choice); 'own' = the conversations' own assistant turns (ShareGPT, faster)")
     p.add_argument("--max-new-tokens", type=int, default=D["max_new_tokens"], help="online: response length cap")
     p.add_argument("--max-prompt-tokens", type=int, default=D["max_prompt_tokens"], help="online: longer prompts are left out")
-    p.add_argument("--val-conversations", type=int, default=D["val_conversations"],
-                   help="online: held-out conversations for the learning curve")
     p.add_argument("--eval-points", type=int, default=D["eval_points"], help="held-out evaluations over the budget")
     p.add_argument("--layers", action="append", default=None,
                    help="a layer set, e.g. 2,15,27 (hidden_states indices 0..N-1); repeat for several sets")
     p.add_argument("--strategy", default=None,
                    help="capture training: take the set from selection instead: default | entropy-topk | greedy | aggregate | spread")
     p.add_argument("--k", type=int, default=3, help="layers to select with --strategy")
-    p.add_argument("--steps", type=int, default=None,
-                   help="budget in optimizer steps (capture training default: 300 on a CPU, 2000 on a GPU)")
-    p.add_argument("--tokens", default=None, help="budget in tokens through the draft, e.g. 2M or 500k")
-    p.add_argument("--time", default=None, help="budget in training time, e.g. 45m, 2h, 1h30m")
+    add_training_arguments(p)      # --steps --tokens --time --ttt-steps --batch-size --seq-len --lr --fc-norm
+    #                                --responses --val-conversations, as study takes them
     p.add_argument("--out", default=None, help="capture training: draft directory to write (default: the store)")
-    p.add_argument("--ttt-steps", type=int, default=T["ttt_steps"], help="unrolled draft steps in training (1..7)")
     p.add_argument("--seed", type=int, default=T["seed"])
-    p.add_argument("--lr", type=float, default=T["lr"])
-    p.add_argument("--batch-size", type=int, default=T["batch_size"],
-                   help=f"windows per step (online: conversations per step); default {T['batch_size']}")
-    p.add_argument("--seq-len", type=int, default=T["seq_len"], help=f"rows per draft window (default {T['seq_len']})")
     p.add_argument("--warmup", type=int, default=T["warmup"], help=f"linear warm-up steps (default {T['warmup']})")
     p.add_argument("--feature-loss", type=float, default=T["feature_loss"],
                    help="weight of the feature regression toward the target's final hidden state (EAGLE-1; 0 = off)")
@@ -79,16 +67,14 @@ def add_arguments(p) -> None:
                    help="Gaussian noise added to the auxiliary hidden states in training (0 = off)")
     p.add_argument("--freeze-lm-head", action=argparse.BooleanOptionalAction, default=T["freeze_lm_head"],
                    help="keep lm_head at the target's rows and the final norm at the target's (frozen)")
-    p.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=T["fc_norm"],
-                   help="an RMSNorm on each auxiliary layer's state before fc (EAGLE-3.1: the layers' states have very "
-                        "different norms, and the largest dominate fc); saved as fc_norm, which vLLM, SGLang, "
-                        "SpecForge and speculators read")
     p.add_argument("--warm-start", type=int, default=T["warm_start"],
                    help="steps of data for a closed-form (ridge) fc before gradient training (0 = off)")
     p.add_argument("--init-from", action="append", default=None, metavar="DRAFT",
                    help="continue training this draft (a directory, a stored draft's key, or builtin) instead of a "
                         "fresh head; one per --layers set, matched by its layers; the budget is what is added")
-    p.add_argument("--draft-vocab", type=int, default=T["draft_vocab"], help="draft vocabulary size (most frequent response tokens)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"draft vocabulary size (most frequent response tokens; default {T['draft_vocab']}, with "
+                        "--init-from the continued draft's own)")
     p.add_argument("--val-fraction", type=float, default=T["val_fraction"], help="capture training: held-out conversations")
     p.add_argument("--checkpoint-every", default="5m", help="online: training time between checkpoints (default 5m)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
@@ -105,6 +91,9 @@ def run(args) -> int:
                          "E.g. train-draft --model smollm2-135m --prompts sharegpt --layers 2,15,27 --tokens 2M")
     store = open_store(args)
     args.init_from = tuple(str(builtin.resolve(d, args.model, store)) for d in (args.init_from or ()))
+    if args.draft_vocab is None:            # a continued draft keeps its vocabulary: its size is the default
+        preflight.starting_drafts(args.init_from)
+        args.draft_vocab = init_from.vocab_of(args.init_from) or T["draft_vocab"]
     if args.model is not None:              # workflow.train_online and workflow.train check the rest before any load
         return run_online(args, store)
     return run_capture(args, store)
@@ -186,6 +175,9 @@ def recipe(args) -> dict:
 
 
 def run_capture(args, store) -> int:
+    if args.kinds is not None:
+        raise DraftError("--kinds weights the conversations online training draws; training from a capture uses the "
+                         "capture's own conversations", "Pass --model to train online, or leave --kinds out")
     if args.layers is not None and len(args.layers) > 1:
         raise DraftError("Several --layers sets train in one pass only online",
                          "Pass --model to train online, or run train-draft once per set")

@@ -101,7 +101,12 @@ class BenchOptions:
         check_number("--max-new-tokens", self.max_new_tokens, minimum=1, maximum=MAX_NEW_TOKENS, integer=True)
         check_number("--max-prompt-tokens", self.max_prompt_tokens, minimum=1, maximum=MAX_NEW_TOKENS, integer=True)
         check_number("--limit", self.limit, minimum=1, integer=True, fix="Pass --limit 1 or more")
+        check_number("--prompt-lookup", self.lookup_tokens, minimum=1, integer=True,
+                     fix="Pass --prompt-lookup 1 or more (prompt_lookup_num_tokens of the HF peer; default 10)")
         specdec.lookup_span(self.draft_lookup, "--lookup")
+        if self.auto_even_if_slower and not (self.auto_k or self.auto_tree):
+            raise LayerScopeError("--auto-even-if-slower applies to --k auto and --tree auto, and neither is given",
+                                  "Add --k auto or --tree auto, or leave --auto-even-if-slower out")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from layerscope.errors import DraftError
 from layerscope.models import DEFAULT_MODEL
 from layerscope.store import ENTRY_NAME_RE
 
+MIN_PREFIX = 4
 KEY_PREFIX_RE = re.compile(r"[0-9a-f]{4,24}")       # a stored draft's key or a prefix of it (4 hex at least)
+SHORT_PREFIX_RE = re.compile(r"[0-9a-f]{1,3}")      # hex too short to be taken as a prefix (preflight.draft_dir says so)
 
 BUILTIN = "builtin"
 ROOT = Path(__file__).resolve().parent.parent / "data" / "drafts"

@@ -3,6 +3,7 @@
     start = starting_point(paths, sets, target, draft_vocab, fc_norm)     one stored draft per layer set, by layers
     build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/fit.py)
     key_part(paths)                                                the weights' sha256, for the run's store key
+    vocab_of(paths)                                                the drafts' vocabulary size: the run's default
 
 TrainOptions.init_from names the drafts (`train-draft --init-from DRAFT`, repeatable; `builtin` is the shipped
 one). Every set of the run needs exactly one of them reading its layers, and they must share one draft
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from layerscope.draft.checkpoint import load_draft, read_meta
+from layerscope.draft.checkpoint import load_draft, read_config, read_meta
 from layerscope.draft.model import DraftHead
 from layerscope.errors import DraftError
 
@@ -52,6 +53,15 @@ def key_part(paths) -> dict:
     """What a continued run's store key adds to its options: the starting weights' sha256 (not where they
     lie); {} for a fresh run, so its key is the one it had before init_from existed."""
     return {"init": [weights_sha256(p) for p in paths]} if paths else {}
+
+
+def vocab_of(paths) -> int | None:
+    """The draft vocabulary size of the first starting draft (its config.json's draft_vocab_size), which a continued
+    run keeps, so it is the run's draft_vocab unless one is given; None without paths, or when the config has none."""
+    if not paths:
+        return None
+    size = read_config(paths[0]).get("draft_vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_norm: bool = False) -> StartingPoint | None:
@@ -87,7 +97,8 @@ def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_no
     if any(not torch.equal(h.d2t.detach().cpu(), d2t) for h in heads[1:]):
         raise DraftError("The --init-from drafts have different draft vocabularies",
                          "Continue drafts that were trained in one run together, or continue each in its own run")
-    if len(d2t) != int(draft_vocab):
+    vocab = int(target.model.get_input_embeddings().weight.shape[0])
+    if len(d2t) != min(int(draft_vocab), vocab):         # a run's V is min(draft_vocab, the target's vocabulary)
         raise DraftError(f"The --init-from draft's vocabulary has {len(d2t)} tokens, not --draft-vocab {draft_vocab}",
                          f"Pass --draft-vocab {len(d2t)} (a continued draft keeps its vocabulary)")
     records = []

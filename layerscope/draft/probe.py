@@ -24,15 +24,15 @@ With `store`, each given set's score and each search is cached (namespace "probe
 
 The map. A draft reading layer set S sees at row t the states h_l[t] (l in S) and the target's input embedding
 of token t+1, and its first proposal is judged against the target's choice at p = t+1. For every counted
-position p (draft.train's rule, `split_of(...).counted`: token p+1 exists and is a response token of the same
-conversation; and p−1 lies in that conversation too):
+position p (draft training's rule, draft.data's `split_of(...).counted`: token p+1 exists and is a response
+token of the same conversation; and p−1 lies in that conversation too):
     x_p = [h_l[p−1] for l in S] ++ embed(token_p) ++ [1]     [(|S| + 1)·d + 1]
     y_p = h_N[p]                                               [d], post-norm: what lm_head reads (predicts p+1)
     W(λ) = (XᵀX + λD)⁻¹ XᵀY                                    float64 normal equations, D = diag of the centred
                                                                Gram (each column's own spread), 0 for the bias
     agreement          = share of held-out p with argmax lm_head(x_p W) == argmax lm_head(y_p)  (the target's)
     explained_variance = 1 − Σ‖y − ŷ‖² / Σ‖y − ȳ‖²             over held-out p, ȳ their mean
-Splits, by whole conversations: held-out = draft.train.split_conversations(conversation, val_fraction, seed),
+Splits, by whole conversations: held-out = draft.data.split_conversations(conversation, val_fraction, seed),
 the draft's own split with TrainOptions' defaults, so the agreement reads like a draft's held-out agreement at
 position 1 (same conversations, same positions); on a small capture it holds out at least MIN_HELD_OUT (5)
 conversations where a third of them allows (held_out_conversations: 5 of the default capture's 16, the draft's 2
@@ -108,8 +108,9 @@ class ProbeOptions:
     candidates: tuple[int, ...] | None = None             # layers a search may pick (None: 0..N-1)
     top: int = 5                                          # sets a search reports, best first
     batch_rows: int = 1024                                # fit rows per Gram update
-    max_memory_gb: float | None = None                    # refuse a probe that would hold more than this; None: half
-                                                          # the memory available when it starts, at least MIN_MEMORY_GB
+    max_memory_gb: float | None = None                    # refuse a probe that would hold more than this; None: three
+                                                          # quarters of the memory available when it starts, at least
+                                                          # MIN_MEMORY_GB
 
     def validate(self) -> None:
         def num(name, lo, hi, fix, **kw):
@@ -295,7 +296,7 @@ class Positions:
 
 
 def positions(cap, o: ProbeOptions) -> Positions:
-    """The counted positions (draft.train's rule; p − 1 in the same conversation) of each split."""
+    """The counted positions (draft.data's `split_of` rule; p − 1 in the same conversation) of each split."""
     cap.require_every_position("the probe", "Choose a strategy that reads the statistics only, or capture again "
                                "without --sample-positions")
     tok = cap.tokens()
@@ -540,7 +541,7 @@ def check_memory(pos: Positions, blocks: int, d: int, cap, o: ProbeOptions) -> N
     need = (gram + kept + chunk) / 2**30
     limit = memory_limit_gb(o)
     if need > limit:
-        said = f"max_memory_gb={limit:g}" if o.max_memory_gb is not None else f"half the memory available now, {limit:.1f} GB"
+        said = f"max_memory_gb={limit:g}" if o.max_memory_gb is not None else f"three quarters of the memory available now, {limit:.1f} GB"
         raise ProbeError(f"The probe over {blocks - 1} layers of capture {cap.key} would hold {need:.1f} GB (more than {said})",
                          "Probe fewer candidate layers (--candidates) or raise --max-memory-gb")
 
@@ -549,12 +550,14 @@ MIN_MEMORY_GB = 6.0
 
 
 def memory_limit_gb(o: ProbeOptions) -> float:
-    """What a probe may hold: o.max_memory_gb, else half the memory available now, at least MIN_MEMORY_GB (a 28-layer
-    probe at d=1536 holds ~9.5 GB: more than a fixed 6 GB allowed on a machine with room for it)."""
+    """What a probe may hold: o.max_memory_gb, else three quarters of the memory available now, at least MIN_MEMORY_GB
+    (a 28-layer probe at d=1536 holds ~9.4 GB: more than a fixed 6 GB allowed on a machine with room for it). Not half:
+    a study's probe runs beside its own loaded target and a busy machine's other work, and on 24 GB with the 1.5B
+    loaded half the available memory (9.2 GB) refused that 9.4 GB probe, which the machine held with room to spare."""
     if o.max_memory_gb is not None:
         return o.max_memory_gb
     available = available_memory(cuda=False)
-    return max(MIN_MEMORY_GB, available / 2**30 / 2) if available else MIN_MEMORY_GB
+    return max(MIN_MEMORY_GB, available / 2**30 * 3 / 4) if available else MIN_MEMORY_GB
 
 
 # ----------------------------------------------------------------------------- entry points

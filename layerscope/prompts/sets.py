@@ -50,6 +50,10 @@ BUILTIN_PATH = Path(__file__).resolve().parents[1] / "data" / "builtin_prompts.j
 PREVIEW_CHARS = 200
 
 
+class NoPromptFits(PromptSetError):
+    """No prompt of the set fits the token limit (load_fitting_prompts): the caller may name what set the limit."""
+
+
 @dataclass
 class PromptSet:
     """An ordered list of prompts, with the hash that names them and what was skipped while loading."""
@@ -257,8 +261,8 @@ def load_fitting_prompts(spec: str, tokenizer, *, limit: int | None, max_tokens:
             break
         want += 2 * (limit - len(kept)) + 8
     if not kept:
-        raise PromptSetError(f"no prompt of {loaded.name} fits in {max_tokens} tokens",
-                             "Raise the prompt-token limit or use another prompt set")
+        raise NoPromptFits(f"no prompt of {loaded.name} fits in {max_tokens} tokens",
+                           "Raise the prompt-token limit or use another prompt set")
     warnings = list(loaded.warnings)
     if skipped:
         warnings.append(f"left out {skipped} prompts longer than {max_tokens} tokens"

@@ -53,6 +53,7 @@ from layerscope.prompts.sets import load_prompts
 from layerscope.stats import paired, select
 from layerscope.stats.analysis import AnalysisOptions, analyze
 from layerscope.stats.correlation import spearman
+from layerscope.stats.entropy import KERNELS
 from layerscope.stats.paired import PromptRuns
 from layerscope.store import make_key
 from layerscope.study import outcomes
@@ -84,7 +85,7 @@ class StudyOptions:
     random_sets: int = 2                               # seeded random control sets the "random" strategy adds
     online: OnlineOptions | None = None                # train every set online instead (all sets from one target pass
                                                        # per seed), with these options; None: from the capture
-    kernels: tuple[str, ...] = ("linear", "cosine")    # proxy versions: token preparation of entropy and CKA ...
+    kernels: tuple[str, ...] = KERNELS                  # proxy versions: token preparation of entropy and CKA ...
     filters: tuple[float, ...] = (0.0, 0.5, 1.0)       # ... × token-entropy threshold in nats (0: no filter)
     machine: MachineOptions = field(default_factory=MachineOptions)   # the benchmark's quiet rule and --wait-quiet
     probe: ProbeOptions | None = field(default_factory=ProbeOptions)  # the training-free `probe` proxy (None: off)
@@ -100,6 +101,9 @@ class StudyOptions:
         check_number("--k", self.k, minimum=1, maximum=MAX_K, integer=True)
         check_number("--sets-per-pass", self.sets_per_pass, minimum=1, integer=True, optional=True,
                      fix="Pass --sets-per-pass 1 or more, or leave it out to train every set in one pass")
+        for threshold in self.filters:
+            check_number("--filters", threshold, minimum=0,
+                         fix="Pass token-entropy thresholds in nats, 0 or more, e.g. --filters 0,0.5,1")
         self.bench_options().validate()
 
     def bench_options(self) -> bench.BenchOptions:
