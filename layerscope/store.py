@@ -84,6 +84,12 @@ def make_key(obj) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 hex of the file at `path`, read in blocks (a capture chunk's, a GGUF file's)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 # ---------------------------------------------------------------------------- writes
 
 class StoreWriteError(StoreError):

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from layerscope import plots
+from layerscope.capture import stored
 from layerscope.capture.run import capture
 from layerscope.models import load_model
 from layerscope.prompts.sets import load_prompts
 from layerscope.session import storage
 from layerscope.session.model import Session
+from layerscope.stats.analysis import LayerStats, analyze
 from layerscope.ui import apply, compare
 from tests.test_app import charts, new_app, no_exception, settle
 
@@ -43,6 +45,14 @@ def test_the_cka_difference_summary_finds_the_pair_that_changed():
     assert torch.allclose(d.diff, a - b)
     with pytest.raises(ValueError, match="one size"):
         compare.cka_difference(a, cka_like(4, 1))
+
+
+def test_statistics_saved_without_a_kernel_read_as_cosine_as_layer_stats_reads_them():
+    """Before the kernel option every statistic was computed on row-normalised tokens: cosine, not linear."""
+    old = {"options": {"alpha": 1.0}}
+    assert compare.kernel_of(old) == LayerStats.kernel_of(old) == "cosine"
+    assert compare.kernel_of({"kernel": "linear", "options": {"kernel": "linear"}}) == "linear"
+    assert compare.kernel_of({"options": {"kernel": "linear"}}) == "linear"
 
 
 def test_a_difference_heatmap_only_for_equal_layer_counts():
@@ -222,6 +232,26 @@ def test_compare_page_overlays_entropy_and_differences_cka(app_store, three_capt
     assert any("same capture" in w.value for w in at.warning)
     assert all(v == 0 for row in charts(at)[1]["data"][0]["z"] for v in row)
     assert {m.label: m.value for m in at.metric}["Mean |ΔCKA|"] == "0.0000"
+
+
+def test_compare_page_warns_that_statistics_saved_without_a_kernel_are_not_linear(app_store, three_captures):
+    """A session's statistics from before the kernel option (no kernel field) beside linear ones: the kernels
+    differ (the old ones are cosine), and the page says their CKA values are not on one footing."""
+    a, b, _ = three_captures
+    old = analyze(stored.open_capture(app_store, a)).to_dict()
+    del old["kernel"]
+    del old["options"]["kernel"]
+    s = Session()
+    apply.open_capture(s, app_store, a)
+    apply.set_stats(s, old, {})
+    storage.save(s, app_store)
+    at = new_app(s.id).run()
+    at.switch_page("app_pages/compare.py").run()
+    settle(at)
+    at.selectbox(key="ls_w_cmp_b").set_value(b).run()
+    settle(at)
+    no_exception(at)
+    assert any("A's statistics use the cosine kernel, B's the linear kernel" in w.value for w in at.warning)
 
 
 def test_compare_page_runs_table_filters_by_capture(app_store, three_captures):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import time
 from dataclasses import FrozenInstanceError, asdict, fields
 from pathlib import Path
 
@@ -138,13 +139,19 @@ def test_a_resume_from_a_checkpoint_without_recorded_starts_counts_the_unknown_f
     resume at step 512, the first start's time unknown (None, and no wall time), the recorded part's known."""
     old = FitState.from_json({**FitState(1, step=512, tokens=722_629).to_json(), "starts": []})
     note_start(old)
+    old.starts[-1][0] -= 60                                   # the resume began a minute ago
     went = history(old)
+    since_resume = time.time() - old.starts[-1][0]            # measured after history(): an upper bound
     assert (went["starts"], went["resumed"], went["resumed_at"]) == (2, 1, [{"step": 512, "tokens": 722_629}])
-    assert went["first_start"] is None and went["wall_s"] is None and went["recorded_wall_s"] >= 0
+    assert went["first_start"] is None and went["wall_s"] is None
+    assert 60 - 0.05 <= went["recorded_wall_s"] <= since_resume + 0.05     # from the resume, the one known start
     fresh = FitState(1)
     note_start(fresh)
+    fresh.starts[0][0] -= 60                                  # the training began a minute ago
     went = history(fresh)
-    assert (went["starts"], went["resumed"]) == (1, 0) and went["wall_s"] == went["recorded_wall_s"] >= 0
+    since_start = time.time() - fresh.starts[0][0]
+    assert (went["starts"], went["resumed"]) == (1, 0) and went["wall_s"] == went["recorded_wall_s"]
+    assert 60 - 0.05 <= went["recorded_wall_s"] <= since_start + 0.05
     assert went["first_start"] <= went["finished"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -377,7 +378,11 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_cleanly(tmp_path):
     assert "run the same command again to continue" in err
     run_dir = next((store_dir / "runs").iterdir())
     ckpts = complete_checkpoints(run_dir)
-    assert len(ckpts) == 1 and json.loads((ckpts[0] / "state.json").read_text())["step"] >= 0
+    stopped = re.search(r"Training stopped at step (\d+)", err)
+    assert stopped, err[-2000:]
+    step = int(stopped.group(1))                    # the step the run reports: its checkpoint is that step's
+    assert len(ckpts) == 1 and ckpts[0].name == f"ckpt-{step:09d}"
+    assert json.loads((ckpts[0] / "state.json").read_text())["step"] == step
 
 
 def test_app_job_trains_every_set_online_with_live_progress(tmp_path, one_thread):

@@ -347,7 +347,10 @@ def test_archive_with_drafts_round_trips_into_another_store(tiny, store, tmp_pat
         (other.path("drafts", "b" * 24) / "layerscope.json").write_text("{}")  # another draft under that name
         third = share.import_archive(data, other)
         assert third.drafts[1].startswith(str(other.path("drafts", "b" * 24)) + "-")
-        assert load_draft(third.drafts[1], tiny) is not None
+        renamed = load_draft(third.drafts[1], tiny)                # draft b, imported under a new name
+        assert list(renamed.aux_layers) == [1, 3]
+        (a, ha), (b, hb) = _draft_logits(load_draft(s.drafts[1]["path"], tiny), tiny), _draft_logits(renamed, tiny)
+        assert torch.equal(a, b) and torch.equal(ha, hb)
     finally:
         other.close()
 

@@ -222,7 +222,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_logged(manager, st
     key = next(c["key"] for c in list_captures(store))
     task = tasks.train_job(store=store, capture_key=key, model="tiny-llama", layers=[1, 2], strategy=None,
                            name="mine", options={"no_such_option": 1})
-    with caplog.at_level(logging.ERROR, logger="layerscope.jobs"):
+    with caplog.at_level(logging.ERROR, logger="layerscope.ui.jobs"):
         job = manager.submit("s5", "train", task, title="Draft for mine")
         assert job.wait(TIMEOUT)
     v = job.view()

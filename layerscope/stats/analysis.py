@@ -115,9 +115,10 @@ class LayerStats:
 
     @staticmethod
     def kernel_of(d: dict) -> str:
-        """The kernel statistics in `to_dict` form were computed with. Statistics from before the kernel option
-        (no "kernel" key) were computed on row-normalised tokens, so they read as "cosine"."""
-        return str(d.get("kernel") or (d.get("options") or {}).get("kernel", "cosine"))
+        """The kernel statistics in `to_dict` form were computed with (every reader asks here: the pages, the
+        Compare page, `from_dict`). Statistics from before the kernel option (no "kernel" key) were computed on
+        row-normalised tokens, so they read as "cosine"."""
+        return str(d.get("kernel") or (d.get("options") or {}).get("kernel") or "cosine")
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerStats":

@@ -44,7 +44,8 @@ class CKAResult:
 # ---- per pair, float64: the reference ------------------------------------------------------------
 
 def hsic_unbiased_gram(k: torch.Tensor, l: torch.Tensor) -> float:
-    """Unbiased HSIC (Song et al. 2012) from two n×n Grams, textbook form (n ≥ 4)."""
+    """Unbiased HSIC (Song et al. 2012) from two n×n Grams, textbook form (n ≥ 4). A reference implementation kept
+    for the tests, which check the feature-space debiased CKA against it; LayerScope's own code does not call it."""
     n = k.shape[0]
     k = k.to(torch.float64).clone().fill_diagonal_(0)
     l = l.to(torch.float64).clone().fill_diagonal_(0)
@@ -157,7 +158,8 @@ def cka_all_pairs(p: torch.Tensor, debiased: bool = True, block: int = 4096, rou
 
 
 def cka_matrix(layers, debiased: bool = True, block: int = 4096, kernel: str = "linear") -> CKAResult:
-    """All-pairs CKA from raw layers: a list of [n, d] tensors or a tensor [L, n, d]."""
+    """All-pairs CKA from raw layers: a list of [n, d] tensors or a tensor [L, n, d]. A reference implementation kept
+    for the tests (the analysis prepares each layer once itself and calls `cka_all_pairs`)."""
     check_kernel(kernel)
     p = torch.stack([prepare(z, kernel).to(torch.float32) for z in layers], dim=1)
     return cka_all_pairs(p, debiased=debiased, block=block)

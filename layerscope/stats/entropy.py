@@ -93,7 +93,8 @@ def renyi(eigs: torch.Tensor, alpha: float = 1.0) -> float:
 
 def matrix_entropy(z: torch.Tensor, alpha: float = 1.0, route: str = "auto", prepared: bool = False,
                    kernel: str = "linear") -> float:
-    """Rényi matrix entropy (nats) of one layer's tokens Z [n, d] under the `kernel` preparation."""
+    """Rényi matrix entropy (nats) of one layer's tokens Z [n, d] under the `kernel` preparation. A reference
+    implementation kept for the tests (the analysis prepares each layer once and calls `spectrum` and `renyi`)."""
     p = z if prepared else prepare(z, kernel)
     return renyi(spectrum(p, route), alpha)
 

@@ -16,6 +16,7 @@ import torch
 from layerscope import fmt
 from layerscope.capture.stored import has_capture, list_captures
 from layerscope.session.model import Session
+from layerscope.stats.analysis import LayerStats
 from layerscope.ui import tasks
 from layerscope.ui.jobs import StatsTag, get_manager
 from layerscope.ui.worker import CANCELLED, FAILED
@@ -118,7 +119,8 @@ def cka_of(stats: Mapping, estimator: str) -> list[list[float]]:
 
 
 def kernel_of(stats: Mapping) -> str:
-    return str(stats.get("kernel") or (stats.get("options") or {}).get("kernel") or "linear")
+    """The CKA kernel the statistics were computed with, by LayerStats' rule (no kernel recorded: "cosine")."""
+    return LayerStats.kernel_of(stats)
 
 
 def relative_depth(num_layers: int) -> list[float]:

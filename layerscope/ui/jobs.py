@@ -57,7 +57,7 @@ from layerscope.errors import LayerScopeError
 from layerscope.store import atomic_write_json, default_root
 from layerscope.ui.worker import CANCELLED, DONE, FAILED, JobCancelled, Outcome, Task, Worker, WorkerDied, run_job
 
-log = logging.getLogger("layerscope.jobs")
+log = logging.getLogger("layerscope.ui.jobs")     # the app's jobs: failures with their tracebacks, workers that died or hung
 
 QUEUED, RUNNING = "queued", "running"
 INTERRUPTED = "interrupted"         # the server stopped while the job ran (found after a restart)
