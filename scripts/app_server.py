@@ -40,18 +40,21 @@ def healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def app_server(store: Path | None, log_path: Path, *, timeout_s: float = 90):
-    """Yield the URL of a healthy `streamlit run app.py` on `store`; stop it (terminate, then kill) afterwards."""
+def app_server(store: Path | None, log_path: Path, *, timeout_s: float = 90, root: Path = ROOT):
+    """Yield the URL of a healthy `streamlit run <root>/app.py` on `store`; stop it (terminate, then kill) afterwards.
+    `root`: the checkout whose app runs (another version's, for a before/after: its `layerscope` is imported first)."""
     port = free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if store is not None:
         env["LAYERSCOPE_STORE"] = str(store)
+    if root != ROOT:
+        env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
+            [sys.executable, "-m", "streamlit", "run", str(root / "app.py"), "--server.port", str(port),
              "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + timeout_s
             while not healthy(url):
