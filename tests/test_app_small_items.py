@@ -20,6 +20,7 @@ from layerscope.ui import sanity
 from layerscope.ui.access import OWNER_KEY
 from layerscope.ui.apply import heatmap_picks, picks_over_limit
 from layerscope.ui.report import _table
+from layerscope.ui.speculate import run_warnings
 from tests.test_app import (  # noqa: F401
     captured,
     charts,
@@ -296,3 +297,15 @@ def test_the_warning_on_several_drafts_quotes_each_ones_agreement():
     one = sanity.collapse_warning(drafts[:1] + [{"name": "good", "layers": [4], "val_accuracy": [0.4]}])
     assert one.startswith("1 of 2 drafts may not have learned (a [1]): held-out agreement 0.4% ≈ 0")
 
+
+
+def test_outputs_that_differ_in_bfloat16_are_explained_and_in_float32_called_a_bug():
+    """On a CPU where bfloat16 is faster the target runs in it, and a verification of several tokens rounds apart from a
+    one-token step: a near-tie can flip. The page said "a bug in the decoder" even then (seen on SmolLM2, K=2)."""
+    rows = [{"name": "autoregressive", "lossless": True}, {"name": "builtin auto chain k=2", "lossless": False}]
+    bf16 = run_warnings({"results": rows, "dtype": "bfloat16", "prompts": 40}, [])
+    fp32 = run_warnings({"results": rows, "dtype": "float32", "prompts": 40}, [])
+    [(level, text)] = [w for w in bf16 if "Outputs differ" in w[1]]
+    assert level == "warning" and "bfloat16" in text and "LAYERSCOPE_DTYPE=float32" in text and "bug" not in text
+    [(level, text)] = [w for w in fp32 if "Outputs differ" in w[1]]
+    assert level == "error" and "bug in the decoder" in text

@@ -188,7 +188,13 @@ def run_warnings(res: dict, drafts) -> list[tuple[str, str]]:
     measured = [m for m in _measured(res, drafts) if m]
     out = []
     bad = not_lossless(rows)
-    if bad:
+    if bad and res.get("dtype") in ("bfloat16", "float16"):
+        out.append(("warning", f"Outputs differ from plain greedy decoding for {', '.join(bad)}. The target runs in "
+                               f"{res['dtype']} here (faster on this machine): a verification of several tokens rounds "
+                               "differently from a one-token step, so where two tokens nearly tie the pick can flip "
+                               "(docs/internals.md, bf16 and lossless). For token-exact output run the target in "
+                               "float32: LAYERSCOPE_DTYPE=float32."))
+    elif bad:
         out.append(("error", f"Outputs differ from plain greedy decoding for {', '.join(bad)}. This is a bug in the "
                              "decoder; please report it with the session file."))
     for w in (sanity.collapse_warning(measured), sanity.budget_warning(measured)):
