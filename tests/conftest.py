@@ -59,6 +59,20 @@ def tiny_capture(tiny, session_store):
     result = capture(tiny, prompts, session_store, max_new_tokens=12, batch_size=4)
     return open_capture(session_store, result.key)
 
+@pytest.fixture
+def store_with_capture(tiny_capture, tmp_path):
+    """A store of its own holding a copy of the tiny capture (so what the store holds can be compared whole):
+    (Store, the capture's key)."""
+    import shutil
+
+    from layerscope.store import Store
+
+    store = Store(tmp_path / "store")
+    shutil.copytree(tiny_capture.path, store.path("captures", tiny_capture.key))
+    yield store, tiny_capture.key
+    store.close()
+
+
 @pytest.fixture(scope="module")
 def app_store(tmp_path_factory):
     """A store the app's pages use (LAYERSCOPE_STORE points at it for the module's tests), one per test module."""

@@ -6,7 +6,6 @@ capture stays byte for byte, nothing half-written is left beside --out, and the 
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
@@ -14,15 +13,6 @@ from layerscope import cli
 from layerscope.capture.stored import list_captures
 from layerscope.store import Store
 from tests.test_reliability import cli_line, read_only, tree
-
-
-@pytest.fixture
-def store_with_capture(tiny_capture, tmp_path):
-    """A store of its own holding a copy of the tiny capture (so what the store holds can be compared whole)."""
-    store = Store(tmp_path / "store")
-    shutil.copytree(tiny_capture.path, store.path("captures", tiny_capture.key))
-    yield store, tiny_capture.key
-    store.close()
 
 
 def export(capsys, store: Store, key: str, out) -> tuple[int, str]:

@@ -7,7 +7,6 @@ interrupted, and train-draft and study share one definition of their training fl
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +28,6 @@ from tests.test_signals import start, terminated, wait_for
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 BENCH = ["bench", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "1", "--max-new-tokens", "2"]
-
-
-@pytest.fixture
-def store_with_capture(tiny_capture, tmp_path):
-    """A store of its own holding a copy of the tiny capture."""
-    store = Store(tmp_path / "store")
-    shutil.copytree(tiny_capture.path, store.path("captures", tiny_capture.key))
-    yield store, tiny_capture.key
-    store.close()
 
 
 def held(store: Store) -> dict:
