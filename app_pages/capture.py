@@ -5,14 +5,17 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, forecast, models, preflight
+from layerscope import fmt
 from layerscope.capture.run import CaptureOptions
-from layerscope.capture.stored import list_captures
-from layerscope.ui import apply, state, tasks
+from layerscope.steps import forecast, preflight
+from layerscope.target.aliases import ALIASES, DEFAULT_MODEL
+from layerscope.target.load import TINY_ABOUT
+from layerscope.ui import apply, capture_views, state, tasks
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.state import bind_view, commit
+from layerscope.ui.prompt_preview import preview_prompts
+from layerscope.ui.state import bind_view
 from layerscope.ui.views import page_header
-from layerscope.ui.widgets import guard, holds_refused_entry, job_status, md_text, number_field, offered, poll_interval, show_error, table
+from layerscope.ui.widgets import guard, holds_refused_entry, md_text, number_field, show_error
 from layerscope.validate import parse_size
 
 s, store = page_header("Capture hidden states",
@@ -23,9 +26,9 @@ manager = get_manager()
 
 # Every control's value lives in the session (s.view), so it survives leaving the page, a reload and a new tab.
 SOURCES = ["builtin", "sharegpt", "upload"]
-KNOWN = {**{spec: alias.about for spec, alias in models.ALIASES.items()},   # the models that need no download
-         "tiny-llama": models.TINY_ABOUT}
-on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or models.DEFAULT_MODEL),
+KNOWN = {**{spec: alias.about for spec, alias in ALIASES.items()},   # the models that need no download
+         "tiny-llama": TINY_ABOUT}
+on = {"model": bind_view(s, "cap_model", "ls_w_cap_model", s.model or DEFAULT_MODEL),
       "source": bind_view(s, "cap_source", "ls_w_cap_source", "builtin", options=SOURCES),
       "limit": bind_view(s, "cap_limit", "ls_w_cap_limit", 16, clamp=(1, 100_000)),
       "new": bind_view(s, "cap_new", "ls_w_cap_new", 48, clamp=(1, 4096)),
@@ -41,7 +44,7 @@ left, right = st.columns([1, 1], gap="large")
 with left:
     st.text_input("Target model", key="ls_w_cap_model", on_change=on["model"],
                   help=f"{', '.join(f'`{k}`' for k in KNOWN)} (pick one below), a Hugging Face id such as "
-                       f"`{models.ALIASES[models.DEFAULT_MODEL].hf_id}`, a local directory or a .gguf file")
+                       f"`{ALIASES[DEFAULT_MODEL].hf_id}`, a local directory or a .gguf file")
 
     def pick_known():
         """A built-in model picked: it becomes the typed spec (and the session's choice)."""
@@ -93,7 +96,7 @@ with right:
     if prompt_spec:
         readable = False          # Start capture stays off until the prompt set reads without an error
         with guard("prompt preview"):
-            ps = apply.preview_prompts(prompt_spec, int(st.session_state.ls_w_cap_limit), int(st.session_state.ls_w_cap_seed))
+            ps = preview_prompts(prompt_spec, int(st.session_state.ls_w_cap_limit), int(st.session_state.ls_w_cap_seed))
             readable = bool(ps.prompts)
             rows = [{"id": p.id, "category": p.category, "prompt": p.turns[0][:160]} for p in ps.prompts[:200]]
             st.caption(f"{md_text(ps.name)}: {len(ps.prompts)} prompts (after the limit)")
@@ -192,68 +195,8 @@ else:
     st.session_state.pop(PENDING, None)
 
 
-def m_total(v) -> int | None:
-    """How many prompts the capture will record, once it knows (not while the model loads)."""
-    return v.metrics.get("conversations_total") or None
-
-
-@st.fragment(run_every=poll_interval(view))
-def live_capture():
-    j = manager.latest(s.id, "capture")
-    if j is None:
-        return
-    v = j.view()
-    if view is not None and view.running and not v.running:
-        # It just finished: redraw the whole page with its result. Only then: a job that is still running (loading
-        # the model, waiting in line) must not rerun the page, or every rerun finds it running and reruns again at
-        # once: a loop of full runs that greys the page out, slows the job, and can leave the page frozen (issue 51).
-        st.rerun()
-    job_status(v, key="capture")
-    if v.running and m_total(v):
-        m = v.metrics
-        a, b, c = st.columns(3)
-        a.metric("Tokens recorded", f"{m.get('tokens', 0):,}")
-        b.metric("Tokens / s", f"{m.get('tokens_per_s', 0.0):.0f}")
-        c.metric("Prompts done", f"{m.get('conversations', 0)}/{m_total(v)}")
-    elif v.running:
-        # before the first batch (the model loading, a first use de-quantizing it; or waiting for another job) there
-        # are no numbers yet: the bar above says what it does and for how long, and the panel keeps polling
-        st.caption("Tokens recorded, tokens/s and prompts done show here from the first batch; the page stays usable "
-                   "meanwhile.")
-    elif v.finished_ok and v.result:
-        r = v.result
-        st.caption(f"Capture `{r['key']}`: {r['tokens']:,} tokens"
-                   + (" (served from the store)" if r.get("cached") else f" in {fmt.duration(r['seconds'])}")
-                   + ". Next: the **Entropy** and **CKA heatmap** pages.")
-
-
-live_capture()
+capture_views.live_capture(s, manager, view)
 
 st.divider()
 st.subheader("Stored captures")
-with guard("stored captures"):
-    caps = list_captures(store, incomplete=True)     # damaged and unfinished ones too, marked with their fix
-    if not caps:
-        st.caption("The store is empty: run a capture above.")
-    else:
-        df = pd.DataFrame([{
-            "key": c.get("key"), "model": c.get("model"), "prompt set": c.get("prompt_set"),
-            "prompts": c.get("conversations"), "tokens": c.get("tokens"), "layers": c.get("num_layers"),
-            "created": fmt.when(c.get("created")), "MB": round((c.get("size_bytes") or 0) / 2**20, 1),
-            "active": "●" if c.get("key") == s.capture_key else "",
-            "state": "ok" if c.get("state", "ok") == "ok" else f"{c['state'].upper()}: {c.get('problem')}. {c.get('fix')}",
-        } for c in caps])
-        table(df, key="ls_cap_table", filename="captures")
-        keys = [c["key"] for c in caps if c.get("state") != "incomplete"]
-        offered("ls_cap_pick", keys)
-        pick = st.selectbox("Capture to open", keys, key="ls_cap_pick",
-                            index=keys.index(s.capture_key) if s.capture_key in keys else 0,
-                            format_func=lambda k: next(f"{k} · {c.get('model')} · {c.get('prompt_set')} · "
-                                                       f"{fmt.count(c.get('tokens'))} tokens" if c.get("state", "ok") == "ok"
-                                                       else f"DAMAGED · {k} · {c.get('problem')}"
-                                                       for c in caps if c["key"] == k))
-        if st.button("Open this capture", key="ls_cap_open", icon=":material/folder_open:"):
-            with guard("open capture"):
-                apply.open_capture(s, store, pick)
-                commit(s)
-                st.rerun()
+capture_views.stored_captures(s, store)

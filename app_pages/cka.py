@@ -5,13 +5,15 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, plots
+from layerscope import fmt
 from layerscope.capture.format import capture_state_kinds
 from layerscope.capture.stored import KIND as CAPTURES
 from layerscope.stats.analysis import sample_note
 from layerscope.stats.entropy import KERNELS
-from layerscope.ui import apply
-from layerscope.ui.apply import kernel_of
+from layerscope.ui import plots
+from layerscope.ui.kernel import kernel_of, session_kernel, set_kernel
+from layerscope.ui.labels import colors
+from layerscope.ui.picks import heatmap_picks, manual_layers, picks_over_limit, set_size, sets_for_display
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import page_header, stats_or_progress
 from layerscope.ui.widgets import chart, layer_picker, md_text, number_field, table
@@ -51,12 +53,12 @@ if stats is not None:
                 + (f" · tokens {sample_note(stats['sample_positions'])}" if stats.get("sample_positions") else ""))
 
     def _kernel_changed():
-        apply.set_kernel(st.session_state.get(SESSION_KEY) or s, st.session_state["ls_w_cka_kernel"])
+        set_kernel(st.session_state.get(SESSION_KEY) or s, st.session_state["ls_w_cka_kernel"])
 
-    picks = apply.manual_layers(s)
-    limit = apply.set_size(s, n)
+    picks = manual_layers(s)
+    limit = set_size(s, n)
     r1, r2 = st.columns([1, 1.6])
-    st.session_state["ls_w_cka_kernel"] = apply.session_kernel(s)
+    st.session_state["ls_w_cka_kernel"] = session_kernel(s)
     r1.radio("Kernel", KERNELS, horizontal=True, key="ls_w_cka_kernel", on_change=_kernel_changed,
              help="linear: standard linear CKA on centered token states; cosine: tokens scaled to unit length first. "
                   "The session's choice (the Entropy page's too): its statistics are computed again with it, and the "
@@ -72,15 +74,15 @@ if stats is not None:
         st.warning(md_text(said), icon=":material/select:")
     # each layer's kind, from the capture's manifest (none for a capture made before kinds were recorded)
     layer_kinds = capture_state_kinds(store.path(CAPTURES, s.capture_key), n) if s.capture_key else None
-    fig = plots.cka_heatmap(matrix, compartments=comps, sets=apply.sets_for_display(s), picks=picks,
+    fig = plots.cka_heatmap(matrix, compartments=comps, sets=sets_for_display(s), picks=picks,
                             title=f"CKA, {kernel} kernel ({kind}){', ' + s.model if s.model else ''}",
                             final_state=stats.get("final_state", "post-norm"), box_select=tool == "drag a box",
-                            colors=apply.colors(s), kinds=layer_kinds)
+                            colors=colors(s), kinds=layer_kinds)
     round_ = st.session_state.setdefault("ls_cka_round", 0)     # a new chart key starts with no selection
     event = chart(fig, key=f"ls_cka_chart_{round_}", filename=f"cka-{kernel}-{kind}-{s.capture_key or 'session'}",
                   on_select="rerun", selection_mode=("points", "box", "lasso"))
     if event and (event.selection.get("points") or event.selection.get("box") or event.selection.get("lasso")):
-        after, said = apply.heatmap_picks(dict(event.selection), picks, limit=limit, num_layers=n)
+        after, said = heatmap_picks(dict(event.selection), picks, limit=limit, num_layers=n)
         st.session_state["ls_cka_round"] = round_ + 1     # the next click, on the same cell too, is a new selection
         if said:
             st.session_state["ls_cka_said"] = said
@@ -94,7 +96,7 @@ if stats is not None:
         commit(s)
 
     st.session_state["ls_cka_picks"] = picks
-    over = apply.picks_over_limit(picks, limit)
+    over = picks_over_limit(picks, limit)
     if over:
         st.warning(md_text(over), icon=":material/select:")
     layer_picker(st, "Picked layers", n, key="ls_cka_picks", on_change=_picks_changed,

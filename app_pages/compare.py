@@ -6,10 +6,9 @@ from dataclasses import asdict
 
 import streamlit as st
 
-from layerscope import plots
 from layerscope.stats.analysis import AnalysisOptions
-from layerscope.ui import apply, compare, speculate
-from layerscope.ui.apply import draft_labels, run_label
+from layerscope.ui import compare, plots, speculate
+from layerscope.ui.labels import colors, draft_labels, run_label
 from layerscope.ui.state import bind_view
 from layerscope.ui.views import live_job, page_header
 from layerscope.ui.widgets import chart, guard, job_status, md_text, table, wait_briefly
@@ -146,7 +145,7 @@ names = draft_labels(s.drafts)
 curves = {names[d["path"]]: d["curve"] for d in s.drafts if d.get("curve")}
 if curves:
     st.subheader("Learning curves of the session's drafts")
-    chart(plots.learning_curves(curves, layers={names[d["path"]]: d["layers"] for d in s.drafts}, colors=apply.colors(s)),
+    chart(plots.learning_curves(curves, layers={names[d["path"]]: d["layers"] for d in s.drafts}, colors=colors(s)),
           key="ls_cmp_learning", filename="learning-curves-all")
     table(speculate.learning_frame(s.drafts, names), key="ls_cmp_learning_options", filename="draft-options")
 

@@ -7,14 +7,17 @@ from dataclasses import asdict
 import pandas as pd
 import streamlit as st
 
-from layerscope import layerset, plots
+from layerscope import layerset
 from layerscope.capture.format import capture_state_kinds
 from layerscope.capture.stored import KIND as CAPTURES
 from layerscope.stats.analysis import AnalysisOptions, sample_note
 from layerscope.stats.entropy import KERNELS
 from layerscope.stats.tokens import breakdown as token_breakdown
-from layerscope.ui import apply
+from layerscope.ui import plots
+from layerscope.ui.labels import colors
+from layerscope.ui.picks import sets_for_display
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
+from layerscope.ui.stats_access import ensure_extra_stats
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, job_status, md_text, number_field, option_changes, table, wait_briefly
 
@@ -177,10 +180,10 @@ if stats is not None:
             stats["entropy_prompt_normalized" if norm else "entropy_prompt"]
     if compare_unfiltered:
         other_opts = {**asdict(AnalysisOptions()), **s.analysis_options, "min_entropy": 0.0}
-        other, job = apply.extra_stats(s, store, other_opts)
+        other, job = ensure_extra_stats(s, store, other_opts)
         if job is not None and job.view().running:
             wait_briefly(job)
-            other, job = apply.extra_stats(s, store, other_opts)
+            other, job = ensure_extra_stats(s, store, other_opts)
         if other is not None:
             curves["dataset-level, unfiltered"] = other["entropy_normalized" if norm else "entropy"]
         elif job is not None and job.view().running:
@@ -188,12 +191,12 @@ if stats is not None:
         elif job is not None:
             job_status(job.view(), key="ent_cmp")
     default, _ = layerset.default_layers(n)
-    sets = apply.sets_for_display(s, extra=[("default", default)])
+    sets = sets_for_display(s, extra=[("default", default)])
     # each layer's kind, from the capture's manifest (none for a capture made before kinds were recorded)
     kinds = capture_state_kinds(store.path(CAPTURES, s.capture_key), n) if s.capture_key else None
     fig = plots.entropy_curve(curves, sets=sets, title=f"Matrix entropy per layer (α = {stats['alpha']:g})",
                               y_title="normalized entropy" if norm else "entropy (nats)",
-                              final_state=stats.get("final_state", "post-norm"), colors=apply.colors(s),
+                              final_state=stats.get("final_state", "post-norm"), colors=colors(s),
                               kinds=kinds)
     chart(fig, key="ls_entropy_curve", filename=f"entropy-{s.capture_key or 'session'}")
     st.caption(f"Layer 0 is the embedding output, layer {n} the final state ({md_text(stats.get('final_state', 'post-norm'))}); "

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from layerscope import fmt, plots
+from layerscope import fmt
 from layerscope.stats import select as sel
-from layerscope.ui import apply, recommend, tasks
-from layerscope.ui.apply import kernel_of
+from layerscope.study import recommend
+from layerscope.ui import plots, stats_access, tasks
 from layerscope.ui.jobs import get_manager
+from layerscope.ui.kernel import kernel_of
+from layerscope.ui.labels import colors as palette_of
+from layerscope.ui.picks import default_set_size, manual_layers
 from layerscope.ui.state import bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
 from layerscope.ui.widgets import chart, guard, layer_picker, md_text, number_field, table
@@ -23,11 +26,11 @@ s, store = page_header("Layer sets",
 stats = stats_or_progress(s, store, key="sets")
 if stats is not None:
     n = int(stats["num_layers"])
-    layer_stats = apply.layer_stats(stats)
-    colors = apply.colors(s)
+    layer_stats = stats_access.layer_stats(stats)
+    colors = palette_of(s)
     c1, c2, c3 = st.columns([1.1, 1.1, 2.3])
     k = number_field(c1, "Set size k", min_value=1, max_value=n, key="ls_w_sets_k",
-                        on_change=bind_view(s, "sets_k", "ls_w_sets_k", apply.default_set_size(n), clamp=(1, n)),
+                        on_change=bind_view(s, "sets_k", "ls_w_sets_k", default_set_size(n), clamp=(1, n)),
                         help="Sets are ranked against sets of the same size only; the default is the default rule's size")
     lam = c2.slider("Redundancy λ", 0.0, 2.0, step=0.05, key="ls_w_sets_lam",
                     on_change=bind_view(s, "sets_lam", "ls_w_sets_lam", 0.5, clamp=(0.0, 2.0)),
@@ -37,7 +40,7 @@ if stats is not None:
         s.manual_picks = sorted(int(x) for x in st.session_state["ls_sets_manual"])
         commit(s)
 
-    st.session_state["ls_sets_manual"] = apply.manual_layers(s)       # picks always fit (apply clears those that do not)
+    st.session_state["ls_sets_manual"] = manual_layers(s)       # picks always fit (apply clears those that do not)
     manual = layer_picker(c3, f"Hand-picked set (layers 0..{n - 1}; pre-filled by clicks on the CKA heatmap)", n,
                           key="ls_sets_manual", on_change=_manual_changed)
     name_changed = bind_view(s, "sets_name", "ls_w_sets_name", "hand-picked")
@@ -56,7 +59,7 @@ if stats is not None:
             for flag in (rec.best.flags if rec.best else []):
                 st.caption(f"Note: {md_text(flag)}.")
             unscored = [r.layers for r in rec.ranked + rec.other_sizes if r.probe is None]
-            if apply.capture_available(s, store) and s.model:
+            if stats_access.capture_available(s, store) and s.model:
                 p1 = st.container(horizontal=True, vertical_alignment="center")
                 running = any(j.kind == "probe" for j in get_manager().active(s.id))
                 if p1.button("Score the sets with the probe", key="ls_sets_probe", icon=":material/query_stats:",

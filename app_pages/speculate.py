@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import streamlit as st
 
-from layerscope import fmt, forecast
 from layerscope.capture.stored import has_capture
-from layerscope.decoding import specdec
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.online import OnlineOptions
-from layerscope.ui import sanity, speculate, speculate_views, tasks
-from layerscope.ui.apply import colors as palette_of
-from layerscope.ui.apply import draft_labels, run_label
+from layerscope.decoding import sanity, specdec
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.online import OnlineOptions
+from layerscope.steps import forecast
+from layerscope.ui import speculate, speculate_views, tasks
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.recommend import set_label
+from layerscope.ui.labels import colors as palette_of
+from layerscope.ui.labels import draft_labels, run_label
 from layerscope.ui.state import SESSION_KEY, bind_view, commit
 from layerscope.ui.views import live_job, page_header, stats_or_progress
-from layerscope.ui.widgets import estimate_caption, guard, md_text, number_field
+from layerscope.ui.widgets import estimate_caption, guard, number_field
 
 s, store = page_header("Speculative decoding",
                        "The proof of a layer set: train an EAGLE-3 draft that reads those layers, then decode with it and count "
@@ -228,37 +227,7 @@ stats = stats_or_progress(s, store, key="study") if have_capture else None
 if not (have_capture and stats):
     st.caption("The study needs this session's capture in the store and its layer statistics.")
 else:
-    q1, q2, q3 = st.columns(3)         # two rows: five labels a row wrapped at 1024 px
-    q4, q5, _ = st.columns(3)
-    st_k = number_field(q1, "Layers per set (k)", min_value=1, max_value=max(1, n), key="ls_w_study_k",
-                           on_change=bind_view(s, "study_k", "ls_w_study_k", min(3, max(1, n)), clamp=(1, max(1, n))))
-    st_steps = number_field(q2, "Steps (each)", min_value=1, max_value=1_000_000, key="ls_w_study_steps",
-                               on_change=bind_view(s, "study_steps", "ls_w_study_steps", tasks.train_defaults().steps,
-                                                   clamp=(1, 1_000_000)),
-                               help="Training steps of every draft of the study: one budget for all")
-    st_src = q3.selectbox("Prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src",
-                          on_change=bind_view(s, "study_prompts", "ls_w_study_src", "sharegpt-heldout",
-                                              options=["sharegpt-heldout", "builtin"]))
-    st_n = number_field(q4, "Study prompts", min_value=1, max_value=500, key="ls_w_study_n",
-                           on_change=bind_view(s, "study_n", "ls_w_study_n", 8, clamp=(1, 500)))
-    st_new = number_field(q5, "Study new tokens", min_value=1, max_value=2048, key="ls_w_study_new",
-                             on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
-    with guard("study sets"):
-        options = tasks.study_options(s.layer_sets, k=int(st_k),
-                                      train=TrainOptions(steps=int(st_steps), ttt_steps=int(ttt), seed=int(seed)),
-                                      prompts=st_src, limit=int(st_n), max_new_tokens=int(st_new),
-                                      depth=int(st.session_state.get("ls_w_spec_bench_k") or specdec.DEFAULT_K))
-        plan = tasks.study_plan(stats, options)
-        st.markdown("Sets in the study: " + " · ".join(
-            f"**{md_text(set_label(names, layers, s.layer_sets))}** `{fmt.layers(layers)}`" for layers, names in plan))
-        estimate_caption(lambda: forecast.study(store, s.model, options, sets=len(plan)))
-        study_running = any(j.kind == "study" for j in manager.active(s.id))
-        if st.button("Run the study", type="primary", key="ls_spec_study", icon=":material/science:",
-                     disabled=study_running or len(plan) < 2):
-            manager.submit(s.id, "study", tasks.study_job(store=store, capture_key=s.capture_key, model=s.model,
-                                                          options=options, analysis_options=s.analysis_options),
-                           title=f"Study of {len(plan)} layer sets")
-            st.rerun()
+    speculate_views.study_form(s, store, manager, stats, n, ttt=ttt, seed=seed)
 
     live_job(s.id, "study", key="spec_study", details=speculate_views.study_details)
     if s.study:

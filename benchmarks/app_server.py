@@ -186,7 +186,7 @@ def job_vs_cli(args) -> dict:
     cli_store, app_store = Path(tmp.name) / "cli", Path(tmp.name) / "app"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "layerscope.cli", "capture", "--store", str(cli_store), "--model", args.model,
+    subprocess.run([sys.executable, "-m", "layerscope.commands.cli", "capture", "--store", str(cli_store), "--model", args.model,
                     "--prompts", "builtin", "--limit", str(args.limit), "--max-new-tokens", str(args.new_tokens),
                     "--batch-size", str(args.batch), "--json"], cwd=ROOT, env=env, check=True, capture_output=True)
     cli_wall = time.monotonic() - t0

@@ -21,9 +21,9 @@ import torch
 
 from layerscope.capture.format import chunk_name
 from layerscope.capture.run import CaptureOptions, generate_responses, record
-from layerscope.models import load_model
 from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.store import Store, atomic_save_tensors
+from layerscope.target.load import load_model
 
 
 def main() -> None:

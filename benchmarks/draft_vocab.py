@@ -18,11 +18,11 @@ import argparse
 
 import torch
 
-from layerscope.draft.data import target_argmax
 from layerscope.draft.model import build_draft_vocab
-from layerscope.draft.online import OnlineOptions, load_conversations, target_features
-from layerscope.models import load_model
+from layerscope.draft.training.data import target_argmax
+from layerscope.draft.training.online import OnlineOptions, load_conversations, target_features
 from layerscope.store import Store
+from layerscope.target.load import load_model
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""float32 against bfloat16 weights on this machine, for every real model: what layerscope/precision.py decides.
+"""float32 against bfloat16 weights on this machine, for every real model: what layerscope/target/precision.py decides.
 
 For each model, in one process and one quiet window (the same weights, cast), the median seconds of:
     decode     one token after a 256-token context (plain decoding's step)
@@ -20,9 +20,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from layerscope import machine, precision
-from layerscope.models import load_model
+from layerscope import quietness
 from layerscope.store import default_root
+from layerscope.target import precision
+from layerscope.target.load import load_model
 
 
 def median(run, repeats: int) -> float:
@@ -63,8 +64,8 @@ def main() -> None:
     args = p.parse_args()
     os.environ["LAYERSCOPE_DTYPE"] = "float32"        # load in float32; cast below
     rows = []
-    before = machine.sample(2.0)
-    with machine.Monitor() as watched:
+    before = quietness.sample(2.0)
+    with quietness.Monitor() as watched:
         for spec in args.models.split(","):
             loaded = load_model(spec.strip())
             text = loaded.model.config.get_text_config(decoder=True)
@@ -89,8 +90,8 @@ def main() -> None:
                   f"{m['verify'] / m['decode']:.2f} | {m['prefill_tok_s']:.0f} | {ratios if dt == 'float32' else ''} | "
                   f"{r['choice'].split(':')[0] if dt == 'float32' else ''} |")
     print()
-    print(machine.line(before), "(before)")
-    print(machine.line(watched.state), f"torch {torch.__version__}, {torch.get_num_threads()} threads, store {default_root()}")
+    print(quietness.line(before), "(before)")
+    print(quietness.line(watched.state), f"torch {torch.__version__}, {torch.get_num_threads()} threads, store {default_root()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "machine": watched.state.to_json()}, f, indent=1)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/online_sets.py [--model smollm2-135m] [--steps 4] [--sets 2,15,27 5,27,29 7,20,27]
 
-Runs layerscope.draft.online.train_online on the same conversations (ShareGPT's own answers, so nothing
+Runs layerscope.draft.training.online.train_online on the same conversations (ShareGPT's own answers, so nothing
 is generated) for `--steps` steps with the first set alone, then with all sets together, in separate
 temporary stores, and compares the training seconds per step (target forward + every set's draft step;
 held-out features and evaluations are not counted). Prints the ratio
@@ -17,9 +17,9 @@ import tempfile
 
 import torch
 
-from layerscope.draft.online import train_online
-from layerscope.models import load_model
+from layerscope.draft.training.online import train_online
 from layerscope.store import Store
+from layerscope.target.load import load_model
 
 
 def seconds_per_step(target, sets, steps: int) -> tuple[float, int]:

@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/recipe_ablation.py --table a.json [b.json ...]     # the finished cells as Markdown
 
 Every cell trains one draft on the default set [2, 15, 27] of SmolLM2-135M, online (the target in the loop:
-its forward is part of the cell's CPU time), through the one training loop (layerscope.draft.fit) with a CPU
+its forward is part of the cell's CPU time), through the one training loop (layerscope.draft.training.fit) with a CPU
 clock, for the same CPU seconds of this process (so a cell measures the same work whatever else runs on the
 machine). Every cell is evaluated on the SAME held-out conversations: `--val` ShareGPT prompts of the
 --limit sample with the target's own greedy answers (what speculative decoding verifies), never trained on.
@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from layerscope.draft.data import windows_of
-from layerscope.draft.fit import FitState, build_drafters, final_norm, fit
-from layerscope.draft.loss import evaluate
 from layerscope.draft.model import build_draft_vocab
-from layerscope.draft.online import (
+from layerscope.draft.probe import agreement
+from layerscope.draft.training.data import windows_of
+from layerscope.draft.training.fit import FitState, build_drafters, final_norm, fit
+from layerscope.draft.training.loss import evaluate
+from layerscope.draft.training.online import (
     Conversations,
     OnlineOptions,
     OnlineSource,
@@ -42,10 +43,9 @@ from layerscope.draft.online import (
     split_for,
     target_features,
 )
-from layerscope.draft.probe import agreement
-from layerscope.models import load_model
 from layerscope.stats.ridge import explained_variance, ridge
 from layerscope.store import Store, atomic_write_json
+from layerscope.target.load import load_model
 
 LAYERS = [2, 15, 27]
 

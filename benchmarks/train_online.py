@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/train_online.py --layers 2,15,27 --layers 5,27,29 --layers 7,20,27 \
         --prompts sharegpt --limit 1200 --time 75m --bench-limit 20 --max-new-tokens 48 --k 2,3
 
-1. layerscope.workflow.train_online: one draft per --layers set from one target pass per step (resumable:
+1. layerscope.steps.workflow.train_online: one draft per --layers set from one target pass per step (resumable:
    rerun the same command after a kill and it continues from the last checkpoint; a finished run is
    served from the store).
-2. layerscope.workflow.bench: every draft (chain depths --k, and a tree with --tree) against our plain
+2. layerscope.steps.workflow.bench: every draft (chain depths --k, and a tree with --tree) against our plain
    decoding, HF generate and HF prompt lookup, on the same held-out ShareGPT prompts, one process.
 Prints the learning curve of every set (held-out agreement at each evaluation, by tokens seen), then the
 benchmark table (tau, acceptance by draft position, tokens/s, speedup against plain decoding) and writes
@@ -23,10 +23,10 @@ from dataclasses import asdict
 
 import torch
 
-from layerscope import workflow
 from layerscope.decoding import bench as bench_mod
 from layerscope.decoding.specdec import TreeSpec
-from layerscope.draft.online import OnlineOptions
+from layerscope.draft.training.online import OnlineOptions
+from layerscope.steps import workflow
 from layerscope.store import Store
 from layerscope.validate import parse_count, parse_duration
 

@@ -5,7 +5,7 @@ import os
 import sys
 
 from layerscope import distributed
-from layerscope.cli import main
+from layerscope.commands.cli import main
 
 if __name__ == "__main__":
     distributed.init()

@@ -7,7 +7,7 @@ helpers here (rank, world, shard, agree):
 
     capture          every rank writes its contiguous range of the batches (layerscope/capture/run.py)
     online training  every rank forwards its share of a step's conversations, gradients summed over
-                     the ranks (layerscope/draft/online.py, layerscope/draft/fit.py)
+                     the ranks (layerscope/draft/training/online.py, layerscope/draft/training/fit.py)
 
 This module knows none of them: it only imports torch.
 """

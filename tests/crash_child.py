@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_faults.py: kill -9 a process at each rename point of a store write.
+"""Fault injection for tests/reliability/test_faults.py: kill -9 a process at each rename point of a store write.
 
     python tests/crash_child.py capture ROOT   # ROOT/kill-<n>: a capture killed before its n-th rename
     python tests/crash_child.py session ROOT   # ROOT/kill-<n>: a session save killed before its n-th rename
@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 from layerscope.capture.run import capture
-from layerscope.models import load_model
 from layerscope.prompts.sets import load_prompts
 from layerscope.session.model import Session
 from layerscope.session.storage import save
 from layerscope.store import Store
+from layerscope.target.load import load_model
 
 CAPTURE = dict(limit=4, batch_size=2, max_new_tokens=3)
 

@@ -1,4 +1,4 @@
-"""A server killed mid-job, for tests/test_worker.py: a JobManager (process mode, records in ROOT/jobs) runs a long
+"""A server killed mid-job, for tests/ui/test_worker.py: a JobManager (process mode, records in ROOT/jobs) runs a long
 capture of the tiny model for session OWNER in a worker process; once the capture decodes, this prints "running"
 and waits to be killed. With QUEUED (a second session's id) the manager runs one job at a time and a capture of
 QUEUED waits behind the first one.

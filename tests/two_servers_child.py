@@ -1,4 +1,4 @@
-"""One of two app servers on one store, for tests/test_concurrency.py: what a server does for a tab, through the
+"""One of two app servers on one store, for tests/reliability/test_concurrency.py: what a server does for a tab, through the
 functions the app calls (storage.load and storage.save as ui.state does, a capture job in a JobManager, its result
 applied as ui.apply.collect applies it).
 

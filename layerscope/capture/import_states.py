@@ -14,7 +14,7 @@
 3. write    the usable samples in order, `batch_size` conversations per chunk, in the capture format
             (capture/format.py): each chunk is written one layer at a time (store.atomic_stream_tensors), so memory
             holds one layer of one chunk plus the derived layers, never a sample or the dump whole. Token
-            entropies come from the last layer through the target's final norm and lm_head (capture/target_ends.py,
+            entropies come from the last layer through the target's final norm and lm_head (target/ends.py,
             loaded alone); response tokens are the dump's loss mask. A sample whose states are not finite, or that
             changed after the scan, refuses the import (engine_dumps.SampleRefused) and the chunks written for this
             dump are removed: the same dump would meet the same sample again, and a changed one has another key;
@@ -55,9 +55,9 @@ from layerscope.capture.format import FLOAT16_MAX, MAX_MANIFEST_BYTES, check_chu
 from layerscope.capture.run import FORMAT_VERSION, CaptureCancelled, CaptureProgress, CaptureResult, chunk_entry, chunk_tokens, resume_partial
 from layerscope.capture.size import capture_bytes
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
-from layerscope.capture.target_ends import TargetEnds
 from layerscope.errors import CaptureError, StoreError
 from layerscope.store import LockWaitCancelled, Store, atomic_stream_tensors, make_key
+from layerscope.target.ends import TargetEnds
 from layerscope.validate import check_number
 
 

@@ -61,10 +61,10 @@ from layerscope.capture import size
 from layerscope.capture.format import CHUNK_RE, chunk_name, file_sha256, list_chunks, read_header, state_dtype
 from layerscope.capture.stored import finish_capture, has_capture, open_capture, partial_capture_dir
 from layerscope.errors import CaptureError
-from layerscope.head import apply_head_transform, head_transform
-from layerscope.models import LoadedModel
 from layerscope.prompts.sets import PromptSet, chat_ids
 from layerscope.store import LockWaitCancelled, Store, atomic_save_tensors, make_key
+from layerscope.target.head import head_transform, predictive_entropy
+from layerscope.target.load import LoadedModel
 from layerscope.validate import check_number
 
 FORMAT_VERSION = 1
@@ -604,17 +604,6 @@ def _forward_states(loaded: LoadedModel, seqs: list[list[int]]) -> list[torch.Te
     finally:
         hook.remove()
     return [*out.hidden_states, last_layer_out["h"]]
-
-
-def predictive_entropy(lm_head, final: torch.Tensor, scale: float = 1.0, softcap: float | None = None,
-                       block: int = 1024) -> torch.Tensor:
-    """Entropy (nats) of the model's next-token distribution per row, [n, d] -> [n] float32: softmax of lm_head(final)
-    through the family's transform (scale, softcap: head.head_transform); logits made `block` rows at a time."""
-    out = []
-    for i in range(0, final.shape[0], block):
-        logp = torch.log_softmax(apply_head_transform(lm_head(final[i: i + block]).float(), scale, softcap), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1).cpu())
-    return torch.cat(out) if out else torch.zeros(0)
 
 
 def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opts, chunks, seconds) -> dict:

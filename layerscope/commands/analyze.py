@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from layerscope import workflow
 from layerscope.commands.common import Progress, open_store, print_json
 from layerscope.stats.analysis import AnalysisOptions, LayerStats, sample_note
 from layerscope.stats.entropy import KERNELS
+from layerscope.steps import workflow
 
 NAME = "analyze"
 HELP = "matrix entropy per layer and CKA between layers of a stored capture (cached in the store)"

@@ -6,13 +6,14 @@ import sys
 import time
 from pathlib import Path
 
-from layerscope import disk, machine, preflight, workflow
+from layerscope import disk, quietness
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.decoding import specdec
 from layerscope.decoding.bench import BenchOptions, folder_names, format_table, parse_lookup
 from layerscope.decoding.specdec import TreeSpec
 from layerscope.draft import builtin
 from layerscope.errors import LayerScopeError
+from layerscope.steps import preflight, workflow
 from layerscope.store import atomic_write_json
 
 NAME = "bench"
@@ -143,7 +144,7 @@ def run(args) -> int:
     if args.json:
         print_json(done.report.to_json())
         if not (done.report.machine or {}).get("quiet", True):
-            print(machine.line(done.report.machine), file=sys.stderr)
+            print(quietness.line(done.report.machine), file=sys.stderr)
     else:
         print(f"prompt set {done.prompt_set.name} on {done.target.spec}")
         print(format_table(done.report))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from layerscope import workflow
 from layerscope.capture.run import CaptureOptions
 from layerscope.commands.common import Progress, open_store, print_json
-from layerscope.models import DEFAULT_MODEL
+from layerscope.steps import workflow
+from layerscope.target.aliases import DEFAULT_MODEL
 from layerscope.validate import parse_size
 
 NAME = "capture"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from layerscope import preflight
 from layerscope.commands.common import open_store, print_json
 from layerscope.draft import engines
-from layerscope.draft.check import check_draft
+from layerscope.draft.export.check import check_draft
 from layerscope.errors import DraftError
-from layerscope.models import load_model
+from layerscope.steps import preflight
+from layerscope.target.load import load_model
 
 NAME = "check-draft"
 HELP = ("report which layers vLLM, SGLang, SpecForge and speculators would read from a draft directory for a "

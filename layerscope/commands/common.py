@@ -11,10 +11,10 @@ import sys
 from tqdm import tqdm
 
 from layerscope import eta, layerset
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.online import OnlineOptions
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.online import OnlineOptions
 from layerscope.errors import LayerScopeError
-from layerscope.machine import WAIT_S, MachineOptions
+from layerscope.quietness import WAIT_S, MachineOptions
 from layerscope.store import Store
 from layerscope.validate import parse_duration
 

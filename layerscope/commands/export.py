@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerscope import preflight
 from layerscope.commands.common import open_store, print_json
 from layerscope.draft import builtin, engines
 from layerscope.draft.checkpoint import read_layers_record, recorded_facts
-from layerscope.draft.engine_export import export_draft
+from layerscope.draft.export.engine_export import export_draft
 from layerscope.errors import DraftError
-from layerscope.models import load_model
+from layerscope.steps import preflight
+from layerscope.target.load import load_model
 
 NAME = "export"
 HELP = ("write a draft the way one engine takes it (sglang | vllm | specforge | speculators), with the layer ids in "

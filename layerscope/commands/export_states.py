@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from layerscope import disk, fmt, workflow
+from layerscope import disk, fmt
 from layerscope.capture.stored import resolve_capture_key
 from layerscope.commands.common import Progress, open_store, parse_layers, print_json
+from layerscope.steps import workflow
 
 NAME = "export-states"
 HELP = "write a capture as speculators' offline training data (hs_<i>.safetensors + data + token_freq.pt)"

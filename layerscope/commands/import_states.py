@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from layerscope import disk, workflow
+from layerscope import disk
 from layerscope.capture.engine_dumps import FORMATS
 from layerscope.capture.import_states import ImportOptions
 from layerscope.commands.common import Progress, open_store, print_json
+from layerscope.steps import workflow
 
 NAME = "import-states"
 HELP = "store an engine's hidden-state dump (speculators' hs_<i>.safetensors, SpecForge's .ckpt) as a capture"

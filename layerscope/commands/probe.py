@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from layerscope import workflow
 from layerscope.commands.common import Progress, open_store, parse_layers, parse_list, print_json
 from layerscope.draft import probe as probe_mod
+from layerscope.steps import workflow
 
 NAME = "probe"
 HELP = ("score layer sets without training: a ridge map from the set's hidden states and the next token's "

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from layerscope import machine, preflight, workflow
+from layerscope import quietness
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.decoding import costmodel
 from layerscope.decoding.specdec import DEFAULT_K
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft
-from layerscope.models import DEFAULT_MODEL
+from layerscope.steps import preflight, workflow
+from layerscope.target.aliases import DEFAULT_MODEL
 from layerscope.validate import check_number
 
 NAME = "profile"
@@ -51,7 +52,7 @@ def run(args) -> int:
     taus = costmodel.break_even_taus(curve)
     doc = curve.to_json() | {"model": target.spec, "break_even_tau": taus[f"chain k={DEFAULT_K}"],
                              "break_even_tau_by_decoding": taus}
-    state = machine.line(curve.machine, "these costs")
+    state = quietness.line(curve.machine, "these costs")
     if args.json:
         print_json(doc)
         if curve.machine is not None and not curve.machine.quiet:

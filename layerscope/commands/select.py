@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from layerscope import layerset, workflow
+from layerscope import layerset
 from layerscope.capture.stored import open_capture
 from layerscope.commands.analyze import add_analysis_arguments, load_stats, token_line
 from layerscope.commands.common import open_store, parse_layers, print_json
 from layerscope.stats.select import NEEDS_PROBE, REGISTRY, describe
+from layerscope.steps import workflow
 
 NAME = "select"
 HELP = "propose a layer set for an EAGLE-3 draft from the layer statistics (or --compare all strategies)"

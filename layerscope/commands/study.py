@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from layerscope import workflow
 from layerscope.commands.common import (
     Progress,
     add_training_arguments,
@@ -15,12 +14,13 @@ from layerscope.commands.common import (
     parse_list,
     print_json,
 )
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.online import OnlineOptions
-from layerscope.draft.progress import DoneProgress, EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.online import OnlineOptions
+from layerscope.draft.training.progress import DoneProgress, EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.errors import LayerScopeError
 from layerscope.stats.analysis import AnalysisOptions
 from layerscope.stats.entropy import KERNELS
+from layerscope.steps import workflow
 from layerscope.study.run import StudyOptions, budget_text, format_study
 from layerscope.validate import parse_count, parse_duration
 

@@ -16,14 +16,15 @@ from dataclasses import fields
 
 import torch
 
-from layerscope import fmt, preflight, workflow
+from layerscope import fmt
 from layerscope.capture.stored import open_capture
 from layerscope.commands.common import Progress, add_training_arguments, open_store, parse_layers, print_json
 from layerscope.draft import builtin, init_from
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.online import OnlineOptions
-from layerscope.draft.progress import FeaturesProgress, ResponsesProgress, TrainProgress
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.online import OnlineOptions
+from layerscope.draft.training.progress import FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.errors import DraftError
+from layerscope.steps import preflight, workflow
 from layerscope.validate import check_number, parse_count, parse_duration
 
 NAME = "train-draft"

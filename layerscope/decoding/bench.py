@@ -14,7 +14,7 @@ acceptance at each draft position (the share of verification steps whose i-th dr
 accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
 `lossless` = every output equals autoregressive's token for token (`mismatched`: how many prompts' outputs do
 not; in bfloat16 a near-tie can flip between a verification and a one-token step, so this is reported, never
-hidden: layerscope/precision.py); all also per prompt category. A draft's
+hidden: layerscope/target/precision.py); all also per prompt category. A draft's
 entry also has `spec_decode`: its acceptance histogram under vLLM's metric names (num_drafts,
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, mean_acceptance_length; Tally.spec_decode).
 Prompts are the outer loop, so a change in machine load touches every contender alike.
@@ -34,7 +34,7 @@ model (costmodel.py): `plan` (the line-up with `--k auto` / `--tree auto` / `--l
 calibration, and the cost curve) and `annotate` (each contender's predicted speedup beside what it measured).
 
 The machine: `measure` samples it just before the run (or waits for it to be quiet: `BenchOptions.machine`,
-`--wait-quiet`) and watches it during the run (layerscope.machine); the report carries `machine`, and the
+`--wait-quiet`) and watches it during the run (layerscope.quietness); the report carries `machine`, and the
 table says "machine: busy — …; speeds are not trustworthy" when other processes took CPU while it timed.
 """
 
@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from layerscope import eta, fmt, machine
+from layerscope import eta, fmt, quietness
 from layerscope.decoding import costmodel, specdec
 from layerscope.decoding.specdec import LookupSpan, StepEvent, TreeSpec
 from layerscope.draft.checkpoint import load_draft
 from layerscope.errors import LayerScopeError
-from layerscope.machine import MachineOptions
 from layerscope.prompts.sets import PromptSet, chat_ids, load_fitting_prompts
+from layerscope.quietness import MachineOptions
 from layerscope.stats import bootstrap, paired
 from layerscope.stats.paired import PromptRuns
 from layerscope.validate import check_number
@@ -521,8 +521,8 @@ def wait_quiet(options: MachineOptions, progress: Callable[[BenchProgress], None
     def seen(state, left):
         if progress is not None:
             progress(BenchProgress("", 0, 0, 0, 0, None, None, None, phase="wait",
-                                   message=machine.wait_message(state, left)))
-    return machine.settle(options, seen)
+                                   message=quietness.wait_message(state, left)))
+    return quietness.settle(options, seen)
 
 
 def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender], max_new_tokens: int,
@@ -533,7 +533,7 @@ def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Conte
     options = machine_options or MachineOptions()
     eos, pad = stop_tokens(target)
     before = wait_quiet(options, progress)
-    with machine.Monitor(options, before) as watched:
+    with quietness.Monitor(options, before) as watched:
         for p in run(target.model, prompts, contenders, max_new_tokens=max_new_tokens, eos_token_id=eos,
                      pad_token_id=pad, warmup=warmup, clock=clock):
             if p.report is not None:
@@ -697,12 +697,12 @@ def _hf_generate(model, ids, max_new_tokens, eos_token_id, pad_token_id, lookup_
     if assistant is not None:
         saved_assistant, assistant.generation_config = assistant.generation_config, GenerationConfig()
     try:
-        machine.sync(model.device)
+        quietness.sync(model.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config,
                                  **({"assistant_model": assistant} if assistant is not None else {}))
-        machine.sync(model.device)
+        quietness.sync(model.device)
         seconds = time.perf_counter() - t0
     finally:
         model.generation_config = saved
@@ -745,7 +745,7 @@ def format_table(report: BenchReport) -> str:
              + (f", target in {report.dtype}" if report.dtype else "")
              + (f" ({report.dtype_why.partition(': ')[2]})" if report.dtype_why.partition(': ')[2] else ""),
              fmt.table(head, rows, left=2)]
-    lines += [x for x in (machine.line(report.machine), _curve_line(report)) if x]
+    lines += [x for x in (quietness.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]
     lines += [f"{r['name']}: {r['verdict']}" for r in report.results if r.get("verdict") and not r.get("chosen")]
     lines += [lookup_note(r) for r in report.results if r.get("lookup")]
@@ -796,7 +796,7 @@ def _curve_line(report: BenchReport) -> str:
     """A line about the cost curve behind the predictions, only when it was measured busy."""
     if report.cost_curve is None or not report.cost_curve_machine or report.cost_curve_machine.get("quiet"):
         return ""
-    return "cost curve: " + machine.line(report.cost_curve_machine, "predicted speedups").removeprefix("machine: ")
+    return "cost curve: " + quietness.line(report.cost_curve_machine, "predicted speedups").removeprefix("machine: ")
 
 
 def verdict(tau: float, break_even: float, decoding: str, measured: float | None = None, *,

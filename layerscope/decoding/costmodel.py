@@ -2,7 +2,7 @@
 
     cost curve    seconds of one target forward over T = 1..T_max new tokens (mean over a few cache
                   lengths) and of one draft forward over T rows, measured on the loaded model's device,
-                  dtype and thread count with the machine watched (layerscope.machine); cached in the store
+                  dtype and thread count with the machine watched (layerscope.quietness); cached in the store
                   under (fingerprint, device, dtype, threads, draft shape, quiet): a quiet curve is read back;
                   a busy one too while the machine is still busy (it says so), and measured again once it is quiet
     profile       acceptance of a draft: chain[i-1] = P(draft tokens 1..i all accepted) and
@@ -37,13 +37,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from layerscope import blas, eta, layerset, machine
+from layerscope import blas, eta, layerset, quietness
 from layerscope.decoding import specdec
 from layerscope.decoding.specdec import LookupSpan, TreeSpec
-from layerscope.draft.fit import TrainOptions
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+from layerscope.draft.training.fit import TrainOptions
 from layerscope.errors import LayerScopeError
-from layerscope.machine import MachineOptions, MachineState
+from layerscope.quietness import MachineOptions, MachineState
 from layerscope.store import make_key
 
 MAX_TOKENS = 32                      # verification forwards measured over T = 1..MAX_TOKENS new tokens
@@ -98,7 +98,7 @@ class CostCurve:
         assert [p["tokens"] for p in obj["cost_curve"]] == list(range(1, len(target) + 1)), obj["cost_curve"]
         assert target and draft, "a cost curve needs at least one point of each kind"
         return cls(obj["device"], obj["dtype"], int(obj["threads"]), tuple(target), tuple(draft),
-                   tuple(obj.get("cache_lengths", CACHE_LENGTHS)), machine.state_of(obj.get("machine")))
+                   tuple(obj.get("cache_lengths", CACHE_LENGTHS)), quietness.state_of(obj.get("machine")))
 
 
 def _at(points: Sequence[float], T: int) -> float:
@@ -165,7 +165,7 @@ def measure_target(model, *, max_tokens: int = MAX_TOKENS, cache_lengths: Sequen
                 specdec.crop_cache(cache, L)
 
             run(max_tokens)                                  # warm-up: first calls pay one-time costs
-            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: machine.sync(device),
+            per_length.append(time_calls(run, range(1, max_tokens + 1), repeats, clock, lambda: quietness.sync(device),
                                          tick))
     return [sum(col) / len(col) for col in zip(*per_length)]
 
@@ -190,7 +190,7 @@ def measure_draft(model, draft, *, max_rows: int = DRAFT_ROWS, cache_length: int
             dr.rewind()
 
         run(max_rows)
-        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: machine.sync(device), tick)
+        return time_calls(run, range(1, max_rows + 1), repeats, clock, lambda: quietness.sync(device), tick)
 
 
 def default_draft(loaded) -> DraftHead:
@@ -227,8 +227,8 @@ def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_token
     device, dtype, threads, draft shape) was measured before: a quiet one always; a busy one while the machine
     is still busy (one short sample says; its `machine` says it was busy, and the report repeats it), for a
     curve measured again on a busy machine would be no better, and measuring it takes minutes on a small CPU.
-    Else measured, with the machine watched before (machine.settle: `machine_options.wait_s` waits for a quiet
-    machine) and during (machine.Monitor), and stored under its quiet flag: a busy curve never replaces a
+    Else measured, with the machine watched before (quietness.settle: `machine_options.wait_s` waits for a quiet
+    machine) and during (quietness.Monitor), and stored under its quiet flag: a busy curve never replaces a
     quiet one. `progress(message, eta_s)` hears what it is doing (the wait, the two measurements) and the
     seconds left of the measurement (layerscope.eta, over its timed forwards; None while estimating);
     `measured(seconds, quiet)` hears a measurement's seconds (not called when the curve is read back)."""
@@ -240,7 +240,7 @@ def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_token
             cached = store.get_json("costcurve", curve_key(loaded, draft, quiet=quiet))
             if cached is None or len(cached["cost_curve"]) < max_tokens:
                 continue
-            if quiet or not options.wait_s and not machine.sample(options.before_s, options).quiet:
+            if quiet or not options.wait_s and not quietness.sample(options.before_s, options).quiet:
                 return CostCurve.from_json(cached)
 
     t0 = time.monotonic()
@@ -261,7 +261,7 @@ def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_token
         say(what[0], timer[0].left(done[0]))
         return target, measure_draft(loaded.model, draft, repeats=repeats, tick=tick)
 
-    (target, drafts), state = machine.watch(measure, options, lambda s, left: say(machine.wait_message(s, left), None))
+    (target, drafts), state = quietness.watch(measure, options, lambda s, left: say(quietness.wait_message(s, left), None))
     curve = CostCurve(str(loaded.device), str(loaded.dtype).replace("torch.", ""), torch.get_num_threads(),
                       tuple(monotone(target)), tuple(monotone(drafts)), tuple(cache_lengths), state)
     if store is not None:

@@ -58,7 +58,7 @@ from transformers.cache_utils import (
 from layerscope import layerset
 from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
-from layerscope.head import HEAD_TRANSFORMS
+from layerscope.target.head import HEAD_TRANSFORMS
 from layerscope.validate import check_number
 
 # Draft depth of the chain, chosen by measurement on 2 CPU cores with SmolLM2-135M and drafts trained on
@@ -707,7 +707,7 @@ def _batch_copy(cache: DynamicCache, rows: int, tokens: int) -> DynamicCache:
 
 def _plain_head(config) -> bool:
     """Whether the target's logits are its output embedding of the final hidden state and nothing more (no
-    `HEAD_TRANSFORMS`, layerscope/head.py). The transforms are monotone, so they keep the argmax, but in low precision
+    `HEAD_TRANSFORMS`, layerscope/target/head.py). The transforms are monotone, so they keep the argmax, but in low precision
     they can round two near-equal logits into a tie the output embedding alone would not show, and break it
     differently."""
     text = config.get_text_config(decoder=True)

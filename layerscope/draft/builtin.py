@@ -19,10 +19,10 @@ from pathlib import Path
 
 from layerscope.draft.checkpoint import load_draft, read_meta, save_draft
 from layerscope.draft.init_from import weights_sha256
-from layerscope.draft.loss import simulated_acc_len
+from layerscope.draft.training.loss import simulated_acc_len
 from layerscope.errors import DraftError
-from layerscope.models import DEFAULT_MODEL
 from layerscope.store import ENTRY_NAME_RE
+from layerscope.target.aliases import DEFAULT_MODEL
 
 MIN_PREFIX = 4
 KEY_PREFIX_RE = re.compile(r"[0-9a-f]{4,24}")       # a stored draft's key or a prefix of it (4 hex at least)

@@ -5,7 +5,7 @@
     model.safetensors   fc, midlayer.*, norm, lm_head (in that dtype), d2t (int64), t2d (bool); no embed_tokens:
                         every engine shares the target's embedding when the checkpoint has none (a speculators
                         export carries it: speculators' own forward reads the checkpoint's, see
-                        layerscope/draft/engine_export.py write_speculators)
+                        layerscope/draft/export/engine_export.py write_speculators)
     layers.json         the layer set three ways (hidden_states index, vLLM/speculators id, SGLang/SpecForge id),
                         the target facts they were computed for, and what each engine can or cannot do with it
     layerscope.json     what produced it: target fingerprint, capture key, layers, strategy, budget, seed,
@@ -18,7 +18,7 @@ complete old draft or the complete new one, never half-written.
 
 Reading back: load_draft checks the files against each other (draft_layers: every file's record of the layers,
 in the engines' conventions, must name one set) and, given the target, against it (check_fits).
-The folders written for an engine (COMMANDS.md, speculators, SpecForge) are layerscope/draft/engine_export.py's.
+The folders written for an engine (COMMANDS.md, speculators, SpecForge) are layerscope/draft/export/engine_export.py's.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def sglang_rule(model_type: str) -> str:
     return "first-is-one" if model_type in SGLANG_FIRST_ID_ONE else "always"
 
 
-# The families the README's engine table lists (tests/test_families.py's matrix, the hybrids included), in its order;
+# The families the README's engine table lists (tests/families/test_families.py's matrix, the hybrids included), in its order;
 # qwen3_5_text is the text model_type vLLM tests (hf_text_config).
 TABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "mistral", "phi3", "olmo2",
                   "granite", "gemma2", "gemma3_text", "cohere2", "starcoder2", "exaone4", "glm4_moe",

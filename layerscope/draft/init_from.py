@@ -1,7 +1,7 @@
 """Continuing drafts: a training run that starts from drafts already trained instead of fresh heads.
 
     start = starting_point(paths, sets, target, draft_vocab, fc_norm)     one stored draft per layer set, by layers
-    build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/fit.py)
+    build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/training/fit.py)
     key_part(paths)                                                the weights' sha256, for the run's store key
     vocab_of(paths)                                                the drafts' vocabulary size: the run's default
 
@@ -10,7 +10,7 @@ one). Every set of the run needs exactly one of them reading its layers, and the
 vocabulary (d2t), which the run keeps: a continued draft predicts the same tokens. The run's fc_norm must be the
 drafts' own (a continued draft keeps its shape; a mismatch is refused, naming the option). The learning-rate schedule
 starts again (warm-up, then cosine over the new budget): a warm restart, so the budget is what is added.
-Held out: what the starting drafts held out (draft/online.py continued_held_out), so the new learning curve
+Held out: what the starting drafts held out (draft/training/online.py continued_held_out), so the new learning curve
 never scores conversations they trained on. The new draft's layerscope.json records where it started (init_from: path, sha256, tokens it had seen) and
 tokens_seen_total = those tokens + the new run's.
 """
@@ -34,7 +34,7 @@ class StartingPoint:
     d2t: torch.Tensor               # [V] int64: the shared draft vocabulary
     t2d: torch.Tensor               # [vocab] bool
     records: list[dict]             # per set: path, sha256, tokens_seen, val_accuracy (what it started from),
-                                    # and for an online draft its held-out ids and options (draft/online.py)
+                                    # and for an online draft its held-out ids and options (draft/training/online.py)
 
     def summary(self, i: int) -> dict:
         """What the i-th set's new draft records of where it started (its layerscope.json init_from)."""

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerscope import models
 from layerscope.errors import DraftError
+from layerscope.target.config import check_memory
 from layerscope.validate import check_number
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -427,7 +427,7 @@ class DraftHead(nn.Module):
         super().__init__()
         c = self.config = config
         if torch.get_default_device().type != "meta":      # the one memory check before a draft is built
-            models.check_memory(c.nbytes(), "The draft", "Check that its config.json describes the draft you meant "
+            check_memory(c.nbytes(), "The draft", "Check that its config.json describes the draft you meant "
                                 "(its sizes give the memory), close other programs, or use a machine with more memory",
                                 cuda=False, error=DraftError)
         self.midlayer = DraftLayer(c)

@@ -2,9 +2,9 @@
 
     report = probe.score_sets(cap, target, [[2, 15, 27], [29]])          # these sets
     report = probe.search(cap, target, k=3)                             # a search over layers 0..N-1
-    sel = select.select(stats, "probe", 3, probe=probe.ProbeInput(cap, probe.TargetWeights.of(target)))
+    sel = select.select(stats, "probe", 3, probe=probe.ProbeInput(cap, weights.TargetWeights.of(target)))
 
-Signatures (ProbeOptions is the one source of defaults; `target` is a TargetWeights or a models.LoadedModel):
+Signatures (ProbeOptions is the one source of defaults; `target` is a target.weights.TargetWeights or a LoadedModel):
     score_sets(cap: CaptureReader, target: TargetWeights | LoadedModel, sets: Sequence[Sequence[int]],
                options: ProbeOptions | None = None, *, store: Store | None = None,
                progress: Callable[[float, str], None] | None = None) -> ProbeReport
@@ -24,7 +24,7 @@ With `store`, each given set's score and each search is cached (namespace "probe
 
 The map. A draft reading layer set S sees at row t the states h_l[t] (l in S) and the target's input embedding
 of token t+1, and its first proposal is judged against the target's choice at p = t+1. For every counted
-position p (draft training's rule, draft.data's `split_of(...).counted`: token p+1 exists and is a response
+position p (draft training's rule, draft.training.data's `split_of(...).counted`: token p+1 exists and is a response
 token of the same conversation; and p−1 lies in that conversation too):
     x_p = [h_l[p−1] for l in S] ++ embed(token_p) ++ [1]     [(|S| + 1)·d + 1]
     y_p = h_N[p]                                               [d], post-norm: what lm_head reads (predicts p+1)
@@ -32,7 +32,7 @@ token of the same conversation; and p−1 lies in that conversation too):
                                                                Gram (each column's own spread), 0 for the bias
     agreement          = share of held-out p with argmax lm_head(x_p W) == argmax lm_head(y_p)  (the target's)
     explained_variance = 1 − Σ‖y − ŷ‖² / Σ‖y − ȳ‖²             over held-out p, ȳ their mean
-Splits, by whole conversations: held-out = draft.data.split_conversations(conversation, val_fraction, seed),
+Splits, by whole conversations: held-out = draft.training.data.split_conversations(conversation, val_fraction, seed),
 the draft's own split with TrainOptions' defaults, so the agreement reads like a draft's held-out agreement at
 position 1 (same conversations, same positions); on a small capture it holds out at least MIN_HELD_OUT (5)
 conversations where a third of them allows (held_out_conversations: 5 of the default capture's 16, the draft's 2
@@ -73,14 +73,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from layerscope import layerset
-from layerscope.draft.data import split_conversations, split_of, target_argmax
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.train import target_weights
+from layerscope.draft.training.data import split_conversations, split_of, target_argmax  # in draft/, above training: its splits
+from layerscope.draft.training.fit import TrainOptions
 from layerscope.errors import LayerScopeError
-from layerscope.models import available_memory
 from layerscope.stats import bootstrap
 from layerscope.stats.ridge import F64, Gram, block_columns, explained_variance, logit_loss, logit_metric, ridge, with_bias
 from layerscope.store import make_key
+from layerscope.target.config import available_memory
+from layerscope.target.weights import TargetWeights
 from layerscope.validate import check_number
 
 FORMAT = 4                     # cache entries under the store's "probe" namespace (2: standardised penalty;
@@ -135,20 +135,6 @@ class ProbeOptions:
     def scoring(self) -> dict:
         """The options a set's score depends on (its cache key); the search's own options are not among them."""
         return {k: getattr(self, k) for k in ("val_fraction", "seed", "lambda_fraction", "lambdas")}
-
-
-@dataclass
-class TargetWeights:
-    """The two target matrices the probe needs besides the capture."""
-    embed: torch.Tensor               # [vocab, d] input embedding
-    lm_head: torch.Tensor             # [vocab, d]
-    fingerprint: str | None = None    # the model's; checked against the capture's when both are known
-
-    @classmethod
-    def of(cls, loaded) -> "TargetWeights":
-        """From a models.LoadedModel."""
-        _, embed, lm_head = target_weights(loaded)
-        return cls(embed.detach(), lm_head.detach(), loaded.fingerprint)
 
 
 @dataclass
@@ -296,7 +282,7 @@ class Positions:
 
 
 def positions(cap, o: ProbeOptions) -> Positions:
-    """The counted positions (draft.data's `split_of` rule; p − 1 in the same conversation) of each split."""
+    """The counted positions (draft.training.data's `split_of` rule; p − 1 in the same conversation) of each split."""
     cap.require_every_position("the probe", "Choose a strategy that reads the statistics only, or capture again "
                                "without --sample-positions")
     tok = cap.tokens()

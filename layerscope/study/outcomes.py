@@ -47,7 +47,7 @@ class Outcome:
     meta: dict                        # the draft's layerscope.json
     result: dict                      # its benchmark entry (bench.measure's result for the draft)
     per_prompt: PromptRuns            # per-prompt totals, against plain decoding in the same run
-    machine: dict | None              # the machine during that benchmark (layerscope.machine)
+    machine: dict | None              # the machine during that benchmark (layerscope.quietness)
     baseline: dict                    # plain decoding's entry of the same run
 
     def to_json(self) -> dict:

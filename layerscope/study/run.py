@@ -12,12 +12,12 @@ For one capture:
   2b. probe       probe.score_sets (`probe` options; None skips it): the training-free proxy `probe`, a
                   closed-form ridge map per set and its held-out agreement with the target's argmax
                   (layerscope/draft/probe.py), cached in the store;
-  3. drafts       draft.train.draft_for per set and training seed (`seeds`), all with the same budget
+  3. drafts       draft.training.train.draft_for per set and training seed (`seeds`), all with the same budget
                   and data (cached: a re-run that adds a set or a seed trains only those); online, one
                   target pass per seed and group of `sets_per_pass` of the sets it still lacks (study_units);
   4. benchmark    bench.measure on held-out prompts, each unit's drafts against plain decoding in one run as
                   soon as the unit is trained; each draft's result and its per-prompt totals are cached with
-                  the prompts and decoding options and the machine's state during the run (layerscope.machine;
+                  the prompts and decoding options and the machine's state during the run (layerscope.quietness;
                   the report's `machine` merges every run it used, and the verdict says so when one ran on a
                   busy machine). With `outcomes`, each finished (set, seed) is also written to that folder
                   (study/outcomes.py) and read back from it instead of being trained again;
@@ -36,20 +36,20 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from layerscope import eta, fmt, machine
+from layerscope import eta, fmt, quietness
 from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
 from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.loss import simulated_acc_len
-from layerscope.draft.online import OnlineOptions, train_online
 from layerscope.draft.probe import ProbeOptions
-from layerscope.draft.progress import OnlineProgress, ResponsesProgress, TrainProgress, last_of
-from layerscope.draft.train import draft_for
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.loss import simulated_acc_len
+from layerscope.draft.training.online import OnlineOptions, train_online
+from layerscope.draft.training.progress import OnlineProgress, ResponsesProgress, TrainProgress, last_of
+from layerscope.draft.training.train import draft_for
 from layerscope.errors import LayerScopeError, SelectionError
-from layerscope.machine import MachineOptions
 from layerscope.prompts.sets import load_prompts
+from layerscope.quietness import MachineOptions
 from layerscope.stats import paired, select
 from layerscope.stats.analysis import AnalysisOptions, analyze
 from layerscope.stats.correlation import spearman
@@ -58,6 +58,7 @@ from layerscope.stats.paired import PromptRuns
 from layerscope.store import make_key
 from layerscope.study import outcomes
 from layerscope.study.outcomes import Outcome, OutcomeFolder
+from layerscope.target.weights import TargetWeights
 from layerscope.validate import check_number
 
 STUDY_STRATEGIES = ("default", "greedy", "aggregate", "entropy-topk", "spread", "random", "last-k", "single")
@@ -144,7 +145,7 @@ class StudyRow:
     proxies: dict = field(default_factory=dict)         # version ("linear, H≥0.5") -> {proxy: value}
     drafts: list[str] = field(default_factory=list)     # one per seed
     probe: dict | None = None            # the probe's SetScore.to_json(): agreement, explained_variance, lambda, ...
-    simulated_acc_len: float | None = None   # SpecForge's Σ∏ of val_accuracy (draft/loss.py; no bonus token)
+    simulated_acc_len: float | None = None   # SpecForge's Σ∏ of val_accuracy (draft/training/loss.py; no bonus token)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -162,7 +163,7 @@ class StudyReport:
     correlations: list[dict] = field(default_factory=list)   # every proxy version: proxy, version, rho, ci, sets
     best_proxies: dict = field(default_factory=dict)          # proxy -> its best-correlated version
     reference: int = 0                                        # index of the default rule's row
-    machine: dict | None = None                               # machine.merge of the benchmark runs it used
+    machine: dict | None = None                               # quietness.merge of the benchmark runs it used
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "rows": [r.to_json() for r in self.rows], "correlations": self.correlations,
@@ -177,7 +178,7 @@ class StudyProgress:
     message: str
     set_index: int = 0               # which set is training (train phase)
     sets_total: int = 0
-    detail: OnlineProgress | bench.BenchProgress | None = None   # "train": draft/progress.py's (from the capture:
+    detail: OnlineProgress | bench.BenchProgress | None = None   # "train": draft/training/progress.py's (from the capture:
                                                                  # TrainProgress only); "bench": the benchmark's
     eta_s: float | None = None       # seconds left of the phase (layerscope.eta): from the capture, every draft this
                                      # pass trains (one budget each, measured over the drafts trained so far);
@@ -424,7 +425,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
     searched = None
     if any(x in select.NEEDS_PROBE for x in o.strategies):
         say(StudyProgress("analyze", "probe: searching for the best set"))
-        searched = probe_mod.ProbeInput(cap, probe_mod.TargetWeights.of(target), o.probe or ProbeOptions(), store)
+        searched = probe_mod.ProbeInput(cap, TargetWeights.of(target), o.probe or ProbeOptions(), store)
     sets = propose_sets(stats, o, searched)
     versions, skipped = {}, {}
     for name, a in proxy_versions(analysis, o).items():
@@ -445,7 +446,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
 
     finished = finish_drafts(cap, target, store, sets, o, say, measured, planned)
     n_prompts = len(finished[0][0].per_prompt.tokens)
-    merged = machine.merge([oc.machine for ocs in finished for oc in ocs])
+    merged = quietness.merge([oc.machine for ocs in finished for oc in ocs])
     machine_state = merged.to_json() if merged is not None else None
     reference = next(i for i, (_, strategies) in enumerate(sets) if "default" in strategies)
     compared, tau_boot = paired.compare_sets([[oc.per_prompt for oc in ocs] for ocs in finished], reference,
@@ -485,7 +486,7 @@ def run_study(cap, target, store, options: StudyOptions | None = None, analysis:
              | ({PROBE_VERSION: {"probe": r.probe["agreement"]}} if probed is not None else {}) for r in rows]
     correlations = paired.correlate(table, taus, tau_boot, seed=o.seed + 1)
     text = paired.verdict([r.to_json() for r in rows], reference, correlations, prompts=n_prompts, seeds=len(seeds))
-    busy = machine.caution(machine_state, "speedups and tokens/s")
+    busy = quietness.caution(machine_state, "speedups and tokens/s")
     text = f"{text} {busy}" if busy else text
     options_json = asdict(o) | {"seeds": list(seeds), "analysis": asdict(analysis), "kernel": analysis.kernel,
                                 "proxy_versions": list(versions), "proxy_versions_skipped": skipped,
@@ -556,7 +557,7 @@ def format_study(report: StudyReport) -> str:
                     f"training seeds {','.join(map(str, seeds))}, {o.get('kernel')} kernel\n")
     lines.insert(1, report.verdict + "\n")
     if report.machine:
-        lines.insert(2, machine.line(report.machine, "speedups") + "\n")
+        lines.insert(2, quietness.line(report.machine, "speedups") + "\n")
     lines.append("")
     lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy; "
                  "probe = the training-free ridge map's held-out agreement, layerscope/draft/probe.py).")

@@ -1,30 +1,20 @@
-"""Applying backend results to the active session, and reading what pages need from it.
-
-Pages call these so they stay thin: a finished job's result goes into the session here; the layer
-statistics a page draws come from here (the session's snapshot, else a background analysis job).
+"""Applying backend results to the active session: a new capture (and what it keeps of the old one), statistics,
+and every finished job's result (`collect`, on every run). Everything here changes the session.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import streamlit as st
 
-from layerscope import fmt, layerset, plots
+from layerscope import fmt, layerset
 from layerscope.capture import stored
 from layerscope.session.model import Session
-from layerscope.stats.analysis import AnalysisOptions, LayerStats
-from layerscope.stats.entropy import KERNELS
-from layerscope.ui import recommend, tasks
-from layerscope.ui.jobs import StatsTag, get_manager
+from layerscope.study import recommend
+from layerscope.ui import tasks
+from layerscope.ui.jobs import get_manager
 from layerscope.ui.state import add_note, commit
 
-# ---------------------------------------------------------------------------- prompts
-
-@st.cache_resource(show_spinner="Reading the prompt set…", max_entries=16)
-def preview_prompts(spec: str, limit: int, seed: int):
-    return tasks.load_prompt_set(spec, limit, seed)
-
+# ---------------------------------------------------------------------------- captures
 
 # ---------------------------------------------------------------------------- captures
 
@@ -112,38 +102,7 @@ def set_stats(s: Session, stats: dict, requested: dict | None = None) -> None:
     s.set_stats({**stats, "requested": dict(requested if requested is not None else s.analysis_options)})
 
 
-def capture_available(s: Session, store) -> bool:
-    return bool(s.capture_key) and stored.has_capture(store, s.capture_key)
-
-
-def stats_for(s: Session, store, options: dict | None = None):
-    """The session's layer statistics for `options` (None: the session's current options).
-
-    Returns (stats dict or None, job or None). A finished analysis job is applied to the session
-    here. When the snapshot was computed with other options and the capture is in the store, an
-    analysis job starts (or the running one is returned) and the old snapshot is returned meanwhile;
-    a session imported without its capture shows its snapshot.
-    """
-    manager = get_manager()
-    wanted = dict(s.analysis_options if options is None else options)
-    collect(s)
-    job = manager.latest(s.id, "analysis")
-    snapshot = s.stats_dict()
-    if snapshot is not None and snapshot.get("requested", {}) == wanted:
-        return snapshot, None
-    if not capture_available(s, store):
-        return snapshot, None
-    if job is not None:
-        v = job.view()
-        if v.running:
-            return snapshot, job
-        if v.state != "done" and job.tag == StatsTag(s.capture_key, wanted):
-            return snapshot, job      # it failed for these options: show the error, do not retry in a loop
-    key = s.capture_key
-    job = manager.submit(s.id, "analysis", tasks.stats_job(store=store, capture_key=key, options=wanted),
-                         title="Layer statistics", tag=StatsTag(key, wanted))
-    return snapshot, job
-
+# ---------------------------------------------------------------------------- finished jobs
 
 # ---------------------------------------------------------------------------- finished jobs
 
@@ -152,7 +111,7 @@ def _apply_analysis(s: Session, result: dict) -> bool:
         return False        # computed for a capture the session has since left
     if dict(result["requested"]) != dict(s.analysis_options):
         return False        # options the user has since changed again (a kernel clicked twice): never put back;
-                            # stats_for starts the job of the options now chosen
+                            # stats_access.ensure_stats starts the job of the options now chosen
     set_stats(s, result["stats"], result["requested"])
     return True
 
@@ -231,169 +190,3 @@ def collect(s: Session) -> bool:
         commit(s)
         st.session_state[COLLECTED] = st.session_state.get(COLLECTED, 0) + 1
     return changed
-
-
-# ---------------------------------------------------------------------------- how results are named
-
-def draft_labels(drafts) -> dict[str, str]:
-    """{path: "name [layers]"} for pickers and charts; two drafts that would read alike get their folder name too."""
-    base = {d["path"]: f"{d['name']} {fmt.layers(d['layers'])}" for d in drafts}
-    seen: dict[str, int] = {}
-    for label in base.values():
-        seen[label] = seen.get(label, 0) + 1
-    return {p: label + (f" · {Path(p).name[:8]}" if seen[label] > 1 else "") for p, label in base.items()}
-
-
-def colors(s: Session) -> dict:
-    """The session's palette: one color per layer set (its sets, then its drafts', studies' and benchmarks'), the
-    default rule grey; every figure takes it, so a set and the drafts reading it keep one color across charts."""
-    n = s.num_layers
-    sets = ([x["layers"] for x in s.layer_sets] + [d["layers"] for d in s.drafts]
-            + [r["layers"] for study in s.study for r in study.get("rows") or []]
-            + [r["layers"] for b in s.bench_results for r in b.get("results") or [] if r.get("layers")])
-    return plots.palette(sets, default=layerset.default_layers(n)[0] if n else None)
-
-
-def run_label(res: dict, i: int) -> str:
-    """How a benchmark run reads in its picker: number, prompts, tokens, depth, device, when."""
-    parts = [f"#{i + 1}", f"{res.get('prompts')} {res.get('prompt_set', '')} prompts".replace("  ", " "),
-             f"{res.get('max_new_tokens')} new tokens"]
-    if res.get("k") is not None:
-        parts.append(f"K {res['k']}")
-    parts += [str(res.get("device") or "?"), fmt.when(res.get("created"))]
-    return " · ".join(parts)
-
-
-# ---------------------------------------------------------------------------- layer sets
-
-def manual_layers(s: Session) -> list[int]:
-    return sorted(set(s.manual_picks))
-
-
-def toggle_picks(picks, chosen) -> list[int]:
-    """Hand-picked layers after a click or box on the heatmap: if every chosen layer is picked already,
-    they are unpicked; otherwise the chosen layers are added."""
-    picks, chosen = set(int(p) for p in picks), set(int(c) for c in chosen)
-    return sorted(picks - chosen if chosen and chosen <= picks else picks | chosen)
-
-
-def heatmap_picks(selection: dict, picks, *, limit: int, num_layers: int) -> tuple[list[int], str | None]:
-    """What a selection on the CKA heatmap does to the hand-picked layers `picks`: (the picks after it, a line to
-    show or None). A click picks its cell's row and column layer; a box or lasso the layers whose diagonal cells it
-    covers, at most `limit` of them (the set size: a larger box changes nothing and says so); neither leaves more
-    than `limit` layers picked (it changes nothing and says so, _within_limit). Either way, picking
-    picked layers again unpicks them (toggle_picks); layer `num_layers`, the final state, is never picked (drafts
-    read 0..N-1)."""
-    picks = sorted(set(int(p) for p in picks))
-    points = selection.get("points") or []
-    if not (selection.get("box") or selection.get("lasso")):          # a click
-        chosen = [layer for layer in plots.cells_to_layers(points) if layer < num_layers]
-        return _within_limit(picks, toggle_picks(picks, chosen) if chosen else picks, limit, "The click")
-    diagonal = plots.diagonal_layers(points)
-    chosen = [layer for layer in diagonal if layer < num_layers]
-    if not chosen:
-        return picks, ((f"The box covers only layer {num_layers}, the final state, which drafts do not read. " if diagonal
-                        else "The box covers no cell on the diagonal: a box picks the layers whose own cells (on the "
-                             "diagonal) it covers. ")
-                       + "Drag along the diagonal, or click a cell to pick its row and column layer.")
-    if len(chosen) > limit and not set(chosen) <= set(picks):
-        return picks, (f"The box covers {len(chosen)} layers on the diagonal, {fmt.layers(chosen)}: more than the "
-                       f"set size k = {limit} (Layer sets page), so it picked none. Drag a smaller box, or click cells.")
-    return _within_limit(picks, toggle_picks(picks, chosen), limit, "The box")
-
-
-def _within_limit(picks: list[int], after: list[int], limit: int, what: str) -> tuple[list[int], str | None]:
-    """`after` when it keeps the picks within the set size `limit` (or picks nothing new); else `picks` unchanged and
-    the line that says why. A click and a box are held to the same size as the picked-layers box on the CKA page."""
-    if len(after) <= limit or set(after) <= set(picks):
-        return after, None
-    added = sorted(set(after) - set(picks))
-    return picks, (f"{what} would add {fmt.layers(added)} to the {len(picks)} picked layer(s), {fmt.layers(picks)}: "
-                   f"{len(after)} layers, more than the set size k = {limit} (Layer sets page), so it picked none. "
-                   "Unpick a layer first (click a picked cell again, or remove it under the heatmap), or raise k on the "
-                   "Layer sets page.")
-
-
-def picks_over_limit(picks, limit: int) -> str | None:
-    """The line the CKA page shows when more layers are picked than the set size `limit` (picked on the Layer sets
-    page, or before k was lowered), or None."""
-    picks = sorted(set(int(p) for p in picks))
-    if len(picks) <= limit:
-        return None
-    return (f"{len(picks)} layers picked, {fmt.layers(picks)}: more than the set size k = {limit} (Layer sets page). "
-            "No more can be picked here; unpick some, or raise k on the Layer sets page.")
-
-
-def default_set_size(n: int) -> int:
-    """The set size the Layer sets page starts from: the default rule's, for a capture of `n` layers."""
-    return len(layerset.default_layers(n)[0])
-
-
-def set_size(s: Session, n: int) -> int:
-    """The set size k chosen on the Layer sets page (s.view["sets_k"]), inside 1..n; the default rule's until chosen."""
-    k = s.view.get("sets_k")
-    if not isinstance(k, int) or isinstance(k, bool):
-        k = default_set_size(n)
-    return max(1, min(int(k), max(1, n)))
-
-
-def kernel_of(stats: dict) -> str:
-    """The CKA kernel the statistics were computed with (the session's choice when they were computed)."""
-    return LayerStats.kernel_of(stats)
-
-
-def session_kernel(s: Session) -> str:
-    """The CKA kernel the session's statistics are (to be) computed with: its analysis options' (AnalysisOptions)."""
-    kernel = s.analysis_options.get("kernel", AnalysisOptions().kernel)
-    return kernel if kernel in KERNELS else AnalysisOptions().kernel
-
-
-def set_kernel(s: Session, kernel: str) -> None:
-    """Compute the session's statistics with CKA kernel `kernel` from now on: its analysis options change (the
-    pages then recompute them through the cached analysis, stats_for) and the Entropy page's edited options, when
-    it has some, take the same kernel, so they do not ask to change it back."""
-    if kernel not in KERNELS or kernel == session_kernel(s):
-        return
-    s.analysis_options = {**s.analysis_options, "kernel": kernel}
-    edited = s.view.get("entropy_controls")
-    if isinstance(edited, dict) and "kernel" in edited:
-        s.view["entropy_controls"] = {**edited, "kernel": kernel}
-    commit(s)
-
-
-def layer_stats(stats: dict):
-    """A LayerStats from a statistics dict (the session's snapshot)."""
-    return LayerStats.from_dict(stats)
-
-
-def sets_for_display(s: Session, extra: list[tuple[str, list[int]]] = ()) -> list[tuple[str, list[int]]]:
-    """The session's layer sets (plus `extra`), as (name, layers) pairs for the figures; no duplicates."""
-    out, seen = [], set()
-    for name, layers in [(x["name"], x["layers"]) for x in s.layer_sets] + list(extra):
-        key = tuple(layers)
-        if key and key not in seen:
-            seen.add(key)
-            out.append((name, list(layers)))
-    return out
-
-
-def extra_stats(s: Session, store, options: dict, kind: str = "analysis-compare"):
-    """Statistics for other options, beside the session's own (e.g. unfiltered, to compare curves).
-
-    Not kept in the session: returns (stats dict or None, job or None) from a job of `kind`.
-    """
-    if not capture_available(s, store):
-        return None, None
-    manager = get_manager()
-    job = manager.latest(s.id, kind)
-    if job is not None and job.tag == StatsTag(s.capture_key, dict(options)):
-        v = job.view()
-        if v.finished_ok:
-            return v.result, None
-        if v.running or v.state == "failed":
-            return None, job
-    if job is not None and job.view().running:
-        return None, job
-    job = manager.submit(s.id, kind, tasks.analysis_job(store=store, capture_key=s.capture_key, options=options),
-                         title="Comparison statistics", tag=StatsTag(s.capture_key, dict(options)))
-    return None, job

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerscope import fmt
-from layerscope.decoding import costmodel
-from layerscope.ui import sanity
+from layerscope.decoding import costmodel, sanity
 
 
 @dataclass

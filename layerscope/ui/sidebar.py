@@ -8,7 +8,7 @@ import streamlit as st
 from layerscope import fmt
 from layerscope.session.model import Session
 from layerscope.ui.jobs import get_manager
-from layerscope.ui.models import device_label
+from layerscope.ui.model_cache import device_label
 from layerscope.ui.state import COPY_SUFFIX, bind_view, new_session, viewing
 from layerscope.ui.widgets import IMAGE_FORMAT_KEY, md_text
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from layerscope import fmt, layerset, machine
-from layerscope.decoding import specdec
-from layerscope.draft.loss import simulated_acc_len
+from layerscope import fmt, layerset, quietness
+from layerscope.decoding import sanity, specdec
+from layerscope.draft.training.loss import simulated_acc_len
+from layerscope.study.recommend import set_label
 from layerscope.study.run import online_settings
-from layerscope.ui import sanity
-from layerscope.ui.recommend import set_label
 
 SMALL_CAPTURE_TOKENS = 20_000     # below this a draft memorises its training prompts (README: 63k tokens took 21 min)
 ONLINE_PHASES = ("responses", "features", "eval")     # phases only an online training run has
@@ -201,14 +200,15 @@ def run_warnings(res: dict, drafts) -> list[tuple[str, str]]:
         if w:
             out.append(("warning", w))
     if res.get("machine"):
-        out.append(("note" if res["machine"].get("quiet") else "warning", machine.line(res["machine"])))
+        out.append(("note" if res["machine"].get("quiet") else "warning", quietness.line(res["machine"])))
     out += [("note", f"Note: {w}.") for w in res.get("warnings") or []]
     out += [("warning", w) for w in sanity.bench_warnings(rows, int(res.get("prompts") or 0))]
     return out
 
 
 def not_lossless(rows) -> list[str]:
-    """The contenders whose output differed from plain greedy decoding (a decoder bug)."""
+    """The contenders whose output differed from plain greedy decoding (in float32 a decoder bug; in bfloat16 a near-tie
+    can flip: run_warnings says which)."""
     return [r["name"] for r in rows if r.get("lossless") is False]
 
 

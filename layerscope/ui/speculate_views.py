@@ -7,13 +7,29 @@ from __future__ import annotations
 
 import streamlit as st
 
-from layerscope import eta, fmt, plots
+from layerscope import eta, fmt
+from layerscope.decoding import sanity, specdec
 from layerscope.decoding.bench import auto_note, interval_note, lookup_auto_note
 from layerscope.draft import engines
-from layerscope.draft.engine_export import engine_verdict, export_zip
-from layerscope.ui import sanity, speculate, tasks
+from layerscope.draft.export.engine_export import engine_verdict, export_zip
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.steps import forecast
+from layerscope.study.recommend import set_label
+from layerscope.ui import plots, speculate, tasks
 from layerscope.ui.state import bind_view, commit
-from layerscope.ui.widgets import chart, guard, highlighted_tokens, in_app_words, legend_html, md_text, offered, show_error, table
+from layerscope.ui.widgets import (
+    chart,
+    estimate_caption,
+    guard,
+    highlighted_tokens,
+    in_app_words,
+    legend_html,
+    md_text,
+    number_field,
+    offered,
+    show_error,
+    table,
+)
 
 # ---------------------------------------------------------------------------- live panels (views.live_job's details)
 
@@ -189,6 +205,44 @@ def bench_run(s, i: int, colors: dict) -> None:
     if cdf is not None:
         with st.expander("Per prompt category"):
             table(cdf, key="ls_spec_bench_cat", filename=f"benchmark-{i + 1}-categories")
+
+
+# ---------------------------------------------------------------------------- the study
+
+def study_form(s, store, manager, stats, n: int, *, ttt, seed) -> None:
+    """The study's options, the sets it will train (with its estimate) and the button that starts it; the TTT
+    steps and seed are the training form's."""
+    q1, q2, q3 = st.columns(3)         # two rows: five labels a row wrapped at 1024 px
+    q4, q5, _ = st.columns(3)
+    st_k = number_field(q1, "Layers per set (k)", min_value=1, max_value=max(1, n), key="ls_w_study_k",
+                           on_change=bind_view(s, "study_k", "ls_w_study_k", min(3, max(1, n)), clamp=(1, max(1, n))))
+    st_steps = number_field(q2, "Steps (each)", min_value=1, max_value=1_000_000, key="ls_w_study_steps",
+                               on_change=bind_view(s, "study_steps", "ls_w_study_steps", tasks.train_defaults().steps,
+                                                   clamp=(1, 1_000_000)),
+                               help="Training steps of every draft of the study: one budget for all")
+    st_src = q3.selectbox("Prompt set", ["sharegpt-heldout", "builtin"], key="ls_w_study_src",
+                          on_change=bind_view(s, "study_prompts", "ls_w_study_src", "sharegpt-heldout",
+                                              options=["sharegpt-heldout", "builtin"]))
+    st_n = number_field(q4, "Study prompts", min_value=1, max_value=500, key="ls_w_study_n",
+                           on_change=bind_view(s, "study_n", "ls_w_study_n", 8, clamp=(1, 500)))
+    st_new = number_field(q5, "Study new tokens", min_value=1, max_value=2048, key="ls_w_study_new",
+                             on_change=bind_view(s, "study_new", "ls_w_study_new", 48, clamp=(1, 2048)))
+    with guard("study sets"):
+        options = tasks.study_options(s.layer_sets, k=int(st_k),
+                                      train=TrainOptions(steps=int(st_steps), ttt_steps=int(ttt), seed=int(seed)),
+                                      prompts=st_src, limit=int(st_n), max_new_tokens=int(st_new),
+                                      depth=int(st.session_state.get("ls_w_spec_bench_k") or specdec.DEFAULT_K))
+        plan = tasks.study_plan(stats, options)
+        st.markdown("Sets in the study: " + " · ".join(
+            f"**{md_text(set_label(names, layers, s.layer_sets))}** `{fmt.layers(layers)}`" for layers, names in plan))
+        estimate_caption(lambda: forecast.study(store, s.model, options, sets=len(plan)))
+        study_running = any(j.kind == "study" for j in manager.active(s.id))
+        if st.button("Run the study", type="primary", key="ls_spec_study", icon=":material/science:",
+                     disabled=study_running or len(plan) < 2):
+            manager.submit(s.id, "study", tasks.study_job(store=store, capture_key=s.capture_key, model=s.model,
+                                                          options=options, analysis_options=s.analysis_options),
+                           title=f"Study of {len(plan)} layer sets")
+            st.rerun()
 
 
 def study(s, i: int, colors: dict) -> None:

@@ -20,7 +20,7 @@ from layerscope.session.model import Session
 from layerscope.session.schema import NAME_MAX, valid_id
 from layerscope.store import Store, StoreWriteError, default_root
 from layerscope.ui.access import me
-from layerscope.ui.models import device_label
+from layerscope.ui.model_cache import device_label
 from layerscope.ui.widgets import show_error
 
 SESSION_KEY = "ls_session"

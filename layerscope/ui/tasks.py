@@ -1,4 +1,4 @@
-"""Job functions the pages start in the background: thin adapters from layerscope.workflow to `Job` progress.
+"""Job functions the pages start in the background: thin adapters from layerscope.steps.workflow to `Job` progress.
 
 Each `*_job(...)` builds a function `fn(job) -> result` for `JobManager.submit`. Decorated with
 `worker.job_task`, calling it returns a picklable `Task` (its name and arguments, the store as its root)
@@ -15,22 +15,23 @@ import time
 import uuid
 from pathlib import Path
 
-from layerscope import eta, forecast, workflow
+from layerscope import eta
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import open_capture
 from layerscope.decoding.bench import BenchOptions, Tally, parse_lookup
 from layerscope.draft import builtin, probe
 from layerscope.draft.checkpoint import read_meta
-from layerscope.draft.fit import TrainOptions
-from layerscope.draft.online import OnlineOptions
-from layerscope.draft.progress import EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
+from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.online import OnlineOptions
+from layerscope.draft.training.progress import EvalProgress, FeaturesProgress, ResponsesProgress, TrainProgress
 from layerscope.errors import DraftError, LayerScopeError, PromptSetError
-from layerscope.models import default_device
 from layerscope.prompts.sets import load_prompts
 from layerscope.stats.analysis import AnalysisOptions, LayerStats
+from layerscope.steps import forecast, workflow
 from layerscope.store import atomic_write_bytes
 from layerscope.study.run import StudyOptions, propose_sets
-from layerscope.ui.models import get_model, load_message, loaded_models
+from layerscope.target.load import default_device
+from layerscope.ui.model_cache import get_model, load_message, loaded_models
 from layerscope.ui.worker import job_task
 
 
@@ -220,8 +221,8 @@ def analysis_options_obj(options: dict) -> AnalysisOptions:
 
 def train_defaults() -> TrainOptions:
     """What the training widgets start from: TrainOptions' defaults with this machine's budget
-    (workflow.default_train_steps: 300 steps on a CPU, 2000 on a GPU)."""
-    return workflow.with_budget(TrainOptions(), default_device()[0])
+    (TrainOptions.default_steps: 300 steps on a CPU, 2000 on a GPU)."""
+    return TrainOptions().with_budget(default_device()[0])
 
 
 @job_task

@@ -5,9 +5,9 @@ from __future__ import annotations
 import streamlit as st
 
 from layerscope.capture.stored import has_capture
-from layerscope.ui import apply
 from layerscope.ui.jobs import INTERRUPTED, get_manager
 from layerscope.ui.state import active_session, get_store, make_my_copy, viewing
+from layerscope.ui.stats_access import ensure_stats
 from layerscope.ui.widgets import JOB_WORDS, job_status, md_text, poll_interval, wait_briefly
 
 
@@ -48,10 +48,10 @@ def stats_or_progress(s, store, options: dict | None = None, *, key: str) -> dic
                 "(or open a saved session on the **Sessions** page).", icon=":material/info:")
         st.page_link("app_pages/capture.py", label="Go to Capture", icon=":material/arrow_forward:")
         return None
-    stats, job = apply.stats_for(s, store, options)
+    stats, job = ensure_stats(s, store, options)
     if job is not None and job.view().running:
         wait_briefly(job)           # cached statistics come back at once: no progress bar flash
-        stats, job = apply.stats_for(s, store, options)
+        stats, job = ensure_stats(s, store, options)
     if job is not None:
         v = job.view()
         if v.running:

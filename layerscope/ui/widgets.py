@@ -10,9 +10,9 @@ import time
 
 import streamlit as st
 
-from layerscope import eta, fmt, plots
+from layerscope import eta, fmt
 from layerscope.errors import LayerScopeError
-from layerscope.ui import image_export
+from layerscope.ui import image_export, plots
 from layerscope.ui.jobs import INTERRUPTED, JobView, get_manager
 from layerscope.ui.worker import CANCELLED, DONE, FAILED
 from layerscope.validate import read_number

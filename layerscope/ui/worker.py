@@ -9,7 +9,7 @@ What runs where:
 - worker: a fresh interpreter (`python -c "...worker.main()"`), never a fork of the server (which holds
   torch's threads). It builds the job function from the task (`Task.build`, which imports the builder's
   module) and runs it with a `RemoteJob` that has the job side of the `Job` API (update, push, set_series,
-  should_stop, check_cancel). It keeps its own model cache (`ui.models`) between jobs: a model loads once
+  should_stop, check_cancel). It keeps its own model cache (`ui.model_cache`) between jobs: a model loads once
   per worker. Which modules it imports before the first job is the server's to say (`Worker(imports=...)`:
   jobs.WORKER_IMPORTS, the builders of ui.tasks); this module knows no job.
 
@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 from layerscope.errors import LayerScopeError
 from layerscope.store import Store, as_write_error
-from layerscope.ui import models
+from layerscope.ui import model_cache
 
 DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 FLUSH_S = 0.1          # the worker sends coalesced progress at most this often
@@ -323,7 +323,7 @@ class _Channel:
             delta = job.drain() if job is not None else None
             if delta is not None:
                 self.conn.send(("progress", job.id, delta))
-            loaded = models.loaded_models()
+            loaded = model_cache.loaded_models()
             if loaded != self._models_sent:
                 self.conn.send(("models", loaded))
                 self._models_sent = loaded
@@ -353,7 +353,7 @@ def main(argv=None) -> None:
     channel = _Channel(Connection(args.fd))
     for name in args.imports:                  # the job builders and what they import, before the first job
         importlib.import_module(name)
-    channel.send(("ready", {"pid": os.getpid(), "device": models.device_label(), "started": time.time()}))
+    channel.send(("ready", {"pid": os.getpid(), "device": model_cache.device_label(), "started": time.time()}))
     while True:
         msg = channel.requests.get()
         if msg[0] != "run":
