@@ -50,8 +50,8 @@ def parse_list(text: str, flag: str, kind) -> list:
 
 def add_training_arguments(p) -> None:
     """The training flags train-draft and study share, written once (defaults: TrainOptions and OnlineOptions): the
-    budget (--steps, --tokens, --time), the recipe (--ttt-steps, --batch-size, --seq-len, --lr, --fc-norm) and
-    online training's data (--responses, --val-conversations)."""
+    budget (--steps, --tokens, --time), the recipe (--ttt-steps, --batch-size, --seq-len, --lr, --fc-norm,
+    --draft-intermediate) and online training's data (--responses, --val-conversations)."""
     t, on = TrainOptions(), OnlineOptions()
     p.add_argument("--steps", type=int, default=t.steps,
                    help="training budget per draft, in optimizer steps (training from a capture: default 300 on a "
@@ -68,6 +68,9 @@ def add_training_arguments(p) -> None:
                    help="an RMSNorm on each auxiliary layer's state before fc (EAGLE-3.1: the layers' states have very "
                         "different norms, and the largest dominate fc); saved as fc_norm, which vLLM, SGLang, "
                         "SpecForge and speculators read")
+    p.add_argument("--draft-intermediate", type=int, default=t.draft_intermediate, metavar="N",
+                   help="the draft's MLP width (default: the target's, as EAGLE-3 builds it; a narrower one makes a "
+                        "large target's draft smaller and cheaper to train: 1024 on Qwen2.5-Coder 1.5B halves it)")
     p.add_argument("--responses", default=on.responses, choices=["regenerate", "own"],
                    help="online: 'regenerate' = the target's own greedy answers, generated once and stored as token "
                         "ids (EAGLE-3's choice); 'own' = the conversations' own assistant turns (ShareGPT, faster) "

@@ -1,6 +1,6 @@
 """Continuing drafts: a training run that starts from drafts already trained instead of fresh heads.
 
-    start = starting_point(paths, sets, target, draft_vocab, fc_norm)     one stored draft per layer set, by layers
+    start = starting_point(paths, sets, target, draft_vocab, fc_norm, ff)   one stored draft per layer set, by layers
     build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/training/fit.py)
     key_part(paths)                                                the weights' sha256, for the run's store key
     vocab_of(paths)                                                the drafts' vocabulary size: the run's default
@@ -64,9 +64,11 @@ def vocab_of(paths) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_norm: bool = False) -> StartingPoint | None:
+def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_norm: bool = False,
+                   intermediate: int | None = None) -> StartingPoint | None:
     """The drafts `paths` loaded against `target` (a LoadedModel) and matched to `sets`, or None for no paths.
-    fc_norm: the run's (TrainOptions.fc_norm), which every starting draft must have too."""
+    fc_norm: the run's (TrainOptions.fc_norm), which every starting draft must have too; intermediate: the run's MLP
+    width when given (TrainOptions.draft_intermediate), which every starting draft must have."""
     if not paths:
         return None
     by_layers: dict[tuple, tuple[Path, DraftHead]] = {}
@@ -93,6 +95,12 @@ def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_no
                              f"fc_norm and this run is {'with' if fc_norm else 'without'} it",
                              f"Pass {'--fc-norm' if head.config.fc_norm else '--no-fc-norm'} (a continued draft keeps "
                              "its fc_norm)")
+        width = int(intermediate or getattr(target.model.config, "intermediate_size", 0) or 0)
+        if head.config.intermediate_size != width:
+            raise DraftError(f"The --init-from draft {path} has an MLP {head.config.intermediate_size} wide and this "
+                             f"run's is {width} wide",
+                             f"Pass --draft-intermediate {head.config.intermediate_size} (a continued draft keeps its "
+                             "width)")
     d2t, t2d = heads[0].d2t.detach().cpu(), heads[0].t2d.detach().cpu()
     if any(not torch.equal(h.d2t.detach().cpu(), d2t) for h in heads[1:]):
         raise DraftError("The --init-from drafts have different draft vocabularies",

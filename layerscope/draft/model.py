@@ -109,14 +109,15 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target_config, aux_layers, draft_vocab_size: int, vocab_size: int | None = None,
-                    fc_norm: bool = False) -> "DraftConfig":
+                    fc_norm: bool = False, intermediate_size: int | None = None) -> "DraftConfig":
         """Shape the draft like the target's decoder layers (heads, head_dim, MLP width, norm eps) with one flat
         rotary setting (rope_of). The layer stays a plain Llama layer whatever the target's own are (silu, standard
         RMSNorm, 1/sqrt(head_dim) scaling, full attention; no window, sinks, softcap or QK-norm): the engines build
         the draft from its own config.json alone (docs/internals.md, "Drafts for targets with per-layer-type
         settings"). head_dim is the target's even where heads * head_dim != hidden (Gemma 3 270M: 4 x 256 on 640).
         vocab_size: rows of the target's embedding when they differ from config.vocab_size; fc_norm: the per-layer
-        norm before fc (DraftHead.fc_input)."""
+        norm before fc (DraftHead.fc_input); intermediate_size: the MLP's width when not the target's
+        (TrainOptions.draft_intermediate)."""
         d = int(target_config.hidden_size)
         heads = int(target_config.num_attention_heads)
         return cls(hidden_size=d, target_hidden_size=d, vocab_size=int(vocab_size or target_config.vocab_size),
@@ -124,7 +125,7 @@ class DraftConfig:
                    num_attention_heads=heads,
                    num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(target_config, "head_dim", None) or d // heads),
-                   intermediate_size=int(target_config.intermediate_size),
+                   intermediate_size=int(intermediate_size or target_config.intermediate_size),
                    rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-5)),
                    rope_parameters=rope_of(target_config),
                    max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048) or 2048),

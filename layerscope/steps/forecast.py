@@ -229,15 +229,15 @@ def capture_rule(t: Target, plan, batch_size: int) -> float:
             + read_s(t, plan.prompt_tokens + plan.response_tokens))
 
 
-def draft_params(t: Target, sets, draft_vocab: int) -> int:
+def draft_params(t: Target, sets, draft_vocab: int, intermediate: int | None = None) -> int:
     """The parameters of one draft per layer set (draft.size.draft_params)."""
-    return sum(draft_size.draft_params(t.shape, list(s), int(draft_vocab)) for s in sets)
+    return sum(draft_size.draft_params(t.shape, list(s), int(draft_vocab), intermediate) for s in sets)
 
 
 def row_rule(t: Target, sets, options, online: bool) -> float:
     """Seconds a training row costs: the target's forward when online, and each set's draft forward and backward
     over the TTT steps."""
-    drafts = draft_params(t, sets, options.draft_vocab) * TRAIN_PASSES * int(options.ttt_steps) * FORWARD_S
+    drafts = draft_params(t, sets, options.draft_vocab, options.draft_intermediate) * TRAIN_PASSES * int(options.ttt_steps) * FORWARD_S
     return (t.params * FORWARD_S if online else 0.0) + drafts
 
 
@@ -356,7 +356,8 @@ def training(store: Store, model: str, layers, options) -> Forecast:
     s, label, source = training_time(store, t, model, [layers], options, online=False)
     parts = load_parts(store, model, t) + [Part(label, s, source)]
     return Forecast("training", sum(p.seconds for p in parts),
-                    draft_size.draft_bytes(t.shape, list(layers), int(options.draft_vocab)), parts)
+                    draft_size.draft_bytes(t.shape, list(layers), int(options.draft_vocab),
+                                            options.draft_intermediate), parts)
 
 
 def training_time(store: Store, t: Target, model: str, sets, options, online: bool) -> tuple[float, str, str]:

@@ -184,7 +184,7 @@ def online_bytes(store: Store, shape, sets, options) -> tuple[int, str]:
     responses = responses_bytes(options, store) if options.responses == "regenerate" else 0
     if shape is None or not sets:
         return responses, f"{disk.mib(responses)} of generated responses"
-    ckpt = checkpoint_bytes(shape, sets, int(options.draft_vocab))
+    ckpt = checkpoint_bytes(shape, sets, int(options.draft_vocab), options.draft_intermediate)
     return 2 * ckpt + responses, (f"two checkpoints of {disk.mib(ckpt)} at the moment one replaces the other, then "
                                   f"the drafts; {disk.mib(responses)} of generated responses")
 
@@ -223,7 +223,7 @@ def study_bytes(store: Store, shape, options, sizes: list[int] | None = None) ->
     sizes = study_sets(shape, options) if sizes is None else sizes
     train = options.online if options.online is not None else options.train
     seeds = len(options.seeds) if options.seeds else 1
-    one_pass = sum(draft_bytes(shape, list(range(n)), int(train.draft_vocab)) for n in sizes)
+    one_pass = sum(draft_bytes(shape, list(range(n)), int(train.draft_vocab), train.draft_intermediate) for n in sizes)
     need, what = one_pass * seeds, f"up to {len(sizes)} drafts x {seeds} training seed(s)"
     if options.online is not None:
         responses = responses_bytes(options.online, store) if options.online.responses == "regenerate" else 0
@@ -232,7 +232,7 @@ def study_bytes(store: Store, shape, options, sizes: list[int] | None = None) ->
     return need, what
 
 
-def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None, init_from=()):
+def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=None, init_from=(), intermediate=None):
     """Training from a capture (workflow.train; the CLI also before a --strategy's analysis): --out or the
     store writable, the capture opens, the layer sets fit it, room for the draft. Returns what it checked,
     for the caller to use rather than open or resolve again: (the CaptureReader, the sets checked and
@@ -247,7 +247,8 @@ def train_capture(store: Store, capture_key: str, sets, draft_vocab: int, out=No
         sets = layerset.check_sets(sets, cap.num_layers, "--layers", DraftError)
         shape = target_shape(cap.manifest.get("model") or "", store)
         if shape is not None:
-            disk.need_space(real_out or store.root, draft_bytes(shape, sets[0], int(draft_vocab)), "the draft")
+            disk.need_space(real_out or store.root, draft_bytes(shape, sets[0], int(draft_vocab), intermediate),
+                            "the draft")
     return cap, list(sets), real_out
 
 

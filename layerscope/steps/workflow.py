@@ -178,7 +178,7 @@ def train(store: Store, capture_key: str, layers: Sequence[int], options: TrainO
     and options); with `out` it is trained and written there. No budget: TrainOptions.default_steps.
     """
     cap, (layers,), out = preflight.train_capture(store, capture_key, [list(layers)], options.draft_vocab, out,
-                                                   options.init_from)                                   # before the load
+                                                   options.init_from, options.draft_intermediate)       # before the load
     if estimate is not None:
         estimate(forecast.training(store, model or cap.manifest["model"], layers,
                                    options.with_budget(default_device()[0])))

@@ -161,3 +161,31 @@ def test_fc_norm_is_trained_recorded_and_kept_by_a_continued_draft(tiny, started
     # off, the option leaves a run's store key as it was before it existed; on (the default), it is another run
     assert "fc_norm" not in OnlineOptions(**SMALL, steps=1, fc_norm=False).run_fields()
     assert OnlineOptions(**SMALL, steps=1).run_fields()["fc_norm"] is True
+
+
+def test_a_narrower_mlp_is_trained_sized_saved_and_kept_by_a_continued_draft(tiny, started, capsys, one_thread):
+    """--draft-intermediate: the draft's MLP width (a large target's draft at the target's width is over 100 MB)."""
+    from layerscope.draft.size import draft_params
+
+    store, wide = started
+    narrow = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, draft_intermediate=24)).drafts[0]
+    w = weights(narrow.path)
+    d = tiny.model.config.hidden_size
+    assert w["midlayer.mlp.gate_proj.weight"].shape == (24, d) and w["midlayer.mlp.down_proj.weight"].shape == (d, 24)
+    assert json.loads((Path(narrow.path) / "config.json").read_text())["intermediate_size"] == 24
+    assert weights(wide.path)["midlayer.mlp.up_proj.weight"].shape == (tiny.model.config.intermediate_size, d)
+    # the size the forecast and the disk checks use is the file's, exactly
+    assert draft_params(tiny.model.config, [1, 2], 64, 24) == sum(t.numel() for t in w.values())
+    # left out, the option leaves every stored run's key as it was; given, it is another run
+    assert "draft_intermediate" not in OnlineOptions(**SMALL, steps=1).run_fields()
+    assert OnlineOptions(**SMALL, steps=1, draft_intermediate=24).run_fields()["draft_intermediate"] == 24
+    # continued, the draft keeps its width: a run of another width is refused naming the width to pass
+    with pytest.raises(DraftError, match="Pass --draft-intermediate 24"):
+        train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, init_from=(narrow.path,)))
+    still = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, lr=1e-30, draft_intermediate=24,
+                                                                      init_from=(narrow.path,))).drafts[0]
+    assert all(torch.equal(w[k], weights(still.path)[k]) for k in w)
+    args = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--layers", "1,2",
+            "--steps", "1", "--draft-vocab", "64", "--store", str(store.root)]
+    assert main(args + ["--draft-intermediate", "0"]) == 2
+    assert "draft_intermediate" in capsys.readouterr().err

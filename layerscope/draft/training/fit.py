@@ -61,6 +61,8 @@ class TrainOptions:
     val_fraction: float = 0.1         # capture training: held-out conversations, by a seeded split
     eval_points: int = 8              # held-out evaluations over the budget (the last one at the end)
     draft_vocab: int = 8192           # V = min(draft_vocab, target vocabulary)
+    draft_intermediate: int | None = None  # the draft's MLP width; None: the target's (the EAGLE-3 default). A
+                                      # narrower MLP makes a large target's draft smaller and cheaper to train
     init_lm_head: bool = True         # start lm_head from the target's rows for the draft vocabulary
     freeze_lm_head: bool = False      # keep lm_head at the target's rows and norm at the target's final norm
     feature_loss: float = 0.0         # weight of the feature regression toward hidden_states[N] (EAGLE-1)
@@ -108,6 +110,8 @@ class TrainOptions:
         check("batch_size", self.batch_size, minimum=1, integer=True, fix="Use the default: --batch-size 8")
         check("seq_len", self.seq_len, minimum=2, integer=True, fix="Use the default: --seq-len 512")
         check("draft_vocab", self.draft_vocab, minimum=2, integer=True, fix="Use the default: --draft-vocab 8192")
+        check("draft_intermediate", self.draft_intermediate, minimum=1, integer=True, optional=True,
+              fix="Pass --draft-intermediate N (the draft's MLP width, e.g. 1024), or leave it out for the target's")
         check("val_fraction", self.val_fraction, minimum=0, maximum=1, below=True, fix="Use e.g. 0.1")
         check("lr", self.lr, minimum=0, above=True, fix="Use e.g. 1e-3")
         for name in ("warmup", "warm_start"):
@@ -140,6 +144,8 @@ class TrainOptions:
         d.pop("init_from")
         if not d["fc_norm"]:
             d.pop("fc_norm")
+        if d["draft_intermediate"] is None:
+            d.pop("draft_intermediate")     # the target's width: the key a run had before the option existed
         return d
 
 
@@ -176,7 +182,8 @@ def build_drafters(target_config, embed: torch.Tensor, lm_head: torch.Tensor, fi
     out = []
     for i, s in enumerate(sets):
         torch.manual_seed(o.seed)
-        config = DraftConfig.from_target(target_config, s, V, vocab_size=vocab, fc_norm=o.fc_norm)
+        config = DraftConfig.from_target(target_config, s, V, vocab_size=vocab, fc_norm=o.fc_norm,
+                                         intermediate_size=o.draft_intermediate)
         head = DraftHead(config, embed.detach(), d2t, t2d).to(device)
         with torch.no_grad():
             if start is not None:

@@ -532,7 +532,7 @@ def train_online(target: LoadedModel, layer_sets, store: Store, *,
     key = run_key(target, convs, sets, o)
     run_dir = store.path("runs", key)
     result_file = run_dir / "result.json"
-    start = init_from.starting_point(o.init_from, sets, target, o.draft_vocab, o.fc_norm)
+    start = init_from.starting_point(o.init_from, sets, target, o.draft_vocab, o.fc_norm, o.draft_intermediate)
     val_mask = continued_held_out(start, convs, target, store) if start else None
     held_from = "init_from" if val_mask is not None else "own"
     if val_mask is None:

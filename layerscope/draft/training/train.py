@@ -128,7 +128,7 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     held_out = split_conversations(cap.tokens()["conversation"], o.val_fraction, o.seed)
     train, val = load_splits(cap, held_out, layers)
     val.target_next = target_argmax(val.final, target_lm_head)
-    start = init_from.starting_point(o.init_from, [layers], target, o.draft_vocab, o.fc_norm)
+    start = init_from.starting_point(o.init_from, [layers], target, o.draft_vocab, o.fc_norm, o.draft_intermediate)
     d2t, t2d = (start.d2t, start.t2d) if start else build_draft_vocab(train.token_id[train.is_response], o.draft_vocab, vocab)
     train_ok = trainable(train, t2d)
     coverage = float(train_ok.sum()) / max(1, int(train.counted.sum()))
