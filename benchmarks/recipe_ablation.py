@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from layerscope.draft.model import build_draft_vocab
-from layerscope.draft.probe import agreement
 from layerscope.draft.training.data import windows_of
 from layerscope.draft.training.fit import FitState, build_drafters, final_norm, fit
 from layerscope.draft.training.loss import evaluate
@@ -45,6 +44,7 @@ from layerscope.draft.training.online import (
 )
 from layerscope.stats.ridge import explained_variance, ridge
 from layerscope.store import Store, atomic_write_json
+from layerscope.study.probe import agreement
 from layerscope.target.load import load_model
 
 LAYERS = [2, 15, 27]
@@ -168,7 +168,7 @@ def ridge_floor(target, convs, train_idx, val_split, o, cpu_budget_s):
 
 
 def solve(x, y, lam):
-    """The probe's ridge (layerscope/draft/probe.py: each column penalised by λ × its centred sum of squares, the bias
+    """The probe's ridge (layerscope/study/probe.py: each column penalised by λ × its centred sum of squares, the bias
     column last and free). The table in docs/training.md was measured with one λ × the mean diagonal for all."""
     return ridge(x.T @ x, x.T @ y, lam)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from layerscope.commands.common import Progress, open_store, parse_layers, parse_list, print_json
-from layerscope.draft import probe as probe_mod
 from layerscope.steps import workflow
+from layerscope.study import probe as probe_mod
 
 NAME = "probe"
 HELP = ("score layer sets without training: a ridge map from the set's hidden states and the next token's "

@@ -1,4 +1,4 @@
-"""Ridge regression from streamed sufficient statistics: the probe's algebra (layerscope/draft/probe.py).
+"""Ridge regression from streamed sufficient statistics: the probe's algebra (layerscope/study/probe.py).
 
 Rows x [n, B·d] are B blocks of width d (a draft's layers, then the embedding); y [n, d] the target.
 

@@ -12,7 +12,7 @@ returns a `Selection`. Drafts may read layers 0..N-1 (N is the final state). Str
                    most informative layer of each compartment
     manual         a set given by the user
     probe          the set whose closed-form ridge map of the draft's inputs best predicts the target's
-                   final state (layerscope/draft/probe.py; needs the capture and the target: `probe=ProbeInput`)
+                   final state (layerscope/study/probe.py; needs the capture and the target: `probe=ProbeInput`)
 Controls (for the study: what "better than the default" means against chance; not in `compare`):
     random         k distinct layers drawn uniformly from 0..N-1 with a seeded generator (`seed`)
     last-k         the k deepest layers N-k..N-1
@@ -222,7 +222,7 @@ def _control(name: str, chosen, rule: str):
 
 
 def _probe(stats, r: Request) -> Selection:
-    """The probe's search (layerscope/draft/probe.py): needs the capture and the target, passed as `probe=`."""
+    """The probe's search (layerscope/study/probe.py): needs the capture and the target, passed as `probe=`."""
     if r.probe is None:
         raise SelectionError("The probe strategy needs the capture and the target model, not only the statistics",
                              "Run `layerscope select KEY --strategy probe` or `layerscope probe KEY`, or pass "

@@ -33,7 +33,6 @@ from layerscope.capture.run import CaptureOptions, CaptureResult
 from layerscope.capture.stored import open_capture
 from layerscope.decoding import bench as bench_mod
 from layerscope.draft import builtin
-from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.draft.training import online as online_mod
 from layerscope.draft.training.fit import TrainOptions
@@ -46,6 +45,7 @@ from layerscope.stats.analysis import AnalysisOptions, LayerStats
 from layerscope.stats.analysis import analyze as analyze_capture
 from layerscope.steps import forecast, preflight
 from layerscope.store import Store
+from layerscope.study import probe as probe_mod
 from layerscope.study.run import StudyOptions, StudyReport, run_study
 from layerscope.target.aliases import DEFAULT_MODEL
 from layerscope.target.load import LoadedModel, default_device, load_model
@@ -152,7 +152,7 @@ def select(stats: LayerStats, options: SelectOptions,
 
 def probe_input(store: Store, capture_key: str, options: probe_mod.ProbeOptions | None = None, *,
                 model: str | None = None, load: Loader = load_target) -> probe_mod.ProbeInput:
-    """A capture and its target's weights (default: the capture's model), for layerscope/draft/probe.py and the
+    """A capture and its target's weights (default: the capture's model), for layerscope/study/probe.py and the
     `probe` selection strategy; probe results are cached in `store`."""
     cap = open_capture(store, capture_key)
     cap.require_every_position("the probe", preflight.PROBE_FIX)                 # before the load

@@ -9,7 +9,7 @@ that no strategy optimises and that covers at least two of them:
        else the latest benchmark run, with its 95% interval;
     2. held-out agreement: a trained draft's agreement with the target at draft position 1 on held-out
        conversations (the estimate of first-position acceptance);
-    3. the probe: the held-out agreement of a closed-form ridge map of the set (layerscope.draft.probe; no training),
+    3. the probe: the held-out agreement of a closed-form ridge map of the set (layerscope.study.probe; no training),
        when the session holds probe scores (s.view["probe"]: {"capture_key", "sets": [{"layers", "agreement"}]},
        from the Layer sets page's probe job); select.compare leaves the `probe` strategy out, so no set here was
        chosen by maximising it.
@@ -42,11 +42,11 @@ import torch
 
 from layerscope import fmt, layerset
 from layerscope.decoding import sanity
-from layerscope.draft.probe import MIN_HELD_OUT, ProbeOptions, held_out_conversations
 from layerscope.stats import bootstrap
 from layerscope.stats import select as sel
 from layerscope.stats.analysis import LayerStats
 from layerscope.stats.select import score_set
+from layerscope.study.probe import MIN_HELD_OUT, ProbeOptions, held_out_conversations
 
 BASES = ("τ", "held-out agreement", "probe agreement")
 

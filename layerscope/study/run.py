@@ -11,7 +11,7 @@ For one capture:
                   rule is always in: it is the reference of every comparison;
   2b. probe       probe.score_sets (`probe` options; None skips it): the training-free proxy `probe`, a
                   closed-form ridge map per set and its held-out agreement with the target's argmax
-                  (layerscope/draft/probe.py), cached in the store;
+                  (layerscope/study/probe.py), cached in the store;
   3. drafts       draft.training.train.draft_for per set and training seed (`seeds`), all with the same budget
                   and data (cached: a re-run that adds a set or a seed trains only those); online, one
                   target pass per seed and group of `sets_per_pass` of the sets it still lacks (study_units);
@@ -39,9 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from layerscope import eta, fmt, quietness
 from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
-from layerscope.draft import probe as probe_mod
 from layerscope.draft.checkpoint import read_meta
-from layerscope.draft.probe import ProbeOptions
 from layerscope.draft.training.fit import TrainOptions
 from layerscope.draft.training.loss import simulated_acc_len
 from layerscope.draft.training.online import OnlineOptions, train_online
@@ -57,7 +55,9 @@ from layerscope.stats.entropy import KERNELS
 from layerscope.stats.paired import PromptRuns
 from layerscope.store import make_key
 from layerscope.study import outcomes
+from layerscope.study import probe as probe_mod
 from layerscope.study.outcomes import Outcome, OutcomeFolder
+from layerscope.study.probe import ProbeOptions
 from layerscope.target.weights import TargetWeights
 from layerscope.validate import check_number
 
@@ -560,7 +560,7 @@ def format_study(report: StudyReport) -> str:
         lines.insert(2, quietness.line(report.machine, "speedups") + "\n")
     lines.append("")
     lines.append("Proxies from the study's statistics are in the table (entropy, redundancy = mean CKA, agg.entropy; "
-                 "probe = the training-free ridge map's held-out agreement, layerscope/draft/probe.py).")
+                 "probe = the training-free ridge map's held-out agreement, layerscope/study/probe.py).")
     lines.append("val acc@1 = the drafts' held-out agreement at draft position 1; sim.acc.len = "
                  + fmt.NAMES["simulated_acc_len"] + ", over the TTT steps' agreement (mean over seeds).")
     lines.append("Spearman correlation with tau over the sets: " + ", ".join(

@@ -11,13 +11,13 @@ import torch
 from layerscope.commands import cli
 from layerscope.commands.cli import build_parser
 from layerscope.commands.study import options_from_args
-from layerscope.draft import probe
 from layerscope.draft.training.fit import TrainOptions
 from layerscope.draft.training.online import OnlineOptions
 from layerscope.errors import LayerScopeError, SelectionError
 from layerscope.stats.analysis import analyze
 from layerscope.stats.correlation import ranks, spearman
 from layerscope.store import Store
+from layerscope.study import probe
 from layerscope.study.outcomes import OutcomeFolder
 from layerscope.study.run import STUDY_STRATEGIES, StudyOptions, budget_text, format_study, propose_sets, run_study
 from layerscope.target.weights import TargetWeights

@@ -1,4 +1,4 @@
-"""The probe (layerscope/draft/probe.py, its algebra layerscope/stats/ridge.py): closed form against lstsq,
+"""The probe (layerscope/study/probe.py, its algebra layerscope/stats/ridge.py): closed form against lstsq,
 streaming against in-memory, a planted layer found by the search, the `probe` strategy, the CLI's JSON and the
 study's proxy verdict."""
 
@@ -11,12 +11,12 @@ from layerscope.capture.format import chunk_name, file_sha256
 from layerscope.capture.stored import finish_capture, open_capture, partial_capture_dir
 from layerscope.commands import cli
 from layerscope.commands.probe import format_report
-from layerscope.draft import probe as P
 from layerscope.stats import ridge as R
 from layerscope.stats import select as S
 from layerscope.stats.analysis import AnalysisOptions, analyze
 from layerscope.stats.paired import proxy_verdict
 from layerscope.store import Store, atomic_save_tensors, make_key
+from layerscope.study import probe as P
 from layerscope.target.weights import TargetWeights
 from tests.helpers import gen
 
