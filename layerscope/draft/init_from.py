@@ -17,7 +17,6 @@ tokens_seen_total = those tokens + the new run's.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from layerscope.draft.checkpoint import load_draft, read_config, read_meta
 from layerscope.draft.model import DraftHead
 from layerscope.errors import DraftError
+from layerscope.store import file_sha256
 
 
 @dataclass
@@ -42,11 +42,8 @@ class StartingPoint:
 
 
 def weights_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(Path(path) / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The sha256 of the draft directory's weights file (store.file_sha256)."""
+    return file_sha256(Path(path) / "model.safetensors")
 
 
 def key_part(paths) -> dict:
