@@ -20,7 +20,8 @@ import torch
 
 from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.training.data import target_argmax
-from layerscope.draft.training.online import OnlineOptions, load_conversations, target_features
+from layerscope.draft.training.online import OnlineOptions, target_features
+from layerscope.draft.training.responses import load_conversations
 from layerscope.store import Store
 from layerscope.target.load import load_model
 

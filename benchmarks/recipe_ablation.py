@@ -33,15 +33,8 @@ from layerscope.draft.model import build_draft_vocab
 from layerscope.draft.training.data import windows_of
 from layerscope.draft.training.fit import FitState, build_drafters, final_norm, fit
 from layerscope.draft.training.loss import evaluate
-from layerscope.draft.training.online import (
-    Conversations,
-    OnlineOptions,
-    OnlineSource,
-    held_out_splits,
-    load_conversations,
-    split_for,
-    target_features,
-)
+from layerscope.draft.training.online import OnlineOptions, OnlineSource, held_out_splits, split_for, target_features
+from layerscope.draft.training.responses import Conversations, load_conversations
 from layerscope.stats.ridge import explained_variance, ridge
 from layerscope.store import Store, atomic_write_json
 from layerscope.study.probe import agreement

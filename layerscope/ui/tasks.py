@@ -19,7 +19,7 @@ from layerscope import eta
 from layerscope.capture.run import CaptureOptions
 from layerscope.capture.stored import open_capture
 from layerscope.decoding.bench import BenchOptions, Tally, parse_lookup
-from layerscope.draft import builtin, probe
+from layerscope.draft import builtin
 from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.training.fit import TrainOptions
 from layerscope.draft.training.online import OnlineOptions
@@ -29,6 +29,7 @@ from layerscope.prompts.sets import load_prompts
 from layerscope.stats.analysis import AnalysisOptions, LayerStats
 from layerscope.steps import forecast, workflow
 from layerscope.store import atomic_write_bytes
+from layerscope.study import probe
 from layerscope.study.run import StudyOptions, propose_sets
 from layerscope.target.load import default_device
 from layerscope.ui.model_cache import get_model, load_message, loaded_models

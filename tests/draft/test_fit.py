@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from layerscope.draft.model import build_draft_vocab
+from layerscope.draft.training.checkpoints import complete_checkpoints
 from layerscope.draft.training.fit import (
     FitState,
     TrainingCancelled,
@@ -30,7 +31,7 @@ from layerscope.draft.training.fit import (
     note_start,
 )
 from layerscope.draft.training.loss import LOSS_DECAY, ttt_loss
-from layerscope.draft.training.online import OnlineOptions, complete_checkpoints, train_online
+from layerscope.draft.training.online import OnlineOptions, train_online
 from layerscope.draft.training.progress import EvalProgress, TrainProgress
 from layerscope.draft.training.train import train_capture_draft
 from layerscope.errors import DraftError

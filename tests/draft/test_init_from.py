@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from layerscope.commands.cli import main
 from layerscope.draft.training.fit import TrainOptions
-from layerscope.draft.training.online import OnlineOptions, load_conversations, run_key, train_online
+from layerscope.draft.training.online import OnlineOptions, run_key, train_online
+from layerscope.draft.training.responses import load_conversations
 from layerscope.draft.training.train import draft_for
 from layerscope.errors import DraftError
 from layerscope.store import Store

@@ -22,20 +22,12 @@ from layerscope.capture.run import CaptureOptions
 from layerscope.commands.cli import main
 from layerscope.draft.checkpoint import read_meta
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+from layerscope.draft.training.checkpoints import complete_checkpoints
 from layerscope.draft.training.data import make_batch, target_argmax, windows_of
 from layerscope.draft.training.fit import TrainingCancelled
 from layerscope.draft.training.loss import Teacher, evaluate, ttt_loss
-from layerscope.draft.training.online import (
-    Conversations,
-    OnlineOptions,
-    complete_checkpoints,
-    epoch_batches,
-    first_reply,
-    load_conversations,
-    split_for,
-    target_features,
-    train_online,
-)
+from layerscope.draft.training.online import OnlineOptions, epoch_batches, split_for, target_features, train_online
+from layerscope.draft.training.responses import Conversations, first_reply, load_conversations
 from layerscope.draft.training.train import load_splits
 from layerscope.errors import DraftError
 from layerscope.prompts.kinds import KINDS, kind_of

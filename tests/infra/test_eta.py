@@ -8,8 +8,9 @@ import pytest
 
 from layerscope import eta
 from layerscope.decoding import bench, costmodel
-from layerscope.draft.training.online import OnlineOptions, generate_parts
+from layerscope.draft.training.online import OnlineOptions
 from layerscope.draft.training.progress import ResponsesProgress
+from layerscope.draft.training.responses import generate_parts
 from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.ui import tasks, widgets
 from layerscope.ui.jobs import Job

@@ -21,7 +21,7 @@ from layerscope.capture.format import read_header
 from layerscope.capture.run import CaptureOptions, capture, capture_key
 from layerscope.capture.stored import list_captures, open_capture, partial_capture_dir, verify_capture
 from layerscope.draft.checkpoint import save_draft
-from layerscope.draft.training.online import complete_checkpoints
+from layerscope.draft.training.checkpoints import complete_checkpoints
 from layerscope.prompts.sets import load_prompts
 from layerscope.store import Store
 from tests.helpers import untrained_draft

@@ -1,6 +1,7 @@
 """Online draft training: the target runs inside the loop and k layer sets train from one target pass.
 
-Data: conversations as token ids, prompt (chat template + generation prompt) then a response:
+Data: conversations as token ids, prompt (chat template + generation prompt) then a response
+(draft/training/responses.py):
   responses="regenerate"  the target's own greedy response (EAGLE-3's choice), generated once and kept in
                           the store as token ids only (responses/<key>/), reused by every later run and set;
   responses="own"         the conversation's own first assistant turn (ShareGPT records): a forward pass only.
@@ -22,21 +23,17 @@ gives the learning curve [[tokens seen, [agreement per TTT step]], ...] per set.
 Budgets: steps, tokens (rows through the draft, as in train.py) or seconds of training; the learning
 rate follows warm-up + cosine over the fraction of the budget used. Checkpoints (weights, optimizer
 moments, step, data cursor, curve, elapsed seconds, RNG) are written every `checkpoint_every_s` to
-runs/<key>/ckpt-<step>/ through a temporary folder and one rename; the same command resumes from the
-newest complete checkpoint and, for a steps or tokens budget, ends with the same drafts as an
-uninterrupted run. When the run is finished, runs/<key>/result.json names one stored draft per set.
+runs/<key>/ckpt-<step>/ through a temporary folder and one rename (draft/training/checkpoints.py); the same
+command resumes from the newest complete checkpoint and, for a steps or tokens budget, ends with the same
+drafts as an uninterrupted run. When the run is finished, runs/<key>/result.json names one stored draft per set.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import re
 import shutil
 import signal
 import threading
-import time
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
@@ -45,20 +42,18 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
-from layerscope import distributed, eta, jsonsafe, layerset
+from layerscope import distributed, jsonsafe, layerset
 from layerscope.capture.format import state_dtype
-from layerscope.capture.run import CaptureOptions, generate_responses
 from layerscope.draft import init_from
 from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.model import build_draft_vocab
+from layerscope.draft.training.checkpoints import FORMAT, complete_checkpoints, load_checkpoint, save_checkpoint
 from layerscope.draft.training.data import make_batch, split_of, target_argmax, trainable, windows_of
 from layerscope.draft.training.fit import (
     EpochSource,
     FitState,
-    TrainingCancelled,
     TrainOptions,
     build_drafters,
     draft_meta,
@@ -66,17 +61,14 @@ from layerscope.draft.training.fit import (
     fit,
 )
 from layerscope.draft.training.loss import evaluate, simulated_acc_len
-from layerscope.draft.training.progress import DoneProgress, FeaturesProgress, OnlineProgress, ResponsesProgress
+from layerscope.draft.training.progress import DoneProgress, FeaturesProgress, OnlineProgress
+from layerscope.draft.training.responses import Conversations, load_conversations
 from layerscope.errors import DraftError, LayerScopeError
-from layerscope.prompts.kinds import KINDS, canonical, kind_of, parse_weights
-from layerscope.prompts.sets import chat_ids, load_prompts
-from layerscope.prompts.sharegpt import sharegpt_index, sharegpt_path
-from layerscope.store import Store, atomic_write_json, make_key, staged
+from layerscope.prompts.kinds import KINDS, canonical, parse_weights
+from layerscope.store import Store, atomic_write_json, make_key
 from layerscope.target.load import LoadedModel
 from layerscope.validate import check_number
 
-FORMAT = 2                              # 2: trained by the one loop (draft/training/fit.py)
-RESPONSES_FORMAT = 1
 MODES = ("regenerate", "own")
 
 
@@ -143,23 +135,6 @@ class OnlineOptions(TrainOptions):
 
 
 @dataclass
-class Conversations:
-    """Token-id conversations: prompt ids then response ids (the response is what the draft learns)."""
-    prompt: list[list[int]]
-    response: list[list[int]]
-    ids: list[str]
-    key: str                            # content address of exactly these conversations
-    kinds: list[str] = field(default_factory=list)   # kind of each conversation (prompts/kinds.py, first user turn)
-
-    def __len__(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(p) + len(r) for p, r in zip(self.prompt, self.response))
-
-
-@dataclass
 class DraftResult:
     layers: list[int]
     path: str
@@ -197,199 +172,6 @@ class OnlineResult:
 
 
 # ----------------------------------------------------------------------------- data
-
-def load_conversations(target: LoadedModel, o: OnlineOptions, store: Store, *, progress=None,
-                       should_stop=None) -> Conversations:
-    """The conversations of o.prompts (train split for ShareGPT; o.kinds weights its draw) that fit, with
-    o.responses answers; `kinds` holds each one's kind."""
-    prompt_set = load_prompts(o.prompts, limit=o.limit, seed=o.sample_seed, cache=store.root / "prompts",
-                              kind_weights=o.kind_weights)
-    prompts = [(p, chat_ids(target.tokenizer, p)) for p in prompt_set.prompts]
-    target.check_room(o.max_prompt_tokens, o.max_new_tokens, "--max-prompt-tokens", "--max-new-tokens")
-    room = target.context_length - o.max_new_tokens
-    prompts = [(p, ids) for p, ids in prompts if len(ids) <= min(o.max_prompt_tokens, room)]
-    if not prompts:
-        raise DraftError(f"No prompt of {prompt_set.name} fits in {o.max_prompt_tokens} tokens",
-                         "Raise --max-prompt-tokens or choose other prompts")
-    if o.responses == "own":
-        convs = own_responses(target, prompts, prompt_set.content_hash, o, store)
-    else:
-        convs = regenerated_responses(target, prompts, prompt_set.content_hash, o, store, progress=progress,
-                                      should_stop=should_stop)
-    kind = {p.id: kind_of(p.text) for p, _ in prompts}
-    convs.kinds = [kind[i] for i in convs.ids]
-    return convs
-
-
-def own_responses(target, prompts, content_hash: str, o: OnlineOptions, store: Store) -> Conversations:
-    """Each ShareGPT record's first assistant turn after its first user turn, tokenized, + end of turn."""
-    if not o.prompts.startswith("sharegpt"):
-        raise DraftError(f"--responses own needs conversations with assistant turns; {o.prompts} has none",
-                         "Use --prompts sharegpt, or --responses regenerate to have the target answer")
-    path = sharegpt_path()
-    where = {f"sharegpt/{rid}": (off, n) for rid, off, n in sharegpt_index(path, cache=store.root / "prompts")["records"]}
-    eos = target.tokenizer.eos_token_id
-    out = Conversations([], [], [], make_key({"target": target.fingerprint, "prompts": content_hash, "mode": "own",
-                                               "max_prompt_tokens": o.max_prompt_tokens, "format": RESPONSES_FORMAT}))
-    with open(path, "rb") as f:
-        for p, ids in prompts:
-            off, n = where[p.id]
-            f.seek(off)
-            reply = first_reply(json.loads(f.read(n)))
-            if not reply:
-                continue
-            resp = target.tokenizer(reply, add_special_tokens=False)["input_ids"][: o.max_new_tokens]
-            out.prompt.append(ids)
-            out.response.append(list(resp) + ([eos] if eos is not None else []))
-            out.ids.append(p.id)
-    return out
-
-
-def first_reply(record: dict) -> str | None:
-    """The text of the first assistant ("gpt") turn that follows a user turn, or None."""
-    seen_user = False
-    for m in record.get("conversations") or []:
-        role = m.get("from", m.get("role"))
-        if role in ("human", "user"):
-            seen_user = True
-        elif seen_user and role in ("gpt", "assistant") and isinstance(m.get("value"), str) and m["value"].strip():
-            return m["value"]
-    return None
-
-
-ABOUT = "about.json"      # responses/<key>/about.json: the model and settings the answers were written with
-
-
-def regenerated_responses(target, prompts, content_hash: str, o: OnlineOptions, store: Store, *, progress=None,
-                          should_stop=None) -> Conversations:
-    """The target's greedy answers, generated once into responses/<key>/: one JSON part per `gen_batch_size`
-    prompts, written atomically, each row carrying its prompt id and a hash of its prompt's token ids. The key
-    leaves out the limit, so a larger --limit of the same (prefix-stable) sample reuses every finished part;
-    a part whose prompts differ is generated again.
-
-    A draw weighted by kind (`kinds`) keeps its own parts (its order differs), but first takes every answer the
-    unweighted draw of the same settings already holds (responses/<that key>/, matched by prompt id and prompt
-    hash): a weighted order merges the unweighted one with the heavier kinds (prompts/kinds.weighted_order), so
-    `--limit 4000 --kinds ...` contains the unweighted first 2,000 and answers only the rest. A reused answer was
-    generated in another batch: the target's greedy answer all the same, up to float rounding under padding."""
-    weights = o.kind_weights              # a weighted draw has its own order: its own parts
-    settings = {"target": target.fingerprint, "prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate",
-                "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
-                "batch": o.gen_batch_size, "format": RESPONSES_FORMAT}
-    key = make_key({**settings, **({"kinds": canonical(weights)} if weights is not None else {})})
-    root = store.path("responses", key)
-    parts = [(start, prompts[start: start + o.gen_batch_size]) for start in range(0, len(prompts), o.gen_batch_size)]
-    if any(read_part(root, start, batch) is None for start, batch in parts):
-        with store.lock("responses", key, should_stop=should_stop):
-            reuse = stored_answers(store.path("responses", make_key(settings))) if weights is not None else {}
-            if not (root / ABOUT).is_file():      # whose answers these are, for a person who keeps or copies them
-                root.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(root / ABOUT, {"model": target.spec, **settings,
-                                                 **({"kinds": canonical(weights)} if weights is not None else {})})
-            generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop, reuse=reuse)
-    out = Conversations([], [], [], make_key({"responses": key, "prompts": content_hash}))
-    for start, batch in parts:
-        for (p, ids), response in zip(batch, read_part(root, start, batch)):
-            if response:
-                out.prompt.append(ids)
-                out.response.append(response)
-                out.ids.append(p.id)
-    return out
-
-
-def stored_answers(root: Path) -> dict[tuple[str, str], list[int]]:
-    """Every answer in the finished parts of responses/<key>/ `root`: {(prompt id, prompt hash): token ids}
-    (nothing when there is no such folder; a part that does not read is left out)."""
-    out: dict[tuple[str, str], list[int]] = {}
-    for path in sorted(root.glob("part-*.json")) if root.is_dir() else ():
-        try:
-            rows = jsonsafe.loads(path.read_bytes(), what=f"Response part {path}", error=DraftError)["responses"]
-            out.update({(str(r["id"]), str(r["prompt_hash"])): [int(t) for t in r["response"]] for r in rows})
-        except (OSError, ValueError, KeyError, TypeError, DraftError):
-            continue
-    return out
-
-
-def part_name(start: int, end: int) -> str:
-    return f"part-{start:06d}-{end:06d}.json"
-
-
-def prompt_hash(ids: list[int]) -> str:
-    return make_key(ids)
-
-
-def read_part(root: Path, start: int, batch) -> list[list[int]] | None:
-    """The stored responses of `batch` (a list of (Prompt, ids)), or None when missing or made for other prompts."""
-    path = root / part_name(start, start + len(batch))
-    try:
-        rows = jsonsafe.loads(path.read_bytes(), what=f"Response part {path}", error=DraftError)["responses"]
-    except (OSError, ValueError, KeyError, TypeError, DraftError):
-        return None
-    if len(rows) != len(batch) or any(r.get("id") != p.id or r.get("prompt_hash") != prompt_hash(ids)
-                                      for r, (p, ids) in zip(rows, batch)):
-        return None
-    return [[int(t) for t in r["response"]] for r in rows]
-
-
-def generate_parts(target, parts, o: OnlineOptions, root: Path, *, progress=None, should_stop=None,
-                   clock: Callable[[], float] = time.monotonic, reuse: dict | None = None) -> None:
-    """The answers of every part not in `root` yet. Answers found in `reuse` ({(prompt id, prompt hash): token
-    ids}, stored_answers) are taken as they are; the other prompts of those parts, in order, are answered in
-    batches of `gen_batch_size`, and each part is written as soon as all its answers are known (without reuse
-    every batch is one part). A ResponsesProgress after every decode step and every batch, its time left from
-    the rate of this run's decode steps (max_new_tokens per batch, layerscope.eta; `clock`: its seconds)."""
-    opts = CaptureOptions(max_new_tokens=o.max_new_tokens)
-    reuse = reuse or {}
-    total = sum(len(b) for _, b in parts)
-    todo = [(start, batch) for start, batch in parts if read_part(root, start, batch) is None]
-    known: dict[int, list[int]] = {}                 # place among all prompts -> answer
-    queue = []                                        # (place, token ids) of the prompts to answer, in order
-    for start, batch in todo:
-        for i, (p, ids) in enumerate(batch):
-            found = reuse.get((p.id, prompt_hash(ids)))
-            if found is None:
-                queue.append((start + i, ids))
-            else:
-                known[start + i] = found
-    reused, waiting = len(known), list(todo)
-    batches = [queue[i: i + o.gen_batch_size] for i in range(0, len(queue), o.gen_batch_size)]
-    timer, made = eta.PhaseClock(len(batches) * o.max_new_tokens, clock=clock), 0
-
-    def say(n, step=0):
-        if progress is not None:
-            elapsed = clock() - timer.t0
-            progress(ResponsesProgress(done=n, total=len(batches), conversations=total,
-                                       tokens_per_s=made / max(elapsed, 1e-9),
-                                       eta_s=timer.left(n * o.max_new_tokens + step), step=step, elapsed_s=elapsed,
-                                       prompts=len(queue), reused=reused))
-
-    def write_complete():
-        nonlocal waiting
-        complete = [all(start + i in known for i in range(len(batch))) for start, batch in waiting]
-        for (start, batch), done in zip(waiting, complete):
-            if done:
-                atomic_write_json(root / part_name(start, start + len(batch)),
-                                  {"responses": [{"id": p.id, "prompt_hash": prompt_hash(ids),
-                                                  "response": known[start + i]} for i, (p, ids) in enumerate(batch)]})
-        waiting = [w for w, done in zip(waiting, complete) if not done]
-
-    write_complete()                                  # parts answered entirely by `reuse`
-    for n, chunk in enumerate(batches):
-        if should_stop is not None and should_stop():
-            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(batches)} batches done)",
-                                    "Run the same command again to resume")
-        responses = generate_responses(target, [ids for _, ids in chunk], opts, should_stop=should_stop,
-                                       on_step=lambda step, n=n: say(n, min(step, o.max_new_tokens)))
-        if should_stop is not None and should_stop():
-            raise TrainingCancelled(f"Stopped while generating responses ({n} of {len(batches)} batches done)",
-                                    "Run the same command again to resume")
-        known.update({place: r for (place, _), r in zip(chunk, responses)})
-        write_complete()
-        made += sum(len(r) for r in responses)
-        say(n + 1)
-    if not batches:
-        say(0)
-
 
 def held_out(n: int, count: int, seed: int) -> torch.Tensor:
     """Bool [n]: a seeded choice of min(count, n // 5) conversations held out (at least one when n >= 2)."""
@@ -445,67 +227,6 @@ def target_features(target: LoadedModel, convs: Conversations, index: list[int],
 def split_for(rows, feats, layers: list[int], N: int):
     return split_of(rows["token_id"], rows["position"], rows["conversation"], rows["is_response"],
                     torch.cat([feats[l] for l in layers], dim=1), feats[N])
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(run_dir: Path, state: FitState, drafters: list) -> Path:
-    """runs/<key>/ckpt-<step>/ {state.json, tensors.safetensors}, put in place whole (store.staged); older ones removed."""
-    tensors = {"rng": torch.get_rng_state()}
-    groups = []
-    for i, d in enumerate(drafters):
-        for name, t in d.head.state_dict().items():
-            tensors[f"head{i}.{name}"] = t.detach().cpu().clone()     # the heads share d2t/t2d: one copy each
-        sd = d.opt.state_dict()
-        groups.append(sd["param_groups"])
-        for p, st in sd["state"].items():
-            for name, t in st.items():
-                tensors[f"opt{i}.{p}.{name}"] = t.detach().cpu().reshape(-1) if t.dim() == 0 else t.detach().cpu()
-    final = run_dir / f"ckpt-{state.step:09d}"
-    if final.is_dir():
-        return final
-    with staged(final) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({**state.to_json(), "param_groups": groups, "format": FORMAT},
-                                                   default=float))
-        for f in tmp.iterdir():
-            f.chmod(0o644)                  # like every file of the store (mkdtemp and safetensors make them private)
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        tmp.chmod(0o755)
-    for old in complete_checkpoints(run_dir)[:-1]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """ckpt-<step> folders, oldest first (temporary folders start with a dot and are never listed)."""
-    if not run_dir.is_dir():
-        return []
-    return sorted(p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(r"ckpt-\d{9}", p.name)
-                  and (p / "state.json").is_file() and (p / "tensors.safetensors").is_file())
-
-
-def load_checkpoint(path: Path, drafters: list) -> FitState:
-    """The state saved in `path`; the drafters' heads, optimizers and torch's RNG are restored from it."""
-    state = jsonsafe.loads((path / "state.json").read_bytes(), what=f"Checkpoint state {path / 'state.json'}",
-                           error=DraftError)
-    with safe_open(str(path / "tensors.safetensors"), framework="pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    assert len(state["param_groups"]) == len(drafters), "checkpoint holds another number of layer sets"
-    for i, d in enumerate(drafters):
-        sd = d.head.state_dict()
-        missing = [k for k in sd if f"head{i}.{k}" not in t]
-        assert not missing, f"checkpoint {path} lacks {missing[:3]}"
-        d.head.load_state_dict({k: t[f"head{i}.{k}"] for k in sd})
-        opt_state = {}
-        for k, v in t.items():
-            parts = k.split(".")
-            if parts[0] == f"opt{i}":
-                opt_state.setdefault(int(parts[1]), {})[parts[2]] = v.reshape(()) if parts[2] == "step" else v
-        d.opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"][i]})
-    torch.set_rng_state(t["rng"])
-    return FitState.from_json(state)
 
 
 # ----------------------------------------------------------------------------- the run

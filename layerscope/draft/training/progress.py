@@ -1,7 +1,7 @@
 """What draft training reports while it runs: one frozen dataclass per phase, its `phase` the name a
 consumer may switch on (as capture.CaptureProgress and bench.BenchProgress).
 
-    ResponsesProgress   online: the target answers the training prompts (draft/training/online.py, regenerate)
+    ResponsesProgress   online: the target answers the training prompts (draft/training/responses.py, regenerate)
     FeaturesProgress    online: the held-out conversations go through the target, once
     TrainProgress       after every training step (draft/training/fit.py): capture training (one set) and online (k sets)
     EvalProgress        before a held-out evaluation (draft/training/fit.py)
@@ -31,7 +31,7 @@ class ResponsesProgress:
     step: int = 0                     # decode steps done of the batch being answered (of max_new_tokens)
     elapsed_s: float = 0.0            # seconds this run has spent answering
     prompts: int = 0                  # prompts this run answers (those of its `total` batches)
-    reused: int = 0                   # answers taken from the unweighted draw's store instead (online.stored_answers)
+    reused: int = 0                   # answers taken from the unweighted draw's store instead (responses.stored_answers)
 
 
 @dataclass(frozen=True)
