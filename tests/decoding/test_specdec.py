@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -53,9 +54,9 @@ def test_autoregressive_equals_hf_greedy(target, refs):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_mask_gives_the_logits_of_each_path(tiny, attn):
     """Tree forward with the 4-D mask and per-node positions == plain forwards over prefix + path."""
-    model = LlamaForCausalLM(tiny.model.config).eval()
-    model.load_state_dict(tiny.model.state_dict())
-    model.config._attn_implementation = attn
+    model = LlamaForCausalLM(copy.deepcopy(tiny.model.config)).eval()   # a config of its own: the model shares the
+    model.load_state_dict(tiny.model.state_dict())                       # object it is given, and setting attention
+    model.config._attn_implementation = attn                             # on it would switch the session's tiny model
     prefix = PROMPTS[0]
     root, tokens, parents = 33, [40, 41, 42, 43, 44, 45], [-1, -1, 0, 0, 2, 1]
     depths = []
