@@ -87,7 +87,8 @@ def add_arguments(p) -> None:
 
 def options_from_args(args) -> StudyOptions:
     train = TrainOptions(steps=args.steps, ttt_steps=args.ttt_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                         lr=args.lr, seed=args.seed, fc_norm=args.fc_norm, draft_intermediate=args.draft_intermediate)
+                         lr=args.lr, seed=args.seed, fc_norm=args.fc_norm, draft_intermediate=args.draft_intermediate,
+                         train_dtype=args.train_dtype)
     online = None
     if args.online and args.train_kinds is not None and str(args.train_prompts).strip() != "sharegpt":
         raise LayerScopeError(f"--train-kinds weights ShareGPT's conversations; --train-prompts {args.train_prompts} "
@@ -98,6 +99,7 @@ def options_from_args(args) -> StudyOptions:
                                max_prompt_tokens=args.train_max_prompt_tokens,
                                max_new_tokens=args.train_max_new_tokens, val_conversations=args.val_conversations,
                                fc_norm=args.fc_norm, draft_intermediate=args.draft_intermediate,
+                               train_dtype=args.train_dtype,
                                batch_size=args.batch_size, seq_len=args.seq_len,
                                ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed, steps=args.steps,
                                tokens=parse_count(args.tokens) if args.tokens else None,

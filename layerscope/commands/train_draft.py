@@ -172,7 +172,8 @@ def recipe(args) -> dict:
                 seed=args.seed, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, warmup=args.warmup,
                 eval_points=args.eval_points, draft_vocab=args.draft_vocab, feature_loss=args.feature_loss,
                 noise_std=args.noise_std, freeze_lm_head=args.freeze_lm_head, warm_start=args.warm_start,
-                init_from=args.init_from, fc_norm=args.fc_norm, draft_intermediate=args.draft_intermediate)
+                init_from=args.init_from, fc_norm=args.fc_norm, draft_intermediate=args.draft_intermediate,
+                train_dtype=args.train_dtype)
 
 
 def run_capture(args, store) -> int:

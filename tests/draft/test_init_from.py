@@ -190,3 +190,25 @@ def test_a_narrower_mlp_is_trained_sized_saved_and_kept_by_a_continued_draft(tin
             "--steps", "1", "--draft-vocab", "64", "--store", str(store.root)]
     assert main(args + ["--draft-intermediate", "0"]) == 2
     assert "draft_intermediate" in capsys.readouterr().err
+
+
+def test_bfloat16_training_is_another_run_whose_draft_learns_and_stays_float32(tiny, started, capsys, one_thread):
+    """--train-dtype bfloat16: the draft's forward and backward under autocast, its weights and held-out evaluation in
+    float32; a run without it keeps the key it had before the option existed."""
+    store, _ = started
+    o = dict(SMALL, steps=4, lr=3e-3)
+    exact = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**o)).drafts[0]
+    fast = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**o, train_dtype="bfloat16")).drafts[0]
+    assert fast.path != exact.path
+    a, b = weights(exact.path), weights(fast.path)
+    assert b["fc.weight"].dtype == torch.float32 and not torch.equal(a["fc.weight"], b["fc.weight"])
+    assert meta(fast.path)["options"]["train_dtype"] == "bfloat16"
+    assert all(0.0 <= x <= 1.0 for x in meta(fast.path)["val_accuracy"])
+    assert "train_dtype" not in OnlineOptions(**o).run_fields()
+    with pytest.raises(DraftError, match="Pass --train-dtype float32"):
+        OnlineOptions(**o, train_dtype="float16").validate()
+    args = ["train-draft", "--model", "tiny-llama", "--prompts", "builtin", "--limit", "12", "--layers", "1,2",
+            "--steps", "1", "--draft-vocab", "64", "--store", str(store.root), "--train-dtype", "float16"]
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "invalid choice: 'float16'" in capsys.readouterr().err

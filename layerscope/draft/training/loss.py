@@ -71,7 +71,7 @@ def ttt_loss(head: DraftHead, batch: dict, teacher: Teacher, denom: list[int] | 
             continue
         normed = head.norm(h[mask])
         logq = F.log_softmax(head.lm_head(normed).float(), dim=-1)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(final.device.type, enabled=False):     # float32 under a bf16 autocast
             target = teacher.logits(final)                                 # [M, V] target logits on the draft vocab
             logp = F.log_softmax(target, dim=-1)
         per_row = (logp.exp() * (logp - logq)).sum(-1)
