@@ -44,7 +44,8 @@
 #                                    # [2,14,25], the probe's best set, aggregate entropy's set and a random control
 #                                    # (fc_norm, the answers drawn mostly code: --train-kinds code=3; the drafts' MLP
 #                                    # 1024 wide, DRAFT_INTERMEDIATE, so that one ships under 64 MiB in bf16: 63 MiB
-#                                    # where the target's 8960 makes 133 MiB), benchmarked on
+#                                    # where the target's 8960 makes 133 MiB; trained in bf16 autocast, TRAIN_DTYPE:
+#                                    # 2.4x a step here, benchmarks/train_dtype.py), benchmarked on
 #                                    # 40 held-out ShareGPT prompts; outcomes and answers kept in docs/study-qwen15
 #                                    # (`keep` with STUDY_DIR=docs/study-qwen15 MODEL=qwen2.5-coder-1.5b)
 #
@@ -229,7 +230,7 @@ PY
     exec .venv/bin/layerscope study "$key" --strategies default,aggregate,probe,random --random-sets 1 \
       --online --train-prompts sharegpt --train-kinds code=3 --responses regenerate --train-limit "${TRAIN_LIMIT:-1200}" \
       --train-max-prompt-tokens 256 --train-max-new-tokens 192 --tokens "${TOKENS:-1M}" --fc-norm --seeds 0 \
-      --draft-intermediate "${DRAFT_INTERMEDIATE:-1024}" \
+      --draft-intermediate "${DRAFT_INTERMEDIATE:-1024}" --train-dtype "${TRAIN_DTYPE:-bfloat16}" \
       --sets-per-pass 4 --outcomes "$study_dir/outcomes" --limit 40 --max-new-tokens 64 --wait-quiet 10m \
       --json >> "$log.json" 2>> "$log.log" ;;
   *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study" >&2
