@@ -186,3 +186,28 @@ def test_every_name_imported_from_layerscope_exists():
                     if not hasattr(module, alias.name) and importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
                         missing.append(f"{path.relative_to(ROOT)}: from {node.module} import {alias.name}")
     assert missing == []
+
+
+# The finer rules inside the layers (docs/architecture.md, "How we write code"): the math is pure functions on
+# tensors, so stats' math modules reach no store, capture or file; Streamlit lives only in the app's ui package.
+PURE_MATH = ["layerscope.stats." + m for m in ("entropy", "cka", "compartments", "tokens", "correlation", "bootstrap",
+                                               "ridge")]
+
+
+def test_the_math_modules_import_only_math_and_errors():
+    graph = import_graph()
+    allowed = set(PURE_MATH) | {"layerscope.errors", "layerscope.stats"}
+    wrong = [f"{m} imports {d}" for m in PURE_MATH for d in sorted(graph[m]) if d not in allowed]
+    assert wrong == []
+
+
+def test_streamlit_is_imported_only_by_the_apps_ui_package():
+    wrong = []
+    for path in sorted((ROOT / "layerscope").rglob("*.py")):
+        if path.is_relative_to(ROOT / "layerscope" / "ui"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] == "streamlit"]
+    assert wrong == []
