@@ -10,7 +10,8 @@ So the rate is the current phase's own, counted in units of work that are alike 
 
     remaining(done, total, seconds, start=0)   the rule: (total - done) / ((done - start) / seconds), or None
                                                ("estimating…") until MIN_SHARE of the phase's work and
-                                               MIN_SECONDS of its time are measured
+                                               MIN_SECONDS of its time are measured, or ENOUGH_SECONDS of
+                                               it (a long phase: 5 % of a 5-hour training is 15 min)
     PhaseClock(total, done=0, clock=...)       the clock of one phase, started when the phase starts:
                                                .left(done, total=None) -> seconds left or None
     text(seconds)                              "about 3 min left" | "under a second left" | "estimating time left…"
@@ -32,17 +33,19 @@ from layerscope import fmt
 
 MIN_SHARE = 0.05          # of a phase's work measured before its first estimate ...
 MIN_SECONDS = 2.0         # ... and at least this long (a phase that ends sooner needs none)
+ENOUGH_SECONDS = 60.0     # a minute of a phase's own work measures its rate whatever share it is (a long training
+                          # said "estimating time left…" for its first 15 min)
 ESTIMATING = "estimating time left…"
 
 
 def remaining(done: float, total: float, seconds: float, start: float = 0.0) -> float | None:
     """Seconds left of a phase of `total` units that went from `start` to `done` units in `seconds`: the
     rest at the phase's own rate. None while too little is measured (MIN_SHARE of the work from `start`
-    on, MIN_SECONDS) or nothing moved."""
+    on and MIN_SECONDS, or ENOUGH_SECONDS) or nothing moved."""
     todo, measured = float(total) - float(start), float(done) - float(start)
     if todo <= 0 or float(done) >= float(total):
         return 0.0
-    if measured <= 0 or measured < MIN_SHARE * todo or seconds < MIN_SECONDS:
+    if measured <= 0 or seconds < MIN_SECONDS or (measured < MIN_SHARE * todo and seconds < ENOUGH_SECONDS):
         return None
     return (float(total) - float(done)) * float(seconds) / measured
 

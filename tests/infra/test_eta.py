@@ -131,3 +131,14 @@ def test_answer_writing_says_its_time_left_within_the_first_batch(tiny, planted,
     assert later[0][1].done == 0 and 0 < later[0][1].step < o.max_new_tokens        # inside the first batch
     assert all(within_2x(p.eta_s, end - t) for t, p in later), [(p.done, p.step, p.eta_s, end - t) for t, p in later]
     assert seen[-1][1].done == seen[-1][1].total == 3 and seen[-1][1].eta_s == 0.0
+
+
+def test_a_long_phase_says_its_time_left_after_a_minute():
+    """A 5-hour phase at one unit a second: 5 % of it is 15 min of "estimating…"; a minute of its own work is
+    enough to say how long the rest takes."""
+    clock = PlantedClock()
+    phase = eta.PhaseClock(18_000, clock=clock)
+    clock.t += 59.0
+    assert phase.left(59) is None
+    clock.t += 2.0
+    assert phase.left(61) == pytest.approx(18_000 - 61)
