@@ -21,6 +21,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # bfloat16 where it measures faster): their tests compare decoders token for token. tests/target/test_precision.py tests
 # the choice itself.
 os.environ.setdefault("LAYERSCOPE_DTYPE", "float32")
+# the commands' progress in a log (the tests' child processes write stderr to files): a line every update, so that
+# a test waiting for "step=3" sees it (commands/common.Progress; users' logs get one every 30 s)
+os.environ.setdefault("LAYERSCOPE_PROGRESS_EVERY", "0")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -104,12 +106,25 @@ BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"   # tqdm's own ra
                                                                  # spans phases of different speed (layerscope.eta)
 
 
+LOG_EVERY_S = 30.0          # stderr not a terminal (a long run's log): one line this often, not a frame a second;
+LOG_EVERY_ENV = "LAYERSCOPE_PROGRESS_EVERY"   # seconds, to say otherwise (0: a line every update, as the tests read)
+
+
 class Progress:
     """A tqdm bar on stderr driven by callbacks: `update(done, total, eta_s=..., **postfix)`; eta_s (seconds, or
-    None while estimating) is the time left of the current phase as the step measured it (layerscope.eta)."""
+    None while estimating) is the time left of the current phase as the step measured it (layerscope.eta).
+    Where stderr is not a terminal (a log file) the bar is a line every LOG_EVERY_S seconds and one at the end:
+    a 5-hour run's log of carriage-return frames was thousands of redraws on one line."""
 
-    def __init__(self, desc: str, unit: str = "tok", enabled: bool = True):
-        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True, bar_format=BAR)
+    def __init__(self, desc: str, unit: str = "tok", enabled: bool = True, clock=time.monotonic):
+        self.log = not sys.stderr.isatty()
+        try:
+            self.every = max(0.0, float(os.environ.get(LOG_EVERY_ENV) or LOG_EVERY_S))
+        except ValueError:                                          # not a number: the default, as if unset
+            self.every = LOG_EVERY_S
+        self.clock, self.last = clock, None
+        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True, bar_format=BAR,
+                        **({"mininterval": float("inf")} if self.log else {}))
 
     def update(self, done: int, total: int | None = None, eta_s=NO_ETA, **postfix) -> None:
         if total is not None and self.bar.total != total:
@@ -119,14 +134,18 @@ class Progress:
         if eta_s is not NO_ETA:
             parts.append(eta.text(eta_s))
         self.bar.set_postfix_str(", ".join(parts), refresh=False)
-        self.bar.refresh()
+        if not self.log:
+            self.bar.refresh()
+        elif not self.bar.disable and (self.last is None or self.clock() - self.last >= self.every):
+            self.last = self.clock()
+            self.bar.write(str(self.bar), file=sys.stderr)
 
     def note(self, line: str) -> None:
         """A line on stderr above the bar (the bar is redrawn below it)."""
         self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
-        self.bar.close()
+        self.bar.close()                                            # tqdm draws where it ended
 
     def __enter__(self):
         return self
