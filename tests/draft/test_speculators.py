@@ -77,11 +77,12 @@ def tiny_target(tmp_path_factory):
     return load_model(str(folder))
 
 
-def built_draft(target, layers, draft_vocab, path, seed=0, fc_norm=False):
+def built_draft(target, layers, draft_vocab, path, seed=0, fc_norm=False, intermediate=None):
     """A DraftHead for `target` with every weight random (norm gains too, so no two tensors can be swapped
     unnoticed), saved as LayerScope saves a trained draft."""
     emb = target.model.get_input_embeddings().weight
-    cfg = DraftConfig.from_target(target.model.config, layers, draft_vocab, vocab_size=emb.shape[0], fc_norm=fc_norm)
+    cfg = DraftConfig.from_target(target.model.config, layers, draft_vocab, vocab_size=emb.shape[0], fc_norm=fc_norm,
+                                  intermediate_size=intermediate)
     g = torch.Generator().manual_seed(seed)
     d2t, t2d = build_draft_vocab(torch.randint(0, cfg.vocab_size, (20 * cfg.vocab_size,), generator=g),
                                  draft_vocab, cfg.vocab_size)
@@ -204,6 +205,19 @@ def test_speculators_loads_and_runs_a_fc_norm_export_as_layerscope(speculators, 
     assert_speculators_runs_it_as_layerscope(speculators, out, head, tiny_target, layers)
     model = speculators.SpeculatorModel.from_pretrained(str(out))
     assert model.fc_norm is not None and len(model.fc_norm) == 3
+
+
+def test_speculators_loads_and_runs_a_narrow_mlp_export_as_layerscope(speculators, tiny_target, tmp_path, monkeypatch):
+    """--draft-intermediate: a draft whose MLP is narrower than its target's (the 1.5B's shipped width, 1024 of 8960)
+    exports with its own intermediate_size, and speculators builds and runs it as LayerScope does."""
+    layers, width = [1, 2, 3], 24
+    assert tiny_target.model.config.intermediate_size != width
+    head, draft = built_draft(tiny_target, layers, 100, tmp_path / "draft", fc_norm=True, intermediate=width)
+    out = export_draft(draft, "speculators", tmp_path / "export", target_facts(tiny_target), target=tiny_target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["transformer_layer_config"]["intermediate_size"] == width
+    monkeypatch.chdir(out)
+    assert_speculators_runs_it_as_layerscope(speculators, out, head, tiny_target, layers)
 
 
 def test_speculators_convert_cli_writes_the_export_tensors(speculators, tiny_target, tmp_path):
