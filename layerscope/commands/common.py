@@ -124,7 +124,7 @@ class Progress:
             self.every = LOG_EVERY_S
         self.clock, self.last = clock, None
         self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True, bar_format=BAR,
-                        **({"mininterval": float("inf")} if self.log else {}))
+                        **({"mininterval": float("inf"), "delay": float("inf")} if self.log else {}))
 
     def update(self, done: int, total: int | None = None, eta_s=NO_ETA, **postfix) -> None:
         if total is not None and self.bar.total != total:
@@ -138,14 +138,21 @@ class Progress:
             self.bar.refresh()
         elif not self.bar.disable and (self.last is None or self.clock() - self.last >= self.every):
             self.last = self.clock()
-            self.bar.write(str(self.bar), file=sys.stderr)
+            sys.stderr.write(f"{self.bar}\n")                        # a line, no redraw after it
+            sys.stderr.flush()
 
     def note(self, line: str) -> None:
-        """A line on stderr above the bar (the bar is redrawn below it)."""
-        self.bar.write(line, file=sys.stderr)
+        """A line on stderr above the bar (the bar is redrawn below it; in a log, just the line)."""
+        if self.log:
+            sys.stderr.write(f"{line}\n")
+            sys.stderr.flush()
+        else:
+            self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
-        self.bar.close()                                            # tqdm draws where it ended
+        if self.log and not self.bar.disable and self.last is not None:
+            sys.stderr.write(f"{self.bar}\n")                        # where it ended (tqdm draws nothing here)
+        self.bar.close()
 
     def __enter__(self):
         return self

@@ -3,6 +3,8 @@ every LOG_EVERY_S seconds, each readable on its own, instead of a redrawn frame 
 
 from __future__ import annotations
 
+import sys
+
 from layerscope.commands import common
 
 
@@ -18,3 +20,14 @@ def test_a_log_gets_a_line_every_half_minute_not_a_frame_every_update(capsys, mo
     assert 7 <= len(lines) <= 9                           # at 1 s, then every 30 s (+ where it ended), not 200
     assert "0/200" in lines[0] and "tokens=300" in lines[1] and "about" in lines[1]
     assert "199/200" in lines[-1]
+
+
+def test_a_note_and_a_later_error_each_stand_on_their_own_line(capsys, monkeypatch):
+    """In a log nothing redraws the bar after a note: an error printed next starts its own line (it was glued to a
+    'bench: | 0/? [00:00]' frame that tqdm's write had left behind)."""
+    monkeypatch.delenv(common.LOG_EVERY_ENV, raising=False)
+    with common.Progress("bench", unit="run") as bar:
+        bar.note("Estimate before the benchmark starts: under a second.")
+    print("error: no prompt fits", file=sys.stderr)
+    assert capsys.readouterr().err.splitlines() == ["Estimate before the benchmark starts: under a second.",
+                                                    "error: no prompt fits"]
