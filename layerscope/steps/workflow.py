@@ -35,7 +35,7 @@ from layerscope.decoding import bench as bench_mod
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import read_meta, save_draft
 from layerscope.draft.training import online as online_mod
-from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.fit import TrainingCancelled, TrainOptions
 from layerscope.draft.training.progress import OnlineProgress, ResponsesProgress, TrainProgress, last_of
 from layerscope.draft.training.train import draft_for, train_capture_draft
 from layerscope.errors import DraftError
@@ -222,8 +222,12 @@ def train_online(store: Store, model: str, layer_sets: Sequence[Sequence[int]], 
         estimate(forecast.online(store, model, sets, options))
     target = timed(load)(model, store)
     watch, last = last_of(progress, ResponsesProgress, TrainProgress)
-    result = online_mod.train_online(target, sets, store, progress=watch, should_stop=should_stop, strategy=strategy,
-                                     options=options)
+    try:
+        result = online_mod.train_online(target, sets, store, progress=watch, should_stop=should_stop,
+                                         strategy=strategy, options=options)
+    except TrainingCancelled:                   # stopped (Ctrl-C, the app's Stop): what it measured still counts
+        forecast.online_measured(store, model, target, sets, options, last)
+        raise
     forecast.online_measured(store, model, target, sets, options, last)     # its paces, for the next estimate
     return result
 

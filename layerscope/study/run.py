@@ -40,7 +40,7 @@ from layerscope import eta, fmt, quietness
 from layerscope.decoding import bench, specdec
 from layerscope.draft import init_from
 from layerscope.draft.checkpoint import read_meta
-from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.fit import TrainingCancelled, TrainOptions
 from layerscope.draft.training.loss import simulated_acc_len
 from layerscope.draft.training.online import OnlineOptions, train_online
 from layerscope.draft.training.progress import OnlineProgress, ResponsesProgress, TrainProgress, last_of
@@ -296,8 +296,13 @@ def train_unit(cap, target, store, sets, todo: list[tuple[int, int]], o: StudyOp
         def seen(u, m=message):
             say(StudyProgress("train", m, unit, units, u, getattr(u, "eta_s", None)))
         watch, last = last_of(seen, ResponsesProgress, TrainProgress)
-        result = train_online(target, layer_sets, store, strategy=[sets[i][1][0] for i, _ in todo], progress=watch,
-                              options=options)
+        try:
+            result = train_online(target, layer_sets, store, strategy=[sets[i][1][0] for i, _ in todo],
+                                  progress=watch, options=options)
+        except TrainingCancelled:               # stopped: the pace it measured still informs the next estimate
+            if measured is not None:
+                measured({"kind": "online", "sets": layer_sets, "options": options, "last": last})
+            raise
         if measured is not None:
             measured({"kind": "online", "sets": layer_sets, "options": options, "last": last})
         return {ij: d.path for ij, d in zip(todo, result.drafts)}

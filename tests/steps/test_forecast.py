@@ -14,7 +14,7 @@ from layerscope.commands.cli import main
 from layerscope.decoding import bench, costmodel
 from layerscope.decoding.bench import BenchOptions
 from layerscope.draft.checkpoint import save_draft
-from layerscope.draft.training.fit import TrainOptions
+from layerscope.draft.training.fit import TrainingCancelled, TrainOptions
 from layerscope.draft.training.online import OnlineOptions
 from layerscope.draft.training.progress import ResponsesProgress, TrainProgress
 from layerscope.quietness import MachineOptions
@@ -81,6 +81,20 @@ def test_online_training_says_the_answers_it_will_write_and_the_training(tiny, s
     assert "answer writing of tiny-llama measured here" in after.line()
     assert "online training of tiny-llama measured here" in after.line()
 
+
+def test_a_stopped_online_training_still_leaves_its_pace(tiny, store):
+    """The 1.5B study's training runs for hours over several sessions and is stopped each time: its measured pace
+    (60-80 tokens/s) never reached the next estimate, which kept its rule of thumb (33 h for 4 h of work)."""
+    o = OnlineOptions(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
+                      val_conversations=2, eval_points=2, draft_vocab=64, tokens=6000)
+    seen = []
+    with pytest.raises(TrainingCancelled):
+        workflow.train_online(store, "tiny-llama", [[1, 2]], o, load=loader(tiny), progress=seen.append,
+                              should_stop=lambda: sum(isinstance(p, TrainProgress) for p in seen) >= 3)
+    trained = [p for p in seen if isinstance(p, TrainProgress)][-1]
+    after = forecast.online(store, "tiny-llama", [[1, 2]], o)
+    assert "online training of tiny-llama measured here" in after.line()
+    assert after.parts[-1].seconds == pytest.approx(6000 / trained.tokens_per_s)
 
 def test_a_study_is_its_drafts_training_and_its_benchmark(store):
     """The study's estimate adds up what its parts' estimates say: one model load, each draft's training from the
