@@ -69,10 +69,12 @@ def _every_third_wrong(ref, vocab):
 
 
 def _curve(model, draft, max_tokens=7):
-    target = cm.measure_target(model, max_tokens=max_tokens, cache_lengths=(16,), repeats=3,
+    """Medians of 5 calls: CPU time still grows a little when the other core's job shares caches (one of 3 calls
+    off by 6 ms once failed the 15 % check in a full suite); two outliers of 5 cannot move the median."""
+    target = cm.measure_target(model, max_tokens=max_tokens, cache_lengths=(16,), repeats=5,
                                aux_layers=draft.aux_layers, clock=CLOCK)
     return cm.CostCurve("cpu", "float32", 1, tuple(target),
-                        tuple(cm.measure_draft(model, draft, max_rows=4, cache_length=16, repeats=3, clock=CLOCK)))
+                        tuple(cm.measure_draft(model, draft, max_rows=4, cache_length=16, repeats=5, clock=CLOCK)))
 
 
 @pytest.fixture(scope="module")
