@@ -48,6 +48,10 @@
 #                                    # 2.4x a step here, benchmarks/train_dtype.py), benchmarked on
 #                                    # 40 held-out ShareGPT prompts; outcomes and answers kept in docs/study-qwen15
 #                                    # (`keep` with STUDY_DIR=docs/study-qwen15 MODEL=qwen2.5-coder-1.5b)
+#   benchmarks/long_run.sh qwen-bench    # issue 50's done-when: the 1.5B's draft (QWEN_DRAFT, default builtin) with
+#                                    # --k/--tree/--lookup auto against plain decoding, HF generate and prompt lookup
+#                                    # and the 0.5B as assistant_model, on 52 coding prompts (12 builtin, 40 held-out
+#                                    # ShareGPT: docs/study-qwen15/bench-code.jsonl) x 64 tokens, into docs/bench/
 #
 # Keep the store outside the work tree (LAYERSCOPE_STORE, default $HOME/layerscope-store) so that it outlives
 # it, and run this alone on the machine: a second torch process on 2 cores slows both several times.
@@ -233,6 +237,16 @@ PY
       --draft-intermediate "${DRAFT_INTERMEDIATE:-1024}" --train-dtype "${TRAIN_DTYPE:-bfloat16}" \
       --sets-per-pass 4 --outcomes "$study_dir/outcomes" --limit 40 --max-new-tokens 64 --wait-quiet 10m \
       --json >> "$log.json" 2>> "$log.log" ;;
-  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study" >&2
+  qwen-bench)
+    # issue 50's done-when, quiet, all cores: QWEN_DRAFT (default builtin: the shipped one; a store key or folder to
+    # measure a draft before shipping it) with --k auto --tree auto --lookup auto against plain decoding, HF
+    # generate, HF prompt lookup and the 0.5B as assistant_model, on the 12 builtin coding prompts and 40 held-out
+    # ShareGPT code conversations (docs/study-qwen15/bench-code.jsonl, benchmarks/code_prompts.py) x 64 tokens
+    name="qwen15-$(echo "${QWEN_DRAFT:-builtin}" | tr -c 'A-Za-z0-9\n' '-' | cut -c1-24)-code"
+    .venv/bin/layerscope bench --model qwen2.5-coder-1.5b --draft "${QWEN_DRAFT:-builtin}" \
+      --assistant qwen2.5-coder-0.5b --k auto --tree auto --lookup auto --prompts docs/study-qwen15/bench-code.jsonl \
+      --limit 52 --max-new-tokens 64 --max-prompt-tokens 256 --wait-quiet 10m --save-json "docs/bench/$name.json" \
+      > "docs/bench/$name.txt" 2>> "$log.log" ;;
+  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study|qwen-bench" >&2
      exit 2 ;;
 esac
