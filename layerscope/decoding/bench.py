@@ -13,8 +13,11 @@ Per contender: τ = tokens produced / target forwards (prefill included; 1 for p
 acceptance at each draft position (the share of verification steps whose i-th draft token was
 accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
 `lossless` = every output equals autoregressive's token for token (`mismatched`: how many prompts' outputs do
-not; in bfloat16 a near-tie can flip between a verification and a one-token step, so this is reported, never
-hidden: layerscope/target/precision.py); all also per prompt category. A draft's
+not); transformers' own speculative peers (HF_PROPOSERS) are compared with transformers' plain `generate` of the
+same run, their own baseline. In bfloat16 LayerScope's decoders pad every target forward to aligned rows
+(specdec.row_alignment), so a difference is a bug there as in float32; transformers' do not, and a near-tie can
+flip between their verification and their one-token step: reported, never hidden (`row_align` in the report says
+which rule held). All also per prompt category. A draft's
 entry also has `spec_decode`: its acceptance histogram under vLLM's metric names (num_drafts,
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, mean_acceptance_length; Tally.spec_decode).
 Prompts are the outer loop, so a change in machine load touches every contender alike.
@@ -60,6 +63,7 @@ from layerscope.stats.paired import PromptRuns
 from layerscope.validate import check_number
 
 MAX_PROMPT_TOKENS = 1024    # longer prompts are left out of a benchmark by default (CLI, study, app)
+HF_PROPOSERS = ("hf-prompt-lookup", "hf-assisted")   # transformers' speculative peers: checked against hf-generate
 
 
 MAX_NEW_TOKENS = 2**20               # any --max-new-tokens or --max-prompt-tokens; the model's context decides below
@@ -209,12 +213,13 @@ class BenchReport:
     cost_curve_machine: dict | None = None     # ... while the cost curve was measured
     dtype: str = ""                  # the target's dtype (float32, bfloat16) and why (precision.Choice.why)
     dtype_why: str = ""
+    row_align: int = 0               # specdec.row_alignment of the target: 16 where bf16 forwards were padded
 
     def to_json(self) -> dict:
         out = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
                "results": self.results}
         if self.dtype:
-            out |= {"dtype": self.dtype, "dtype_why": self.dtype_why}
+            out |= {"dtype": self.dtype, "dtype_why": self.dtype_why, "row_align": self.row_align}
         if self.intervals is not None:
             out["intervals"] = self.intervals
         if self.machine is not None:
@@ -545,6 +550,7 @@ def measure(target, prompts: Sequence[EncodedPrompt], contenders: Sequence[Conte
             raise AssertionError("bench.run ended without a report")
     report.machine = watched.state.to_json()
     report.dtype, report.dtype_why = str(target.dtype).replace("torch.", ""), getattr(target, "dtype_why", "")
+    report.row_align = specdec.row_alignment(target.model)
     return report
 
 
@@ -568,7 +574,7 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
     timer = eta.PhaseClock(runs_total * max_new_tokens, clock=clock)
     for i, prompt in enumerate(prompts):
         cat = by_cat.setdefault(prompt.category, {c.name: Tally() for c in contenders})
-        reference = None
+        reference = hf_reference = None
         for c in contenders:
             tallies, out = (total[c.name], cat[c.name], per_prompt[c.name][i]), []
             for item in _decode(model, c, prompt.input_ids, max_new_tokens, eos_token_id, pad_token_id):
@@ -584,9 +590,11 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
                     out = tokens
                     for t in tallies:
                         t.add_run(len(tokens), forwards, seconds)
+            if c.kind == "hf-generate":
+                hf_reference = out
             if reference is None:
                 reference = out
-            elif out != reference:
+            elif out != (hf_reference if c.kind in HF_PROPOSERS and hf_reference is not None else reference):
                 for t in tallies:
                     t.lossless = False
                     t.mismatched += 1
@@ -743,7 +751,8 @@ def format_table(report: BenchReport) -> str:
                      lossless_text(r, report.prompts)])
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}"
              + (f", target in {report.dtype}" if report.dtype else "")
-             + (f" ({report.dtype_why.partition(': ')[2]})" if report.dtype_why.partition(': ')[2] else ""),
+             + (f" ({report.dtype_why.partition(': ')[2]})" if report.dtype_why.partition(': ')[2] else "")
+             + (f"; forwards padded to {report.row_align}-row blocks, token-exact" if report.row_align else ""),
              fmt.table(head, rows, left=2)]
     lines += [x for x in (quietness.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]

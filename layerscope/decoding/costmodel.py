@@ -208,13 +208,16 @@ def default_draft(loaded) -> DraftHead:
 def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
     """Store key of a cost curve: the target's weights, device, dtype and threads, the matrix library's code
     path (blas.path), the draft's shape, and whether the machine was quiet while it was measured
-    (lookups ask for quiet=True only)."""
+    (lookups ask for quiet=True only); and, where forwards are padded to aligned rows (specdec.row_alignment), the
+    alignment: a curve measured before padding priced other forwards."""
     shape = None
     if draft is not None:
         c = draft.config
         shape = [c.hidden_size, c.draft_vocab_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads]
+    align = specdec.row_alignment(loaded.model)
     return make_key({"fingerprint": loaded.fingerprint, "device": str(loaded.device), "dtype": str(loaded.dtype),
-                     "threads": torch.get_num_threads(), "blas": blas.path(), "draft": shape, "quiet": bool(quiet), "format": FORMAT})
+                     "threads": torch.get_num_threads(), "blas": blas.path(), "draft": shape, "quiet": bool(quiet),
+                     "format": FORMAT, **({"row_align": align} if align else {})})
 
 
 def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,

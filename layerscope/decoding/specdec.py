@@ -31,6 +31,14 @@ the window is applied by the masks alone: the target builds its sliding masks fr
 when no mask is passed, and the tree passes a windowed version of its mask to the sliding layers
 (`AttentionLayout`, `verification_mask`).
 
+Exact in bfloat16 (`row_alignment`): a bf16 forward's numbers for one token depend on the forward's shape (kernels
+and blockings chosen by the row count, attention reduced over the cache's length), so a verification of k+1 tokens and
+a one-token step can round a near-tie differently. Every target forward of these decoders is therefore padded with
+throwaway rows so that it has at least ROW_ALIGN rows and ends at a multiple of ROW_ALIGN positions, and the padding
+is cut from the cache at once: each token's logits are computed alike in plain decoding and in every verification.
+Measured on SmolLM2-135M, bf16, 16 prompts x 48 tokens, chains K=1 and K=3: 14 of 32 outputs differed from plain
+decoding without it, 0 with it (docs/internals.md, "bfloat16 and lossless").
+
 Targets with recurrent state beside attention (gated delta-nets, Mamba/Mamba-2 mixers, short convolutions: Qwen3-Next,
 Qwen3.5, OLMo-Hybrid, Jamba, Bamba, GraniteMoeHybrid, Falcon-H1, LFM2): after the prefill their layers record the state
 after each token of a verification forward (`record_states`), and the crop takes back the state after the accepted
@@ -80,6 +88,11 @@ DEFAULT_LOOKUP = 4
 # (PromptLookupCandidateGenerator) keeps a fixed span, prompt_lookup_num_tokens (10 by default).
 LOOKUP_GROW, LOOKUP_SHRINK = 2, 1
 DEFAULT_ADAPTIVE_CAP = 16          # the app's adaptive span: DEFAULT_LOOKUP..DEFAULT_ADAPTIVE_CAP
+
+# Rows of a target forward in 16-bit floats, and the multiple its last position is padded to (`row_alignment`). 16 is
+# one AMX tile of rows; on a CPU with AMX a 16-row forward of Qwen2.5-Coder-1.5B costs what a one-row step does
+# (verification 16 / step 0.98, docs/results.md), so the padding is about free where bf16 is chosen for speed.
+ROW_ALIGN = 16
 
 clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
 
@@ -278,22 +291,70 @@ def compact_cache(cache: DynamicCache, start: int, keep: list[int]) -> None:
 # ----------------------------------------------------------------------------- the target side
 
 
+def row_alignment(model) -> int:
+    """ROW_ALIGN for a target whose weights are 16-bit floats and whose every layer attends (full or sliding window);
+    0 (forwards as they are) in float32, where the decoders are exact without it, and for targets with recurrent
+    layers, whose state a padding row would advance (a recording layer could take it back, plain decoding's does
+    not record)."""
+    if model.dtype not in (torch.bfloat16, torch.float16) or attention_layout(model).recurrent:
+        return 0
+    return ROW_ALIGN
+
+
+def padding_rows(start: int, rows: int, align: int) -> int:
+    """Throwaway rows after `rows` real ones starting at position `start`: the fewest that make the forward at least
+    `align` rows long and end at a multiple of `align` (0 when align is 0)."""
+    if not align:
+        return 0
+    pad = -(start + rows) % align
+    return pad + align * max(0, -(-(align - rows - pad) // align))
+
+
+def _padded_mask(mask, prefix: int, rows: int, pad: int):
+    """A 4-D additive mask [1, 1, rows, prefix+rows] (or a dict of them, `verification_mask`) for `pad` more rows:
+    the real rows never see the padding; a padding row sees everything up to itself (never an empty row)."""
+    if isinstance(mask, dict):
+        return {kind: _padded_mask(m, prefix, rows, pad) for kind, m in mask.items()}
+    low = torch.finfo(mask.dtype).min
+    out = torch.full((1, 1, rows + pad, prefix + rows + pad), low, dtype=mask.dtype, device=mask.device)
+    out[..., :rows, :prefix + rows] = mask
+    out[..., rows:, :prefix + rows] = 0
+    out[..., rows:, prefix + rows:] = torch.where(
+        torch.ones(pad, pad, dtype=torch.bool, device=mask.device).tril(), 0.0, low).to(mask.dtype)
+    return out
+
+
 def _target_forward(model, ids: Sequence[int], positions: torch.Tensor, cache, aux_layers=None, mask=None,
                     last_only: bool = False, keep: torch.Tensor | None = None):
     """Append `ids` at `positions` [T] to the cache: logits [T, V] ([1, V] with last_only, [len(keep), V] for
     the rows `keep`), aux [T, k*d] or None.
 
+    In 16-bit floats the forward is padded to `padding_rows` more rows (`row_alignment`: the module docstring says
+    why), their logits computed with the real rows' and every padding entry cut from the cache before returning.
     A recurrent layer that records (`record_states`) keeps its state after each of the T tokens, so `crop_cache` can
     go back to any of them: the model then runs all T tokens through its one-token recurrent kernel, the one plain
     decoding runs, instead of the chunked one."""
-    dev = positions.device
+    dev, T = positions.device, len(ids)
+    start = cache_length(cache)
+    pad = padding_rows(start, T, row_alignment(model))
+    ids = list(ids) + [int(ids[-1])] * pad
+    if pad:
+        positions = torch.cat([positions, positions.max() + 1 + torch.arange(pad, device=dev)])
+        mask = None if mask is None else _padded_mask(mask, start, T, pad)
     for layer in _recurrent_layers(cache):
         layer.recurrent_states_to_keep = len(ids) if layer.record_past else 0
-    out = model(input_ids=torch.tensor([list(ids)], device=dev), position_ids=positions[None], cache=cache,
+    # padded, the vocabulary projection runs over 16 rows at least (a one-row one would round apart), and over the
+    # last rows only where only the last real row is wanted (a long prompt's prefill)
+    tail = min(len(ids), pad + ROW_ALIGN) if pad and last_only and keep is None else 0
+    out = model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], cache=cache,
                 attention_mask=mask, use_cache=True, output_hidden_states=aux_layers is not None,
-                logits_to_keep=keep if keep is not None else 1 if last_only else 0)
-    aux = torch.cat([out.hidden_states[l][0] for l in aux_layers], -1) if aux_layers is not None else None
-    return out.logits[0].float(), aux
+                logits_to_keep=tail if pad else keep if keep is not None else 1 if last_only else 0)
+    aux = torch.cat([out.hidden_states[l][0, :T] for l in aux_layers], -1) if aux_layers is not None else None
+    logits = out.logits[0]
+    if pad:
+        crop_cache(cache, start + T)
+        logits = (logits[keep] if keep is not None else logits[-pad - 1:-pad] if last_only else logits[:T])
+    return logits.float(), aux
 
 
 def tree_mask(prefix: int, ancestors: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None,
@@ -605,7 +666,7 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     The target's logits are computed only at the root and the nodes with children (its vocabulary
     projection is a fifth of a small model's forward); when the accepted path ends at a leaf, that one
     row is projected afterwards from the final hidden state. A target whose head transforms the logits
-    (`HEAD_TRANSFORMS`) gets its logits at every row instead.
+    (`HEAD_TRANSFORMS`), or whose forwards are padded (`row_alignment`), gets its logits at every row instead.
     """
     L = cache_length(cache)
     tokens, parents, depths = _grow_tree(d, depth, spec)
@@ -614,7 +675,9 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     parent_row = torch.tensor([0] + [p + 1 for p in parents], device=dev)       # [M+1], the root is its own
     anc = ancestors(parent_row, max(depths))                                     # [M+1, M+1]
     positions = L + torch.tensor([0] + depths, device=dev)
-    inner = torch.unique(parent_row) if _plain_head(model.config) else torch.arange(M + 1, device=dev)   # sorted
+    aligned = row_alignment(model) > 0                                           # every row's logits: a leaf's
+    inner = (torch.unique(parent_row) if _plain_head(model.config) and not aligned      # one-row projection would
+             else torch.arange(M + 1, device=dev))                               # round apart (sorted)
     N, hd = model.config.num_hidden_layers, model.config.hidden_size
     logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N],
                                   verification_mask(layout, L, anc, positions, model.dtype), keep=inner)

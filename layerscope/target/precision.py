@@ -17,9 +17,10 @@ is measured, never assumed:
                                       the store per machine, torch version, threads and shape: precision.json)
 
 Every timing prints the choice with its reason (`Choice.why`, on the model's `dtype_why`). In bfloat16 a
-multi-token verification and a one-token step take different kernel paths, so their logits can differ in the
-last bits and flip a near-tie: the benchmark then reports, per contender, how many prompts' outputs differ from
-plain decoding's with the same weights and dtype (never hidden; docs/internals.md, "bfloat16 and lossless").
+multi-token verification and a one-token step would take different kernel paths and could flip a near-tie; the
+decoders pad every target forward to aligned rows (decoding/specdec.row_alignment) and stay token-exact. The
+benchmark still reports, per contender, how many prompts' outputs differ from plain decoding's with the same
+weights and dtype (never hidden; docs/internals.md, "bfloat16 and lossless").
 """
 
 from __future__ import annotations

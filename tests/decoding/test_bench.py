@@ -174,7 +174,7 @@ def test_bench_cli_json_and_table(tiny, draft_dirs, tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"prompts", "max_new_tokens", "device", "results", "cost_curve", "draft_step_seconds",
-                        "intervals", "machine", "cost_curve_machine", "dtype", "dtype_why"}
+                        "intervals", "machine", "cost_curve_machine", "dtype", "dtype_why", "row_align"}
     assert doc["dtype"] == "float32"           # tiny-llama: built in float32
     assert [r["name"] for r in doc["results"]] == ["autoregressive", "low", "hf-generate", "hf-prompt-lookup"]
     assert doc["intervals"]["reference"] == "low" and doc["intervals"]["prompts"] == 3

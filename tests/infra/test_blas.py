@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import types
+
+import torch
 
 from layerscope import blas, quietness
 from layerscope.decoding import costmodel
@@ -55,6 +58,7 @@ class _Loaded:
     fingerprint = "f" * 24
     device = "cpu"
     dtype = "torch.float32"
+    model = types.SimpleNamespace(dtype=torch.float32)      # float32: no row alignment (specdec.row_alignment)
 
 
 def test_a_cost_curve_measured_under_another_path_has_another_key(monkeypatch):

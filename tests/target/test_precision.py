@@ -108,3 +108,26 @@ def test_a_benchmark_counts_the_prompts_whose_output_differs(one_thread, monkeyp
     assert not entry["lossless"] and entry["mismatched"] == 3
     assert bench.lossless_text(entry, 3) == "NO (3 of 3 prompts differ)"
     assert bench.lossless_text(last.report.results[0], 3) == "yes"
+
+
+def test_transformers_speculative_peers_are_checked_against_transformers_plain_generate(one_thread, monkeypatch):
+    """hf-prompt-lookup equals hf-generate (its own plain decoding) but both differ from LayerScope's: the peer is
+    lossless, hf-generate is counted; a peer that differs from hf-generate is counted."""
+    target, real = tiny_model(), bench._decode
+    prompts = bench.encode(target.tokenizer, load_prompts("builtin", limit=2, seed=0))
+
+    def hf_apart(model, c, ids, new, eos, pad):
+        if c.kind == "hf-generate" or c.kind == "hf-prompt-lookup":
+            yield [1] * new, new, 0.01
+        elif c.kind == "hf-assisted":
+            yield [2] * new, new, 0.01
+        else:
+            yield from real(model, c, ids, new, eos, pad)
+    monkeypatch.setattr(bench, "_decode", hf_apart)
+    contenders = [bench.Contender("autoregressive", "autoregressive", "greedy"),
+                  bench.Contender("hf-generate", "hf-generate", "greedy"),
+                  bench.Contender("hf-prompt-lookup", "hf-prompt-lookup", "prompt lookup n=4"),
+                  bench.Contender("hf-assisted", "hf-assisted", "assistant x")]
+    *_, last = bench.run(target.model, prompts, contenders, max_new_tokens=5, warmup=False)
+    lossless = {r["name"]: r["lossless"] for r in last.report.results}
+    assert lossless == {"autoregressive": True, "hf-generate": False, "hf-prompt-lookup": True, "hf-assisted": False}

@@ -310,3 +310,18 @@ def test_outputs_that_differ_in_bfloat16_are_explained_and_in_float32_called_a_b
     assert level == "warning" and "bfloat16" in text and "LAYERSCOPE_DTYPE=float32" in text and "bug" not in text
     [(level, text)] = [w for w in fp32 if "Outputs differ" in w[1]]
     assert level == "error" and "bug in the decoder" in text
+
+
+def test_with_aligned_rows_a_bf16_difference_is_a_bug_except_in_transformers_decoders():
+    """Since bf16 forwards are padded to aligned rows (specdec.row_alignment) LayerScope's decoders are exact in bf16:
+    a difference is a bug again. transformers' assisted and lookup decoders are not padded: theirs is explained."""
+    rows = [{"name": "autoregressive", "lossless": True}, {"name": "builtin auto chain k=2", "lossless": False},
+            {"name": "hf-assisted", "lossless": False}]
+    said = run_warnings({"results": rows, "dtype": "bfloat16", "row_align": 16, "prompts": 40}, [])
+    [(level, text)] = [w for w in said if w[1].startswith("Outputs differ")]
+    assert level == "error" and "builtin auto chain k=2" in text and "hf-assisted" not in text
+    [(level, text)] = [w for w in said if w[1].startswith("Outputs of transformers")]
+    assert level == "warning" and "hf-assisted" in text and "bug" not in text
+    fp32 = run_warnings({"results": rows, "dtype": "float32", "prompts": 40}, [])
+    [(level, text)] = [w for w in fp32 if "Outputs differ" in w[1]]
+    assert level == "error" and "hf-assisted" in text                       # in float32 everyone must agree
