@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from layerscope.decoding import specdec as sd
+from tests.families.test_draft_families import build_model
 from tests.helpers import LookupDraft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,3 +98,16 @@ def test_speculative_decoding_in_bf16_equals_plain_decoding(window):
             out, events = sd.collect(sd.speculative(model, draft, ids, 40, **kw))
             assert out == plain, (ids, kw)
             assert sum(e.accepted for e in events) > 0
+
+
+def test_a_mixed_sliding_and_full_target_in_bf16_decodes_exactly():
+    """Gemma 3's layers of two kinds take a tree's mask as a dict per kind (verification_mask): both are padded."""
+    model = build_model("gemma3", SHAPE["vocab_size"]).to(torch.bfloat16)
+    assert sd.row_alignment(model) == 16 and len(set(sd.attention_layout(model).kinds)) == 2
+    for ids in PROMPTS:
+        plain, _ = sd.collect(sd.autoregressive(model, ids, 30))
+        draft = LookupDraft(ids + plain, SHAPE["vocab_size"], aux_layers=(1,),
+                            wrong=range(len(ids) + 2, len(ids) + 60, 5))
+        for kw in (dict(k=3), dict(tree=sd.TreeSpec(6, 2, 3))):
+            out, _ = sd.collect(sd.speculative(model, draft, ids, 30, **kw))
+            assert out == plain, (ids, kw)
