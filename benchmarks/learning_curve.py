@@ -6,7 +6,8 @@ each set's chain is predicted to reach each τ.
     .venv/bin/python benchmarks/learning_curve.py docs/study-gemma3/outcomes --holdout 2
     .venv/bin/python benchmarks/learning_curve.py $LAYERSCOPE_STORE/drafts/<key>
 
-PATH is an online run still training (runs/<key>: its newest checkpoint's curves, one per set), a study's
+PATH is an online run (runs/<key>: its newest checkpoint's curves while it trains, its result.json once done, one
+per set), a study's
 outcomes folder (one curve per finished set and seed) or a draft folder (layerscope.json). --holdout K fits on all
 but the last K points of each curve and prints what the fit said of them beside what was measured: how far the
 forecast can be trusted. Reads files only: no model, no store.
@@ -33,9 +34,14 @@ def curves_of(path: Path, names: list[str]) -> list[tuple[str, list, float]]:
             label = names[i] if i < len(names) else f"set {i + 1}"
             out.append((label, [(p[0], p[1]) for p in pts], pts[-1][2] if pts else 1.0))
         return out
+    if (path / "result.json").is_file():       # a finished online run: one draft per set, each with its curve
+        drafts = json.loads((path / "result.json").read_text())["drafts"]
+        return [(names[i] if i < len(names) else f"set {i + 1}", [(p[0], p[1]) for p in d.get("curve") or []],
+                 d.get("val_coverage") or 1.0) for i, d in enumerate(drafts)]
     files = [path / "layerscope.json"] if (path / "layerscope.json").is_file() else sorted(path.glob("*.json"))
     if not files:
-        raise SystemExit(f"{path}: no checkpoint (ckpt-*), outcome (*.json) or draft (layerscope.json) there")
+        raise SystemExit(f"{path}: no checkpoint (ckpt-*), finished run (result.json), outcome (*.json) or draft "
+                         "(layerscope.json) there")
     out = []
     for f in files:
         d = json.loads(f.read_text())
@@ -48,6 +54,10 @@ def curves_of(path: Path, names: list[str]) -> list[tuple[str, list, float]]:
 def tokens_text(n: float | None) -> str:
     if n is None:
         return "never (capped by the coverage)"
+    if n >= 1e12:                        # far beyond any training budget: the fit says no more than "never"
+        return "beyond 1T (out of reach)"
+    if n >= 1e9:
+        return f"{n / 1e9:,.1f}B"
     return f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n / 1e3:,.0f}k"
 
 
