@@ -141,13 +141,17 @@ class CaptureCancelled(CaptureError):
 
 def capture_key(loaded: LoadedModel, prompt_set: PromptSet, options: CaptureOptions) -> str:
     """The key of what is captured: the model, the prompts, the options that change what is stored (the budget
-    does not; sample_positions only when set, so the key of a capture of every position is what it always was)."""
+    does not; sample_positions only when set, so the key of a capture of every position is what it always was) and
+    the dtype the target ran in when it is not float32 (precision.choose runs bfloat16 where a CPU is faster in it,
+    and its states differ from float32's by more than rounding: the same prompts on two machines are two captures;
+    a float32 capture keeps the key it always had)."""
     opts = asdict(options)
     del opts["max_store_bytes"]
     if opts["sample_positions"] is None:
         del opts["sample_positions"]
+    dtype = str(loaded.dtype).removeprefix("torch.")
     return make_key({"model": loaded.fingerprint, "prompts": prompt_set.content_hash, "options": opts,
-                     "format": FORMAT_VERSION})
+                     "format": FORMAT_VERSION, **({"dtype": dtype} if dtype != "float32" else {})})
 
 
 def capture(loaded: LoadedModel, prompt_set: PromptSet, store: Store, *, progress: Callable | None = None,
@@ -610,6 +614,7 @@ def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opt
     chunk_list = [chunk_entry(s, e, p) for s, e, p in chunks]
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,
         "has_prenorm_final": True, "sample_positions": opts.sample_positions, "prompt_set": prompt_set.name,
         "prompt_set_hash": prompt_set.content_hash,

@@ -1,18 +1,21 @@
 """Capture: shapes, the layer-index convention, entropies, caching, atomicity, resume, bad input."""
 
+import copy
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Cohere2Config, Gemma2Config
 
 import layerscope.store as store_mod
-from layerscope.capture.run import CaptureCancelled, capture
+from layerscope.capture.run import FORMAT_VERSION, CaptureCancelled, CaptureOptions, capture
 from layerscope.capture.stored import list_captures, open_capture
 from layerscope.errors import CaptureError
 from layerscope.prompts.sets import chat_ids, load_prompts
+from layerscope.store import make_key
 from layerscope.target.head import head_transform, predictive_entropy
 
 
@@ -90,6 +93,25 @@ def test_second_identical_capture_comes_from_the_store(tiny, session_store, tiny
     prompts = load_prompts("builtin", limit=6, seed=0)
     result = capture(tiny, prompts, session_store, max_new_tokens=12, batch_size=4)
     assert result.cached and result.key == tiny_capture.key
+
+
+def test_a_bfloat16_target_captures_under_its_own_key(tiny, store):
+    """The same prompts captured in bfloat16 (what precision.choose picks on a CPU with AMX) and in float32 are two
+    captures: neither is served for the other, each manifest names its dtype, and float32 keeps the key it had
+    before the dtype entered the key."""
+    prompts = load_prompts("builtin", limit=2, seed=0)
+    f32 = capture(tiny, prompts, store, max_new_tokens=4, batch_size=2)
+    bf16 = copy.copy(tiny)
+    bf16.model, bf16.dtype = copy.deepcopy(tiny.model).to(torch.bfloat16), torch.bfloat16
+    b = capture(bf16, prompts, store, max_new_tokens=4, batch_size=2)
+    assert not b.cached and b.key != f32.key
+    assert open_capture(store, f32.key).manifest["dtype"] == "float32"
+    assert open_capture(store, b.key).manifest["dtype"] == "bfloat16"
+    opts = {k: v for k, v in asdict(CaptureOptions(max_new_tokens=4, batch_size=2)).items()
+            if k not in ("max_store_bytes", "sample_positions")}
+    assert f32.key == make_key({"model": tiny.fingerprint, "prompts": prompts.content_hash, "options": opts,
+                                "format": FORMAT_VERSION})
+    assert capture(tiny, prompts, store, max_new_tokens=4, batch_size=2).cached
 
 
 def test_cancelled_capture_leaves_no_entry_and_resumes(tiny, store):
