@@ -53,6 +53,7 @@ from layerscope import fmt
 from layerscope.decoding import bench as bench_mod
 from layerscope.decoding import costmodel
 from layerscope.draft import size as draft_size
+from layerscope.draft.training import responses
 from layerscope.draft.training.progress import ResponsesProgress, TrainProgress
 from layerscope.steps import preflight
 from layerscope.store import Store, make_key
@@ -338,12 +339,9 @@ def online(store: Store, model: str, sets, options) -> Forecast:
     parts = load_parts(store, model, t)
     seconds = sum(p.seconds for p in parts)
     if options.responses == "regenerate":
-        x, source = pace(store, "answers", model, t)
-        s = generated_s(t, conversations, options.max_new_tokens, options.gen_batch_size) * x
-        seconds += s
-        parts.append(Part(f"the target's answers to {fmt.count(conversations)} conversations, up to "
-                          f"{fmt.count(options.max_new_tokens)} tokens each, none for answers already stored",
-                          s, source))
+        part = answers_part(store, model, t, options, conversations)
+        seconds += part.seconds
+        parts.append(part)
     s, label, source = training_time(store, t, model, sets, options, online=True)
     return Forecast("online training", seconds + s, stored, parts + [Part(label, s, source)])
 
@@ -393,6 +391,17 @@ def bench(store: Store, model: str, drafts: int, options, held: bool = False) ->
     return Forecast("benchmark", sum(p.seconds for p in parts), 0, parts)
 
 
+def answers_part(store: Store, model: str, t: Target, options, conversations: int) -> Part:
+    """The target's answers that online training with OnlineOptions `options` still has to write: those of its
+    draw of at most `conversations` that the store does not hold (responses.stored_draw)."""
+    left, held = responses.stored_draw(store, model, options, conversations)
+    x, source = pace(store, "answers", model, t)
+    s = generated_s(t, left, options.max_new_tokens, options.gen_batch_size) * x if left else 0.0
+    stored = f", {fmt.count(held)} stored" if held else ""
+    return Part(f"the target's answers to {fmt.count(left)} conversations, up to {fmt.count(options.max_new_tokens)} "
+                f"tokens each (written once{stored})", s, source if left else "the store holds them")
+
+
 def study(store: Store, model: str, options, sets: int | None = None,
           left: tuple[int, int, int] | None = None) -> Forecast:
     """A study with StudyOptions `options` (its training budget resolved): `sets` layer sets when known (the app
@@ -417,10 +426,9 @@ def study(store: Store, model: str, options, sets: int | None = None,
     if options.online is not None:
         on = options.online
         if on.responses == "regenerate" and left is None:
-            x, source = pace(store, "answers", model, t)
-            s = generated_s(t, preflight.online_conversations(on, store), on.max_new_tokens, on.gen_batch_size) * x
-            seconds += s
-            parts.append(Part("the target's answers, once", s, source))
+            part = answers_part(store, model, t, on, preflight.online_conversations(on, store))
+            seconds += part.seconds
+            parts.append(part)
         if on.time_s is not None:
             s, source = passes * float(on.time_s), "its time budget"
         else:

@@ -3,6 +3,7 @@ replaced by the pace a run of the same kind measured here; said once, before the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -75,11 +76,19 @@ def test_online_training_says_the_answers_it_will_write_and_the_training(tiny, s
     a = [p for p in seen if isinstance(p, ResponsesProgress)][-1]
     trained = [p for p in seen if isinstance(p, TrainProgress)][-1]
     after = forecast.online(store, "tiny-llama", [[1, 2], [0, 3]], o)
-    # 10 of the 12 prompts fit max_prompt_tokens (the estimate counts all 12: at most); 3 batches of 4 either way
-    assert a.prompts == 10 and after.parts[1].seconds == pytest.approx(a.elapsed_s)   # as long as they took
+    # 10 of the 12 prompts fit max_prompt_tokens, and every answer is stored now: none to write
+    assert a.prompts == 10 and after.parts[1].seconds == 0
+    assert "the target's answers to 0 conversations" in after.line() and "10 stored" in after.line()
     assert after.parts[2].seconds == pytest.approx(600 / trained.tokens_per_s)
-    assert "answer writing of tiny-llama measured here" in after.line()
     assert "online training of tiny-llama measured here" in after.line()
+    # a larger draw of the same settings: the 10 stored are not written again; 14 more (4 batches of 4, where the
+    # run wrote 3) at the pace the run measured
+    more = forecast.online(store, "tiny-llama", [[1, 2], [0, 3]], dataclasses.replace(o, limit=24))
+    assert "the target's answers to 14 conversations" in more.line() and "10 stored" in more.line()
+    assert more.parts[1].seconds == pytest.approx(a.elapsed_s * 4 / 3)
+    assert "answer writing of tiny-llama measured here" in more.line()
+    other = forecast.online(store, "tiny-llama", [[1, 2], [0, 3]], dataclasses.replace(o, max_new_tokens=11))
+    assert "the target's answers to 12 conversations" in other.line() and "stored" not in other.parts[1].what
 
 
 def test_a_stopped_online_training_still_leaves_its_pace(tiny, store):

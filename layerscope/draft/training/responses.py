@@ -17,6 +17,7 @@ module, never the other way round.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,9 +129,7 @@ def regenerated_responses(target, prompts, content_hash: str, o, store: Store, *
     `--limit 4000 --kinds ...` contains the unweighted first 2,000 and answers only the rest. A reused answer was
     generated in another batch: the target's greedy answer all the same, up to float rounding under padding."""
     weights = o.kind_weights              # a weighted draw has its own order: its own parts
-    settings = {"target": target.fingerprint, "prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate",
-                "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
-                "batch": o.gen_batch_size, "format": RESPONSES_FORMAT}
+    settings = {"target": target.fingerprint, **draw_settings(o, weighted=False)}
     key = make_key({**settings, **({"kinds": canonical(weights)} if weights is not None else {})})
     root = store.path("responses", key)
     parts = [(start, prompts[start: start + o.gen_batch_size]) for start in range(0, len(prompts), o.gen_batch_size)]
@@ -139,9 +138,12 @@ def regenerated_responses(target, prompts, content_hash: str, o, store: Store, *
             reuse = stored_answers(store.path("responses", make_key(settings))) if weights is not None else {}
             if not (root / ABOUT).is_file():      # whose answers these are, for a person who keeps or copies them
                 root.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(root / ABOUT, {"model": target.spec, **settings,
-                                                 **({"kinds": canonical(weights)} if weights is not None else {})})
+                atomic_write_json(root / ABOUT, {"model": target.spec, "target": target.fingerprint,
+                                                 **draw_settings(o)})
+            note_fitting(root, o.limit, len(prompts))
             generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop, reuse=reuse)
+    elif root.is_dir():
+        note_fitting(root, o.limit, len(prompts))
     out = Conversations([], [], [], make_key({"responses": key, "prompts": content_hash}))
     for start, batch in parts:
         for (p, ids), response in zip(batch, read_part(root, start, batch)):
@@ -150,6 +152,53 @@ def regenerated_responses(target, prompts, content_hash: str, o, store: Store, *
                 out.response.append(response)
                 out.ids.append(p.id)
     return out
+
+
+def draw_settings(o, weighted: bool = True) -> dict:
+    """What decides a draw's answers besides the target's weights, as about.json records them (the key of
+    responses/<key>/ is these with the target's fingerprint); `weighted` adds the kinds of a weighted draw."""
+    weights = o.kind_weights if weighted else None
+    return {"prompts": o.prompts, "seed": o.sample_seed, "mode": "regenerate", "max_new_tokens": o.max_new_tokens,
+            "max_prompt_tokens": o.max_prompt_tokens, "batch": o.gen_batch_size, "format": RESPONSES_FORMAT,
+            **({"kinds": canonical(weights)} if weights is not None else {})}
+
+
+def note_fitting(root: Path, limit: int | None, fitting: int) -> None:
+    """Record in about.json how many of a `limit`-conversation draw fit (prompts too long are left out), once per
+    limit: what an estimate reads to know that a stored draw is whole (stored_draw)."""
+    try:
+        about = jsonsafe.loads((root / ABOUT).read_bytes(), what=f"{root / ABOUT}", error=DraftError)
+    except (OSError, DraftError):       # none, or damaged: the answers stand without it, an estimate reads less
+        return
+    fits = about.get("fitting") if isinstance(about, dict) and isinstance(about.get("fitting"), dict) else {}
+    if isinstance(about, dict) and fits.get(str(limit)) != fitting:
+        atomic_write_json(root / ABOUT, {**about, "fitting": {**fits, str(limit): fitting}})
+
+
+def stored_draw(store: Store, model: str, o, conversations: int) -> tuple[int, int]:
+    """(answers a draw of OnlineOptions `o` still needs, at most; answers the store holds for it) for target
+    `model` (its spec, as about.json names it), read from file names only: no model, no prompts. `conversations`
+    is the draw's size at most (preflight.online_conversations); a draw whose about.json says how many of its
+    prompts fit (note_fitting) needs no more than those. The folder of the same settings holding most answers
+    counts (another fingerprint of the same spec is another folder)."""
+    want, found = draw_settings(o), []
+    for root in store.entry_names("responses"):
+        try:
+            about = jsonsafe.loads((root / ABOUT).read_bytes(), what=f"{root / ABOUT}", error=DraftError)
+        except (OSError, DraftError):
+            continue
+        if (not isinstance(about, dict) or about.get("model") != str(model).strip() or {k: about.get(k) for k in want} != want
+                or set(about) - set(want) - {"model", "target", "fitting"}):
+            continue
+        fits = about.get("fitting") if isinstance(about.get("fitting"), dict) else {}
+        n = int(fits.get(str(o.limit), conversations))
+        held = set()
+        for path in root.glob("part-*.json"):
+            m = PART_RE.fullmatch(path.name)
+            if m:
+                held.update(range(int(m[1]), min(int(m[2]), n)))
+        found.append((n - len(held), len(held)))
+    return max(found, key=lambda f: (f[1], -f[0]), default=(conversations, 0))
 
 
 def stored_answers(root: Path) -> dict[tuple[str, str], list[int]]:
@@ -163,6 +212,9 @@ def stored_answers(root: Path) -> dict[tuple[str, str], list[int]]:
         except (OSError, ValueError, KeyError, TypeError, DraftError):
             continue
     return out
+
+
+PART_RE = re.compile(r"part-(\d{6})-(\d{6})\.json")
 
 
 def part_name(start: int, end: int) -> str:
