@@ -30,7 +30,7 @@ SHORT_PREFIX_RE = re.compile(r"[0-9a-f]{1,3}")      # hex too short to be taken 
 
 BUILTIN = "builtin"
 ROOT = Path(__file__).resolve().parent.parent / "data" / "drafts"
-SHIPPED = {DEFAULT_MODEL: "smollm2-135m-2-15-27"}
+SHIPPED = {DEFAULT_MODEL: "smollm2-135m-2-15-27", "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b-20-24-27"}
 SHIP_DTYPE = "bfloat16"
 
 

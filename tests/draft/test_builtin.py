@@ -123,14 +123,15 @@ def test_bench_with_draft_builtin_decodes_losslessly_under_that_name(tiny, tiny_
 
 
 def test_the_package_carries_the_shipped_draft(tmp_path):
-    """`pip install .` (a wheel) holds every file of the builtin draft."""
+    """`pip install .` (a wheel) holds every file of each builtin draft."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
     wheel = next(tmp_path.glob("layerscope-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    slot = f"layerscope/data/drafts/{builtin.SHIPPED['smollm2-135m']}/"
-    for f in ("config.json", "model.safetensors", "layers.json", "layerscope.json", "TRAINED.md"):
-        assert slot + f in names
+    assert set(builtin.SHIPPED) == {"smollm2-135m", "qwen2.5-coder-1.5b"}
+    for folder in builtin.SHIPPED.values():
+        for f in ("config.json", "model.safetensors", "layers.json", "layerscope.json", "TRAINED.md"):
+            assert f"layerscope/data/drafts/{folder}/{f}" in names
 
 
 @pytest.mark.smollm2

@@ -14,6 +14,8 @@ import torch
 from layerscope.capture.run import capture
 from layerscope.capture.stored import open_capture
 from layerscope.decoding import specdec as sd
+from layerscope.draft import builtin
+from layerscope.draft.checkpoint import load_draft, read_meta
 from layerscope.errors import ModelSpecError
 from layerscope.prompts.record import Prompt
 from layerscope.prompts.sets import chat_ids, load_prompts
@@ -151,7 +153,8 @@ def test_qwen05_capture_and_greedy_decoding_equal_generate(qwen05, session_store
 
 @pytest.mark.qwen
 def test_qwen15_loads_once_and_decodes_greedily_like_generate(session_store):
-    """The 1.5B: 28 layers, d=1536, assembled from 22 parts; loaded once here (9 GB at its first load)."""
+    """The 1.5B: 28 layers, d=1536, assembled from 22 parts; loaded once here (9 GB at its first load); its shipped
+    draft decodes as plain greedy decoding does."""
     big = load_model("qwen2.5-coder-1.5b", store=session_store)
     try:
         assert (big.num_layers, big.hidden_size, big.model.config.vocab_size) == (28, 1536, 151936)
@@ -161,5 +164,14 @@ def test_qwen15_loads_once_and_decodes_greedily_like_generate(session_store):
             ref = big.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=4, do_sample=False)
         assert ours == ref[0, len(ids):].tolist()
+        # the draft that ships for it (--draft builtin): the study's probe set, under 64 MiB, lossless
+        path = builtin.builtin_path("qwen2.5-coder-1.5b")
+        head, meta = load_draft(path, big), read_meta(path)
+        assert list(head.aux_layers) == [20, 24, 27] and meta["dtype"] == "bfloat16" and meta["fc_norm"]
+        assert sum(f.stat().st_size for f in path.iterdir()) <= 64 * 2**20
+        eos = big.model.generation_config.eos_token_id
+        plain, _ = sd.collect(sd.autoregressive(big.model, ids, 12, eos_token_id=eos))
+        spec, events = sd.collect(sd.speculative(big.model, head, ids, 12, k=2, eos_token_id=eos))
+        assert spec == plain and sum(e.accepted for e in events) > 0
     finally:
         del big
