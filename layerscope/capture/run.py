@@ -149,7 +149,7 @@ def capture_key(loaded: LoadedModel, prompt_set: PromptSet, options: CaptureOpti
     del opts["max_store_bytes"]
     if opts["sample_positions"] is None:
         del opts["sample_positions"]
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = loaded.dtype_name
     return make_key({"model": loaded.fingerprint, "prompts": prompt_set.content_hash, "options": opts,
                      "format": FORMAT_VERSION, **({"dtype": dtype} if dtype != "float32" else {})})
 
@@ -614,7 +614,7 @@ def build_manifest(key, loaded: LoadedModel, prompt_set: PromptSet, prompts, opt
     chunk_list = [chunk_entry(s, e, p) for s, e, p in chunks]
     return {
         "key": key, "format": FORMAT_VERSION, "model": loaded.spec, "fingerprint": loaded.fingerprint,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": loaded.dtype_name,
         "num_layers": loaded.num_layers, "hidden_size": loaded.hidden_size, "final_state": loaded.final_state,
         "has_prenorm_final": True, "sample_positions": opts.sample_positions, "prompt_set": prompt_set.name,
         "prompt_set_hash": prompt_set.content_hash,

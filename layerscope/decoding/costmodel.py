@@ -265,7 +265,7 @@ def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_token
         return target, measure_draft(loaded.model, draft, repeats=repeats, tick=tick)
 
     (target, drafts), state = quietness.watch(measure, options, lambda s, left: say(quietness.wait_message(s, left), None))
-    curve = CostCurve(str(loaded.device), str(loaded.dtype).replace("torch.", ""), torch.get_num_threads(),
+    curve = CostCurve(str(loaded.device), loaded.dtype_name, torch.get_num_threads(),
                       tuple(monotone(target)), tuple(monotone(drafts)), tuple(cache_lengths), state)
     if store is not None:
         store.put_json("costcurve", curve_key(loaded, draft, quiet=state.quiet), curve.to_json())

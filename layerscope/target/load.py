@@ -56,6 +56,11 @@ class LoadedModel:
     dtype_why: str = ""              # why this dtype (precision.Choice.why): every timing prints it
 
     @property
+    def dtype_name(self) -> str:
+        """'float32', 'bfloat16', ...: the dtype as keys, manifests and reports name it."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 

@@ -15,6 +15,7 @@ from layerscope.commands.cli import main
 from layerscope.decoding import bench, costmodel
 from layerscope.decoding.bench import BenchOptions
 from layerscope.draft.checkpoint import save_draft
+from layerscope.draft.training import responses
 from layerscope.draft.training.fit import TrainingCancelled, TrainOptions
 from layerscope.draft.training.online import OnlineOptions
 from layerscope.draft.training.progress import ResponsesProgress, TrainProgress
@@ -263,3 +264,29 @@ def test_a_capture_estimate_before_the_model_loads_is_an_upper_bound(tiny, store
                           batch_size=2)
     assert exact.tokens <= before.tokens and exact.total <= before.total and not before.prompts_exact
     assert f"at most {fmt.count(before.prompt_tokens)} prompt (at most: the bytes of the text" in before.lines()[1]
+
+
+def test_stored_answers_are_read_from_the_store_only_and_bounded(store, tmp_path):
+    """What the estimate reads of responses/ is input: a link leaving the store is not followed, an about.json that
+    is damaged, too large or holds a malformed count reads as none, and only the part files' names count."""
+    o = OnlineOptions(prompts="builtin", limit=12, max_new_tokens=10, gen_batch_size=4)
+    about = {"model": "tiny-llama", "target": "t", **responses.draw_settings(o)}
+
+    def draw(root, parts, **extra):
+        root.mkdir(parents=True)
+        (root / "about.json").write_text(json.dumps({**about, **extra}))
+        for start, end in parts:
+            (root / responses.part_name(start, end)).write_text("{}")
+
+    base = store.root / "responses"
+    draw(base / "a", [(0, 4), (4, 8)], fitting={"12": 10})
+    assert responses.stored_draw(store, "tiny-llama", o, 12) == (2, 8)       # 10 of the 12 fit, 8 answered
+    outside = tmp_path / "elsewhere"
+    draw(outside, [(0, 4), (4, 8), (8, 12)])
+    (base / "b").symlink_to(outside)
+    assert responses.stored_draw(store, "tiny-llama", o, 12) == (2, 8)       # the link is not read
+    draw(base / "c", [(0, 4), (4, 8), (8, 12)], fitting={"12": "ten"})
+    assert responses.stored_draw(store, "tiny-llama", o, 12) == (0, 12)      # a malformed count: the draw's size
+    (base / "c" / "about.json").write_text(" " * (responses.ABOUT_MAX_BYTES + 1) + "{}")
+    (base / "a" / "about.json").write_text("{not json")
+    assert responses.stored_draw(store, "tiny-llama", o, 12) == (12, 0)      # nothing readable: everything to write

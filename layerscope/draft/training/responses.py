@@ -113,6 +113,7 @@ def first_reply(record: dict) -> str | None:
     return None
 
 
+ABOUT_MAX_BYTES = 2**20    # about.json: a few hundred bytes as LayerScope writes it
 ABOUT = "about.json"      # responses/<key>/about.json: the model and settings the answers were written with
 
 
@@ -128,21 +129,20 @@ def regenerated_responses(target, prompts, content_hash: str, o, store: Store, *
     hash): a weighted order merges the unweighted one with the heavier kinds (prompts/kinds.weighted_order), so
     `--limit 4000 --kinds ...` contains the unweighted first 2,000 and answers only the rest. A reused answer was
     generated in another batch: the target's greedy answer all the same, up to float rounding under padding."""
-    weights = o.kind_weights              # a weighted draw has its own order: its own parts
-    settings = {"target": target.fingerprint, **draw_settings(o, weighted=False)}
-    key = make_key({**settings, **({"kinds": canonical(weights)} if weights is not None else {})})
+    about = {"target": target.fingerprint, **draw_settings(o)}   # a weighted draw has its own order: its own parts
+    key = make_key(about)
     root = store.path("responses", key)
     parts = [(start, prompts[start: start + o.gen_batch_size]) for start in range(0, len(prompts), o.gen_batch_size)]
     if any(read_part(root, start, batch) is None for start, batch in parts):
         with store.lock("responses", key, should_stop=should_stop):
-            reuse = stored_answers(store.path("responses", make_key(settings))) if weights is not None else {}
+            unweighted = make_key({"target": target.fingerprint, **draw_settings(o, weighted=False)})
+            reuse = stored_answers(store.path("responses", unweighted)) if unweighted != key else {}
             if not (root / ABOUT).is_file():      # whose answers these are, for a person who keeps or copies them
                 root.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(root / ABOUT, {"model": target.spec, "target": target.fingerprint,
-                                                 **draw_settings(o)})
+                atomic_write_json(root / ABOUT, {"model": target.spec, **about})
             note_fitting(root, o.limit, len(prompts))
             generate_parts(target, parts, o, root, progress=progress, should_stop=should_stop, reuse=reuse)
-    elif root.is_dir():
+    else:
         note_fitting(root, o.limit, len(prompts))
     out = Conversations([], [], [], make_key({"responses": key, "prompts": content_hash}))
     for start, batch in parts:
@@ -163,16 +163,31 @@ def draw_settings(o, weighted: bool = True) -> dict:
             **({"kinds": canonical(weights)} if weights is not None else {})}
 
 
+def read_about(root: Path) -> dict | None:
+    """responses/<key>/about.json as a dict (at most ABOUT_MAX_BYTES); None when it is missing, too large or damaged:
+    the answers stand without it, an estimate only reads less."""
+    path = root / ABOUT
+    try:
+        if path.stat().st_size > ABOUT_MAX_BYTES:
+            return None
+        about = jsonsafe.loads(path.read_bytes(), what=str(path), error=DraftError, max_bytes=ABOUT_MAX_BYTES)
+    except (OSError, DraftError):
+        return None
+    return about if isinstance(about, dict) else None
+
+
+def fitting_of(about: dict) -> dict:
+    """about.json's {str(limit): prompts of that draw that fit} (note_fitting), its malformed entries left out."""
+    fits = about.get("fitting")
+    return {k: v for k, v in fits.items() if type(v) is int and v >= 0} if isinstance(fits, dict) else {}
+
+
 def note_fitting(root: Path, limit: int | None, fitting: int) -> None:
     """Record in about.json how many of a `limit`-conversation draw fit (prompts too long are left out), once per
-    limit: what an estimate reads to know that a stored draw is whole (stored_draw)."""
-    try:
-        about = jsonsafe.loads((root / ABOUT).read_bytes(), what=f"{root / ABOUT}", error=DraftError)
-    except (OSError, DraftError):       # none, or damaged: the answers stand without it, an estimate reads less
-        return
-    fits = about.get("fitting") if isinstance(about, dict) and isinstance(about.get("fitting"), dict) else {}
-    if isinstance(about, dict) and fits.get(str(limit)) != fitting:
-        atomic_write_json(root / ABOUT, {**about, "fitting": {**fits, str(limit): fitting}})
+    limit: what an estimate reads to know that a stored draw is whole (stored_draw). Nothing without about.json."""
+    about = read_about(root)
+    if about is not None and fitting_of(about).get(str(limit)) != fitting:
+        atomic_write_json(root / ABOUT, {**about, "fitting": {**fitting_of(about), str(limit): fitting}})
 
 
 def stored_draw(store: Store, model: str, o, conversations: int) -> tuple[int, int]:
@@ -180,18 +195,15 @@ def stored_draw(store: Store, model: str, o, conversations: int) -> tuple[int, i
     `model` (its spec, as about.json names it), read from file names only: no model, no prompts. `conversations`
     is the draw's size at most (preflight.online_conversations); a draw whose about.json says how many of its
     prompts fit (note_fitting) needs no more than those. The folder of the same settings holding most answers
-    counts (another fingerprint of the same spec is another folder)."""
-    want, found = draw_settings(o), []
+    counts (another fingerprint of the same spec is another folder). Entries the store may not use (a link
+    leaving it) are not read."""
+    want, spec, found = draw_settings(o), str(model).strip(), []
     for root in store.entry_names("responses"):
-        try:
-            about = jsonsafe.loads((root / ABOUT).read_bytes(), what=f"{root / ABOUT}", error=DraftError)
-        except (OSError, DraftError):
-            continue
-        if (not isinstance(about, dict) or about.get("model") != str(model).strip() or {k: about.get(k) for k in want} != want
+        about = None if store.entry_problem("responses", root.name) else read_about(root)
+        if (about is None or about.get("model") != spec or {k: about.get(k) for k in want} != want
                 or set(about) - set(want) - {"model", "target", "fitting"}):
             continue
-        fits = about.get("fitting") if isinstance(about.get("fitting"), dict) else {}
-        n = int(fits.get(str(o.limit), conversations))
+        n = fitting_of(about).get(str(o.limit), conversations)
         held = set()
         for path in root.glob("part-*.json"):
             m = PART_RE.fullmatch(path.name)
