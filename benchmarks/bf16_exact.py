@@ -3,6 +3,7 @@ weights and dtype, with the decoders' row alignment (specdec.row_alignment) and 
 
     LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --model smollm2-135m --prompts 16
     LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --no-align --tree
+    LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --k "" --tree --no-exact-tree
 
 Prints each output that differs (prompt, decoding, first differing token) and the count. Uses the model's shipped
 draft (--draft builtin) or a draft directory or store key. The rounding is the machine's: run it on the machine
@@ -15,6 +16,7 @@ import argparse
 import time
 
 from layerscope.decoding import specdec as sd
+from layerscope.decoding import tree_attention
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft
 from layerscope.prompts.sets import chat_ids, load_prompts
@@ -33,9 +35,14 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16, help="builtin prompts (a seeded, stratified sample)")
     p.add_argument("--new", type=int, default=48, help="new tokens per prompt")
     p.add_argument("--k", default="1,3", help="chain depths")
-    p.add_argument("--tree", action="store_true", help="also a tree (budget 16, top-k 4, depth 5)")
+    p.add_argument("--tree", action="store_true", help="also a tree (--tree-spec)")
     p.add_argument("--no-align", action="store_true", help="forwards as they are (the decoders before the padding)")
+    p.add_argument("--no-exact-tree", action="store_true",
+                   help="a tree's nodes attend under its flattened mask (the decoders before tree_attention)")
+    p.add_argument("--tree-spec", default="16,4,5", help="the tree's budget, top-k and depth")
     a = p.parse_args()
+    if a.no_exact_tree:
+        tree_attention.install = lambda model: False
     if a.no_align:
         sd.row_alignment = lambda model: 0
     store = Store(default_root())
@@ -43,7 +50,8 @@ def main() -> None:
     model = target.model
     draft = load_draft(builtin.resolve(a.draft, a.model, store), target)
     ways = [(f"chain k={k}", {"k": int(k)}) for k in a.k.split(",") if k] + (
-        [("tree 16/4/5", {"tree": sd.TreeSpec(16, 4, 5)})] if a.tree else [])
+        [(f"tree {a.tree_spec.replace(',', '/')}", {"tree": sd.TreeSpec(*map(int, a.tree_spec.split(",")))})]
+        if a.tree else [])
     print(f"{a.model} in {model.dtype}, row alignment {sd.row_alignment(model)}", flush=True)
     differ = runs = 0
     t0 = time.time()

@@ -37,7 +37,9 @@ a one-token step can round a near-tie differently. Every target forward of these
 throwaway rows so that it has at least ROW_ALIGN rows and ends at a multiple of ROW_ALIGN positions, and the padding
 is cut from the cache at once: each token's logits are computed alike in plain decoding and in every verification.
 Measured on SmolLM2-135M, bf16, 16 prompts x 48 tokens, chains K=1 and K=3: 14 of 32 outputs differed from plain
-decoding without it, 0 with it (docs/internals.md, "bfloat16 and lossless").
+decoding without it, 0 with it (docs/internals.md, "bfloat16 and lossless"). A tree's nodes sit among masked cousins,
+which rounds apart too: a padded target attending with sdpa verifies trees through `tree_attention` (each root-to-leaf
+path laid out as its chain), installed by `speculative` (SmolLM2, 16-node trees: 1 of 16 outputs differed, 0 with it).
 
 Targets with recurrent state beside attention (gated delta-nets, Mamba/Mamba-2 mixers, short convolutions: Qwen3-Next,
 Qwen3.5, OLMo-Hybrid, Jamba, Bamba, GraniteMoeHybrid, Falcon-H1, LFM2): after the prefill their layers record the state
@@ -51,6 +53,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +67,7 @@ from transformers.cache_utils import (
 )
 
 from layerscope import layerset
+from layerscope.decoding import tree_attention
 from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.target.head import HEAD_TRANSFORMS
@@ -521,10 +525,14 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
         raise LayerScopeError("the draft depth, tree budget, top-k and depth must be at least 1", "")
     span_rule = lookup_span(lookup)
     layout = attention_layout(model)
-    if tree is not None and not layout.recurrent and model.config._attn_implementation not in ("sdpa", "eager"):
+    if tree is not None and not layout.recurrent and model.config._attn_implementation not in (
+            "sdpa", "eager", tree_attention.ATTENTION):
         raise LayerScopeError(f"tree verification needs a 4-D attention mask, which the "
                               f"{model.config._attn_implementation} attention of the target cannot take",
                               "Load the target with attn_implementation='sdpa', or use the chain")
+    # padded forwards: each node attends as the chain through it would (tree_attention), else bf16 rounds apart
+    exact_tree = (tree is not None and not layout.recurrent and row_alignment(model) > 0
+                  and tree_attention.install(model))
     _check_draft(model, draft)
     ids, eos = _prompt(input_ids), _eos_set(eos_token_id)
     if max_new_tokens < 1:
@@ -558,7 +566,8 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
             elif tree is not None and depth > 0 and layout.recurrent:
                 drafted, accepted, mask, new = _tree_step_by_paths(model, d, cache, last, depth, tree, aux_layers)
             elif tree is not None and depth > 0:
-                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout)
+                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout,
+                                                          exact_tree)
             else:
                 drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
         if found:
@@ -659,7 +668,8 @@ def _accept_sampled(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tens
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
-def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout):
+def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout,
+               exact: bool = False):
     """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries.
 
     Rows of the verified input: 0 is `last` (the root), 1..M the tree's nodes, parents before children.
@@ -667,6 +677,8 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     projection is a fifth of a small model's forward); when the accepted path ends at a leaf, that one
     row is projected afterwards from the final hidden state. A target whose head transforms the logits
     (`HEAD_TRANSFORMS`), or whose forwards are padded (`row_alignment`), gets its logits at every row instead.
+    exact: the target attends with `tree_attention` (installed), and each root-to-leaf path is laid out as the chain
+    verifying it (its rows padded as that chain's are), so every node's numbers are plain decoding's.
     """
     L = cache_length(cache)
     tokens, parents, depths = _grow_tree(d, depth, spec)
@@ -679,8 +691,13 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     inner = (torch.unique(parent_row) if _plain_head(model.config) and not aligned      # one-row projection would
              else torch.arange(M + 1, device=dev))                               # round apart (sorted)
     N, hd = model.config.num_hidden_layers, model.config.hidden_size
-    logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N],
-                                  verification_mask(layout, L, anc, positions, model.dtype), keep=inner)
+    mask = verification_mask(layout, L, anc, positions, model.dtype)
+    chain = max(depths) + 1                                                      # the longest path's chain
+    plan = (tree_attention.paths(tree_attention.path_plan(
+        parent_row, anc, L, chain + padding_rows(L, chain, row_alignment(model)))) if exact else nullcontext())
+    with plan:
+        logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N], mask,
+                                      keep=inner)
     aux, final = aux[:, :-hd], aux[:, -hd:]                                      # final: post-norm states [M+1, d]
     target = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
     target[inner] = logits.argmax(-1)                                            # the target's next token

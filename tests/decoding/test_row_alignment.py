@@ -3,11 +3,14 @@ same bits whichever forward computes them, and speculative decoding equals plain
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from layerscope.decoding import specdec as sd
+from layerscope.decoding import tree_attention
 from tests.families.test_draft_families import build_model
 from tests.helpers import LookupDraft
 
@@ -111,3 +114,77 @@ def test_a_mixed_sliding_and_full_target_in_bf16_decodes_exactly():
         for kw in (dict(k=3), dict(tree=sd.TreeSpec(6, 2, 3))):
             out, _ = sd.collect(sd.speculative(model, draft, ids, 30, **kw))
             assert out == plain, (ids, kw)
+
+
+def test_a_tree_plan_lays_out_each_root_to_leaf_path():
+    """Rows 0 (root) -> 1, 2; 1 -> 3; 2 -> 4, 5: three paths, each row's output from the first path through it."""
+    parent = torch.tensor([0, 0, 0, 1, 2, 2])
+    plan = tree_attention.path_plan(parent, sd.ancestors(parent, 2), prefix=7, rows=16)
+    assert plan.rows[:, :4].tolist() == [[0, 1, 3, -1], [0, 2, 4, -1], [0, 2, 5, -1]]
+    assert (plan.rows[:, 3:] == -1).all() and plan.rows.shape == (3, 16)
+    assert plan.source.tolist() == [0, 1, 16 + 1, 2, 16 + 2, 32 + 2]
+    with pytest.raises(ValueError):
+        tree_attention.path_plan(parent, sd.ancestors(parent, 2), prefix=7, rows=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_each_tree_node_has_plain_decodings_bits(family):
+    """bf16, head dim 128 (where rounding shows): random trees with the true continuation's nodes among cousins,
+    verified with the path layout (tree_attention); every true node's logits equal plain decoding's one-token step
+    bit for bit, and the padding rows leave the cache as plain decoding does."""
+    rng = random.Random(0)
+    if family == "llama":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 512, "max_position_embeddings": 1024}))
+        model = model.to(torch.bfloat16).eval()
+    else:
+        model = build_model("gemma3", SHAPE["vocab_size"]).to(torch.bfloat16)
+    assert tree_attention.install(model) and tree_attention.install(model)               # idempotent
+    seq = [rng.randrange(SHAPE["vocab_size"]) for _ in range(400)]
+    layout, checked = sd.attention_layout(model), 0
+    for _ in range(12):
+        L, n = rng.randrange(5, 300), rng.randrange(4, 12)
+        parent, depth, ids, true_rows = [0], [0], [seq[L]], [0]
+        for i in range(1, n):
+            if len(true_rows) < 4 and rng.random() < 0.4:
+                parent.append(true_rows[-1])
+                true_rows.append(i)
+                ids.append(seq[L + len(true_rows) - 1])
+            else:
+                parent.append(rng.randrange(i))
+                ids.append(rng.randrange(SHAPE["vocab_size"]))
+            depth.append(depth[parent[-1]] + 1)
+        pr, dep = torch.tensor(parent), torch.tensor(depth)
+        anc, pos = sd.ancestors(pr, max(depth)), L + dep
+        chain = max(depth) + 1
+        with torch.inference_mode():
+            cache = sd.new_cache(model)
+            sd._target_forward(model, seq[:L], torch.arange(L), cache)
+            plan = tree_attention.path_plan(pr, anc, L, chain + sd.padding_rows(L, chain, 16))
+            with tree_attention.paths(plan):
+                tree, _ = sd._target_forward(model, ids, pos, cache, None,
+                                             sd.verification_mask(layout, L, anc, pos, model.dtype),
+                                             keep=torch.arange(n))
+            assert sd.cache_length(cache) == L + n
+            plain = sd.new_cache(model)
+            sd._target_forward(model, seq[:L], torch.arange(L), plain)
+            for k, row in enumerate(true_rows):
+                one, _ = sd._target_forward(model, [seq[L + k]], torch.tensor([L + k]), plain)
+                assert torch.equal(one[0], tree[row]), (L, k)
+                checked += 1
+    assert checked >= 20
+
+
+def test_outside_a_tree_the_installed_attention_is_sdpa(llama):
+    """Plain decoding's bits are the same before and after the switch (tree_attention.attention is sdpa itself)."""
+    model = _bf16()
+    ids = PROMPTS[0]
+    before, _ = sd.collect(sd.autoregressive(model, ids, 12))
+    logits_before, _, _ = _forward(model, ids[:8], ids[8:12])
+    assert tree_attention.install(model) and model.config._attn_implementation == tree_attention.ATTENTION
+    after, _ = sd.collect(sd.autoregressive(model, ids, 12))
+    logits_after, _, _ = _forward(model, ids[:8], ids[8:12])
+    assert before == after and torch.equal(logits_before, logits_after)
+    eager = _bf16()
+    eager.set_attn_implementation("eager")
+    assert not tree_attention.install(eager) and eager.config._attn_implementation == "eager"
