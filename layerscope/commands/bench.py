@@ -57,13 +57,13 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-lookup", type=int, default=d.lookup_tokens,
                    help="prompt_lookup_num_tokens for the HF peer (default %(default)s)")
     p.add_argument("--lookup", default=str(d.draft_lookup), metavar="N|N..M|auto",
-                   help="also decode each draft's chain (with --k auto: the chosen one) with prompt lookup first: "
+                   help="also decode each draft's chain and tree (with --k/--tree auto: the chosen ones) with prompt lookup first: "
                         "where the context's last 3 or 2 tokens occurred before, up to N tokens that followed "
                         f"them are verified instead of the draft's; N..M: adaptive, N tokens first, "
                         f"{specdec.LOOKUP_GROW} more after a lookup accepted whole (up to M), {specdec.LOOKUP_SHRINK} "
-                        "fewer after a rejection; `auto`: for each chain the span "
+                        "fewer after a rejection; `auto`: for each chain and the --tree auto tree the span "
                         "(fixed or adaptive) with the best speedup predicted for this machine, or none when none "
-                        "beats the chain alone (default %(default)s: off; the app's fixed span is "
+                        "beats the draft alone (default %(default)s: off; the app's fixed span is "
                         f"{specdec.DEFAULT_LOOKUP}, see `layerscope profile` for what a longer verify costs)")
     add_wait_quiet(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

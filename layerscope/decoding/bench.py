@@ -260,13 +260,15 @@ def encode(tokenizer, prompt_set) -> list[EncodedPrompt]:
 def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] = (specdec.DEFAULT_K,),
                trees: Sequence[TreeSpec] = (), peers: bool = True, lookup_tokens: int = 10,
                draft_lookup: int | LookupSpan = 0, assistant=None) -> list[Contender]:
-    """autoregressive, each draft under each decoding (with `draft_lookup`, each chain also with prompt lookup
-    first), then the HF peers (with `assistant`, a LoadedModel, also hf-assisted)."""
+    """autoregressive, each draft under each decoding (with `draft_lookup`, each chain and tree also with prompt
+    lookup first), then the HF peers (with `assistant`, a LoadedModel, also hf-assisted)."""
     out = [Contender("autoregressive", "autoregressive", "greedy")]
-    decodings = [(f"chain k={k}", k, None, 0) for k in ks] + \
-                [(f"tree budget={t.budget} top_k={t.top_k} depth={t.depth}", specdec.DEFAULT_K, t, 0) for t in trees]
+    decodings = [(draft_label(k), k, None, 0) for k in ks] + \
+                [(draft_label(specdec.DEFAULT_K, t), specdec.DEFAULT_K, t, 0) for t in trees]
     if draft_lookup:
-        decodings += [(hybrid_label(k, draft_lookup), k, None, draft_lookup) for k in ks]
+        decodings += [(hybrid_label(k, draft_lookup), k, None, draft_lookup) for k in ks] + \
+                     [(hybrid_label(specdec.DEFAULT_K, draft_lookup, t), specdec.DEFAULT_K, t, draft_lookup)
+                      for t in trees]
     for name, draft in drafts:
         for label, k, tree, lookup in decodings:
             out.append(Contender(name if len(decodings) == 1 else f"{name} {label}", "draft", label, draft, k, tree,
@@ -280,10 +282,16 @@ def build_contenders(drafts: Sequence[tuple[str, object]], *, ks: Sequence[int] 
     return out
 
 
-def hybrid_label(k: int, lookup: int | LookupSpan) -> str:
-    """The decoding of a draft's chain with prompt lookup first: "chain k=1 + lookup 4" (adaptive: "lookup 4..16")."""
+def hybrid_label(k: int, lookup: int | LookupSpan, tree: TreeSpec | None = None) -> str:
+    """The decoding of a draft's chain, or `tree`, with prompt lookup first: "chain k=1 + lookup 4" (adaptive:
+    "lookup 4..16"), "tree budget=12 top_k=3 depth=4 + lookup 4"."""
     span = lookup if isinstance(lookup, LookupSpan) else LookupSpan.fixed(lookup)
-    return f"chain k={k} + {span.label}"
+    return f"{draft_label(k, tree)} + {span.label}"
+
+
+def draft_label(k: int, tree: TreeSpec | None = None) -> str:
+    """"chain k=4", or the tree's "tree budget=12 top_k=3 depth=4"."""
+    return costmodel.tree_label(tree) if tree is not None else f"chain k={k}"
 
 
 LOOKUP_FIX = "Write it like --lookup 4 (a fixed span), --lookup 4..16 (adaptive: 4 tokens, up to 16) or --lookup auto"
@@ -395,9 +403,9 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: Bench
                     clock: Callable[[], float] = time.monotonic) -> list[Contender]:
     """For `bench --k auto` / `--tree auto` / `--lookup auto`: per draft, the chain depth and the tree with the best
     speedup predicted from `curve` and the draft's acceptance on the `calibration` prompts (token id lists), and for
-    each chain (o.ks and the automatic one) the prompt lookup span predicted best (costmodel.choose_lookup) when
-    one beats the chain alone; where none does, a marker of kind "declined" carries the choice to that chain
-    (`lookup_declined` moves it there); a BenchProgress of phase "calibrate" to `progress` after each prompt of
+    each chain (o.ks and the automatic one) and the automatic tree the prompt lookup span predicted best
+    (costmodel.choose_lookup) when one beats the draft alone; where none does, a marker of kind "declined" carries
+    the choice to that chain or tree (`lookup_declined` moves it there); a BenchProgress of phase "calibrate" to `progress` after each prompt of
     each draft, with the time left at the rate of the calibration's prompts (`clock`: its seconds)."""
     if not (options.auto_k or options.auto_tree or options.auto_lookup) or not drafts:
         return []
@@ -413,39 +421,41 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: Bench
         profile = costmodel.calibrate(target.model, head, calibration, max_new_tokens=min(options.max_new_tokens, 64),
                                       eos_token_id=eos, progress=seen)
         chain = costmodel.best_chain(curve, profile) if options.auto_k else None
-        picks = ([chain] if chain else []) + ([costmodel.best_tree(curve, profile)] if options.auto_tree else [])
+        tree = costmodel.best_tree(curve, profile) if options.auto_tree else None
+        picks = [p for p in (chain, tree) if p]
         if picks and not options.auto_even_if_slower and max(p.speedup for p in picks) < 1.0:
             best = max(picks, key=lambda p: p.speedup)       # nothing pays: auto says so and decodes plainly
             out.append(Contender(f"{name} auto plain", "autoregressive", "auto: plain decoding", None,
                                  auto=best.to_json() | {"declined": True}))
-            chain = None
+            chain = tree = None
         else:
             for p in picks:
                 out.append(Contender(f"{name} auto {p.decoding}", "draft", f"auto: {p.decoding}", head,
                                      p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
-        if options.auto_lookup:                          # each chain with the lookup predicted best, if one pays
-            for k in dict.fromkeys(list(options.ks) + ([chain.k] if chain else [])):
-                choice = costmodel.choose_lookup(curve, profile, k)
-                if choice.chosen is None:
-                    out.append(Contender(f"{name} chain k={k} declined lookup", "declined", "", head, k,
-                                         lookup_auto=choice.to_json()))
-                    continue
-                label = hybrid_label(k, choice.chosen)
-                out.append(Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, k,
-                                     lookup_tokens=choice.chosen, lookup_auto=choice.to_json()))
-        elif chain and options.draft_lookup:             # the chosen chain with prompt lookup first
-            label = hybrid_label(chain.k, options.draft_lookup)
-            out.append(Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, chain.k,
-                                 lookup_tokens=options.draft_lookup))
+        # each chain (o.ks, the automatic one) and the automatic tree with prompt lookup first: the span predicted
+        # best, if one pays (--lookup auto), else o.draft_lookup's on the automatic ones
+        hybrids = [(k, None) for k in dict.fromkeys(list(options.ks) + ([chain.k] if chain else []))] \
+            if options.auto_lookup else [(chain.k, None)] if chain and options.draft_lookup else []
+        hybrids += [(specdec.DEFAULT_K, tree.tree)] if tree and (options.auto_lookup or options.draft_lookup) else []
+        for k, shape in hybrids:
+            choice = costmodel.choose_lookup(curve, profile, k, tree=shape) if options.auto_lookup else None
+            if choice is not None and choice.chosen is None:
+                out.append(Contender(f"{name} {draft_label(k, shape)} declined lookup",
+                                     "declined", "", head, k, shape, lookup_auto=choice.to_json()))
+                continue
+            span = choice.chosen if choice is not None else options.draft_lookup
+            label = hybrid_label(k, span, shape)
+            out.append(Contender(f"{name} auto {label}", "draft", f"auto: {label}", head, k, shape,
+                                 lookup_tokens=span, lookup_auto=choice.to_json() if choice is not None else None))
     return out
 
 
 def lookup_declined(contenders: Sequence[Contender]) -> list[Contender]:
-    """The line-up without auto_contenders' "declined" markers, each one's choice moved to the first chain of its
-    draft and depth that decodes without lookup (its row then says why no lookup runs)."""
+    """The line-up without auto_contenders' "declined" markers, each one's choice moved to the first chain (or
+    tree) of its draft and shape that decodes without lookup (its row then says why no lookup runs)."""
     out = [c for c in contenders if c.kind != "declined"]
     for mark in (c for c in contenders if c.kind == "declined"):
-        i = next(i for i, c in enumerate(out) if c.kind == "draft" and c.draft is mark.draft and c.tree is None
+        i = next(i for i, c in enumerate(out) if c.kind == "draft" and c.draft is mark.draft and c.tree == mark.tree
                  and c.k == mark.k and not c.lookup_tokens and c.lookup_auto is None)
         out[i] = replace(out[i], lookup_auto=mark.lookup_auto)
     return out
@@ -476,8 +486,8 @@ def annotate(report: BenchReport, contenders: Sequence[Contender], curve: costmo
                 entry["chosen"] = {"plain": True}
                 entry["calibrated"] = {"decoding": c.auto["decoding"], "tau": c.auto["tau"],
                                        "speedup": c.auto["speedup"], "break_even_tau": c.auto["break_even_tau"]}
-        elif c.kind == "draft" and c.lookup_tokens:      # from the spans its lookup steps verified, and its chain's
-            entry["predicted_speedup"] = _lookup_predicted(curve, c.k, entry)      # steps (`lookup_auto` has the
+        elif c.kind == "draft" and c.lookup_tokens:      # from the spans its lookup steps verified, and its draft's
+            entry["predicted_speedup"] = _lookup_predicted(curve, c.k, entry, c.tree)  # steps (`lookup_auto` has the
                                                                                    # calibration's where auto chose it)
         elif c.kind == "draft":
             k, tree = (None, c.tree) if c.tree is not None else (c.k, None)
@@ -509,16 +519,17 @@ def break_even_entry(curve: costmodel.CostCurve, k: int | None, tree: TreeSpec |
     return out
 
 
-def _lookup_predicted(curve: costmodel.CostCurve, k: int, entry: dict) -> float | None:
-    """costmodel.lookup_run_speedup of a chain-with-lookup entry: its lookup steps by size, and its draft steps with
-    the tokens they made (1 + the draft's accepted tokens each, from its per-position acceptance)."""
+def _lookup_predicted(curve: costmodel.CostCurve, k: int, entry: dict, tree: TreeSpec | None = None) -> float | None:
+    """costmodel.lookup_run_speedup of a chain- (or tree-) with-lookup entry: its lookup steps by size, and its draft
+    steps with the tokens they made (1 + the draft's accepted tokens each, from its per-position acceptance)."""
     look = entry.get("lookup") or {}
     sizes = {int(n): int(c) for n, c in (look.get("sizes") or {}).items()}
     draft_steps = int(look.get("draft_steps") or 0)
     per_step = 1.0 + sum(entry.get("acceptance_by_position") or [])
     return costmodel.lookup_run_speedup(curve, k, lookup_sizes=sizes,
                                         lookup_tokens=int(look.get("accepted") or 0) + sum(sizes.values()),
-                                        draft_steps=draft_steps, draft_tokens=round(draft_steps * per_step))
+                                        draft_steps=draft_steps, draft_tokens=round(draft_steps * per_step),
+                                        tree=tree)
 
 
 def wait_quiet(options: MachineOptions, progress: Callable[[BenchProgress], None] | None = None):
@@ -894,13 +905,14 @@ def lookup_auto_note(entry: dict) -> str:
     38% of the calibration's steps, 5.10 tokens each); measured 1.55x", or, on the chain alone, why no lookup runs."""
     a = entry["lookup_auto"]
     best, alone = a["best"], a["alone"]
+    shape = draft_label(a["k"], TreeSpec(**a["tree"]) if a.get("tree") else None)
     seen = (f"lookup proposed {best['lookup_share']:.0%} of the calibration's steps"
             + (f", {best['lookup_tau']:.2f} tokens each" if best.get("lookup_tau") else ""))
     if a["chosen"] is None:
-        return (f"{entry['name']}: --lookup auto chose no lookup for chain k={a['k']}: the best span, {best['label']}, "
+        return (f"{entry['name']}: --lookup auto chose no lookup for {shape}: the best span, {best['label']}, "
                 f"was predicted {_f(best['speedup'])}x, not above {_f(alone['speedup'])}x without lookup ({seen})")
     kind = " (adaptive)" if a["chosen"]["cap"] > a["chosen"]["start"] else ""
-    return (f"{entry['name']}: --lookup auto chose {best['label']}{kind} for chain k={a['k']}: predicted "
+    return (f"{entry['name']}: --lookup auto chose {best['label']}{kind} for {shape}: predicted "
             f"{_f(best['speedup'])}x against {_f(alone['speedup'])}x without lookup ({seen}); measured "
             f"{_f(entry.get('speedup'))}x")
 

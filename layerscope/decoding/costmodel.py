@@ -11,9 +11,9 @@
     predict       tau, seconds per step, tokens/s and speedup over plain decoding of a chain of depth K
                   or an EAGLE-2 tree (budget, top_k, depth)
     choose        the chain depth or tree shape with the best predicted speedup
-    lookup        a chain with prompt lookup first (fixed or adaptive span), replayed along the calibration's
-                  texts; choose_lookup: the span with the best predicted speedup, or none when none beats the
-                  chain alone
+    lookup        a chain or a tree with prompt lookup first (fixed or adaptive span), replayed along the
+                  calibration's texts; choose_lookup: the span with the best predicted speedup, or none when none
+                  beats the draft alone
 
 Step costs (specdec's decoders):
     plain           c(1)
@@ -446,21 +446,30 @@ def replayed_tau(profile: AcceptanceProfile, *, k: int | None = None, tree: Tree
     """Tau of a chain of depth k, or of `tree`, replayed along the profile's sequences. A chain accepts the
     first choices from depth 1 on, up to k; a tree accepts the deepest node of its rank paths that the
     target's path follows (rank -1: past the end, never accepted)."""
+    rule = acceptance_rule(profile, k=k, tree=tree)
+    return replay(profile.sequences, lambda row: rule(row, tree.depth if tree is not None else k))
+
+
+def acceptance_rule(profile: AcceptanceProfile, *, k: int | None = None,
+                    tree: TreeSpec | None = None) -> Callable[[Sequence[int], int], int]:
+    """(ranks of a state, depth) -> draft tokens a step there accepts, at most `depth`: a chain of depth k accepts
+    the first choices from depth 1 on; a tree the deepest of its nodes' rank paths (tree_nodes) that the target's
+    path follows. A rank of -1 (past the calibration's end) is never accepted."""
     if tree is not None:
         paths = {path for path, _ in tree_nodes(profile, tree)}
 
-        def accepted(row):
+        def accepted(row, depth):
             a = 0
-            while a < tree.depth and row[:a + 1] in paths:
+            while a < min(depth, tree.depth, len(row)) and tuple(row[:a + 1]) in paths:
                 a += 1
             return a
     else:
-        def accepted(row):
+        def accepted(row, depth):
             a = 0
-            while a < min(k, len(row)) and row[a] == 0:
+            while a < min(depth, k, len(row)) and row[a] == 0:
                 a += 1
             return a
-    return replay(profile.sequences, accepted)
+    return accepted
 
 
 def step_seconds(curve: CostCurve, *, k: int | None = None, tree: TreeSpec | None = None, tau: float = 1.0) -> float:
@@ -575,7 +584,8 @@ def break_even_taus(curve: CostCurve, ks: Sequence[int] = AUTO_KS, trees: Sequen
 
 @dataclass(frozen=True)
 class LookupPrediction:
-    """A chain of depth k with prompt lookup first (`lookup` None: the chain alone), replayed along a calibration."""
+    """A chain of depth k, or a tree, with prompt lookup first (`lookup` None: the draft alone), replayed along a
+    calibration."""
 
     k: int
     lookup: LookupSpan | None
@@ -584,6 +594,7 @@ class LookupPrediction:
     speedup: float                   # over plain decoding on the same curve
     lookup_share: float              # the share of steps whose tokens prompt lookup proposed
     lookup_tau: float | None         # tokens per lookup step (accepted + bonus); None without lookup steps
+    tree: TreeSpec | None = None     # the draft's steps grow this tree instead of the chain of depth k
 
     @property
     def label(self) -> str:
@@ -591,13 +602,14 @@ class LookupPrediction:
         return self.lookup.label if self.lookup else "no lookup"
 
     def to_json(self) -> dict:
-        return {"k": self.k, "lookup": self.lookup.to_json() if self.lookup else None, "label": self.label,
+        return {"k": self.k, "tree": asdict(self.tree) if self.tree else None,
+                "lookup": self.lookup.to_json() if self.lookup else None, "label": self.label,
                 "tau": self.tau, "step_seconds": self.step_seconds, "speedup": self.speedup,
                 "lookup_share": self.lookup_share, "lookup_tau": self.lookup_tau}
 
 
 def predict_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
-                   lookup: LookupSpan | None) -> LookupPrediction:
+                   lookup: LookupSpan | None, tree: TreeSpec | None = None) -> LookupPrediction:
     """Replay decoding with a chain of depth k and prompt lookup first (specdec.speculative's `lookup`) along the
     profile's calibration texts, as the decoder walks them at temperature 0: at each state the context (prompt +
     continuation so far) is searched with specdec.lookup_proposal; a proposal is verified against the
@@ -605,9 +617,12 @@ def predict_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
     LookupSpan.next; without one, the chain accepts the draft's first choices (the state's ranks) at the price of
     `step_seconds`, its feed over the rows that waited since the draft last ran. As in the decoder, no step
     proposes past the continuation's last token but one (the bonus). The prefill, and the prompt's rows fed at the
-    first draft step, are left out as `predict` leaves them. Needs a profile from `calibrate` (texts)."""
+    first draft step, are left out as `predict` leaves them. With `tree`, the draft's steps grow it instead of the
+    chain: they accept what acceptance_rule says of the tree, at the tree's step_seconds. Needs a profile from
+    `calibrate` (texts)."""
     if not profile.texts or len(profile.texts) != len(profile.sequences):
         raise ValueError("predicting prompt lookup needs a calibration's texts")
+    accepted = acceptance_rule(profile, k=k, tree=tree)
     tokens = steps = looked = looked_tokens = 0
     seconds = 0.0
     for (prompt, out), rows, proposals in zip(profile.texts, profile.sequences, _proposals(profile.texts)):
@@ -623,36 +638,42 @@ def predict_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
                 span = lookup.next(span, len(found), a)
                 looked, looked_tokens, waiting = looked + 1, looked_tokens + a + 1, waiting + a + 1
             else:
-                depth, a = min(k, left), 0
-                while a < min(depth, len(rows[t])) and rows[t][a] == 0:     # deeper than calibrated: a miss
-                    a += 1
-                seconds += (_feed_s(curve, waiting) + (depth - 1) * curve.draft_s(1) + curve.target_s(depth + 1)
-                            if depth else curve.target_s(1))
+                depth = min(tree.depth if tree is not None else k, left)
+                a = accepted(rows[t], depth)                        # deeper than calibrated: a miss
+                if not depth:
+                    seconds += curve.target_s(1)
+                elif tree is not None:
+                    seconds += (_feed_s(curve, waiting) + (depth - 1) * curve.draft_s(tree.top_k)
+                                + curve.target_s(tree.budget + 1))
+                else:
+                    seconds += _feed_s(curve, waiting) + (depth - 1) * curve.draft_s(1) + curve.target_s(depth + 1)
                 waiting = a + 1 if depth else waiting + 1
             tokens, steps, t = tokens + a + 1, steps + 1, t + a + 1
     if not steps:
         raise ValueError("the calibration's continuations are too short to replay")
     tau, step = tokens / steps, seconds / steps
     return LookupPrediction(k, lookup, tau, step, tau * curve.target_s(1) / step, looked / steps,
-                            looked_tokens / looked if looked else None)
+                            looked_tokens / looked if looked else None, tree)
 
 
 def lookup_run_speedup(curve: CostCurve, k: int, *, lookup_sizes: dict[int, int], lookup_tokens: int,
-                       draft_steps: int, draft_tokens: int) -> float | None:
+                       draft_steps: int, draft_tokens: int, tree: TreeSpec | None = None) -> float | None:
     """The speedup `curve` predicts for a measured run of a chain of depth k with prompt lookup first, from what
     the run did rather than a calibration (so a benchmark checks the model of cost on it, as `predicted_speedup`
     does for a chain): each lookup step verified n proposed tokens at c(n+1) (`lookup_sizes`: {n: steps}); each
     of the `draft_steps` draft steps cost `step_seconds` at depth k, its first draft forward fed the rows produced
     since the draft last ran (every token the run produced, spread over the draft steps). `lookup_tokens` and
     `draft_tokens`: tokens the lookup and the draft steps produced (accepted + bonus). Plain decoding would make
-    them all at c(1) each. None when the run made no step."""
+    them all at c(1) each. With `tree`, the draft steps grew it instead of the chain. None when the run made no
+    step."""
     steps = sum(lookup_sizes.values()) + draft_steps
     tokens = lookup_tokens + draft_tokens
     if not steps or not tokens:
         return None
     seconds = sum(count * curve.target_s(int(n) + 1) for n, count in lookup_sizes.items())
     if draft_steps:
-        seconds += draft_steps * step_seconds(curve, k=k, tau=max(1.0, tokens / draft_steps))
+        seconds += draft_steps * step_seconds(curve, k=None if tree is not None else k, tree=tree,
+                                              tau=max(1.0, tokens / draft_steps))
     return tokens * curve.target_s(1) / seconds
 
 
@@ -675,17 +696,18 @@ class LookupChoice:
     alone: LookupPrediction
 
     def to_json(self) -> dict:
-        return {"k": self.alone.k, "chosen": self.chosen.to_json() if self.chosen else None,
+        return {"k": self.alone.k, "tree": asdict(self.alone.tree) if self.alone.tree else None,
+                "chosen": self.chosen.to_json() if self.chosen else None,
                 "best": self.best.to_json(), "alone": self.alone.to_json()}
 
 
 def choose_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
-                  lookups: Sequence[LookupSpan] = AUTO_LOOKUPS) -> LookupChoice:
-    """The lookup span (fixed or adaptive) with the best predicted speedup for a chain of depth k (ties: the
-    first of `lookups`), chosen only when it beats the chain alone; else none."""
+                  lookups: Sequence[LookupSpan] = AUTO_LOOKUPS, tree: TreeSpec | None = None) -> LookupChoice:
+    """The lookup span (fixed or adaptive) with the best predicted speedup for a chain of depth k, or for `tree`
+    (ties: the first of `lookups`), chosen only when it beats the draft alone; else none."""
     if not lookups:
         raise ValueError("nothing to choose from")
-    alone = predict_lookup(curve, profile, k, None)
-    options = [predict_lookup(curve, profile, k, span) for span in lookups]
+    alone = predict_lookup(curve, profile, k, None, tree)
+    options = [predict_lookup(curve, profile, k, span, tree) for span in lookups]
     best = max(options, key=lambda p: p.speedup)
     return LookupChoice(best.lookup if best.speedup > alone.speedup else None, best, alone)

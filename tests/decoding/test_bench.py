@@ -253,10 +253,16 @@ def test_lookup_auto_lands_on_its_chain_and_says_why_in_one_line():
               bench.Contender("b", "draft", "chain k=2", b, 2),
               bench.Contender("a auto chain k=2", "draft", "auto: chain k=2", a, 2, auto={"k": 2}),
               bench.Contender("a chain k=2 declined lookup", "declined", "", a, 2, lookup_auto=declined),
-              bench.Contender("b chain k=2 declined lookup", "declined", "", b, 2, lookup_auto=declined | {"k": 3})]
+              bench.Contender("b chain k=2 declined lookup", "declined", "", b, 2, lookup_auto=declined | {"k": 3}),
+              bench.Contender("a auto tree", "draft", "auto: tree", a, 4, TreeSpec(6, 2, 3), auto={"tree": {}}),
+              bench.Contender("a tree declined lookup", "declined", "", a, 4, TreeSpec(6, 2, 3),
+                              lookup_auto=declined | {"k": 4, "tree": {"budget": 6, "top_k": 2, "depth": 3}})]
     out = bench.lookup_declined(lineup)
-    assert [c.name for c in out] == ["autoregressive", "a chain k=1", "a chain k=2", "b", "a auto chain k=2"]
-    assert [c.lookup_auto for c in out] == [None, None, declined, declined | {"k": 3}, None]
+    assert [c.name for c in out] == ["autoregressive", "a chain k=1", "a chain k=2", "b", "a auto chain k=2",
+                                     "a auto tree"]
+    assert [c.lookup_auto for c in out] == [None, None, declined, declined | {"k": 3}, None, lineup[-1].lookup_auto]
+    assert bench.lookup_auto_note({"name": "a auto tree", "lookup_auto": out[-1].lookup_auto}).startswith(
+        "a auto tree: --lookup auto chose no lookup for tree budget=6 top_k=2 depth=3: the best span, lookup 2")
     assert bench.lookup_auto_note({"name": "a chain k=2", "lookup_auto": declined}) == (
         "a chain k=2: --lookup auto chose no lookup for chain k=2: the best span, lookup 2, was predicted 0.90x, "
         "not above 1.10x without lookup (lookup proposed 4% of the calibration's steps, 1.50 tokens each)")

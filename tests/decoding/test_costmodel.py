@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -328,6 +329,35 @@ def test_lookup_replay_closed_form():
         cm.predict_lookup(curve, cm.AcceptanceProfile.from_chain([0.5]), 1, None)
 
 
+def test_lookup_replay_of_a_tree_closed_form():
+    """The example above with trees. A tree of one node per level (budget = depth = k, top_k 1) is the chain of
+    depth k: the same steps, tokens and seconds with or without lookup. A tree of depth 1 with two children accepts
+    the draft's second choice too (rank 1 at every state but 9), so without lookup it makes 2 tokens a step, each
+    step fed the 2 rows the last made (the first: 1) and verified at c(3): t0, 2, 4, 6, 8 draft (a = 1), t10
+    plain (nothing left to propose): 11 tokens in 6 steps."""
+    prompt, out = list(range(10, 18)), list(range(10, 22))
+    rows = [(1, 1)] * 9 + [(0, 1), (1, -1), (-1, -1)]
+    prof = _lookup_profile(prompt, out, rows)
+    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.1 + 0.01 * T for T in range(1, 33)),
+                         tuple(0.001 * r for r in range(1, 9)))
+    c = curve.target_s
+    for lookup in (None, sd.LookupSpan.fixed(2), sd.LookupSpan(2, 6)):
+        chain, tree = cm.predict_lookup(curve, prof, 1, lookup), cm.predict_lookup(curve, prof, 1, lookup, sd.TreeSpec(1, 1, 1))
+        assert (tree.tau, tree.step_seconds, tree.lookup_share) == pytest.approx((chain.tau, chain.step_seconds,
+                                                                                  chain.lookup_share), rel=1e-12)
+        assert tree.tree == sd.TreeSpec(1, 1, 1) and tree.to_json()["tree"] == {"budget": 1, "top_k": 1, "depth": 1}
+    wide = cm.predict_lookup(curve, prof, 1, None, sd.TreeSpec(2, 2, 1))
+    seconds = 0.001 + c(3) + 4 * (0.002 + c(3)) + c(1)
+    assert wide.tau == pytest.approx(11 / 6) and wide.step_seconds == pytest.approx(seconds / 6)
+    assert wide.speedup == pytest.approx(11 * c(1) / seconds) and wide.lookup_share == 0
+    choice = cm.choose_lookup(curve, prof, 1, tree=sd.TreeSpec(2, 2, 1))
+    assert choice.alone == wide and choice.to_json()["tree"] == {"budget": 2, "top_k": 2, "depth": 1}
+    # a run's tree steps are priced as the tree's: no lookup steps, then the tree's own prediction
+    run = cm.lookup_run_speedup(curve, 1, lookup_sizes={}, lookup_tokens=0, draft_steps=5, draft_tokens=10,
+                                tree=sd.TreeSpec(2, 2, 1))
+    assert run == pytest.approx(2 * c(1) / cm.step_seconds(curve, tree=sd.TreeSpec(2, 2, 1), tau=2), rel=1e-12)
+
+
 def test_lookup_replay_walks_the_decoders_steps(tiny):
     """On prompts that hold the target's own continuation, the replay along a real calibration takes the steps the
     decoder takes: the same tokens per step, the same share of lookup steps, and seconds that are the curve's price
@@ -450,17 +480,18 @@ def test_bench_auto_contenders(tmp_path, draft_dir, capsys):
     assert {"tau", "speedup"} <= set(auto_tree["calibrated"])
     assert main(args) == 0
     assert "predicted" in capsys.readouterr().out
-    assert main(args + ["--lookup", "3", "--json"]) == 0          # the chosen chain also with prompt lookup first
+    assert main(args + ["--lookup", "3", "--json"]) == 0   # the chosen chain and tree also with prompt lookup first
     doc = json.loads(capsys.readouterr().out)
     names = [r["name"] for r in doc["results"]]
-    k = doc["results"][3]["chosen"]["k"]
-    assert names[5:] == [f"low auto chain k={k} + lookup 3"] and len(names) == 6
-    hybrid = doc["results"][5]
-    assert hybrid["lossless"] and hybrid["predicted_speedup"] > 0      # from its own steps, as the chains' are
-    assert set(hybrid["lookup"]) == {"steps", "draft_steps", "drafted", "accepted", "sizes"}
-    sizes = {int(n): c for n, c in hybrid["lookup"]["sizes"].items()}
-    assert sum(sizes.values()) == hybrid["lookup"]["steps"] and all(1 <= n <= 3 for n in sizes)
-    assert sum(n * c for n, c in sizes.items()) == hybrid["lookup"]["drafted"]
+    k, tree = doc["results"][3]["chosen"]["k"], TreeSpec(**doc["results"][4]["chosen"]["tree"])
+    assert names[5:] == [f"low auto chain k={k} + lookup 3", f"low auto {cm.tree_label(tree)} + lookup 3"]
+    for hybrid in doc["results"][5:]:
+        assert hybrid["lossless"] and hybrid["predicted_speedup"] > 0      # from its own steps, as the chains' are
+        assert set(hybrid["lookup"]) == {"steps", "draft_steps", "drafted", "accepted", "sizes"}
+        sizes = {int(n): c for n, c in hybrid["lookup"]["sizes"].items()}
+        assert sum(sizes.values()) == hybrid["lookup"]["steps"] and all(1 <= n <= 3 for n in sizes)
+        assert sum(n * c for n, c in sizes.items()) == hybrid["lookup"]["drafted"]
+    assert doc["results"][6]["decoding"] == f"auto: {cm.tree_label(tree)} + lookup 3"
 
 
 def test_bench_lookup_auto_and_adaptive(tmp_path, draft_dir, capsys):
@@ -486,7 +517,23 @@ def test_bench_lookup_auto_and_adaptive(tmp_path, draft_dir, capsys):
         choice = doc["results"][1]["lookup_auto"]
         assert choice["chosen"] is None and choice["best"]["speedup"] <= choice["alone"]["speedup"]
         assert "low: --lookup auto chose no lookup for chain k=1: the best span, " in text
-    assert choice["k"] == 1 and choice["alone"]["label"] == "no lookup"
+    assert choice["k"] == 1 and choice["alone"]["label"] == "no lookup" and choice["tree"] is None
+    # with --tree auto the automatic tree gets its own choice: a contender with the span, or the tree carrying the
+    # refusal (its line names the tree)
+    assert main(args + ["--tree", "auto", "--auto-even-if-slower", "--lookup", "auto", "--save-json", str(saved)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(saved.read_text())
+    tree_rows = [r for r in doc["results"] if " tree " in r["name"]]
+    tree = TreeSpec(**tree_rows[0]["chosen"]["tree"])
+    assert all(r["lossless"] for r in doc["results"]) and tree_rows[0]["name"] == f"low auto {cm.tree_label(tree)}"
+    choice = next(r["lookup_auto"] for r in tree_rows if "lookup_auto" in r)
+    assert choice["tree"] == asdict(tree) and choice["alone"]["label"] == "no lookup"
+    if choice["chosen"] is None:
+        assert len(tree_rows) == 1 and f"--lookup auto chose no lookup for {cm.tree_label(tree)}" in text
+    else:
+        span = sd.LookupSpan(**choice["chosen"])
+        assert [r["name"] for r in tree_rows][1:] == [f"low auto {cm.tree_label(tree)} + {span.label}"]
+        assert f"--lookup auto chose {span.label}" in text and f"for {cm.tree_label(tree)}: predicted" in text
     assert main(args + ["--lookup", "2..6", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in doc["results"]] == ["autoregressive", "low chain k=1", "low chain k=1 + lookup 2..6"]
