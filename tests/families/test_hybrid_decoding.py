@@ -104,13 +104,15 @@ def test_every_decoding_is_lossless(family):
         report = list(bench.run(model, [bench.EncodedPrompt(str(i), "test", ids)], contenders, max_new_tokens=NEW,
                                 warmup=False))[-1].report.to_json()
         results = {r["name"]: r for r in report["results"]}
-        assert len(results) == 1 + 2 * 5, list(results)     # per draft: K=1, 2, tree, K=1, 2 + lookup
+        assert len(results) == 1 + 2 * 6, list(results)     # per draft: K=1, 2, tree, K=1, 2 and tree + lookup
         assert all(r["lossless"] for r in results.values()), [(n, r["lossless"]) for n, r in results.items()]
         for name in ("knows chain k=2", f"knows tree budget={TREE.budget} top_k={TREE.top_k} depth={TREE.depth}"):
             accepted, drafted = results[name]["per_prompt"]["accepted"][0], results[name]["per_prompt"]["drafted"][0]
             assert 0 < accepted < drafted, (name, accepted, drafted)       # accepted in part: the states were cut back
         if i == 1:
             assert all(results[f"{d} chain k={k} + lookup 2"]["lookup"]["steps"] > 0 for d in ("random", "knows") for k in (1, 2))
+            assert all(results[f"{d} {bench.draft_label(1, TREE)} + lookup 2"]["lookup"]["steps"] > 0
+                       for d in ("random", "knows"))
 
 
 def _states(cache) -> list[torch.Tensor]:
