@@ -434,9 +434,13 @@ def auto_contenders(target, drafts: Sequence[tuple[str, object]], options: Bench
                                      p.k or specdec.DEFAULT_K, p.tree, auto=p.to_json()))
         # each chain (o.ks, the automatic one) and the automatic tree with prompt lookup first: the span predicted
         # best, if one pays (--lookup auto), else o.draft_lookup's on the automatic ones
-        hybrids = [(k, None) for k in dict.fromkeys(list(options.ks) + ([chain.k] if chain else []))] \
-            if options.auto_lookup else [(chain.k, None)] if chain and options.draft_lookup else []
-        hybrids += [(specdec.DEFAULT_K, tree.tree)] if tree and (options.auto_lookup or options.draft_lookup) else []
+        hybrids = []
+        if options.auto_lookup:
+            hybrids += [(k, None) for k in dict.fromkeys(list(options.ks) + ([chain.k] if chain else []))]
+        elif chain and options.draft_lookup:
+            hybrids.append((chain.k, None))
+        if tree and (options.auto_lookup or options.draft_lookup):
+            hybrids.append((specdec.DEFAULT_K, tree.tree))
         for k, shape in hybrids:
             choice = costmodel.choose_lookup(curve, profile, k, tree=shape) if options.auto_lookup else None
             if choice is not None and choice.chosen is None:

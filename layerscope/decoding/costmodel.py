@@ -642,11 +642,9 @@ def predict_lookup(curve: CostCurve, profile: AcceptanceProfile, k: int,
                 a = accepted(rows[t], depth)                        # deeper than calibrated: a miss
                 if not depth:
                     seconds += curve.target_s(1)
-                elif tree is not None:
-                    seconds += (_feed_s(curve, waiting) + (depth - 1) * curve.draft_s(tree.top_k)
-                                + curve.target_s(tree.budget + 1))
                 else:
-                    seconds += _feed_s(curve, waiting) + (depth - 1) * curve.draft_s(1) + curve.target_s(depth + 1)
+                    seconds += step_seconds(curve, k=None if tree is not None else depth,
+                                            tree=replace(tree, depth=depth) if tree is not None else None, tau=waiting)
                 waiting = a + 1 if depth else waiting + 1
             tokens, steps, t = tokens + a + 1, steps + 1, t + a + 1
     if not steps:

@@ -302,6 +302,16 @@ def _lookup_profile(prompt, out, rows):
     return cm.AcceptanceProfile((0.5,), ((0.5,),), sequences=(tuple(rows),), texts=((tuple(prompt), tuple(out)),))
 
 
+def _replay_example():
+    """Prompt 10..17, continuation 10..21, a draft right at every state but 9 (ranks as rows); a verify of T
+    tokens costs 0.1 + 0.01 T, a draft forward over r rows 0.001 r."""
+    prompt, out = list(range(10, 18)), list(range(10, 22))
+    rows = [(1, 1)] * 9 + [(0, 1), (1, -1), (-1, -1)]
+    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.1 + 0.01 * T for T in range(1, 33)),
+                         tuple(0.001 * r for r in range(1, 9)))
+    return _lookup_profile(prompt, out, rows), curve
+
+
 def test_lookup_replay_closed_form():
     """Prompt 10..17, continuation 10..21; a k=1 draft right only at state 9. A verify of T tokens costs
     0.1 + 0.01 T, a draft forward over r rows 0.001 r. Walked by hand:
@@ -310,11 +320,7 @@ def test_lookup_replay_closed_form():
     lookup 2..6: t0 draft, t1 [12 13] 2/2 (c3; the span grows to 4), t4 [15 16 17 10] 3/4 (c5; shrinks to 3),
                  t8 draft fed 8 rows, t9 draft accepts 1: 11 tokens, 5 steps
     no lookup:   ten draft steps of 0.001 + c2, the last accepting 1: 11 tokens"""
-    prompt, out = list(range(10, 18)), list(range(10, 22))
-    rows = [(1, 1)] * 9 + [(0, 1), (1, -1), (-1, -1)]
-    prof = _lookup_profile(prompt, out, rows)
-    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.1 + 0.01 * T for T in range(1, 33)),
-                         tuple(0.001 * r for r in range(1, 9)))
+    prof, curve = _replay_example()
     c = curve.target_s
     cases = {sd.LookupSpan.fixed(2): (6, 0.001 + c(2) + 3 * c(3) + 0.008 + c(2) + 0.001 + c(2), 3, 7 / 3),
              sd.LookupSpan(2, 6): (5, 0.001 + c(2) + c(3) + c(5) + 0.008 + c(2) + 0.001 + c(2), 2, 7 / 2),
@@ -335,11 +341,7 @@ def test_lookup_replay_of_a_tree_closed_form():
     the draft's second choice too (rank 1 at every state but 9), so without lookup it makes 2 tokens a step, each
     step fed the 2 rows the last made (the first: 1) and verified at c(3): t0, 2, 4, 6, 8 draft (a = 1), t10
     plain (nothing left to propose): 11 tokens in 6 steps."""
-    prompt, out = list(range(10, 18)), list(range(10, 22))
-    rows = [(1, 1)] * 9 + [(0, 1), (1, -1), (-1, -1)]
-    prof = _lookup_profile(prompt, out, rows)
-    curve = cm.CostCurve("cpu", "float32", 1, tuple(0.1 + 0.01 * T for T in range(1, 33)),
-                         tuple(0.001 * r for r in range(1, 9)))
+    prof, curve = _replay_example()
     c = curve.target_s
     for lookup in (None, sd.LookupSpan.fixed(2), sd.LookupSpan(2, 6)):
         chain, tree = cm.predict_lookup(curve, prof, 1, lookup), cm.predict_lookup(curve, prof, 1, lookup, sd.TreeSpec(1, 1, 1))
