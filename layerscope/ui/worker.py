@@ -290,6 +290,7 @@ class _Channel:
         self.conn = conn
         self.requests: queue.Queue = queue.Queue()
         self.job: RemoteJob | None = None
+        self._run_sent = False           # a run arrived and has not finished: flush every FLUSH_S from its start
         self._send_lock = threading.RLock()
         self._models_sent: dict = {}
         self._parent = os.getppid()
@@ -302,8 +303,12 @@ class _Channel:
     def _loop(self) -> None:
         while True:
             try:
-                if self.conn.poll(FLUSH_S if self.job is not None else IDLE_POLL_S):
+                # a job's first progress must not wait out an idle poll: a job shorter than IDLE_POLL_S showed none
+                busy = self.job is not None or self._run_sent
+                if self.conn.poll(FLUSH_S if busy else IDLE_POLL_S):
                     msg = self.conn.recv()
+                    if msg[0] == "run":
+                        self._run_sent = True
                     if msg[0] == "cancel":
                         job = self.job
                         if job is not None and job.id == msg[1]:
@@ -332,6 +337,7 @@ class _Channel:
         with self._send_lock:
             self.flush()
             self.job = None
+            self._run_sent = False
             try:
                 self.conn.send(("finish", job.id, outcome))
             except OSError:

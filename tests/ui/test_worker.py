@@ -65,7 +65,7 @@ def wait_until(cond, timeout=TIMEOUT):
 
 def test_a_capture_runs_in_the_worker_with_live_progress_and_the_model_loads_once(manager, store):
     # 8 prompts one at a time: progress moves 8 times, more than the worker's 0.1 s coalescing can merge away
-    job = manager.submit("s1", "capture", capture(store, limit=8, new_tokens=24, batch=1), title="Capture of tiny-llama")
+    job = manager.submit("s1", "capture", capture(store, limit=8, new_tokens=48, batch=1), title="Capture of tiny-llama")
     seen = []
     while not job.wait(0.05):
         v = job.view()
