@@ -89,6 +89,15 @@ copy_responses() {
     mkdir -p "$LAYERSCOPE_STORE/responses" && cp -rn "$study_dir/responses/." "$LAYERSCOPE_STORE/responses/"
   fi
 }
+# a benchmark's table: `bench_table OUT bench-args...` prints into the store's logs and moves the table to OUT only
+# when the bench ends well, so a tree being committed never holds a half-written table (or an emptied one)
+bench_table() {
+  local out="$1"; shift
+  local tmp
+  tmp="$LAYERSCOPE_STORE/logs/$(basename "$out").partial"
+  .venv/bin/layerscope bench "$@" > "$tmp" 2>> "$log.log"
+  mv "$tmp" "$out"
+}
 # the study's capture of one model: its statistics propose the sets and give the proxies (10-25 minutes, each
 # machine; served from the store when it holds it). Prints its key.
 study_capture() {
@@ -158,18 +167,15 @@ PY
     v="builtin-$(shipped_key)-ship"
     for spec in "sharegpt-heldout 20 $v-sharegpt-heldout" "builtin 24 $v-builtin-prompts"; do
       read -r prompts limit name <<< "$spec"
-      .venv/bin/layerscope bench --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto --lookup 4 \
-        --wait-quiet 10m \
-        --prompts "$prompts" --limit "$limit" --save-json "docs/bench/$name.json" \
-        > "docs/bench/$name.txt" 2>> "$log.log"
+      bench_table "docs/bench/$name.txt" --draft builtin --max-new-tokens 64 --k 1,2,3 --k auto --tree auto \
+        --lookup 4 --wait-quiet 10m --prompts "$prompts" --limit "$limit" --save-json "docs/bench/$name.json"
     done ;;
   bench-builtin)
     key=$(shipped_key)
     for spec in "builtin 96" "sharegpt-heldout 40"; do
       read -r prompts limit <<< "$spec"
-      .venv/bin/layerscope bench --draft builtin --k auto --tree auto --lookup auto --wait-quiet 10m \
-        --prompts "$prompts" --limit "$limit" --save-json "docs/bench/builtin-$key-$prompts.json" \
-        > "docs/bench/builtin-$key-$prompts.txt" 2>> "$log.log"
+      bench_table "docs/bench/builtin-$key-$prompts.txt" --draft builtin --k auto --tree auto --lookup auto \
+        --wait-quiet 10m --prompts "$prompts" --limit "$limit" --save-json "docs/bench/builtin-$key-$prompts.json"
     done ;;
   keep)
     # the answers of this study's model only (MODEL; by default the one STUDY_DIR's study runs): each folder's
@@ -243,10 +249,9 @@ PY
     # generate, HF prompt lookup and the 0.5B as assistant_model, on the 12 builtin coding prompts and 40 held-out
     # ShareGPT code conversations (docs/study-qwen15/bench-code.jsonl, benchmarks/code_prompts.py) x 64 tokens
     name="qwen15-$(echo "${QWEN_DRAFT:-builtin}" | tr -c 'A-Za-z0-9\n' '-' | cut -c1-24)-code"
-    .venv/bin/layerscope bench --model qwen2.5-coder-1.5b --draft "${QWEN_DRAFT:-builtin}" \
+    bench_table "docs/bench/$name.txt" --model qwen2.5-coder-1.5b --draft "${QWEN_DRAFT:-builtin}" \
       --assistant qwen2.5-coder-0.5b --k auto --tree auto --lookup auto --prompts docs/study-qwen15/bench-code.jsonl \
-      --limit 52 --max-new-tokens 64 --max-prompt-tokens 256 --wait-quiet 10m --save-json "docs/bench/$name.json" \
-      > "docs/bench/$name.txt" 2>> "$log.log" ;;
+      --limit 52 --max-new-tokens 64 --max-prompt-tokens 256 --wait-quiet 10m --save-json "docs/bench/$name.json" ;;
   *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study|qwen-bench" >&2
      exit 2 ;;
 esac
