@@ -86,8 +86,8 @@ def choose(device: torch.device, d: int, ff: int, store_root: Path | None = None
 
 
 def decide(ratios: dict[int, float]) -> Choice:
-    """bfloat16 where it is at least WIN faster at every row count but one, and at least PAR as fast at one row,
-    else float32; the reason names the ratios."""
+    """bfloat16 where it is at least PAR as fast as float32 at one row and at least WIN faster at every larger row
+    count, else float32; the reason names the ratios."""
     shown = "/".join(f"{ratios[r]:.2f}x" for r in sorted(ratios))
     rows = "/".join(str(r) for r in sorted(ratios))
     if ratios and all(x >= (PAR if r == 1 else WIN) for r, x in ratios.items()):
