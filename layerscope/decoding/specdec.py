@@ -692,9 +692,8 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
              else torch.arange(M + 1, device=dev))                               # round apart (sorted)
     N, hd = model.config.num_hidden_layers, model.config.hidden_size
     mask = verification_mask(layout, L, anc, positions, model.dtype)
-    chain = max(depths) + 1                                                      # the longest path's chain
-    plan = (tree_attention.paths(tree_attention.path_plan(
-        parent_row, anc, L, chain + padding_rows(L, chain, row_alignment(model)))) if exact else nullcontext())
+    plan = (tree_attention.paths(tree_attention.path_plan(parent_row, anc, L, row_alignment(model))) if exact
+            else nullcontext())
     with plan:
         logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N], mask,
                                       keep=inner)

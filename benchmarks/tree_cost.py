@@ -1,0 +1,98 @@
+"""What exact tree verification costs: one target forward of a draft's tree with each path laid out as its chain
+(decoding/tree_attention.py), the same forward under the flattened tree mask, and padded chains of the deepest path's
+length and of one row, at a short, a middle and a long prompt.
+
+    .venv/bin/python benchmarks/tree_cost.py --model qwen2.5-coder-1.5b [--tree 16,3,4] [--repeats 6]
+
+In 16-bit floats a tree's nodes attend path by path so that each gets plain decoding's bits; the flattened mask is the
+cheaper layout that rounds apart (docs/internals.md, "bfloat16 and lossless"). The tree is the one the model's shipped
+draft grows after the prompt. Each number is the median of `--repeats` forwards, the four kinds interleaved so that a
+machine's slow spell touches them alike. Run it alone: it times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from layerscope.decoding import specdec as sd
+from layerscope.decoding import tree_attention
+from layerscope.draft import builtin
+from layerscope.draft.checkpoint import load_draft
+from layerscope.store import Store, default_root
+from layerscope.target.load import load_model
+
+PROMPTS = Path(__file__).resolve().parents[1] / "docs/study-qwen15/bench-code.jsonl"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--tree", default="16,3,4", help="the tree's budget, top-k and depth")
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--long", type=int, default=450, help="prompt tokens of the long prompt (at most)")
+    a = p.parse_args()
+    store = Store(default_root())
+    loaded = load_model(a.model, store=store)
+    model, tok = loaded.model, loaded.tokenizer
+    draft = load_draft(builtin.resolve("builtin", a.model, store), loaded)
+    spec = sd.TreeSpec(*map(int, a.tree.split(",")))
+    align = sd.row_alignment(model)
+    if not align or not tree_attention.install(model):
+        raise SystemExit(f"{a.model} in {loaded.dtype_name} does not verify trees path by path (float32 or not sdpa)")
+    print(f"{a.model} in {loaded.dtype_name}; tree {spec.budget}/{spec.top_k}/{spec.depth}; "
+          f"{torch.get_num_threads()} threads", flush=True)
+    layout, aux_layers, N = sd.attention_layout(model), list(draft.aux_layers), model.config.num_hidden_layers
+    texts = sorted((json.loads(line)["prompt"] for line in PROMPTS.open()), key=len)
+    for text in (texts[2], texts[len(texts) // 2], texts[-1]):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)][:a.long]
+        cache, d = sd.new_cache(model), sd._Draft(draft, model.device)
+        with torch.inference_mode():
+            logits, aux = sd._target_forward(model, ids, torch.arange(len(ids)), cache, aux_layers, last_only=True)
+            last = int(logits[-1].argmax())
+            d.add_rows(ids[1:] + [last], aux)
+            tokens, parents, depths = sd._grow_tree(d, spec.depth, spec)
+        L, M = sd.cache_length(cache), len(tokens)
+        node_ids = [last] + tokens
+        parent_row = torch.tensor([0] + [q + 1 for q in parents])
+        anc = sd.ancestors(parent_row, max(depths))
+        positions = L + torch.tensor([0] + depths)
+        mask = sd.verification_mask(layout, L, anc, positions, model.dtype)
+        plan = tree_attention.path_plan(parent_row, anc, L, align)
+
+        def tree(exact: bool) -> float:
+            t0 = time.perf_counter()
+            with torch.inference_mode(), tree_attention.paths(plan) if exact else nullcontext():
+                sd._target_forward(model, node_ids, positions, cache, aux_layers + [N], mask,
+                                   keep=torch.arange(M + 1))
+            sd.crop_cache(cache, L)
+            return time.perf_counter() - t0
+
+        def chain(rows: int) -> float:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                sd._target_forward(model, ids[:rows], torch.arange(L, L + rows), cache, aux_layers)
+            sd.crop_cache(cache, L)
+            return time.perf_counter() - t0
+
+        kinds = {"paths (exact)": lambda: tree(True), "flattened mask": lambda: tree(False),
+                 f"chain of {max(depths) + 1}": lambda: chain(max(depths) + 1), "one row": lambda: chain(1)}
+        times = {name: [] for name in kinds}
+        for _ in range(a.repeats):
+            for name, run in kinds.items():
+                times[name].append(run())
+        med = {name: statistics.median(t) for name, t in times.items()}
+        print(f"prompt of {L} tokens, tree of {M} nodes on {plan.rows.shape[0]} paths: "
+              + ", ".join(f"{name} {s * 1000:.0f} ms" for name, s in med.items())
+              + f"; paths / flattened {med['paths (exact)'] / med['flattened mask']:.3f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
