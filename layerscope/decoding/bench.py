@@ -14,7 +14,7 @@ acceptance at each draft position (the share of verification steps whose i-th dr
 accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
 `lossless` = every output equals autoregressive's token for token (`mismatched`: how many prompts' outputs do
 not); transformers' own speculative peers (HF_PROPOSERS) are compared with transformers' plain `generate` of the
-same run, their own baseline. In bfloat16 LayerScope's decoders pad every target forward to aligned rows
+same run, their own baseline (`compared_with` names the one each entry is held to). In bfloat16 LayerScope's decoders pad every target forward to aligned rows
 (specdec.row_alignment), so a difference is a bug there as in float32; transformers' do not, and a near-tie can
 flip between their verification and their one-token step: reported, never hidden (`row_align` in the report says
 which rule held). All also per prompt category. A draft's
@@ -617,8 +617,10 @@ def run(model, prompts: Sequence[EncodedPrompt], contenders: Sequence[Contender]
             yield BenchProgress(c.name, i, len(prompts), done, runs_total, total[c.name].tau,
                                 total[c.name].tokens_per_s, None, eta_s=timer.left(done * max_new_tokens))
     results = []
+    has_hf = any(c.kind == "hf-generate" for c in contenders)
     for c in contenders:
         entry = _entry(c, total[c.name], total["autoregressive"])
+        entry["compared_with"] = "hf-generate" if c.kind in HF_PROPOSERS and has_hf else contenders[0].name
         entry["by_category"] = {name: _entry(c, t[c.name], t["autoregressive"], short=True)
                                 for name, t in sorted(by_cat.items())}
         entry["per_prompt"] = per_prompt_totals(per_prompt[c.name])
@@ -796,11 +798,12 @@ def format_table(report: BenchReport) -> str:
 
 
 def lossless_text(entry: dict, prompts: int) -> str:
-    """'yes', or 'NO (3 of 40 prompts differ)': how many prompts' outputs differ from plain decoding's."""
+    """'yes', or 'NO (3 of 40 prompts differ from autoregressive)': how many prompts' outputs differ from those of
+    the plain decoding the entry is held to (`compared_with`: transformers' peers to transformers' generate)."""
     if entry["lossless"]:
         return "yes"
-    m = entry.get("mismatched")
-    return f"NO ({m} of {prompts} prompts differ)" if m else "NO"
+    m, ref = entry.get("mismatched"), entry.get("compared_with")
+    return f"NO ({m} of {prompts} prompts differ{f' from {ref}' if ref else ''})" if m else "NO"
 
 
 def spec_decode_lines(report: BenchReport) -> list[str]:

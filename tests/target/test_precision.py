@@ -110,7 +110,7 @@ def test_a_benchmark_counts_the_prompts_whose_output_differs(one_thread, monkeyp
     *_, last = bench.run(target.model, prompts, contenders, max_new_tokens=6, warmup=False)
     entry = last.report.results[1]
     assert not entry["lossless"] and entry["mismatched"] == 3
-    assert bench.lossless_text(entry, 3) == "NO (3 of 3 prompts differ)"
+    assert bench.lossless_text(entry, 3) == "NO (3 of 3 prompts differ from autoregressive)"
     assert bench.lossless_text(last.report.results[0], 3) == "yes"
 
 
