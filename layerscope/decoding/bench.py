@@ -14,8 +14,9 @@ acceptance at each draft position (the share of verification steps whose i-th dr
 accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregressive's, and
 `lossless` = every output equals autoregressive's token for token (`mismatched`: how many prompts' outputs do
 not); transformers' own speculative peers (HF_PROPOSERS) are compared with transformers' plain `generate` of the
-same run, their own baseline (`compared_with` names the one each entry is held to). In bfloat16 LayerScope's decoders pad every target forward to aligned rows
-(specdec.row_alignment), so a difference is a bug there as in float32; transformers' do not, and a near-tie can
+same run, their own baseline (`compared_with` names the one each entry is held to). In bfloat16 LayerScope's
+decoders pad every target forward to aligned rows (specdec.row_alignment), so a difference is a bug there as in
+float32; transformers' do not, and a near-tie can
 flip between their verification and their one-token step: reported, never hidden (`row_align` in the report says
 which rule held). All also per prompt category. A draft's
 entry also has `spec_decode`: its acceptance histogram under vLLM's metric names (num_drafts,

@@ -20,7 +20,7 @@ from layerscope.target.load import tiny_model
 from tests.helpers import untrained_draft
 
 ENTRY_KEYS = {"name", "tau", "acceptance_by_position", "tokens_per_s", "speedup", "lossless", "mismatched", "by_category",
-              "per_prompt", "tau_ci", "speedup_ci", "acceptance", "acceptance_ci"}
+              "per_prompt", "tau_ci", "speedup_ci", "acceptance", "acceptance_ci", "compared_with"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,6 +67,7 @@ def test_bench_library_run(tiny, draft_dirs, prompts):
             extra.add("paired")
         assert set(r) == ENTRY_KEYS | extra
         assert r["lossless"] is True, r["name"]               # every output equals plain greedy output
+        assert r["compared_with"] == ("hf-generate" if r["name"] == "hf-prompt-lookup" else "autoregressive")
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert set(r["by_category"]) == {p.category for p in prompts}
     assert results["autoregressive"]["tau"] == 1.0 and results["autoregressive"]["speedup"] == 1.0
