@@ -12,7 +12,6 @@ tokens after the prefill; transformers' is (generate of N tokens − generate of
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from layerscope.decoding import specdec as sd
+from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.store import Store, default_root
 from layerscope.target.load import load_model
 
@@ -60,10 +60,9 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     print(f"{a.model} in {loaded.dtype_name} ({loaded.dtype_why}); row alignment {sd.row_alignment(model)}; "
           f"{torch.get_num_threads()} threads")
-    texts = sorted((json.loads(line)["prompt"] for line in PROMPTS.open()), key=len)
-    for name, text in (("short", texts[2]), ("long", texts[-1])):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)][:a.long]
+    prompts = sorted(load_prompts(str(PROMPTS)).prompts, key=lambda prompt: len(prompt.turns[0]))
+    for name, prompt in (("short", prompts[2]), ("long", prompts[-1])):
+        ids = chat_ids(tok, prompt)[:a.long]
         padded, unpadded, hf = our_step(model, ids, a.new, True), our_step(model, ids, a.new, False), hf_step(model, ids, a.new)
         print(f"{name} prompt ({len(ids)} tokens): padded {padded:.3f} s a step, unpadded {unpadded:.3f} s, "
               f"transformers' generate {hf:.3f} s; padded / unpadded {padded / unpadded:.2f}x", flush=True)

@@ -13,7 +13,6 @@ machine's slow spell touches them alike. Run it alone: it times.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from contextlib import nullcontext
@@ -25,6 +24,7 @@ from layerscope.decoding import specdec as sd
 from layerscope.decoding import tree_attention
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft
+from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.store import Store, default_root
 from layerscope.target.load import load_model
 
@@ -49,10 +49,9 @@ def main() -> None:
     print(f"{a.model} in {loaded.dtype_name}; tree {spec.budget}/{spec.top_k}/{spec.depth}; "
           f"{torch.get_num_threads()} threads", flush=True)
     layout, aux_layers, N = sd.attention_layout(model), list(draft.aux_layers), model.config.num_hidden_layers
-    texts = sorted((json.loads(line)["prompt"] for line in PROMPTS.open()), key=len)
-    for text in (texts[2], texts[len(texts) // 2], texts[-1]):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)][:a.long]
+    prompts = sorted(load_prompts(str(PROMPTS)).prompts, key=lambda prompt: len(prompt.turns[0]))
+    for prompt in (prompts[2], prompts[len(prompts) // 2], prompts[-1]):
+        ids = chat_ids(tok, prompt)[:a.long]
         cache, d = sd.new_cache(model), sd._Draft(draft, model.device)
         with torch.inference_mode():
             logits, aux = sd._target_forward(model, ids, torch.arange(len(ids)), cache, aux_layers, last_only=True)
