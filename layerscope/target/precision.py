@@ -48,6 +48,7 @@ NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 16, 256)                      # a decoding step, a verification, prefill/training
 WIN = 1.10                               # bfloat16 only where it is at least this much faster at 16 and 256 rows
 PAR = 0.95                               # ... and at least this fast at one row (a tie, within a timing's noise)
+REPEATS = 9                              # timed rounds per row count (`measure`)
 MEMO = "precision.json"
 MEMO_BYTES = 2**20
 CACHE_BYTES = 256 * 2**20              # float32 weights measured through, more than a CPU cache holds
@@ -136,30 +137,36 @@ def measured(d: int, ff: int, store_root: Path | None = None) -> dict[int, float
     return ratios
 
 
-def measure(d: int, ff: int, rows=ROWS, repeats: int = 3) -> dict[int, float]:
+def measure(d: int, ff: int, rows=ROWS, repeats: int = REPEATS) -> dict[int, float]:
     """{rows: seconds in float32 / seconds in bfloat16} of [rows, d] x [d, ff] products on the CPU, through
     enough weight matrices (up to 8; CACHE_BYTES of float32 in all) that they do not stay in the CPU's caches, as a
-    model's layers do not: decoding's memory traffic is measured with its arithmetic. The median of `repeats`
-    after a warm-up."""
+    model's layers do not: decoding's memory traffic is measured with its arithmetic. After a warm-up, each of
+    `repeats` rounds times float32 and bfloat16 back to back (in alternating order), and the ratio kept is the median
+    of the rounds' ratios: a slow spell of a shared machine touches both sides of a round alike, where timing all of
+    float32 before all of bfloat16 once put one row's ratio at 0.84x and 1.09x on the same machine."""
     d, ff = max(int(d), 8), max(int(ff), 8)
     gen = torch.Generator().manual_seed(0)
     count = max(1, min(8, -(-CACHE_BYTES // (4 * d * ff))))
     weights = [torch.randn(ff, d, generator=gen) for _ in range(count)]
+    by_dtype = {dtype: [w.to(dtype) for w in weights] for dtype in (torch.float32, torch.bfloat16)}
+
+    def seconds(x: torch.Tensor, ws: list[torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+        return time.perf_counter() - t0
+
     out = {}
-    for r in rows:
-        x = torch.randn(r, d, generator=gen)
-        seconds = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            ws, xi = [w.to(dtype) for w in weights], x.to(dtype)
-            with torch.inference_mode():
-                for w in ws:
-                    torch.nn.functional.linear(xi, w)
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    for w in ws:
-                        torch.nn.functional.linear(xi, w)
-                    times.append(time.perf_counter() - t0)
-            seconds[dtype] = sorted(times)[len(times) // 2]
-        out[r] = seconds[torch.float32] / max(seconds[torch.bfloat16], 1e-9)
+    with torch.inference_mode():
+        for r in rows:
+            x = torch.randn(r, d, generator=gen)
+            xs = {dtype: x.to(dtype) for dtype in by_dtype}
+            for dtype, ws in by_dtype.items():                   # warm-up: first calls pay one-time costs
+                seconds(xs[dtype], ws)
+            ratios = []
+            for i in range(repeats):
+                order = (torch.float32, torch.bfloat16) if i % 2 == 0 else (torch.bfloat16, torch.float32)
+                t = {dtype: seconds(xs[dtype], by_dtype[dtype]) for dtype in order}
+                ratios.append(t[torch.float32] / max(t[torch.bfloat16], 1e-9))
+            out[r] = sorted(ratios)[len(ratios) // 2]
     return out

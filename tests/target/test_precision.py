@@ -59,6 +59,22 @@ def test_measure_times_both_dtypes_at_each_row_count():
     assert set(ratios) == {1, 4} and all(r > 0 for r in ratios.values())
 
 
+def test_a_slow_spell_of_the_machine_does_not_move_the_measured_ratio(monkeypatch):
+    # a fake clock: float32 costs 3 units a product and bfloat16 1, but products 16..87 (the warm-up is 0..15) run
+    # 4x slower, the length of all nine float32 timings timed back to back: rounds that time both dtypes together
+    # see the spell on both sides, and their median ratio stays 3.0
+    clock, calls = [0.0], [0]
+
+    def linear(x, w):
+        clock[0] += (3.0 if x.dtype == torch.float32 else 1.0) * (4.0 if 16 <= calls[0] < 88 else 1.0)
+        calls[0] += 1
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: clock[0])
+    assert precision.measure(32, 64, rows=(1,), repeats=9) == {1: 3.0}
+    assert calls[0] == 8 * 2 * (1 + 9)                     # 8 matrices, both dtypes, a warm-up and nine rounds
+
+
 def test_a_model_directory_loads_in_the_dtype_asked_and_says_why(tmp_path, monkeypatch):
     tiny = tiny_model()
     tiny.model.save_pretrained(tmp_path / "m")
