@@ -48,6 +48,13 @@
 #                                    # 2.4x a step here, benchmarks/train_dtype.py), benchmarked on
 #                                    # 40 held-out ShareGPT prompts; outcomes and answers kept in docs/study-qwen15
 #                                    # (`keep` with STUDY_DIR=docs/study-qwen15 MODEL=qwen2.5-coder-1.5b)
+#   benchmarks/long_run.sh qwen-continue # issue 50: the shipped 1.5B draft (probe [20,24,27]) trained on
+#                                    # (--init-from builtin): QWEN_TOKENS (default 1.5M) more tokens over twice the
+#                                    # conversations (--limit 2400 of the study's draw, code weighted 3x: the first
+#                                    # 968's answers are the ones kept in docs/study-qwen15/responses, the other ~1,000
+#                                    # are answered first, ~65 min on 2 cores, resumable per part; `keep` keeps them). It
+#                                    # holds out what the shipped draft held out; QWEN_DRAFT=<its draft key> benches it
+#   benchmarks/long_run.sh qwen-ship     # after qwen-continue: its draft shipped as the 1.5B's --draft builtin
 #   benchmarks/long_run.sh qwen-bench    # issue 50's done-when: the 1.5B's draft (QWEN_DRAFT, default builtin) with
 #                                    # --k/--tree/--lookup auto against plain decoding, HF generate and prompt lookup
 #                                    # and the 0.5B as assistant_model, on 52 coding prompts (12 builtin, 40 held-out
@@ -83,6 +90,10 @@ continued+=(--layers 2,15,27 --init-from builtin --tokens 1.25M)
 by_kind=("${continued[@]}")
 by_kind[11]="${THREADS:-2}"          # --threads
 by_kind+=(--kinds translation=10,summarization=5,math=5)
+# issue 50: the shipped 1.5B draft trained on, with the study's recipe (qwen-continue, qwen-ship)
+qwen_continued=(--model qwen2.5-coder-1.5b --prompts sharegpt --kinds code=3 --responses regenerate
+  --limit "${QWEN_LIMIT:-2400}" --max-prompt-tokens 256 --max-new-tokens 192 --layers 20,24,27 --init-from builtin
+  --tokens "${QWEN_TOKENS:-1.5M}" --fc-norm --draft-intermediate 1024 --train-dtype bfloat16 --threads "${THREADS:-2}")
 # the answers kept in the repository go into the store first (never over what it holds)
 copy_responses() {
   if [ -d "$study_dir/responses" ]; then
@@ -126,6 +137,18 @@ run_sets() {
     --seeds 0 --outcomes "$study_dir/$outcomes" --limit 40 --max-new-tokens 32 --wait-quiet 10m \
     --json >> "$log.json" 2>> "$log.log"
 }
+# the newest draft a training mode made: the path in the last JSON document it printed into its log
+newest_draft() {
+  .venv/bin/python - "$LAYERSCOPE_STORE/logs/long-$1.json" <<'PY'
+import json, sys
+text, docs, i, dec = open(sys.argv[1]).read(), [], 0, json.JSONDecoder()
+while text[i:].strip():
+    i += len(text[i:]) - len(text[i:].lstrip())
+    doc, i = dec.raw_decode(text, i)
+    docs.append(doc)
+print(docs[-1]["drafts"][0]["path"])
+PY
+}
 # the shipped builtin draft's store key, 12 characters: what its benchmark tables in docs/bench are named by
 shipped_key() {
   .venv/bin/python -c 'import json,glob; print(json.load(open(glob.glob("layerscope/data/drafts/smollm2-135m-*/layerscope.json")[0]))["shipped"]["from"][:12])'
@@ -147,16 +170,7 @@ case "$mode" in
     from="${SHIP_FROM:-continue}"
     case "$from" in continue) made=("${continued[@]}") ;; continue-kinds) made=("${by_kind[@]}") ;;
       *) echo "SHIP_FROM is continue or continue-kinds, not $from" >&2; exit 2 ;; esac
-    draft=$(.venv/bin/python - "$LAYERSCOPE_STORE/logs/long-$from.json" <<'PY'
-import json, sys
-text, docs, i, dec = open(sys.argv[1]).read(), [], 0, json.JSONDecoder()
-while text[i:].strip():
-    i += len(text[i:]) - len(text[i:].lstrip())
-    doc, i = dec.raw_decode(text, i)
-    docs.append(doc)
-print(docs[-1]["drafts"][0]["path"])
-PY
-)
+    draft=$(newest_draft "$from")
     .venv/bin/python scripts/ship_draft.py "$draft" \
       --command "layerscope train-draft ${made[*]}   # benchmarks/long_run.sh $from" >> "$log.log" 2>&1
     # the benchmarks that count, each waiting for a quiet machine first (the tables say what else ran); `--lookup 4`
@@ -243,6 +257,16 @@ PY
       --draft-intermediate "${DRAFT_INTERMEDIATE:-1024}" --train-dtype "${TRAIN_DTYPE:-bfloat16}" \
       --sets-per-pass 4 --outcomes "$study_dir/outcomes" --limit 40 --max-new-tokens 64 --wait-quiet 10m \
       --json >> "$log.json" 2>> "$log.log" ;;
+  qwen-continue)
+    # the study's recipe (docs/results.md, "Qwen2.5-Coder 1.5B"), its learning curve still rising at 1M tokens: more
+    # answers and more tokens, from the shipped weights (a fresh optimizer and schedule over the added budget)
+    copy_responses
+    exec .venv/bin/layerscope train-draft "${qwen_continued[@]}" --json >> "$log.json" 2>> "$log.log" ;;
+  qwen-ship)
+    # after qwen-continue: its draft shipped as the 1.5B's --draft builtin (replacing the slot of its layers), with
+    # the command that made it; then `qwen-bench` measures it. Run it from the work tree you commit from
+    .venv/bin/python scripts/ship_draft.py "$(newest_draft qwen-continue)" --model qwen2.5-coder-1.5b \
+      --command "layerscope train-draft ${qwen_continued[*]}   # benchmarks/long_run.sh qwen-continue" >> "$log.log" 2>&1 ;;
   qwen-bench)
     # issue 50's done-when, quiet, all cores: QWEN_DRAFT (default builtin: the shipped one; a store key or folder to
     # measure a draft before shipping it) with --k auto --tree auto --lookup auto against plain decoding, HF
@@ -252,6 +276,6 @@ PY
     bench_table "docs/bench/$name.txt" --model qwen2.5-coder-1.5b --draft "${QWEN_DRAFT:-builtin}" \
       --assistant qwen2.5-coder-0.5b --k auto --tree auto --lookup auto --prompts docs/study-qwen15/bench-code.jsonl \
       --limit 52 --max-new-tokens 64 --max-prompt-tokens 256 --wait-quiet 10m --save-json "docs/bench/$name.json" ;;
-  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study|qwen-bench" >&2
+  *) echo "usage: $0 default|continue|continue-kinds|ship|bench-builtin|study|keep|gemma3-study|smollm2-fc-norm|gemma3-no-fc-norm|qwen-stats|qwen-study|qwen-continue|qwen-ship|qwen-bench" >&2
      exit 2 ;;
 esac
