@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ def main() -> None:
         raise SystemExit(f"{a.model} in {loaded.dtype_name} does not verify trees path by path (float32 or not sdpa)")
     print(f"{a.model} in {loaded.dtype_name}; tree {spec.budget}/{spec.top_k}/{spec.depth}; "
           f"{torch.get_num_threads()} threads", flush=True)
-    layout, aux_layers, N = sd.attention_layout(model), list(draft.aux_layers), model.config.num_hidden_layers
+    layout, aux_layers = sd.attention_layout(model), list(draft.aux_layers)
     prompts = sorted(load_prompts(str(PROMPTS)).prompts, key=lambda prompt: len(prompt.turns[0]))
     for prompt in (prompts[2], prompts[len(prompts) // 2], prompts[-1]):
         ids = chat_ids(tok, prompt)[:a.long]
@@ -57,20 +57,14 @@ def main() -> None:
             logits, aux = sd._target_forward(model, ids, torch.arange(len(ids)), cache, aux_layers, last_only=True)
             last = int(logits[-1].argmax())
             d.add_rows(ids[1:] + [last], aux)
-            tokens, parents, depths = sd._grow_tree(d, spec.depth, spec)
-        L, M = sd.cache_length(cache), len(tokens)
-        node_ids = [last] + tokens
-        parent_row = torch.tensor([0] + [q + 1 for q in parents])
-        anc = sd.ancestors(parent_row, max(depths))
-        positions = L + torch.tensor([0] + depths)
-        mask = sd.verification_mask(layout, L, anc, positions, model.dtype)
-        plan = tree_attention.path_plan(parent_row, anc, L, align)
+            grown = sd.tree_forward(model, d, cache, last, spec.depth, spec, layout, exact=True)
+        L, M = sd.cache_length(cache), len(grown.node_ids) - 1
+        flat = replace(grown, plan=None)                     # the same forward under the flattened tree mask
 
-        def tree(exact: bool) -> float:
+        def tree(t: sd.TreeForward) -> float:
             t0 = time.perf_counter()
-            with torch.inference_mode(), tree_attention.paths(plan) if exact else nullcontext():
-                sd._target_forward(model, node_ids, positions, cache, aux_layers + [N], mask,
-                                   keep=torch.arange(M + 1))
+            with torch.inference_mode():
+                t.run(model, cache, aux_layers)
             sd.crop_cache(cache, L)
             return time.perf_counter() - t0
 
@@ -81,14 +75,14 @@ def main() -> None:
             sd.crop_cache(cache, L)
             return time.perf_counter() - t0
 
-        kinds = {"paths (exact)": lambda: tree(True), "flattened mask": lambda: tree(False),
-                 f"chain of {max(depths) + 1}": lambda: chain(max(depths) + 1), "one row": lambda: chain(1)}
+        kinds = {"paths (exact)": lambda: tree(grown), "flattened mask": lambda: tree(flat),
+                 f"chain of {grown.depth + 1}": lambda: chain(grown.depth + 1), "one row": lambda: chain(1)}
         times = {name: [] for name in kinds}
         for _ in range(a.repeats):
             for name, run in kinds.items():
                 times[name].append(run())
         med = {name: statistics.median(t) for name, t in times.items()}
-        print(f"prompt of {L} tokens, tree of {M} nodes on {plan.rows.shape[0]} paths: "
+        print(f"prompt of {L} tokens, tree of {M} nodes on {grown.plan.rows.shape[0]} paths: "
               + ", ".join(f"{name} {s * 1000:.0f} ms" for name, s in med.items())
               + f"; paths / flattened {med['paths (exact)'] / med['flattened mask']:.3f}x", flush=True)
 

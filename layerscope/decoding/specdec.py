@@ -668,9 +668,29 @@ def _accept_sampled(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tens
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
-def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout,
-               exact: bool = False):
-    """Grow an EAGLE-2 tree, verify it in one forward, keep the accepted path's cache entries.
+@dataclass(frozen=True)
+class TreeForward:
+    """One tree verification's input, `tree_forward`'s: the grown tree as rows of a forward after the cache's L."""
+    node_ids: torch.Tensor          # [M+1] the root (`last`), then the tree's nodes, parents before children
+    parent_row: torch.Tensor        # [M+1] each row's parent row (the root is its own)
+    anc: torch.Tensor               # [M+1, M+1] bool: anc[i, j], row j is row i or one of its ancestors
+    positions: torch.Tensor         # [M+1] L + depth
+    inner: torch.Tensor             # rows whose logits the forward computes (sorted)
+    mask: object                    # verification_mask's additive mask(s) for the forward
+    plan: tree_attention.PathPlan | None    # the paths an exact forward lays out (None: the flattened tree)
+    depth: int                      # the deepest node's depth
+
+    def run(self, model, cache, aux_layers):
+        """The forward: logits [len(inner), V] and aux [M+1, k*d + d] (the draft's layers, then the final norm's
+        output), the M+1 rows appended to the cache."""
+        with tree_attention.paths(self.plan) if self.plan is not None else nullcontext():
+            return _target_forward(model, self.node_ids.tolist(), self.positions, cache,
+                                   list(aux_layers) + [model.config.num_hidden_layers], self.mask, keep=self.inner)
+
+
+def tree_forward(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, layout: AttentionLayout,
+                 exact: bool = False) -> TreeForward:
+    """Grow an EAGLE-2 tree from the draft and lay it out for one verification forward after the cache.
 
     Rows of the verified input: 0 is `last` (the root), 1..M the tree's nodes, parents before children.
     The target's logits are computed only at the root and the nodes with children (its vocabulary
@@ -682,34 +702,39 @@ def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, a
     """
     L = cache_length(cache)
     tokens, parents, depths = _grow_tree(d, depth, spec)
-    M, dev = len(tokens), d.device
-    node_ids = torch.tensor([last] + tokens, device=dev)                        # [M+1]
-    parent_row = torch.tensor([0] + [p + 1 for p in parents], device=dev)       # [M+1], the root is its own
-    anc = ancestors(parent_row, max(depths))                                     # [M+1, M+1]
+    dev = d.device
+    node_ids = torch.tensor([last] + tokens, device=dev)
+    parent_row = torch.tensor([0] + [p + 1 for p in parents], device=dev)
+    anc = ancestors(parent_row, max(depths))
     positions = L + torch.tensor([0] + depths, device=dev)
     aligned = row_alignment(model) > 0                                           # every row's logits: a leaf's
     inner = (torch.unique(parent_row) if _plain_head(model.config) and not aligned      # one-row projection would
-             else torch.arange(M + 1, device=dev))                               # round apart (sorted)
-    N, hd = model.config.num_hidden_layers, model.config.hidden_size
+             else torch.arange(len(node_ids), device=dev))                       # round apart (sorted)
     mask = verification_mask(layout, L, anc, positions, model.dtype)
-    plan = (tree_attention.paths(tree_attention.path_plan(parent_row, anc, L, row_alignment(model))) if exact
-            else nullcontext())
-    with plan:
-        logits, aux = _target_forward(model, node_ids.tolist(), positions, cache, list(aux_layers) + [N], mask,
-                                      keep=inner)
+    plan = tree_attention.path_plan(parent_row, anc, L, row_alignment(model)) if exact else None
+    return TreeForward(node_ids, parent_row, anc, positions, inner, mask, plan, max(depths))
+
+
+def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout,
+               exact: bool = False):
+    """Grow an EAGLE-2 tree, verify it in one forward (`tree_forward`), keep the accepted path's cache entries."""
+    L = cache_length(cache)
+    t = tree_forward(model, d, cache, last, depth, spec, layout, exact)
+    M, hd = len(t.node_ids) - 1, model.config.hidden_size
+    logits, aux = t.run(model, cache, aux_layers)
     aux, final = aux[:, :-hd], aux[:, -hd:]                                      # final: post-norm states [M+1, d]
-    target = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
-    target[inner] = logits.argmax(-1)                                            # the target's next token
-    rows = accepted_rows(node_ids, parent_row, anc, target)                      # root, then the accepted path
+    target = torch.full((M + 1,), -1, dtype=torch.long, device=d.device)
+    target[t.inner] = logits.argmax(-1)                                          # the target's next token
+    rows = accepted_rows(t.node_ids, t.parent_row, t.anc, target)                # root, then the accepted path
     if target[rows[-1]] < 0:                                                     # a leaf: project its row
         target[rows[-1]] = model.get_output_embeddings()(final[rows[-1]]).float().argmax()
     bonus = int(target[rows[-1]])
     compact_cache(cache, L, [L + r for r in rows])
     d.rewind()
-    new = node_ids[rows[1:]].tolist() + [bonus]
+    new = t.node_ids[rows[1:]].tolist() + [bonus]
     d.add_rows(new, aux[rows])
     a = len(rows) - 1
-    return M, a, tuple(i < a for i in range(max(depths))), new
+    return M, a, tuple(i < a for i in range(t.depth)), new
 
 
 def _tree_step_by_paths(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers):
