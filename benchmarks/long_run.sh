@@ -49,11 +49,12 @@
 #                                    # 40 held-out ShareGPT prompts; outcomes and answers kept in docs/study-qwen15
 #                                    # (`keep` with STUDY_DIR=docs/study-qwen15 MODEL=qwen2.5-coder-1.5b)
 #   benchmarks/long_run.sh qwen-continue # issue 50: the shipped 1.5B draft (probe [20,24,27]) trained on
-#                                    # (--init-from builtin): QWEN_TOKENS (default 1.5M) more tokens over twice the
-#                                    # conversations (--limit 2400 of the study's draw, code weighted 3x: the first
-#                                    # 968's answers are the ones kept in docs/study-qwen15/responses, the other ~1,000
-#                                    # are answered first, ~65 min on 2 cores, resumable per part; `keep` keeps them). It
-#                                    # holds out what the shipped draft held out; QWEN_DRAFT=<its draft key> benches it
+#                                    # (--init-from builtin): QWEN_TOKENS (default 1M) more tokens over half again as
+#                                    # many conversations (--limit 1800 of the study's draw, code weighted 3x: ~1,470
+#                                    # fit against the shipped draft's 968, whose answers are the ones kept in
+#                                    # docs/study-qwen15/responses; the ~500 others are answered first, ~40 min on 2
+#                                    # cores, resumable per part; `keep` keeps them). It holds out what the shipped
+#                                    # draft held out; QWEN_DRAFT=<its draft key> benches it before qwen-ship
 #   benchmarks/long_run.sh qwen-ship     # after qwen-continue: its draft shipped as the 1.5B's --draft builtin
 #   benchmarks/long_run.sh qwen-bench    # issue 50's done-when: the 1.5B's draft (QWEN_DRAFT, default builtin) with
 #                                    # --k/--tree/--lookup auto against plain decoding, HF generate and prompt lookup
@@ -92,8 +93,8 @@ by_kind[11]="${THREADS:-2}"          # --threads
 by_kind+=(--kinds translation=10,summarization=5,math=5)
 # issue 50: the shipped 1.5B draft trained on, with the study's recipe (qwen-continue, qwen-ship)
 qwen_continued=(--model qwen2.5-coder-1.5b --prompts sharegpt --kinds code=3 --responses regenerate
-  --limit "${QWEN_LIMIT:-2400}" --max-prompt-tokens 256 --max-new-tokens 192 --layers 20,24,27 --init-from builtin
-  --tokens "${QWEN_TOKENS:-1.5M}" --fc-norm --draft-intermediate 1024 --train-dtype bfloat16 --threads "${THREADS:-2}")
+  --limit "${QWEN_LIMIT:-1800}" --max-prompt-tokens 256 --max-new-tokens 192 --layers 20,24,27 --init-from builtin
+  --tokens "${QWEN_TOKENS:-1M}" --fc-norm --draft-intermediate 1024 --train-dtype bfloat16 --threads "${THREADS:-2}")
 # the answers kept in the repository go into the store first (never over what it holds)
 copy_responses() {
   if [ -d "$study_dir/responses" ]; then
