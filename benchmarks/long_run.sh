@@ -50,9 +50,9 @@
 #                                    # (`keep` with STUDY_DIR=docs/study-qwen15 MODEL=qwen2.5-coder-1.5b)
 #   benchmarks/long_run.sh qwen-continue # issue 50: the shipped 1.5B draft (probe [20,24,27]) trained on
 #                                    # (--init-from builtin): QWEN_TOKENS (default 1M) more tokens over half again as
-#                                    # many conversations (--limit 1800 of the study's draw, code weighted 3x: ~1,470
+#                                    # many conversations (--limit 1800 of the study's draw, code weighted 3x: 1,458
 #                                    # fit against the shipped draft's 968, whose answers are the ones kept in
-#                                    # docs/study-qwen15/responses; the ~500 others are answered first, ~40 min on 2
+#                                    # docs/study-qwen15/responses; the 490 others are answered first, ~35 min on 2
 #                                    # cores, resumable per part; `keep` keeps them). It holds out what the shipped
 #                                    # draft held out; QWEN_DRAFT=<its draft key> benches it before qwen-ship
 #   benchmarks/long_run.sh qwen-ship     # after qwen-continue: its draft shipped as the 1.5B's --draft builtin
