@@ -2,6 +2,10 @@
 without), decoded one prompt at a time with every shape in turn, so that a slow spell of the machine touches all alike.
 
     .venv/bin/python benchmarks/tree_shapes.py --model qwen2.5-coder-1.5b --trees 16,3,4 24,4,5 31,4,6 --lookup 8
+    .venv/bin/python benchmarks/tree_shapes.py --trees 16,3,4 --draft-dtypes float32 bfloat16
+
+--draft-dtypes runs each shape with the draft's weights in each dtype (LayerScope decodes with a float32 draft; a
+bfloat16 one may run faster where the CPU has bf16 matrix units, and may propose other tokens).
 
 `layerscope bench --tree auto` picks one shape from a calibration and the cost curve; this measures the shapes it
 weighs, side by side, on the prompts of the issue-50 benchmark (docs/study-qwen15/bench-code.jsonl). Per shape: tau
@@ -19,7 +23,7 @@ import torch
 
 from layerscope.decoding import specdec as sd
 from layerscope.draft import builtin
-from layerscope.draft.checkpoint import load_draft
+from layerscope.draft.checkpoint import TORCH_DTYPES, load_draft
 from layerscope.prompts.sets import chat_ids, load_prompts
 from layerscope.store import Store, default_root
 from layerscope.target.load import load_model
@@ -51,12 +55,19 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--draft-dtypes", nargs="+", default=["float32"], choices=sorted(TORCH_DTYPES),
+                   help="the draft's weights in each of these dtypes (float32: as `layerscope bench` decodes)")
     a = p.parse_args()
     store = Store(default_root())
     loaded = load_model(a.model, store=store)
     model, tok = loaded.model, loaded.tokenizer
-    draft = load_draft(builtin.resolve("builtin", a.model, store), loaded)
-    shapes = {"plain": None} | {t: sd.TreeSpec(*map(int, t.split(","))) for t in a.trees}
+    path = builtin.resolve("builtin", a.model, store)
+    drafts = {d: load_draft(path, loaded).to(TORCH_DTYPES[d]) for d in a.draft_dtypes}
+    shapes = {"plain": (None, None)}
+    for t in a.trees:
+        for d in a.draft_dtypes:
+            name = t if len(drafts) == 1 else f"{t} {d}"
+            shapes[name] = (sd.TreeSpec(*map(int, t.split(","))), drafts[d])
     prompts = load_prompts(a.prompts).prompts[a.first:a.first + a.limit]
     print(f"{a.model} in {loaded.dtype_name}, {len(prompts)} prompts x {a.max_new_tokens} tokens, lookup {a.lookup}, "
           f"{torch.get_num_threads()} threads", flush=True)
@@ -66,7 +77,7 @@ def main() -> None:
         ids = chat_ids(tok, prompt)[:a.max_prompt_tokens]
         plain = None
         with torch.inference_mode():
-            for name, tree in shapes.items():
+            for name, (tree, draft) in shapes.items():
                 tokens, steps, seconds = decode(model, draft, ids, a.max_new_tokens, tree, a.lookup)
                 plain = tokens if tree is None else plain
                 differ[name] += tokens != plain
@@ -75,7 +86,7 @@ def main() -> None:
                 total[name][2] += seconds
     base = total["plain"][0] / total["plain"][2]
     for name, (tokens, steps, seconds) in total.items():
-        print(f"{name:10s} tau {tokens / steps:.3f}  {1000 * seconds / steps:6.1f} ms/step  {tokens / seconds:5.2f} tok/s  "
+        print(f"{name:17s} tau {tokens / steps:.3f}  {1000 * seconds / steps:6.1f} ms/step  {tokens / seconds:5.2f} tok/s  "
               f"speedup {tokens / seconds / base:.3f}x  differ from plain: {differ[name]} of {len(prompts)}", flush=True)
 
 
