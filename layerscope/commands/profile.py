@@ -7,7 +7,7 @@ import sys
 from layerscope import quietness
 from layerscope.commands.common import Progress, add_wait_quiet, machine_options, open_store, print_json
 from layerscope.decoding import costmodel
-from layerscope.decoding.specdec import DEFAULT_K
+from layerscope.decoding.specdec import DEFAULT_K, decoding_draft
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft
 from layerscope.steps import preflight, workflow
@@ -43,7 +43,7 @@ def run(args) -> int:
         preflight.draft_dir(path)           # before the model loads
     target = workflow.load_target(args.model, store)
     target.check_room(max(costmodel.CACHE_LENGTHS), args.max_tokens, "the longest prefix measured", "--max-tokens")
-    draft = load_draft(path, target) if path else None
+    draft = decoding_draft(load_draft(path, target), target) if path else None
     options = machine_options(args)
     with Progress("profile", unit="") as bar:
         curve = costmodel.cost_curve(target, store, draft, fresh=args.fresh, max_tokens=args.max_tokens,

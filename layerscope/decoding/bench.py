@@ -336,8 +336,9 @@ def folder_names(paths: Sequence) -> list[str]:
 
 
 def load_drafts(target, named: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
-    """(name, path) pairs -> (unique contender name, DraftHead checked against `target`, on its device)."""
-    heads = [load_draft(path, target) for _, path in named]
+    """(name, path) pairs -> (unique contender name, DraftHead checked against `target`, on its device, in its dtype:
+    specdec.decoding_draft)."""
+    heads = [specdec.decoding_draft(load_draft(path, target), target) for _, path in named]
     return list(zip(unique_names([n for n, _ in named], heads), heads))
 
 

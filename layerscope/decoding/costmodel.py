@@ -202,22 +202,25 @@ def default_draft(loaded) -> DraftHead:
     d2t, t2d = build_draft_vocab(torch.arange(cfg.vocab_size), V, cfg.vocab_size)       # the first V ids
     head = DraftHead(DraftConfig.from_target(cfg, layers, V), embed_weight=loaded.model.get_input_embeddings().weight,
                      d2t=d2t, t2d=t2d)
-    return head.to(loaded.device).eval()
+    return specdec.decoding_draft(head.to(loaded.device), loaded).eval()
 
 
 def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
     """Store key of a cost curve: the target's weights, device, dtype and threads, the matrix library's code
     path (blas.path), the draft's shape, and whether the machine was quiet while it was measured
     (lookups ask for quiet=True only); and, where forwards are padded to aligned rows (specdec.row_alignment), the
-    alignment: a curve measured before padding priced other forwards."""
+    alignment: a curve measured before padding priced other forwards; and a draft's dtype other than float32
+    (specdec.decoding_draft: a float32 draft's curve priced other draft forwards)."""
     shape = None
     if draft is not None:
         c = draft.config
         shape = [c.hidden_size, c.draft_vocab_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads]
+    dtype = str(draft.fc.weight.dtype) if draft is not None else "torch.float32"
     align = specdec.row_alignment(loaded.model)
     return make_key({"fingerprint": loaded.fingerprint, "device": str(loaded.device), "dtype": str(loaded.dtype),
                      "threads": torch.get_num_threads(), "blas": blas.path(), "draft": shape, "quiet": bool(quiet),
-                     "format": FORMAT, **({"row_align": align} if align else {})})
+                     "format": FORMAT, **({"row_align": align} if align else {}),
+                     **({"draft_dtype": dtype} if dtype != "torch.float32" else {})})
 
 
 def cost_curve(loaded, store=None, draft=None, *, fresh: bool = False, max_tokens: int = MAX_TOKENS,

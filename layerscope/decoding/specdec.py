@@ -429,6 +429,14 @@ def _prompt(input_ids) -> list[int]:
     return ids
 
 
+def decoding_draft(head, loaded):
+    """`head` (a DraftHead) as the decoders run it beside `loaded` (a LoadedModel): in the target's dtype, as serving
+    engines load an EAGLE-3 draft in the model's dtype. So where precision.choose gave the target bfloat16 (its matrix
+    products are faster there), the draft's are too; a float32 target keeps a float32 draft. Training never calls
+    this: it keeps float32 weights (bf16 only under autocast). Returns the same module, moved."""
+    return head.to(dtype=loaded.dtype)
+
+
 # ----------------------------------------------------------------------------- autoregressive
 
 

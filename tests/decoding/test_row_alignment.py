@@ -3,16 +3,20 @@ same bits whichever forward computes them, and speculative decoding equals plain
 
 from __future__ import annotations
 
+import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from layerscope.decoding import bench, costmodel, tree_attention
 from layerscope.decoding import specdec as sd
-from layerscope.decoding import tree_attention
+from layerscope.draft.checkpoint import save_draft
+from layerscope.target.load import tiny_model
 from tests.families.test_draft_families import build_model
-from tests.helpers import LookupDraft
+from tests.helpers import LookupDraft, untrained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -234,3 +238,26 @@ def test_outside_a_tree_the_installed_attention_is_sdpa(llama):
     eager = _bf16()
     eager.set_attn_implementation("eager")
     assert not tree_attention.install(eager) and eager.config._attn_implementation == "eager"
+
+
+def test_a_draft_decodes_in_its_targets_dtype_and_the_output_stays_exact(tmp_path):
+    """bench.load_drafts (the CLI's, the app's and the study's drafts) casts a float32 draft to a bf16 target's dtype
+    (specdec.decoding_draft), its cost curve is stored apart from a float32 draft's, and chains, trees and lookup with
+    it still give plain decoding's tokens; a float32 target keeps a float32 draft."""
+    f32 = tiny_model(hidden_size=128)
+    path = save_draft(tmp_path / "d", untrained_draft(f32.model, layers=(1, 2)),
+                      {"target_fingerprint": f32.fingerprint, "target_model": f32.spec}, dtype="float32")
+    [(_, kept)] = bench.load_drafts(f32, [("d", path)])
+    assert kept.fc.weight.dtype == torch.float32
+    bf16 = replace(tiny_model(hidden_size=128), dtype=torch.bfloat16)
+    bf16.model.to(torch.bfloat16)
+    [(_, head)] = bench.load_drafts(bf16, [("d", path)])
+    assert {p.dtype for p in head.parameters()} == {torch.bfloat16}
+    assert costmodel.curve_key(bf16, head) != costmodel.curve_key(bf16, copy.deepcopy(head).float())
+    assert costmodel.default_draft(bf16).fc.weight.dtype == torch.bfloat16
+    for ids in PROMPTS:
+        plain, _ = sd.collect(sd.autoregressive(bf16.model, ids, 24))
+        for kw in (dict(k=3), dict(tree=sd.TreeSpec(6, 2, 3)), dict(k=2, lookup=4)):
+            out, events = sd.collect(sd.speculative(bf16.model, head, ids, 24, **kw))
+            assert out == plain, (ids, kw)
+            assert len(events) > 1
