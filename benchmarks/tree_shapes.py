@@ -4,8 +4,8 @@ without), decoded one prompt at a time with every shape in turn, so that a slow 
     .venv/bin/python benchmarks/tree_shapes.py --model qwen2.5-coder-1.5b --trees 16,3,4 24,4,5 31,4,6 --lookup 8
     .venv/bin/python benchmarks/tree_shapes.py --trees 16,3,4 --draft-dtypes float32 bfloat16
 
---draft-dtypes runs each shape with the draft's weights in each dtype (LayerScope decodes with a float32 draft; a
-bfloat16 one may run faster where the CPU has bf16 matrix units, and may propose other tokens).
+--draft-dtypes runs each shape with the draft's weights in each dtype (`layerscope bench` runs the draft in its
+target's dtype, specdec.decoding_draft; a float32 draft was the rule before, and may propose other tokens).
 
 `layerscope bench --tree auto` picks one shape from a calibration and the cost curve; this measures the shapes it
 weighs, side by side, on the prompts of the issue-50 benchmark (docs/study-qwen15/bench-code.jsonl). Per shape: tau
@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--draft-dtypes", nargs="+", default=["float32"], choices=sorted(TORCH_DTYPES),
-                   help="the draft's weights in each of these dtypes (float32: as `layerscope bench` decodes)")
+                   help="the draft's weights in each of these dtypes (`layerscope bench`: the target's)")
     a = p.parse_args()
     store = Store(default_root())
     loaded = load_model(a.model, store=store)
