@@ -55,17 +55,17 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--draft-dtypes", nargs="+", default=["float32"], choices=sorted(TORCH_DTYPES),
-                   help="the draft's weights in each of these dtypes (`layerscope bench`: the target's)")
+    p.add_argument("--draft-dtypes", nargs="+", choices=sorted(TORCH_DTYPES),
+                   help="the draft's weights in each of these dtypes (default: the target's, as `layerscope bench`)")
     a = p.parse_args()
     store = Store(default_root())
     loaded = load_model(a.model, store=store)
     model, tok = loaded.model, loaded.tokenizer
     path = builtin.resolve("builtin", a.model, store)
-    drafts = {d: load_draft(path, loaded).to(TORCH_DTYPES[d]) for d in a.draft_dtypes}
+    drafts = {d: load_draft(path, loaded).to(TORCH_DTYPES[d]) for d in a.draft_dtypes or [loaded.dtype_name]}
     shapes = {"plain": (None, None)}
     for t in a.trees:
-        for d in a.draft_dtypes:
+        for d in drafts:
             name = t if len(drafts) == 1 else f"{t} {d}"
             shapes[name] = (sd.TreeSpec(*map(int, t.split(","))), drafts[d])
     prompts = load_prompts(a.prompts).prompts[a.first:a.first + a.limit]
