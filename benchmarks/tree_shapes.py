@@ -62,7 +62,10 @@ def main() -> None:
     loaded = load_model(a.model, store=store)
     model, tok = loaded.model, loaded.tokenizer
     path = builtin.resolve("builtin", a.model, store)
-    drafts = {d: load_draft(path, loaded).to(TORCH_DTYPES[d]) for d in a.draft_dtypes or [loaded.dtype_name]}
+    if a.draft_dtypes:
+        drafts = {d: load_draft(path, loaded).to(TORCH_DTYPES[d]) for d in a.draft_dtypes}
+    else:                                                        # as bench decodes it
+        drafts = {loaded.dtype_name: sd.decoding_draft(load_draft(path, loaded), loaded)}
     shapes = {"plain": (None, None)}
     for t in a.trees:
         for d in drafts:
