@@ -3,6 +3,7 @@
     start = starting_point(paths, sets, target, draft_vocab, fc_norm, ff)   one stored draft per layer set, by layers
     build_drafters(..., start=start.heads) with start.d2t, start.t2d       (draft/training/fit.py)
     key_part(paths)                                                the weights' sha256, for the run's store key
+    strategy_label(given, start, i)                                the new draft's strategy label
     vocab_of(paths)                                                the drafts' vocabulary size: the run's default
 
 TrainOptions.init_from names the drafts (`train-draft --init-from DRAFT`, repeatable; `builtin` is the shipped
@@ -12,7 +13,8 @@ drafts' own (a continued draft keeps its shape; a mismatch is refused, naming th
 starts again (warm-up, then cosine over the new budget): a warm restart, so the budget is what is added.
 Held out: what the starting drafts held out (draft/training/online.py continued_held_out), so the new learning curve
 never scores conversations they trained on. The new draft's layerscope.json records where it started (init_from: path, sha256, tokens it had seen) and
-tokens_seen_total = those tokens + the new run's.
+tokens_seen_total = those tokens + the new run's, and keeps the starting draft's strategy label (which
+rule chose its layers) unless the run names one.
 """
 
 from __future__ import annotations
@@ -34,11 +36,20 @@ class StartingPoint:
     d2t: torch.Tensor               # [V] int64: the shared draft vocabulary
     t2d: torch.Tensor               # [vocab] bool
     records: list[dict]             # per set: path, sha256, tokens_seen, val_accuracy (what it started from),
-                                    # and for an online draft its held-out ids and options (draft/training/online.py)
+                                    # and for an online draft its held-out ids and options (draft/training/online.py);
+                                    # strategy: the label of the set it read (a continued draft keeps it)
 
     def summary(self, i: int) -> dict:
         """What the i-th set's new draft records of where it started (its layerscope.json init_from)."""
         return {k: self.records[i][k] for k in ("path", "sha256", "tokens_seen", "val_accuracy")}
+
+
+def strategy_label(given: str | None, start: StartingPoint | None, i: int) -> str | None:
+    """The strategy label the i-th set's new draft records: the run's own when it names one, else the starting
+    draft's (a continued draft reads the layers its start's rule chose), else None."""
+    if given is not None or start is None:
+        return given
+    return start.records[i].get("strategy")
 
 
 def weights_sha256(path) -> str:
@@ -113,6 +124,7 @@ def starting_point(paths, sets: list[list[int]], target, draft_vocab: int, fc_no
         online = meta.get("online") if isinstance(meta.get("online"), dict) else None
         records.append({"path": str(path), "sha256": weights_sha256(path), "tokens_seen": meta.get("tokens_seen_total",
                         meta.get("tokens_seen")), "val_accuracy": meta.get("val_accuracy"),
+                        "strategy": meta.get("strategy"),
                         "val_ids": online.get("val_ids") if online else None,
                         "online_options": meta.get("options") if online else None})
     return StartingPoint(heads, d2t, t2d, records)

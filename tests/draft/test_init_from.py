@@ -61,6 +61,19 @@ def test_a_continued_draft_starts_from_the_drafts_weights(tiny, started, one_thr
     assert m["options"]["init_from"] == [first.path]
 
 
+def test_a_continued_draft_keeps_its_starting_drafts_strategy_label_unless_the_run_names_one(tiny, tmp_path, one_thread):
+    store = Store(tmp_path / "s")
+    first = train_online(tiny, [[1, 2]], store, strategy=["probe"], options=OnlineOptions(**SMALL, steps=1)).drafts[0]
+    assert meta(first.path)["strategy"] == "probe"
+    kept = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=1, init_from=(first.path,))).drafts[0]
+    assert meta(kept.path)["strategy"] == "probe"
+    named = train_online(tiny, [[1, 2]], store, strategy=["manual"],
+                         options=OnlineOptions(**SMALL, steps=2, init_from=(first.path,))).drafts[0]
+    assert meta(named.path)["strategy"] == "manual"
+    unlabelled = train_online(tiny, [[1, 2]], store, options=OnlineOptions(**SMALL, steps=2)).drafts[0]
+    assert meta(unlabelled.path)["strategy"] is None
+
+
 def test_the_run_is_keyed_by_the_starting_weights_not_their_path(tiny, started, tmp_path, one_thread):
     store, first = started
     copy = tmp_path / "copy"

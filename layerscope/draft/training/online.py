@@ -473,7 +473,8 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         d.head.eval()
         dkey = make_key({"run": key, "layers": s})
         path = store.path("drafts", dkey)
-        meta = {**draft_meta(s, o, state, s_i, target=target, strategy=strategy[s_i] if strategy else None, data=data,
+        label = init_from.strategy_label(strategy[s_i] if strategy else None, start, s_i)
+        meta = {**draft_meta(s, o, state, s_i, target=target, strategy=label, data=data,
                              vocab_size=len(d2t), started=start.summary(s_i) if start else None),
                 "key": dkey, "run_key": key, "val_by_kind": by_kind[s_i], "val_by_kind_start": starts[s_i]}
         save_draft(path, d.head, meta, target=target)

@@ -164,7 +164,8 @@ def train_draft(cap, layers, target_config, target_embed: torch.Tensor, target_l
     head.eval()
     val_acc, val_loss, val_positions, val_coverage = state.last_eval[0]
     data = {"capture_key": cap.key, "train_tokens": len(train.token_id), "coverage": round(coverage, 5)}
-    meta = (draft_meta(layers, o, state, 0, target=target, strategy=strategy, data=data, vocab_size=len(d2t),
+    label = init_from.strategy_label(strategy, start, 0)
+    meta = (draft_meta(layers, o, state, 0, target=target, strategy=label, data=data, vocab_size=len(d2t),
                        started=start.summary(0) if start else None)
             if target is not None else {})
     finite = [l for l in losses if l == l]
