@@ -3,7 +3,7 @@ weights and dtype, with the decoders' row alignment (specdec.row_alignment) and 
 
     LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --model smollm2-135m --prompts 16
     LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --no-align --tree
-    LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --k "" --tree --no-exact-tree
+    LAYERSCOPE_DTYPE=bfloat16 .venv/bin/python benchmarks/bf16_exact.py --tree --no-row-attention --align 16
 
 Prints each output that differs (prompt, decoding, first differing token) and the count. Uses the model's shipped
 draft (--draft builtin) or a draft directory or store key. The rounding is the machine's: run it on the machine
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from layerscope.decoding import exact_attention, row_invariance
 from layerscope.decoding import specdec as sd
-from layerscope.decoding import tree_attention
 from layerscope.draft import builtin
 from layerscope.draft.checkpoint import load_draft
 from layerscope.prompts.sets import chat_ids, load_prompts
@@ -37,12 +37,15 @@ def main() -> None:
     p.add_argument("--k", default="1,3", help="chain depths")
     p.add_argument("--tree", action="store_true", help="also a tree (--tree-spec)")
     p.add_argument("--no-align", action="store_true", help="forwards as they are (the decoders before the padding)")
-    p.add_argument("--no-exact-tree", action="store_true",
-                   help="a tree's nodes attend under its flattened mask (the decoders before tree_attention)")
+    p.add_argument("--no-row-attention", action="store_true",
+                   help="every row of a forward attends in one sdpa call (the decoders before exact_attention)")
+    p.add_argument("--align", type=int, default=None, help="pad to this many rows instead of the measured alignment")
     p.add_argument("--tree-spec", default="16,4,5", help="the tree's budget, top-k and depth")
     a = p.parse_args()
-    if a.no_exact_tree:
-        tree_attention.install = lambda model: False
+    if a.no_row_attention:
+        exact_attention.install = lambda model: False
+    if a.align is not None:
+        row_invariance.alignment = lambda *args: a.align
     if a.no_align:
         sd.row_alignment = lambda model: 0
     store = Store(default_root())

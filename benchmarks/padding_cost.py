@@ -3,8 +3,9 @@ transformers' own `generate`, at a short and a long prompt, and where a padded s
 
     .venv/bin/python benchmarks/padding_cost.py --model qwen2.5-coder-1.5b [--new 24] [--profile]
 
-In 16-bit floats the decoders pad every target forward to 16-31 rows (specdec.row_alignment) so that a token's
-numbers do not depend on the forward's shape (token-exact speculative decoding). The cost curve `bench` measures is
+In 16-bit floats the decoders pad every target forward to the rows this machine needs (specdec.row_alignment: 16-31 on
+a CPU with AMX, 2-3 on an AMD EPYC with AVX-512 BF16) and let each real row attend alone (exact_attention), so that a
+token's numbers do not depend on the forward's shape (token-exact speculative decoding). The cost curve `bench` measures is
 itself padded, so it cannot show what the padding costs; this does. Each number is the median step over `--new`
 tokens after the prefill; transformers' is (generate of N tokens − generate of 1) / (N − 1). Run it alone: it times.
 """
@@ -28,12 +29,13 @@ PROMPTS = Path(__file__).resolve().parents[1] / "docs/study-qwen15/bench-code.js
 
 def our_step(model, ids: list[int], n: int, align: bool) -> float:
     """Median seconds of our plain decoding's steps after the prefill, padded (align) or not."""
-    saved = sd.ROW_ALIGN
-    sd.ROW_ALIGN = saved if align else 0          # row_alignment reads it: 0 is float32's unpadded path
+    saved = sd.row_alignment
+    if not align:
+        sd.row_alignment = lambda model: 0        # float32's path: no padding, sdpa over the rows at once
     try:
         steps = [e.elapsed_s for e in sd.autoregressive(model, ids, n)][1:]
     finally:
-        sd.ROW_ALIGN = saved
+        sd.row_alignment = saved
     return statistics.median(steps)
 
 

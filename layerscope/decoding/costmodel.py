@@ -209,7 +209,8 @@ def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
     """Store key of a cost curve: the target's weights, device, dtype and threads, the matrix library's code
     path (blas.path), the draft's shape, and whether the machine was quiet while it was measured
     (lookups ask for quiet=True only); and, where forwards are padded to aligned rows (specdec.row_alignment), the
-    alignment: a curve measured before padding priced other forwards; and a draft's dtype other than float32
+    alignment and that rows attend alone (exact_attention): a curve measured before either priced other forwards;
+    and a draft's dtype other than float32
     (specdec.decoding_draft: a float32 draft's curve priced other draft forwards)."""
     shape = None
     if draft is not None:
@@ -219,7 +220,7 @@ def curve_key(loaded, draft=None, *, quiet: bool = True) -> str:
     align = specdec.row_alignment(loaded.model)
     return make_key({"fingerprint": loaded.fingerprint, "device": str(loaded.device), "dtype": str(loaded.dtype),
                      "threads": torch.get_num_threads(), "blas": blas.path(), "draft": shape, "quiet": bool(quiet),
-                     "format": FORMAT, **({"row_align": align} if align else {}),
+                     "format": FORMAT, **({"row_align": align, "attention": "rows alone"} if align else {}),
                      **({"draft_dtype": dtype} if dtype != "torch.float32" else {})})
 
 

@@ -31,15 +31,17 @@ the window is applied by the masks alone: the target builds its sliding masks fr
 when no mask is passed, and the tree passes a windowed version of its mask to the sliding layers
 (`AttentionLayout`, `verification_mask`).
 
-Exact in bfloat16 (`row_alignment`): a bf16 forward's numbers for one token depend on the forward's shape (kernels
-and blockings chosen by the row count, attention reduced over the cache's length), so a verification of k+1 tokens and
-a one-token step can round a near-tie differently. Every target forward of these decoders is therefore padded with
-throwaway rows so that it has at least ROW_ALIGN rows and ends at a multiple of ROW_ALIGN positions, and the padding
-is cut from the cache at once: each token's logits are computed alike in plain decoding and in every verification.
+Exact in bfloat16 (`row_alignment`, `exact_attention`): a bf16 forward's numbers for one token depend on the forward's
+shape (matrix kernels and blockings chosen by the row count; attention kernels that reduce a row by the rows beside
+it and the keys' length), so a verification of k+1 tokens and a one-token step can round a near-tie differently.
+Every target forward of these decoders is therefore padded with throwaway rows to the fewest rows that keep this
+machine's matrix products alike (measured: `row_invariance`; 2 on an AMD EPYC with AVX-512 BF16, 16 on a CPU with
+AMX), and the padding is cut from the cache at once; and each real row of a decoding forward or a tree attends alone
+over exactly its visible keys (`exact_attention.row_attention`), so a tree node attends as the chain through it would.
 Measured on SmolLM2-135M, bf16, 16 prompts x 48 tokens, chains K=1 and K=3: 14 of 32 outputs differed from plain
-decoding without it, 0 with it (docs/internals.md, "bfloat16 and lossless"). A tree's nodes sit among masked cousins,
-which rounds apart too: a padded target attending with sdpa verifies trees through `tree_attention` (each root-to-leaf
-path laid out as its chain), installed by `speculative` (SmolLM2, 16-node trees: 1 of 16 outputs differed, 0 with it).
+decoding without padding on a Xeon with AMX, 0 with it; on the EPYC 16-row padding with torch's attention left 24 of
+260 rows apart from the one-token step and 1 of 48 outputs (a tree's), 2-row padding with rows attending alone 0 of
+260 (docs/internals.md, "bfloat16 and lossless").
 
 Targets with recurrent state beside attention (gated delta-nets, Mamba/Mamba-2 mixers, short convolutions: Qwen3-Next,
 Qwen3.5, OLMo-Hybrid, Jamba, Bamba, GraniteMoeHybrid, Falcon-H1, LFM2): after the prefill their layers record the state
@@ -67,7 +69,7 @@ from transformers.cache_utils import (
 )
 
 from layerscope import layerset
-from layerscope.decoding import tree_attention
+from layerscope.decoding import exact_attention, row_invariance
 from layerscope.draft.model import DraftCache
 from layerscope.errors import DraftError, LayerScopeError
 from layerscope.target.head import HEAD_TRANSFORMS
@@ -93,10 +95,14 @@ DEFAULT_LOOKUP = 4
 LOOKUP_GROW, LOOKUP_SHRINK = 2, 1
 DEFAULT_ADAPTIVE_CAP = 16          # the app's adaptive span: DEFAULT_LOOKUP..DEFAULT_ADAPTIVE_CAP
 
-# Rows of a target forward in 16-bit floats, and the multiple its last position is padded to (`row_alignment`). 16 is
-# one AMX tile of rows; on a CPU with AMX a 16-row forward of Qwen2.5-Coder-1.5B costs what a one-row step does
-# (verification 16 / step 0.98, docs/results.md), so the padding is about free where bf16 is chosen for speed.
-ROW_ALIGN = 16
+# The most rows a target forward in 16-bit floats is padded to at least, and the multiple its last position is padded
+# to (`row_alignment` measures the fewest this machine needs: row_invariance.CANDIDATES, this the largest). 16 is one
+# AMX tile of rows; on a CPU with AMX a 16-row forward of Qwen2.5-Coder-1.5B costs what a one-row step does
+# (verification 16 / step 0.98, docs/results.md), where on an AMD EPYC with AVX-512 BF16 it cost 2.2-2.4x (2026-12-07).
+ROW_ALIGN = row_invariance.CANDIDATES[-1]
+# A padded forward of at most this many real rows (a decoding step, a verification) attends one real row at a time
+# (exact_attention.row_attention): torch's CPU attention kernels reduce a row differently by the rows beside it
+EXACT_ROWS = row_invariance.MAX_ROWS
 
 clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
 
@@ -296,13 +302,20 @@ def compact_cache(cache: DynamicCache, start: int, keep: list[int]) -> None:
 
 
 def row_alignment(model) -> int:
-    """ROW_ALIGN for a target whose weights are 16-bit floats and whose every layer attends (full or sliding window);
-    0 (forwards as they are) in float32, where the decoders are exact without it, and for targets with recurrent
-    layers, whose state a padding row would advance (a recording layer could take it back, plain decoding's does
-    not record)."""
+    """The rows a target forward is padded to at least, for a target whose weights are 16-bit floats and whose every
+    layer attends (full or sliding window): the fewest that keep a row's matrix products alike wherever it sits,
+    measured on this machine with the model's own forwards (`row_invariance.alignment`: 1, no padding, up to
+    ROW_ALIGN; once per process). 0 (forwards as they are,
+    attention as transformers runs it) in float32, where the decoders are exact without it, and for targets with
+    recurrent layers, whose state a padding row would advance (a recording layer could take it back, plain decoding's
+    does not record)."""
     if model.dtype not in (torch.bfloat16, torch.float16) or attention_layout(model).recurrent:
         return 0
-    return ROW_ALIGN
+
+    def forward(ids, positions, cache, align):
+        return _target_forward(model, ids, positions, cache, align=align)[0]
+
+    return row_invariance.alignment(model, forward, lambda: new_cache(model), crop_cache)
 
 
 def padding_rows(start: int, rows: int, align: int) -> int:
@@ -329,30 +342,37 @@ def _padded_mask(mask, prefix: int, rows: int, pad: int):
 
 
 def _target_forward(model, ids: Sequence[int], positions: torch.Tensor, cache, aux_layers=None, mask=None,
-                    last_only: bool = False, keep: torch.Tensor | None = None):
+                    last_only: bool = False, keep: torch.Tensor | None = None, align: int | None = None):
     """Append `ids` at `positions` [T] to the cache: logits [T, V] ([1, V] with last_only, [len(keep), V] for
     the rows `keep`), aux [T, k*d] or None.
 
     In 16-bit floats the forward is padded to `padding_rows` more rows (`row_alignment`: the module docstring says
-    why), their logits computed with the real rows' and every padding entry cut from the cache before returning.
+    why), their logits computed with the real rows' and every padding entry cut from the cache before returning, and
+    a decoding forward (at most EXACT_ROWS rows) or a tree's attends one real row at a time
+    (`exact_attention.rows_alone`). `align`: pad to that many rows instead of `row_alignment`'s (its own probe).
     A recurrent layer that records (`record_states`) keeps its state after each of the T tokens, so `crop_cache` can
     go back to any of them: the model then runs all T tokens through its one-token recurrent kernel, the one plain
     decoding runs, instead of the chunked one."""
     dev, T = positions.device, len(ids)
     start = cache_length(cache)
-    pad = padding_rows(start, T, row_alignment(model))
+    align = row_alignment(model) if align is None else align
+    pad = padding_rows(start, T, align)
+    # a decoding forward's and a tree's real rows attend one at a time (exact_attention.row_attention); a longer
+    # forward without a mask is a prompt's prefill, which every decoder runs alike
+    alone = bool(align) and (T <= EXACT_ROWS or mask is not None) and exact_attention.install(model)
     ids = list(ids) + [int(ids[-1])] * pad
     if pad:
         positions = torch.cat([positions, positions.max() + 1 + torch.arange(pad, device=dev)])
         mask = None if mask is None else _padded_mask(mask, start, T, pad)
     for layer in _recurrent_layers(cache):
         layer.recurrent_states_to_keep = len(ids) if layer.record_past else 0
-    # padded, the vocabulary projection runs over 16 rows at least (a one-row one would round apart), and over the
+    # padded, the vocabulary projection runs over `align` rows at least (fewer would round apart), and over the
     # last rows only where only the last real row is wanted (a long prompt's prefill)
-    tail = min(len(ids), pad + ROW_ALIGN) if pad and last_only and keep is None else 0
-    out = model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], cache=cache,
-                attention_mask=mask, use_cache=True, output_hidden_states=aux_layers is not None,
-                logits_to_keep=tail if pad else keep if keep is not None else 1 if last_only else 0)
+    tail = min(len(ids), pad + align) if pad and last_only and keep is None else 0
+    with exact_attention.rows_alone(T) if alone else nullcontext():
+        out = model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], cache=cache,
+                    attention_mask=mask, use_cache=True, output_hidden_states=aux_layers is not None,
+                    logits_to_keep=tail if pad else keep if keep is not None else 1 if last_only else 0)
     aux = torch.cat([out.hidden_states[l][0, :T] for l in aux_layers], -1) if aux_layers is not None else None
     logits = out.logits[0]
     if pad:
@@ -534,13 +554,10 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
     span_rule = lookup_span(lookup)
     layout = attention_layout(model)
     if tree is not None and not layout.recurrent and model.config._attn_implementation not in (
-            "sdpa", "eager", tree_attention.ATTENTION):
+            "sdpa", "eager", exact_attention.ATTENTION):
         raise LayerScopeError(f"tree verification needs a 4-D attention mask, which the "
                               f"{model.config._attn_implementation} attention of the target cannot take",
                               "Load the target with attn_implementation='sdpa', or use the chain")
-    # padded forwards: each node attends as the chain through it would (tree_attention), else bf16 rounds apart
-    exact_tree = (tree is not None and not layout.recurrent and row_alignment(model) > 0
-                  and tree_attention.install(model))
     _check_draft(model, draft)
     ids, eos = _prompt(input_ids), _eos_set(eos_token_id)
     if max_new_tokens < 1:
@@ -574,8 +591,7 @@ def speculative(model, draft, input_ids, max_new_tokens: int, *, k: int = DEFAUL
             elif tree is not None and depth > 0 and layout.recurrent:
                 drafted, accepted, mask, new = _tree_step_by_paths(model, d, cache, last, depth, tree, aux_layers)
             elif tree is not None and depth > 0:
-                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout,
-                                                          exact_tree)
+                drafted, accepted, mask, new = _tree_step(model, d, cache, last, depth, tree, aux_layers, layout)
             else:
                 drafted, accepted, mask, new = _chain_step(model, d, cache, last, depth, aux_layers, temperature, gen)
         if found:
@@ -685,19 +701,16 @@ class TreeForward:
     positions: torch.Tensor         # [M+1] L + depth
     inner: torch.Tensor             # rows whose logits the forward computes (sorted)
     mask: object                    # verification_mask's additive mask(s) for the forward
-    plan: tree_attention.PathPlan | None    # the paths an exact forward lays out (None: the flattened tree)
     depth: int                      # the deepest node's depth
 
     def run(self, model, cache, aux_layers):
         """The forward: logits [len(inner), V] and aux [M+1, k*d + d] (the draft's layers, then the final norm's
         output), the M+1 rows appended to the cache."""
-        with tree_attention.paths(self.plan) if self.plan is not None else nullcontext():
-            return _target_forward(model, self.node_ids.tolist(), self.positions, cache,
-                                   list(aux_layers) + [model.config.num_hidden_layers], self.mask, keep=self.inner)
+        return _target_forward(model, self.node_ids.tolist(), self.positions, cache,
+                               list(aux_layers) + [model.config.num_hidden_layers], self.mask, keep=self.inner)
 
 
-def tree_forward(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, layout: AttentionLayout,
-                 exact: bool = False) -> TreeForward:
+def tree_forward(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, layout: AttentionLayout) -> TreeForward:
     """Grow an EAGLE-2 tree from the draft and lay it out for one verification forward after the cache.
 
     Rows of the verified input: 0 is `last` (the root), 1..M the tree's nodes, parents before children.
@@ -705,8 +718,8 @@ def tree_forward(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec,
     projection is a fifth of a small model's forward); when the accepted path ends at a leaf, that one
     row is projected afterwards from the final hidden state. A target whose head transforms the logits
     (`HEAD_TRANSFORMS`), or whose forwards are padded (`row_alignment`), gets its logits at every row instead.
-    exact: the target attends with `tree_attention` (installed), and each root-to-leaf path is laid out as the chain
-    verifying it (its rows padded as that chain's are), so every node's numbers are plain decoding's.
+    A padded target's nodes attend one at a time over their visible keys (`_target_forward`, `exact_attention`), so
+    every node's numbers are those of the chain through it, and of plain decoding.
     """
     L = cache_length(cache)
     tokens, parents, depths = _grow_tree(d, depth, spec)
@@ -719,15 +732,13 @@ def tree_forward(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec,
     inner = (torch.unique(parent_row) if _plain_head(model.config) and not aligned      # one-row projection would
              else torch.arange(len(node_ids), device=dev))                       # round apart (sorted)
     mask = verification_mask(layout, L, anc, positions, model.dtype)
-    plan = tree_attention.path_plan(parent_row, anc, L, row_alignment(model)) if exact else None
-    return TreeForward(node_ids, parent_row, anc, positions, inner, mask, plan, max(depths))
+    return TreeForward(node_ids, parent_row, anc, positions, inner, mask, max(depths))
 
 
-def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout,
-               exact: bool = False):
+def _tree_step(model, d: _Draft, cache, last: int, depth: int, spec: TreeSpec, aux_layers, layout: AttentionLayout):
     """Grow an EAGLE-2 tree, verify it in one forward (`tree_forward`), keep the accepted path's cache entries."""
     L = cache_length(cache)
-    t = tree_forward(model, d, cache, last, depth, spec, layout, exact)
+    t = tree_forward(model, d, cache, last, depth, spec, layout)
     M, hd = len(t.node_ids) - 1, model.config.hidden_size
     logits, aux = t.run(model, cache, aux_layers)
     aux, final = aux[:, :-hd], aux[:, -hd:]                                      # final: post-norm states [M+1, d]

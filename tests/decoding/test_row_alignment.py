@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from layerscope.decoding import bench, costmodel, tree_attention
+from layerscope.decoding import bench, costmodel, exact_attention, row_invariance
 from layerscope.decoding import specdec as sd
 from layerscope.draft.checkpoint import save_draft
 from layerscope.target.load import tiny_model
@@ -52,9 +52,75 @@ def test_padding_rows_closed_form():
 
 
 def test_only_16_bit_attention_targets_are_aligned(llama):
-    assert sd.row_alignment(llama) == sd.ROW_ALIGN == 16
+    assert sd.row_alignment(llama) in row_invariance.CANDIDATES                          # measured on this machine
     assert sd.row_alignment(LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()) == 0           # float32: exact as it is
-    assert sd.row_alignment(_bf16(window=4)) == 16                                        # sliding windows too
+    assert sd.row_alignment(_bf16(window=4)) in row_invariance.CANDIDATES                # sliding windows too
+
+
+def test_the_alignment_is_the_fewest_rows_whose_probe_finds_no_row_apart(llama, monkeypatch):
+    """row_invariance.alignment takes the smallest candidate whose probe finds no row apart, falls back to the largest
+    when none does, and measures once per shapes, dtype, device and threads."""
+    assert row_invariance.shapes(llama) == ((128, 256), (256, 256), (256, 512), (300, 256), (512, 256))
+    asked = []
+
+    def fake(model, forward, align, new_cache, crop):
+        asked.append(align)
+        return {1: 5, 2: 3}.get(align, 0)
+
+    monkeypatch.setattr(row_invariance, "rows_apart", fake)
+    monkeypatch.setattr(row_invariance, "_CACHE", {})
+    assert sd.row_alignment(llama) == 4 and asked == [1, 2, 4]
+    assert sd.row_alignment(llama) == 4 and asked == [1, 2, 4]                           # measured once
+    monkeypatch.setattr(row_invariance, "rows_apart", lambda *a: 1)
+    monkeypatch.setattr(row_invariance, "_CACHE", {})
+    assert sd.row_alignment(llama) == sd.ROW_ALIGN == 16
+
+
+def test_the_probe_finds_a_forward_that_rounds_a_row_otherwise_alone(llama):
+    """rows_apart with the decoders' own forward finds no row apart at the measured alignment; a forward whose
+    one-row products round otherwise (as a one-row kernel summing in another order would: emulated on the logits)
+    is caught at alignment 1 and passes at 2, where no forward has one row."""
+    def forward(ids, positions, cache, align):
+        return sd._target_forward(llama, ids, positions, cache, align=align)[0]
+
+    def rounds_alone(ids, positions, cache, align):
+        logits = forward(ids, positions, cache, align)
+        return logits * (1 + 2 ** -6) if len(ids) + sd.padding_rows(positions[0].item(), len(ids), align) == 1 else logits
+
+    new, crop = (lambda: sd.new_cache(llama)), sd.crop_cache
+    assert row_invariance.rows_apart(llama, forward, sd.row_alignment(llama), new, crop) == 0
+    assert row_invariance.rows_apart(llama, rounds_alone, 1, new, crop) > 0
+    assert row_invariance.rows_apart(llama, rounds_alone, 2, new, crop) == 0
+
+
+def test_row_attention_gives_a_row_the_same_bits_whatever_rows_and_keys_surround_it():
+    """One query row's output from `row_attention` depends only on its query and visible keys: the same bits as the
+    row alone, as row 5 of 7 under a causal mask with more keys behind, and as a tree node among masked cousins; and
+    within rounding of sdpa's."""
+    torch.manual_seed(0)
+    H, Hkv, D, N = 4, 2, 32, 40
+    q, k, v = (torch.randn(1, h, N, D).to(torch.bfloat16) for h in (H, Hkv, Hkv))
+    # row at position 30: alone (one query, keys 0..30, no mask)
+    alone = exact_attention.row_attention(q[:, :, 30:31], k[:, :, :31], v[:, :, :31], None, 1)[0, 0]
+    # as row 5 of 7 queries (positions 25..31) over keys 0..39 with a causal mask hiding the rest, two padding rows
+    qs = q[:, :, 25:32]
+    mask = torch.zeros(1, 1, 7, N, dtype=torch.bool)
+    for i in range(7):
+        mask[0, 0, i, :26 + i] = True
+    seven = exact_attention.row_attention(qs, k, v, mask, 6)
+    assert torch.equal(seven[0, 5], alone) and not seven[0, 6:].any()
+    # as a tree node: keys 0..28 and then 30 (its ancestors and itself), with 29 and 31.. hidden (a cousin, others)
+    tree_keys = torch.cat([k[:, :, :29], k[:, :, 30:31]], 2)
+    tree_vals = torch.cat([v[:, :, :29], v[:, :, 30:31]], 2)
+    node = exact_attention.row_attention(q[:, :, 30:31], tree_keys, tree_vals, None, 1)[0, 0]
+    mask = torch.zeros(1, 1, 1, 32, dtype=torch.bool)
+    mask[0, 0, 0, :29] = True
+    mask[0, 0, 0, 30] = True
+    among = exact_attention.row_attention(q[:, :, 30:31], k[:, :, :32], v[:, :, :32], mask, 1)[0, 0]
+    assert torch.equal(among, node)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, 30:31].float(), k[:, :, :31].float().repeat_interleave(2, 1),
+                                                           v[:, :, :31].float().repeat_interleave(2, 1))[0, :, 0]
+    assert torch.allclose(alone.float(), ref, atol=0.02)
 
 
 def _forward(model, prefix: list[int], new: list[int], **kw):
@@ -67,9 +133,12 @@ def _forward(model, prefix: list[int], new: list[int], **kw):
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_a_tokens_logits_are_the_same_bits_in_any_forward(window):
+@pytest.mark.parametrize("align", ["measured", 16])
+def test_a_tokens_logits_are_the_same_bits_in_any_forward(window, align, monkeypatch):
     """Position p's logits and hidden states: as a one-token step after p tokens, or as the 4th row of a 6-row
     verification after p - 3 tokens: bit for bit equal; the cache holds exactly the real rows afterwards."""
+    if align != "measured":
+        monkeypatch.setattr(row_invariance, "alignment", lambda *args: align)
     model = _bf16(window)
     seq = PROMPTS[2]
     p = 14
@@ -93,9 +162,13 @@ def test_the_padding_leaves_what_an_unpadded_forward_computes_within_rounding(ll
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_speculative_decoding_in_bf16_equals_plain_decoding(window):
+@pytest.mark.parametrize("align", ["measured", 16])
+def test_speculative_decoding_in_bf16_equals_plain_decoding(window, align, monkeypatch):
     """Chains of depth 1 and 3, a tree and prompt lookup, with a draft right at most positions and wrong at every
-    fifth (so verifications of every length happen): the same tokens as plain decoding, in bfloat16."""
+    fifth (so verifications of every length happen): the same tokens as plain decoding, in bfloat16, with this
+    machine's alignment and with every forward padded to 16 rows (an AMX CPU's)."""
+    if align != "measured":
+        monkeypatch.setattr(row_invariance, "alignment", lambda *args: align)
     model = _bf16(window)
     for ids in PROMPTS:
         plain, _ = sd.collect(sd.autoregressive(model, ids, 40))
@@ -110,7 +183,7 @@ def test_speculative_decoding_in_bf16_equals_plain_decoding(window):
 def test_a_mixed_sliding_and_full_target_in_bf16_decodes_exactly():
     """Gemma 3's layers of two kinds take a tree's mask as a dict per kind (verification_mask): both are padded."""
     model = build_model("gemma3", SHAPE["vocab_size"]).to(torch.bfloat16)
-    assert sd.row_alignment(model) == 16 and len(set(sd.attention_layout(model).kinds)) == 2
+    assert sd.row_alignment(model) > 0 and len(set(sd.attention_layout(model).kinds)) == 2
     for ids in PROMPTS:
         plain, _ = sd.collect(sd.autoregressive(model, ids, 30))
         draft = LookupDraft(ids + plain, SHAPE["vocab_size"], aux_layers=(1,),
@@ -120,68 +193,15 @@ def test_a_mixed_sliding_and_full_target_in_bf16_decodes_exactly():
             assert out == plain, (ids, kw)
 
 
-def test_a_tree_plan_lays_out_each_root_to_leaf_path():
-    """Rows 0 (root) -> 1, 2; 1 -> 3; 2 -> 4, 5: three paths, each row's output from the first path through it."""
-    parent = torch.tensor([0, 0, 0, 1, 2, 2])
-    plan = tree_attention.path_plan(parent, sd.ancestors(parent, 2), prefix=7, align=16)
-    assert plan.rows.tolist() == [[0, 1, 3], [0, 2, 4], [0, 2, 5]]
-    assert plan.source.tolist() == [0, 1, 3 + 1, 2, 3 + 2, 6 + 2]
-    assert plan.keys == 16                                   # 7 + 3 keys, rounded up as a padded chain's forward ends
-    assert plan.cols[1].tolist() == list(range(7)) + [7 + 0, 7 + 2, 7 + 4] + [0] * 6
-    assert plan.seen[1].tolist() == [True] * 10 + [False] * 6
-    root = tree_attention.path_plan(torch.tensor([0]), sd.ancestors(torch.tensor([0]), 1), prefix=16, align=16)
-    assert root.rows.tolist() == [[0, -1]] and root.keys == 32          # two query rows at least
-
-
 def _random_tree(rng: random.Random, n: int) -> torch.Tensor:
     parent = [0] + [rng.randrange(i) for i in range(1, n)]
     return torch.tensor(parent)
 
 
-def test_path_attention_gives_each_node_its_chains_bits():
-    """The attention itself, Qwen2.5-1.5B's heads (12 query heads over 2 key heads of 128, bf16): over random trees
-    and prefixes (up to 1,100 keys: the kernel reduces them in blocks of 512), each node's output under `tree_attention.attention` equals, bit
-    for bit, what transformers' sdpa gives it in the forward of the chain verifying its path (its rows, padded as
-    specdec pads a chain, key heads repeated). The flattened tree under its mask, the layout before, differs for some
-    nodes: the check can fail."""
-    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
-    H, Hkv, D = 12, 2, 128
-    module = type("Attn", (), {"num_key_value_groups": H // Hkv, "is_causal": True, "training": False})()
-    checked = flattened_differ = 0
-    for _ in range(40):
-        L, T = rng.randrange(1, 1100), rng.randrange(1, 32)
-        parent = _random_tree(rng, T)
-        anc = sd.ancestors(parent, T)
-        pad = sd.padding_rows(L, T, 16)
-        Q = T + pad
-        q = torch.randn(1, H, Q, D, generator=gen).bfloat16()
-        k = (3 * torch.randn(1, Hkv, L + Q, D, generator=gen)).bfloat16()
-        v = torch.randn(1, Hkv, L + Q, D, generator=gen).bfloat16()
-        mask = sd._padded_mask(sd.tree_mask(L, anc, torch.bfloat16), L, T, pad)
-        with tree_attention.paths(tree_attention.path_plan(parent, anc, L, 16)):
-            out, _ = tree_attention.attention(module, q, k, v, mask)                # [1, Q, H, D]
-        flat, _ = tree_attention.attention(module, q, k, v, mask)                   # outside a plan: sdpa itself
-        for leaf in set(range(T)) - set(parent[1:].tolist()):
-            rows = anc[leaf].nonzero().flatten()                                    # the path, root first
-            c = rows.shape[0]
-            R = c + sd.padding_rows(L, c, 16)
-            extra = torch.randn(1, H, R - c, D, generator=gen).bfloat16()
-            qc = torch.cat([q[:, :, rows], extra], 2)
-            kc = torch.cat([k[:, :, :L], k[:, :, L + rows], k[:, :, :R - c]], 2)      # padding keys: any values
-            vc = torch.cat([v[:, :, :L], v[:, :, L + rows], v[:, :, :R - c]], 2)
-            causal = torch.ones(R, L + R, dtype=torch.bool)
-            causal[:, L:] = torch.ones(R, R, dtype=torch.bool).tril()
-            chain, _ = tree_attention.sdpa_attention_forward(module, qc, kc, vc, causal[None, None])
-            assert torch.equal(out[0, rows], chain[0, :c]), (L, T, leaf)
-            flattened_differ += int(not torch.equal(flat[0, rows], chain[0, :c]))
-            checked += c
-    assert checked > 400 and flattened_differ > 0
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_each_tree_node_has_plain_decodings_bits(family):
     """bf16, head dim 128 (where rounding shows): random trees with the true continuation's nodes among cousins,
-    verified with the path layout (tree_attention); every true node's logits equal plain decoding's one-token step
+    verified in one forward (each node attending alone: exact_attention); every true node's logits equal plain decoding's one-token step
     bit for bit, and the padding rows leave the cache as plain decoding does."""
     rng = random.Random(0)
     if family == "llama":
@@ -190,7 +210,7 @@ def test_each_tree_node_has_plain_decodings_bits(family):
         model = model.to(torch.bfloat16).eval()
     else:
         model = build_model("gemma3", SHAPE["vocab_size"]).to(torch.bfloat16)
-    assert tree_attention.install(model) and tree_attention.install(model)               # idempotent
+    assert exact_attention.install(model) and exact_attention.install(model)               # idempotent
     seq = [rng.randrange(SHAPE["vocab_size"]) for _ in range(620)]
     layout, checked = sd.attention_layout(model), 0
     for _ in range(12):
@@ -210,11 +230,8 @@ def test_each_tree_node_has_plain_decodings_bits(family):
         with torch.inference_mode():
             cache = sd.new_cache(model)
             sd._target_forward(model, seq[:L], torch.arange(L), cache)
-            plan = tree_attention.path_plan(pr, anc, L, 16)
-            with tree_attention.paths(plan):
-                tree, _ = sd._target_forward(model, ids, pos, cache, None,
-                                             sd.verification_mask(layout, L, anc, pos, model.dtype),
-                                             keep=torch.arange(n))
+            tree, _ = sd._target_forward(model, ids, pos, cache, None,
+                                         sd.verification_mask(layout, L, anc, pos, model.dtype), keep=torch.arange(n))
             assert sd.cache_length(cache) == L + n
             plain = sd.new_cache(model)
             sd._target_forward(model, seq[:L], torch.arange(L), plain)
@@ -225,19 +242,21 @@ def test_each_tree_node_has_plain_decodings_bits(family):
     assert checked >= 20
 
 
-def test_outside_a_tree_the_installed_attention_is_sdpa(llama):
-    """Plain decoding's bits are the same before and after the switch (tree_attention.attention is sdpa itself)."""
+def test_outside_rows_alone_the_installed_attention_is_sdpa():
+    """A forward outside `rows_alone` (a prompt's prefill) has the same bits before and after the switch
+    (exact_attention.attention is transformers' sdpa there); decoding installs it; eager targets keep theirs."""
     model = _bf16()
-    ids = PROMPTS[0]
-    before, _ = sd.collect(sd.autoregressive(model, ids, 12))
-    logits_before, _, _ = _forward(model, ids[:8], ids[8:12])
-    assert tree_attention.install(model) and model.config._attn_implementation == tree_attention.ATTENTION
-    after, _ = sd.collect(sd.autoregressive(model, ids, 12))
-    logits_after, _, _ = _forward(model, ids[:8], ids[8:12])
-    assert before == after and torch.equal(logits_before, logits_after)
+    ids = torch.tensor([list(range(3, 3 + 2 * sd.EXACT_ROWS))])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        assert exact_attention.install(model) and model.config._attn_implementation == exact_attention.ATTENTION
+        assert torch.equal(model(input_ids=ids).logits, before)
+    fresh = _bf16()
+    sd.collect(sd.autoregressive(fresh, PROMPTS[0], 3))
+    assert fresh.config._attn_implementation == exact_attention.ATTENTION
     eager = _bf16()
     eager.set_attn_implementation("eager")
-    assert not tree_attention.install(eager) and eager.config._attn_implementation == "eager"
+    assert not exact_attention.install(eager) and eager.config._attn_implementation == "eager"
 
 
 def test_a_draft_decodes_in_its_targets_dtype_and_the_output_stays_exact(tmp_path):
