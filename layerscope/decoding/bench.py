@@ -15,7 +15,8 @@ accepted, so 1 + their sum ≈ τ), tokens/s, speedup = tokens/s over autoregres
 `lossless` = every output equals autoregressive's token for token (`mismatched`: how many prompts' outputs do
 not); transformers' own speculative peers (HF_PROPOSERS) are compared with transformers' plain `generate` of the
 same run, their own baseline (`compared_with` names the one each entry is held to). In bfloat16 LayerScope's
-decoders pad every target forward to aligned rows (specdec.row_alignment), so a difference is a bug there as in
+decoders pad every target forward to aligned rows (specdec.row_alignment) and let each row attend alone
+(exact_attention), so a difference is a bug there as in
 float32; transformers' do not, and a near-tie can
 flip between their verification and their one-token step: reported, never hidden (`row_align` in the report says
 which rule held). All also per prompt category. A draft's
@@ -214,7 +215,8 @@ class BenchReport:
     cost_curve_machine: dict | None = None     # ... while the cost curve was measured
     dtype: str = ""                  # the target's dtype (float32, bfloat16) and why (precision.Choice.why)
     dtype_why: str = ""
-    row_align: int = 0               # specdec.row_alignment of the target: 16 where bf16 forwards were padded
+    row_align: int = 0               # specdec.row_alignment of the target: the rows bf16 forwards were padded to at
+                                     # least, each row attending alone (measured: 1-16); 0 where neither held
 
     def to_json(self) -> dict:
         out = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
@@ -771,7 +773,8 @@ def format_table(report: BenchReport) -> str:
     lines = [f"{report.prompts} prompts, {report.max_new_tokens} new tokens max, device {report.device}"
              + (f", target in {report.dtype}" if report.dtype else "")
              + (f" ({report.dtype_why.partition(': ')[2]})" if report.dtype_why.partition(': ')[2] else "")
-             + (f"; forwards padded to {report.row_align}-row blocks, token-exact" if report.row_align else ""),
+             + (f"; forwards of at least {report.row_align} row(s), each attending alone: token-exact"
+                if report.row_align else ""),
              fmt.table(head, rows, left=2)]
     lines += [x for x in (quietness.line(report.machine), _curve_line(report)) if x]
     lines += [auto_note(r) for r in report.results if r.get("chosen")]

@@ -50,6 +50,33 @@ def rows_alone(rows: int) -> Iterator[None]:
         _ROWS.reset(token)
 
 
+_VISIBLE: dict = {}     # id(mask) -> (mask, rows): the last forward's masks, each laid out once for all its layers
+
+
+def visible(attention_mask, rows: int, N: int, Q: int) -> list:
+    """Each of the first `rows` query rows' visible keys among N: an int n where they are keys 0..n-1 (a causal
+    row; the values are then a view, the same numbers as a gathered copy), else their indices [n] in order (a tree
+    node: the prefix, then its ancestors and itself). attention_mask [1, 1, Q, N] additive or bool, or None (causal,
+    the last Q keys being the rows'). transformers hands every layer of a kind the same mask tensor, so each mask is
+    read once a forward."""
+    if attention_mask is None:
+        return [N - Q + i + 1 for i in range(rows)]
+    hit = _VISIBLE.get(id(attention_mask))
+    if hit is not None and hit[0] is attention_mask and len(hit[1]) == rows:
+        return hit[1]
+    seen = attention_mask[0, 0, :rows]
+    seen = seen if seen.dtype == torch.bool else seen == 0
+    out = []
+    for row in seen:
+        idx = row.nonzero().flatten()
+        n = idx.shape[0]
+        out.append(n if n and int(idx[-1]) == n - 1 else idx)
+    if len(_VISIBLE) > 8:
+        _VISIBLE.clear()
+    _VISIBLE[id(attention_mask)] = (attention_mask, out)
+    return out
+
+
 def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, rows: int,
                   scaling: float | None = None) -> torch.Tensor:
     """Attention of the first `rows` query rows, each alone: output [1, Q, H, D] (zeros after `rows`).
@@ -64,12 +91,10 @@ def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     Hkv, N = key.shape[1], key.shape[2]
     G = H // Hkv
     out = query.new_zeros(1, Q, H, D)
-    for i in range(rows):
-        if attention_mask is None:
-            k, v = key[0, :, :N - Q + i + 1], value[0, :, :N - Q + i + 1]
+    for i, seen in enumerate(visible(attention_mask, rows, N, Q)):
+        if isinstance(seen, int):                                        # keys 0..seen-1: a view, no copy
+            k, v = key[0, :, :seen], value[0, :, :seen]
         else:
-            m = attention_mask[0, 0, i]
-            seen = (m if m.dtype == torch.bool else m == 0).nonzero().flatten()
             k, v = key[0].index_select(1, seen), value[0].index_select(1, seen)          # [Hkv, n, D]
         q = query[0, :, i].reshape(Hkv, G, D)
         o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling)

@@ -193,7 +193,8 @@ def run_warnings(res: dict, drafts) -> list[tuple[str, str]]:
     if ours and half and not res.get("row_align"):
         out.append(("warning", f"Outputs differ from plain greedy decoding for {', '.join(ours)}. The target runs in "
                                f"{res['dtype']} here (faster on this machine) and its forwards were not padded to "
-                               "aligned rows (a target with recurrent layers, or a run before the padding): a "
+                               "aligned rows with each row attending alone (a target with recurrent layers, or a run "
+                               "before that): a "
                                "verification of several tokens rounds differently from a one-token step, so where two "
                                "tokens nearly tie the pick can flip (docs/internals.md, bf16 and lossless). For "
                                "token-exact output run the target in float32: LAYERSCOPE_DTYPE=float32."))

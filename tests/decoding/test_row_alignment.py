@@ -1,4 +1,5 @@
-"""Exact in bfloat16: every target forward padded to aligned rows (specdec.row_alignment), so a token's logits are the
+"""Exact in bfloat16: every target forward padded to the rows this machine's products need (specdec.row_alignment,
+measured by row_invariance's probe) and each real row attending alone (exact_attention), so a token's logits are the
 same bits whichever forward computes them, and speculative decoding equals plain decoding token for token."""
 
 from __future__ import annotations
