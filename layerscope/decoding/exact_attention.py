@@ -106,11 +106,10 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
               dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """transformers' sdpa, or, inside `rows_alone`, `row_attention` (output [1, Q, H, D], None as sdpa returns)."""
     rows = _ROWS.get()
-    if rows is None or query.shape[0] != 1:
+    # a batch, or a layer asking what sdpa does not do (a softcap, a position bias: sdpa ignores them as before)
+    if rows is None or query.shape[0] != 1 or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError("sdpa takes no attention softcap or position bias")
     return row_attention(query, key, value, attention_mask, rows, scaling), None
 
 
