@@ -21,26 +21,31 @@ positions. It runs once per process for a model's shapes, dtype, device and thre
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 
 # Row counts tried, smallest first: 1 (no padding), then powers of two up to one AMX tile (16 rows)
 CANDIDATES = (1, 2, 4, 8, 16)
-# The most rows a decoding forward has that attends row by row (specdec.EXACT_ROWS)
-MAX_ROWS = 64
 PREFIX, STEPS = 48, 10
 # (start after the prefix, rows) of the probe's verifications: every place of a row among 2 to 10
 VERIFICATIONS = ((0, 2), (1, 5), (0, 10), (3, 7), (6, 3))
 
 _CACHE: dict[tuple, int] = {}       # (shapes, dtype, device, threads) -> alignment, for this process
+_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> shapes(model), read once a model
 
 Forward = Callable[[list[int], torch.Tensor, object, int], torch.Tensor]
 
 
 def shapes(model) -> tuple:
-    """The distinct weight shapes of the model's linear layers (what a product kernel is chosen by)."""
-    return tuple(sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}))
+    """The distinct weight shapes of the model's linear layers (what a product kernel is chosen by); walked once a
+    model, for `alignment` is asked on every decoding forward."""
+    hit = _SHAPES.get(model)
+    if hit is None:
+        hit = _SHAPES[model] = tuple(sorted({tuple(m.weight.shape) for m in model.modules()
+                                             if isinstance(m, torch.nn.Linear)}))
+    return hit
 
 
 def rows_apart(model, forward: Forward, align: int, new_cache: Callable[[], object],

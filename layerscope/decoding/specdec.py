@@ -102,7 +102,7 @@ DEFAULT_ADAPTIVE_CAP = 16          # the app's adaptive span: DEFAULT_LOOKUP..DE
 ROW_ALIGN = row_invariance.CANDIDATES[-1]
 # A padded forward of at most this many real rows (a decoding step, a verification) attends one real row at a time
 # (exact_attention.row_attention): torch's CPU attention kernels reduce a row differently by the rows beside it
-EXACT_ROWS = row_invariance.MAX_ROWS
+EXACT_ROWS = 64
 
 clock = time.perf_counter    # StepEvent.elapsed_s; tests of the cost model read a thread's CPU time instead
 
@@ -305,10 +305,9 @@ def row_alignment(model) -> int:
     """The rows a target forward is padded to at least, for a target whose weights are 16-bit floats and whose every
     layer attends (full or sliding window): the fewest that keep a row's matrix products alike wherever it sits,
     measured on this machine with the model's own forwards (`row_invariance.alignment`: 1, no padding, up to
-    ROW_ALIGN; once per process). 0 (forwards as they are,
-    attention as transformers runs it) in float32, where the decoders are exact without it, and for targets with
-    recurrent layers, whose state a padding row would advance (a recording layer could take it back, plain decoding's
-    does not record)."""
+    ROW_ALIGN; once per process). 0 (forwards as they are, attention as transformers runs it) in float32, where the
+    decoders are exact without it, and for targets with recurrent layers, whose state a padding row would advance (a
+    recording layer could take it back, plain decoding's does not record)."""
     if model.dtype not in (torch.bfloat16, torch.float16) or attention_layout(model).recurrent:
         return 0
 
