@@ -61,6 +61,18 @@ setup_chromium() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
 }
 
+# The suite de-quantizes the real models into its temporary folders (pytest's, under TMPDIR or /tmp): about 12 GB at
+# its peak, the 1.5B's float32 copy 6.7 GB of it. Short of that it would fail ten minutes in with "No space left on
+# device"; this says so before it starts. LAYERSCOPE_TEST_DISK_GB sets the floor (0: no check).
+check_disk() {
+  local need_gb="${LAYERSCOPE_TEST_DISK_GB:-16}" tmp="${TMPDIR:-/tmp}" free_kb
+  free_kb=$(df -Pk "$tmp" | awk 'NR == 2 {print $4}')
+  if [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+    say "the test suite needs about $need_gb GB free in $tmp, and $((free_kb / 1024 / 1024)) GB are free: free some (earlier runs' folders: rm -r $tmp/pytest-of-$(id -un)), or set TMPDIR to a larger disk"
+    exit 1
+  fi
+}
+
 cmd="${1:-app}"
 shift || true
 case "$cmd" in
@@ -72,6 +84,7 @@ case "$cmd" in
   test)
     setup_python requirements-test.txt
     setup_chromium
+    check_disk
     say "running the test suite"
     # The test extra was installed above: its tests fail instead of skipping if it does not import.
     # -rs prints every skip with its reason; --durations the 15 slowest tests (the suite's time is watched);
