@@ -78,6 +78,10 @@ def add_arguments(p) -> None:
                         "--init-from the continued draft's own)")
     p.add_argument("--val-fraction", type=float, default=T["val_fraction"], help="capture training: held-out conversations")
     p.add_argument("--checkpoint-every", default="5m", help="online: training time between checkpoints (default 5m)")
+    p.add_argument("--feature-cache", action=argparse.BooleanOptionalAction, default=D["feature_cache"],
+                   help="online: keep each training conversation's target features in the run's folder after its "
+                        "first forward, so later epochs read them instead of running the target (removed when the "
+                        "run ends; off by itself where the disk has no room)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -115,7 +119,7 @@ def run_online(args, store) -> int:
         prompts=args.prompts, limit=args.limit, kinds=args.kinds, responses=args.responses,
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, val_conversations=args.val_conversations,
-        checkpoint_every_s=parse_duration(args.checkpoint_every), **recipe(args))
+        checkpoint_every_s=parse_duration(args.checkpoint_every), feature_cache=args.feature_cache, **recipe(args))
     if not args.json:
         print(f"training {len(sets)} draft(s) online on {args.model} ({args.prompts}, {args.responses} responses), "
               f"layer sets {sets}, {torch.get_num_threads()} thread(s)", file=sys.stderr)
@@ -148,6 +152,11 @@ def run_online(args, store) -> int:
           f"({result.data_tokens} tokens), {result.seconds:.0f} s of training at {result.tokens_per_s:.0f} tok/s")
     mix = ", ".join(f"{k} {n}" for k, n in result.kind_mix.items())
     print(f"  training conversations by kind: {mix}" + (f" (drawn with --kinds {result.kinds})" if result.kinds else ""))
+    if result.features is not None:
+        f = result.features
+        print(f"  target features: every epoch ran the target ({f['off']})" if not f["written"] and not f["read"] else
+              f"  target features: {f['written']} conversations forwarded once and kept, read back {f['read']} times"
+              + (f" ({f['off']})" if f["off"] else ""))
     for d in result.drafts:
         acc = ", ".join(f"{a:.3f}" for a in d.val_accuracy)
         curve = "  ".join(f"{t}:{a[0]:.3f}" for t, a in d.curve)

@@ -15,7 +15,9 @@ Per step, `batch_size` conversations (a seeded order, bucketed by length) go thr
 with output_hidden_states, and every layer set s gets the same rows:
     aux_s = cat(hidden_states[l] for l in s)      [n, k*d]  float16 (or bfloat16), exactly as a capture stores it
     final = hidden_states[N]                      [n, d]    post-norm: teacher = softmax(lm_head(final)) on V
-then its own draft takes one AdamW step on train.ttt_loss. Nothing per-layer is stored.
+then its own draft takes one AdamW step on train.ttt_loss. Each training conversation's features are kept in the run's
+folder after its first forward, and later epochs read them instead of running the target again (feature_cache.py;
+`feature_cache=False`, or a disk without room for them, runs the target every epoch); the folder goes when the run ends.
 The held-out conversations are forwarded once; their features stay in memory and every draft is
 evaluated on them `eval_points` times over the budget (train.evaluate: every position counts), which
 gives the learning curve [[tokens seen, [agreement per TTT step]], ...] per set.
@@ -49,8 +51,10 @@ from layerscope.capture.format import state_dtype
 from layerscope.draft import init_from
 from layerscope.draft.checkpoint import save_draft
 from layerscope.draft.model import build_draft_vocab
+from layerscope.draft.training import feature_cache
 from layerscope.draft.training.checkpoints import FORMAT, complete_checkpoints, load_checkpoint, save_checkpoint
 from layerscope.draft.training.data import make_batch, split_of, target_argmax, trainable, windows_of
+from layerscope.draft.training.feature_cache import FeatureCache
 from layerscope.draft.training.fit import (
     EpochSource,
     FitState,
@@ -89,6 +93,9 @@ class OnlineOptions(TrainOptions):
     data_seed: int | None = None        # draws the conversations and the held-out split; None: seed (which
                                         # then also draws them); the draft's init and batch order follow seed
     checkpoint_every_s: float = 300.0   # seconds of training between checkpoints
+    feature_cache: bool = True          # keep each training conversation's target features after its first forward,
+                                        # so later epochs read them (feature_cache.py); off, or a disk without room:
+                                        # every epoch runs the target
 
     def validate(self) -> None:
         """TrainOptions.validate, then the online fields (numbers: validate.check_number)."""
@@ -120,6 +127,7 @@ class OnlineOptions(TrainOptions):
         """What decides the drafts: every field but where and how often progress is saved."""
         d = self.key_fields()
         d.pop("checkpoint_every_s")
+        d.pop("feature_cache")          # where the features come from in later epochs: rounding, not data
         if d["data_seed"] is None or d["data_seed"] == d["seed"]:
             d.pop("data_seed")          # the same run as before data_seed existed: its stored key stays
         weights = self.kind_weights
@@ -163,12 +171,14 @@ class OnlineResult:
     data_tokens: int                     # tokens in the training conversations
     kind_mix: dict = field(default_factory=dict)   # training conversations per kind, every kind of KINDS
     kinds: str | None = None             # the draw's weights by kind (kinds.canonical), None: a plain draw
+    features: dict | None = None         # this process's feature cache: {"read", "written", "off"} (off: why not, or
+                                         # None), None when the run came from the store
 
     def to_json(self) -> dict:
         return {"drafts": [asdict(d) for d in self.drafts], "seconds": round(self.seconds, 1),
                 "tokens_per_s": round(self.tokens_per_s, 1), "resumed": self.resumed, "cached": self.cached,
                 "run_key": self.run_key, "conversations": self.conversations, "data_tokens": self.data_tokens,
-                "kind_mix": self.kind_mix, "kinds": self.kinds}
+                "kind_mix": self.kind_mix, "kinds": self.kinds, "features": self.features}
 
 
 # ----------------------------------------------------------------------------- data
@@ -218,10 +228,46 @@ def target_features(target: LoadedModel, convs: Conversations, index: list[int],
     states = {l: out.hidden_states[l][valid] for l in sorted(set(layers) | {N})}
     dtype = state_dtype(states.values())                     # as a capture stores them: float16 unless it overflows
     feats = {l: h.to(dtype).cpu() for l, h in states.items()}
-    rows = {"token_id": ids[mask], "position": torch.cat([torch.arange(len(s)) for s in seqs]),
+    return conversation_rows(convs, index), feats
+
+
+def conversation_rows(convs: Conversations, index: list[int]) -> dict:
+    """Rows {token_id, position, conversation, is_response} [n] of conversations `index`, each one's rows contiguous."""
+    seqs = [convs.prompt[i] + convs.response[i] for i in index]
+    return {"token_id": torch.tensor([t for s in seqs for t in s], dtype=torch.long),
+            "position": torch.cat([torch.arange(len(s)) for s in seqs]),
             "conversation": torch.cat([torch.full((len(s),), i) for i, s in zip(index, seqs)]),
             "is_response": torch.cat([torch.arange(len(s)) >= len(convs.prompt[i]) for i, s in zip(index, seqs)])}
-    return rows, feats
+
+
+def cached_features(target: LoadedModel, convs: Conversations, index: list[int], layers: list[int],
+                    cache: FeatureCache):
+    """target_features(target, convs, index, layers), reading what `cache` keeps and running the target only over
+    the other conversations (then kept). One dtype for the batch: bfloat16 when any conversation's came in it."""
+    N, hidden = target.num_layers, target.model.config.hidden_size
+    got = {i: cache.get(i, len(convs.prompt[i]) + len(convs.response[i]), hidden) for i in index}
+    missing = [i for i in index if got[i] is None]
+    if len(missing) == len(index):                          # the first epoch: the batch exactly as without the cache
+        rows, feats = target_features(target, convs, index, layers)
+        _keep(cache, convs, index, feats)
+        return rows, feats
+    if missing:
+        _, fresh = target_features(target, convs, missing, layers)
+        got.update(_keep(cache, convs, missing, fresh))
+    dtype = torch.bfloat16 if any(got[i][N].dtype == torch.bfloat16 for i in index) else torch.float16
+    feats = {l: torch.cat([got[i][l].to(dtype) for i in index]) for l in sorted(set(layers) | {N})}
+    return conversation_rows(convs, index), feats
+
+
+def _keep(cache: FeatureCache, convs: Conversations, index: list[int], feats: dict) -> dict:
+    """Each conversation's rows of a batch's features {l: [n, d]}, kept in `cache`: {i: {l: [n_i, d]}}."""
+    out, start = {}, 0
+    for i in index:
+        end = start + len(convs.prompt[i]) + len(convs.response[i])
+        out[i] = {l: f[start:end] for l, f in feats.items()}
+        cache.put(i, out[i])
+        start = end
+    return out
 
 
 def split_for(rows, feats, layers: list[int], N: int):
@@ -362,9 +408,11 @@ class OnlineSource(EpochSource):
     """Batches of training conversations run through the target, one forward per step (fit.Source): every
     set's batch holds the same rows, read from its own layers; under torchrun each rank forwards its share."""
 
-    def __init__(self, target, convs: Conversations, train_idx: list[int], sets, o: OnlineOptions, t2d):
+    def __init__(self, target, convs: Conversations, train_idx: list[int], sets, o: OnlineOptions, t2d,
+                 cache: FeatureCache | None = None):
         super().__init__()
         self.target, self.convs, self.train_idx, self.sets, self.o, self.t2d = target, convs, train_idx, sets, o, t2d
+        self.cache = cache
         self.union = sorted({l for s in sets for l in s})
         self.lengths = [len(convs.prompt[i]) + len(convs.response[i]) for i in train_idx]
 
@@ -375,7 +423,8 @@ class OnlineSource(EpochSource):
         index = distributed.shard([self.train_idx[c] for c in conversations], distributed.rank(), distributed.world())
         if not index:
             return [None] * len(self.sets), 0
-        rows, feats = target_features(self.target, self.convs, index, self.union)
+        rows, feats = (target_features(self.target, self.convs, index, self.union) if self.cache is None
+                       else cached_features(self.target, self.convs, index, self.union, self.cache))
         N, J, out, n_rows = self.target.num_layers, self.o.ttt_steps, [], 0
         for s in self.sets:
             sp = split_for(rows, feats, s, N)
@@ -452,7 +501,13 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
         return [evaluate(d.head, sp, windows_of(sp, o.seq_len, sp.counted, J), J, d.teacher, o.batch_size, device)
                 for d, sp in zip(drafters, val_splits)]
 
-    state = fit(drafters, OnlineSource(target, convs, train_idx, sets, o, t2d), o, state=state, evaluate=run_eval,
+    cache, cache_off = None, "turned off (feature_cache=False)"
+    if o.feature_cache:
+        need = feature_cache.cache_bytes(data_tokens, len(union) + 1, target.model.config.hidden_size)
+        cache_off = (feature_cache.FIRST_EPOCH if within_first_epoch(o, len(train_idx), data_tokens)
+                     else feature_cache.room(need - _kept_bytes(run_dir), shutil.disk_usage(run_dir).free))
+        cache = FeatureCache(run_dir / feature_cache.FOLDER, union + [target.num_layers]) if cache_off is None else None
+    state = fit(drafters, OnlineSource(target, convs, train_idx, sets, o, t2d, cache), o, state=state, evaluate=run_eval,
                 progress=say, should_stop=should_stop, checkpoint=lambda st: save_checkpoint(run_dir, st, drafters),
                 checkpoint_every_s=o.checkpoint_every_s, planned_steps=o.steps, device=device)
 
@@ -487,8 +542,23 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
                                                 "tokens_per_s": rate, "sets": sets})
     for old in complete_checkpoints(run_dir):
         shutil.rmtree(old, ignore_errors=True)
+    feature_cache.remove(run_dir)
     say(DoneProgress(state.step, state.tokens))
     if distributed.world() > 1:
         dist.barrier()
+    features = cache.summary() if cache is not None else {"read": 0, "written": 0, "off": cache_off}
     return OnlineResult(drafts, state.elapsed, rate, resumed, False, key, len(train_idx), data_tokens, mix,
-                        weights_name(o))
+                        weights_name(o), features)
+
+
+def within_first_epoch(o: OnlineOptions, conversations: int, data_tokens: int) -> bool:
+    """Whether a steps or tokens budget ends within the first epoch over `conversations` training conversations of
+    `data_tokens` tokens (a time budget: not known, False), so that no kept feature would be read back."""
+    batches = -(-conversations // o.batch_size)                          # epoch_batches' count
+    return (o.steps is not None and o.steps <= batches) or (o.tokens is not None and o.tokens <= data_tokens)
+
+
+def _kept_bytes(run_dir: Path) -> int:
+    """Bytes of features a resumed run's cache holds already (they count against what it still needs)."""
+    folder = run_dir / feature_cache.FOLDER
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) if folder.is_dir() else 0
