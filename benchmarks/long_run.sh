@@ -54,7 +54,9 @@
 #                                    # fit against the shipped draft's 968, whose answers are the ones kept in
 #                                    # docs/study-qwen15/responses; the 490 others are answered first, ~35 min on 2
 #                                    # cores, resumable per part; `keep` keeps them). It holds out what the shipped
-#                                    # draft held out; QWEN_DRAFT=<its draft key> benches it before qwen-ship
+#                                    # draft held out; QWEN_DRAFT=<its draft key> benches it before qwen-ship.
+#                                    # The third round (2026-12-07): QWEN_LIMIT=3000 QWEN_TOKENS=400k (the answers to
+#                                    # all of them are kept in docs/study-qwen15/responses: only the training runs)
 #   benchmarks/long_run.sh qwen-ship     # after qwen-continue: its draft shipped as the 1.5B's --draft builtin
 #   benchmarks/long_run.sh qwen-bench    # issue 50's done-when: the 1.5B's draft (QWEN_DRAFT, default builtin) with
 #                                    # --k/--tree/--lookup auto against plain decoding, HF generate and prompt lookup

@@ -65,6 +65,12 @@ def test_a_full_disk_turns_the_cache_off_for_the_rest_of_the_run(tmp_path):
     assert cache.written == 0 and "could not be written" in cache.off and "runs again" in cache.off
     cache.put(1, {0: torch.zeros(2, 4).half()})                    # no second try
     assert cache.get(1, 2, 4) is None and cache.summary() == {"read": 0, "written": 0, "off": cache.off}
+    kept = FeatureCache(tmp_path / "k", [0])                       # a cache that may not write still reads what it kept
+    kept.put(0, {0: torch.ones(2, 4).half()})
+    kept.off = room(2**40, 2**30)
+    kept.put(1, {0: torch.ones(2, 4).half()})
+    assert torch.equal(kept.get(0, 2, 4)[0], torch.ones(2, 4).half()) and kept.get(1, 2, 4) is None
+    assert kept.summary() == {"read": 1, "written": 1, "off": kept.off}
 
 
 def test_a_budget_within_the_first_epoch_keeps_nothing(tiny, tmp_path, one_thread):
@@ -81,7 +87,7 @@ def test_room_keeps_the_disk_from_filling():
     assert need == 1000 * 4 * 1536 * 2
     assert room(need, need + FREE_AFTER) is None
     why = room(10 * 2**30, 11 * 2**30)
-    assert "10.0 GiB" in why and "11.0 GiB free" in why and "every epoch runs the target" in why
+    assert "10.0 GiB more" in why and "11.0 GiB free" in why and "the target runs for what is not kept" in why
 
 
 def test_cached_features_equal_the_batch_forward_and_run_the_target_only_on_what_is_missing(tiny, tmp_path, one_thread):

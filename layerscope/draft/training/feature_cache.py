@@ -45,13 +45,14 @@ def room(need: int, free: int) -> str | None:
     """None when a cache of `need` bytes fits in `free` bytes of disk with FREE_AFTER to spare, else why not (a line)."""
     if free - need >= FREE_AFTER:
         return None
-    return (f"the target's features of the training conversations need {need / 2**30:.1f} GiB and the store's disk has "
-            f"{free / 2**30:.1f} GiB free (keeping {FREE_AFTER / 2**30:.0f} GiB): every epoch runs the target")
+    return (f"the target's features of the training conversations need {need / 2**30:.1f} GiB more and the store's disk "
+            f"has {free / 2**30:.1f} GiB free (keeping {FREE_AFTER / 2**30:.0f} GiB): the target runs for what is not kept")
 
 
 class FeatureCache:
     """The features of a run's training conversations, one file each, in `folder`. `layers`: the layers kept (the
-    sets' union and N). Counts what this process read and wrote; `off` says why it stopped writing (a full disk)."""
+    sets' union and N). Counts what this process read and wrote; `off` says why it writes nothing more (no room on the
+    disk, a failed write): what it keeps is still read."""
 
     def __init__(self, folder: Path, layers: list[int]):
         self.folder, self.layers = Path(folder), sorted(layers)

@@ -502,11 +502,12 @@ def _train(target, convs, sets, o: OnlineOptions, store, key, run_dir, train_idx
                 for d, sp in zip(drafters, val_splits)]
 
     cache, cache_off = None, "turned off (feature_cache=False)"
-    if o.feature_cache:
+    if o.feature_cache and within_first_epoch(o, len(train_idx), data_tokens):
+        cache_off = feature_cache.FIRST_EPOCH
+    elif o.feature_cache:                   # what a resumed run kept is read even where no more fits
+        cache = FeatureCache(run_dir / feature_cache.FOLDER, union + [target.num_layers])
         need = feature_cache.cache_bytes(data_tokens, len(union) + 1, target.model.config.hidden_size)
-        cache_off = (feature_cache.FIRST_EPOCH if within_first_epoch(o, len(train_idx), data_tokens)
-                     else feature_cache.room(need - _kept_bytes(run_dir), shutil.disk_usage(run_dir).free))
-        cache = FeatureCache(run_dir / feature_cache.FOLDER, union + [target.num_layers]) if cache_off is None else None
+        cache.off = feature_cache.room(need - _kept_bytes(run_dir), shutil.disk_usage(run_dir).free)
     state = fit(drafters, OnlineSource(target, convs, train_idx, sets, o, t2d, cache), o, state=state, evaluate=run_eval,
                 progress=say, should_stop=should_stop, checkpoint=lambda st: save_checkpoint(run_dir, st, drafters),
                 checkpoint_every_s=o.checkpoint_every_s, planned_steps=o.steps, device=device)
