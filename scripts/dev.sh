@@ -61,9 +61,9 @@ setup_chromium() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
 }
 
-# The suite de-quantizes the real models into its temporary folders (pytest's, under TMPDIR or /tmp): about 12 GB at
-# its peak (13.3 GB measured in a fresh clone's run), the 1.5B's float32 copy 6.7 GB of it. Short of that it would fail ten minutes in with "No space left on
-# device"; this says so before it starts. LAYERSCOPE_TEST_DISK_GB sets the floor (0: no check).
+# The suite de-quantizes the real models into its temporary folders (pytest's, under TMPDIR or /tmp): 13.3 GB at its
+# peak in a fresh clone's run, the 1.5B's float32 copy 6.7 GB of it. Short of that it would fail ten minutes in with
+# "No space left on device"; this says so before it starts. LAYERSCOPE_TEST_DISK_GB sets the floor (0: no check).
 check_disk() {
   local need_gb="${LAYERSCOPE_TEST_DISK_GB:-16}" tmp="${TMPDIR:-/tmp}" free_kb
   free_kb=$(df -Pk "$tmp" | awk 'NR == 2 {print $4}')
