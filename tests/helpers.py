@@ -1,5 +1,5 @@
 """Helpers several test modules share: seeded generators, synthetic layers, a random draft head, a draft that
-knows the answer."""
+knows the answer, the small options of online training on tiny-llama."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import torch
 from torch import nn
 
 from layerscope.draft.model import DraftConfig, DraftHead, build_draft_vocab
+
+# online training on tiny-llama in a few seconds: 12 builtin prompts, short answers, tiny batches and vocabulary
+SMALL_ONLINE = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
+                    val_conversations=2, eval_points=2, draft_vocab=64)
 
 
 def gen(seed):

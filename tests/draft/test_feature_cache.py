@@ -23,9 +23,7 @@ from layerscope.draft.training.online import (
 )
 from layerscope.draft.training.responses import Conversations
 from layerscope.store import Store
-
-SMALL = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
-             val_conversations=2, eval_points=2, draft_vocab=64)
+from tests.helpers import SMALL_ONLINE as SMALL
 
 
 def conversations(n: int, vocab: int) -> Conversations:

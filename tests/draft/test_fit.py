@@ -36,9 +36,8 @@ from layerscope.draft.training.progress import EvalProgress, TrainProgress
 from layerscope.draft.training.train import train_capture_draft
 from layerscope.errors import DraftError
 from layerscope.store import Store
+from tests.helpers import SMALL_ONLINE as SMALL
 
-SMALL = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
-             val_conversations=2, eval_points=2, draft_vocab=64)
 RECIPE = dict(feature_loss=0.5, noise_std=0.05, warm_start=2, freeze_lm_head=True, warmup=3)
 
 

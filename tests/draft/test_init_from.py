@@ -20,9 +20,7 @@ from layerscope.draft.training.responses import load_conversations
 from layerscope.draft.training.train import draft_for
 from layerscope.errors import DraftError
 from layerscope.store import Store
-
-SMALL = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
-             val_conversations=2, eval_points=2, draft_vocab=64)
+from tests.helpers import SMALL_ONLINE as SMALL
 
 
 def weights(path) -> dict:

@@ -40,9 +40,7 @@ from layerscope.study.run import StudyOptions, format_study, run_study
 from layerscope.target import shape
 from layerscope.ui import tasks
 from layerscope.ui.jobs import JobManager
-
-SMALL = dict(prompts="builtin", limit=12, max_new_tokens=10, batch_size=3, seq_len=64, gen_batch_size=4,
-             val_conversations=2, eval_points=2, draft_vocab=64)
+from tests.helpers import SMALL_ONLINE as SMALL
 
 
 def weights(path) -> dict:
