@@ -38,8 +38,7 @@ def timed_run(target, store_dir: Path, cache: bool, a) -> tuple[list[float], dic
     result = train_online(target, [a.layers], Store(store_dir), steps=a.epochs * batches, feature_cache=cache,
                           progress=progress, **data)
     steps = [float("nan")] + [b - m for m, b in zip(marks, marks[1:])]      # step 1's start is not seen
-    return steps, {"conversations": result.conversations, "batches": -(-result.conversations // a.batch_size),
-                   "features": result.features}
+    return steps, {"conversations": result.conversations, "batches": batches, "features": result.features}
 
 
 def main() -> None:

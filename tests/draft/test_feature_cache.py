@@ -51,7 +51,14 @@ def test_a_kept_conversation_reads_back_whole_and_a_damaged_or_foreign_file_is_c
     assert cache.get(3, 5, 8) is None and not path.exists()
     FeatureCache(tmp_path / "f", [1]).put(3, {1: batch[1][:5]})    # a run reading other layers
     assert cache.get(3, 5, 8) is None and not path.exists()
-    assert (cache.read, cache.written, cache.off) == (2, 3, None)
+    cache.put(3, {l: t[2:7] for l, t in batch.items()})
+    whole = path.read_bytes()
+    n = int.from_bytes(whole[:8], "little")                        # the same tensors behind a header padded with
+    head = whole[8:8 + n] + b" " * (2**16 + 8)                     # spaces (valid safetensors) past any bound a
+    path.write_bytes(len(head).to_bytes(8, "little") + head + whole[8 + n:])   # conversation's features set
+    assert load_file(str(path)).keys() == {"L1", "L4"}             # readable, but larger than it may be: not read
+    assert cache.get(3, 5, 8) is None and not path.exists()
+    assert (cache.read, cache.written, cache.off) == (2, 4, None)
     assert not [p for p in (tmp_path / "f").iterdir() if p.name.startswith(".")]   # no temporary files left
 
 

@@ -32,6 +32,7 @@ from layerscope.store import StoreWriteError, atomic_write_bytes
 
 FOLDER = "features"
 BYTES_PER_VALUE = 2                 # float16 or bfloat16
+HEADER_MAX = 2**16                  # bytes a kept file's safetensors header may take (a few tensors: a few hundred)
 FREE_AFTER = 2 * 2**30              # bytes the disk keeps free with the cache at its fullest
 FIRST_EPOCH = "the budget ends within the first epoch: no feature would be read back"
 
@@ -67,6 +68,9 @@ class FeatureCache:
         and right: it is removed, and the caller computes them again)."""
         path = self._path(index)
         try:
+            if path.stat().st_size > cache_bytes(tokens, len(self.layers), hidden) + 8 + HEADER_MAX:
+                _drop(path)                                 # never read more than the conversation's features
+                return None
             data = load(path.read_bytes())
         except FileNotFoundError:
             return None

@@ -255,7 +255,7 @@ def cached_features(target: LoadedModel, convs: Conversations, index: list[int],
         _, fresh = target_features(target, convs, missing, layers)
         got.update(_keep(cache, convs, missing, fresh))
     dtype = torch.bfloat16 if any(got[i][N].dtype == torch.bfloat16 for i in index) else torch.float16
-    feats = {l: torch.cat([got[i][l].to(dtype) for i in index]) for l in sorted(set(layers) | {N})}
+    feats = {l: torch.cat([got[i][l].to(dtype) for i in index]) for l in cache.layers}
     return conversation_rows(convs, index), feats
 
 
