@@ -9,8 +9,9 @@ a conversation's first forward gives are written to the run's folder, and later 
                                                                         and N (post-norm), n = the conversation's tokens
 
 in the dtype that forward stored them in (capture.format.state_dtype: float16, or bfloat16 where float16 overflows).
-Each file is written whole or not at all (store.atomic_write_bytes); one that cannot be read, or whose layers or
-shapes are not the conversation's, counts as missing and is computed again. The folder goes when the run finishes.
+Each file is written whole or not at all (store.atomic_write_bytes); one that cannot be read, is larger than the
+conversation's features can be (never read into memory), or whose layers or shapes are not the conversation's, counts
+as missing and is computed again. The folder goes when the run finishes.
 
 A conversation's features then come from the batch it was first forwarded in, where without the cache each epoch
 forwards it again among other conversations (a padded batch can round a row differently, in 16-bit floats most):
@@ -87,7 +88,7 @@ class FeatureCache:
 
     def put(self, index: int, feats: dict[int, torch.Tensor]) -> None:
         """Keep conversation `index`'s features {l: [n, d]} (a copy of each; the caller's batch stays as it is). A
-        write that fails (a full disk) turns the cache off for the rest of the run: the target then runs again."""
+        write that fails (a full disk) stops the writing for the rest of the run: the target runs for what is not kept."""
         if self.off is not None:
             return
         try:

@@ -17,7 +17,8 @@ with output_hidden_states, and every layer set s gets the same rows:
     final = hidden_states[N]                      [n, d]    post-norm: teacher = softmax(lm_head(final)) on V
 then its own draft takes one AdamW step on train.ttt_loss. Each training conversation's features are kept in the run's
 folder after its first forward, and later epochs read them instead of running the target again (feature_cache.py;
-`feature_cache=False`, or a disk without room for them, runs the target every epoch); the folder goes when the run ends.
+nothing is kept with `feature_cache=False`, a budget within the first epoch, or a disk without room); the folder goes
+when the run ends.
 The held-out conversations are forwarded once; their features stay in memory and every draft is
 evaluated on them `eval_points` times over the budget (train.evaluate: every position counts), which
 gives the learning curve [[tokens seen, [agreement per TTT step]], ...] per set.
@@ -94,8 +95,7 @@ class OnlineOptions(TrainOptions):
                                         # then also draws them); the draft's init and batch order follow seed
     checkpoint_every_s: float = 300.0   # seconds of training between checkpoints
     feature_cache: bool = True          # keep each training conversation's target features after its first forward,
-                                        # so later epochs read them (feature_cache.py); off, or a disk without room:
-                                        # every epoch runs the target
+                                        # so later epochs read them (feature_cache.py); off: every epoch runs the target
 
     def validate(self) -> None:
         """TrainOptions.validate, then the online fields (numbers: validate.check_number)."""
