@@ -57,6 +57,8 @@ from layerscope.errors import StoreError
 from layerscope.paths import LINK_FIX, entry_problem
 
 ENTRY_KINDS = ("captures", "drafts", "models", "sessions", "uploads")   # directory kinds the size limit evicts
+RUN_CACHE = "features"      # runs/<key>/features: online training's kept target features (draft/training/
+                            # feature_cache.py); a stopped run's count in the size limit and are evicted like entries
 DEFAULT_SIZE_LIMIT = 50 * 2**30
 KEY_RE = re.compile(r"[0-9a-f]{24}")               # a key make_key makes, in full (a capture's, a session's capture)
 ENTRY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")   # any entry directory name (no dots: temp names have them)
@@ -879,6 +881,12 @@ class Store:
                 with contextlib.suppress(OSError):
                     used = self._index_call("get", f"used/{kind}/{p.name}") or p.stat().st_mtime
                     entries.append((used, kind, p.name, self.entry_size(kind, p.name)))
+        for p in self._entry_dirs("runs"):      # a stopped run's features: a cache its resume computes again
+            cache = p / RUN_CACHE
+            if cache.is_dir() and not cache.is_symlink() and not self.locked("runs", p.name):   # a running one stays
+                with contextlib.suppress(OSError):
+                    entries.append((cache.stat().st_mtime, "runs", f"{p.name}/{RUN_CACHE}",
+                                    self.entry_size("runs", f"{p.name}/{RUN_CACHE}")))
         total = sum(e[3] for e in entries)
         removed = []
         for used, kind, key, size in sorted(entries):
@@ -890,6 +898,7 @@ class Store:
         return removed
 
     def remove(self, kind: str, key: str) -> None:
+        """Delete entry kind/key (or a stopped run's features, key "<run key>/features": `evict`)."""
         p = self.path(kind, key)
         if p.is_dir() or p.is_symlink():
             trash = p.with_name(f".{p.name}.deleting-{os.getpid()}")

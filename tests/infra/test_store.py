@@ -23,7 +23,15 @@ from layerscope.capture.stored import list_captures, open_capture, verify_captur
 from layerscope.commands import cli
 from layerscope.errors import StoreError
 from layerscope.stats.analysis import AnalysisOptions, analysis_key, analyze
-from layerscope.store import Store, StoreWarning, _MemoryIndex, atomic_save_tensors, atomic_write_json, make_key
+from layerscope.store import (
+    RUN_CACHE,
+    Store,
+    StoreWarning,
+    _MemoryIndex,
+    atomic_save_tensors,
+    atomic_write_json,
+    make_key,
+)
 from layerscope.ui.tasks import save_upload
 
 
@@ -333,3 +341,32 @@ def test_uploads_count_in_the_size_limit_and_go_least_recently_used_first(tmp_pa
     assert path.is_file() and path.parent.parent == store.root / "uploads"
     assert store.evict(limit_bytes=1500) == [f"uploads/{path.parent.name}"]        # over the limit with it: it goes
     assert not path.exists() and store.path("drafts", "mine").exists()
+
+
+def test_a_stopped_runs_features_count_in_the_size_limit_and_a_running_ones_stay(tmp_path):
+    """runs/<key>/features (draft/training/feature_cache.py) is a cache a resume computes again: a stopped run's goes
+    like an entry, least recently written first; one whose run holds its lock, or a link, is never touched."""
+    store = Store(tmp_path)
+    for i, run in enumerate(["stopped", "running"]):
+        cache = store.path("runs", run) / RUN_CACHE
+        cache.mkdir(parents=True)
+        (cache / "0000000.safetensors").write_bytes(b"x" * 1000)
+        (store.path("runs", run) / "checkpoint.json").write_text("{}")
+        os.utime(cache, (100.0 + i, 100.0 + i))
+    d = store.path("drafts", "mine")
+    d.mkdir(parents=True)
+    (d / "w.bin").write_bytes(b"x" * 1000)
+    store.index.set("used/drafts/mine", 50.0)                 # used before either run wrote
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"x" * 5000)
+    store.path("runs", "linked").mkdir(parents=True)
+    (store.path("runs", "linked") / RUN_CACHE).symlink_to(outside, target_is_directory=True)
+    with store.lock("runs", "running"):
+        assert store.evict(limit_bytes=1500) == ["drafts/mine"]                 # 2000 counted: the oldest goes
+        assert store.evict(limit_bytes=0) == [f"runs/stopped/{RUN_CACHE}"]
+        assert (store.path("runs", "running") / RUN_CACHE / "0000000.safetensors").is_file()
+    assert (store.path("runs", "stopped") / "checkpoint.json").is_file()          # the run itself stays resumable
+    assert not (store.path("runs", "stopped") / RUN_CACHE).exists()
+    assert (outside / "keep.bin").is_file()
+    assert store.evict(limit_bytes=0) == [f"runs/running/{RUN_CACHE}"]          # its lock released: a stopped run now

@@ -11,7 +11,8 @@ a conversation's first forward gives are written to the run's folder, and later 
 in the dtype that forward stored them in (capture.format.state_dtype: float16, or bfloat16 where float16 overflows).
 Each file is written whole or not at all (store.atomic_write_bytes); one that cannot be read, is larger than the
 conversation's features can be (never read into memory), or whose layers or shapes are not the conversation's, counts
-as missing and is computed again. The folder goes when the run finishes.
+as missing and is computed again. The folder goes when the run finishes; a stopped run's counts in the store's size
+limit (LAYERSCOPE_STORE_LIMIT) and is evicted, least recently written first, like the store's entries (Store.evict).
 
 A conversation's features then come from the batch it was first forwarded in, where without the cache each epoch
 forwards it again among other conversations (a padded batch can round a row differently, in 16-bit floats most):
@@ -29,9 +30,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from layerscope.store import StoreWriteError, atomic_write_bytes
+from layerscope.store import RUN_CACHE, StoreWriteError, atomic_write_bytes
 
-FOLDER = "features"
+FOLDER = RUN_CACHE                   # the store evicts a stopped run's (Store.evict)
 BYTES_PER_VALUE = 2                 # float16 or bfloat16
 HEADER_MAX = 2**16                  # bytes a kept file's safetensors header may take (a few tensors: a few hundred)
 FREE_AFTER = 2 * 2**30              # bytes the disk keeps free with the cache at its fullest
