@@ -57,6 +57,9 @@
 #                                    # draft held out; QWEN_DRAFT=<its draft key> benches it before qwen-ship.
 #                                    # The third round (2026-12-07): QWEN_LIMIT=3000 QWEN_TOKENS=400k (the answers to
 #                                    # all of them are kept in docs/study-qwen15/responses: only the training runs)
+#                                    # The fourth round's answers (QWEN_LIMIT=3500: 408 more, 2026-12-07) are kept
+#                                    # too: QWEN_LIMIT=3500 QWEN_TOKENS=1M trains on those of the 2,856 drawn that fit, the
+#                                    # epoch after the first reading the feature cache
 #   benchmarks/long_run.sh qwen-ship     # after qwen-continue: its draft shipped as the 1.5B's --draft builtin
 #   benchmarks/long_run.sh qwen-bench    # issue 50's done-when: the 1.5B's draft (QWEN_DRAFT, default builtin) with
 #                                    # --k/--tree/--lookup auto against plain decoding, HF generate and prompt lookup
