@@ -882,11 +882,11 @@ class Store:
                     used = self._index_call("get", f"used/{kind}/{p.name}") or p.stat().st_mtime
                     entries.append((used, kind, p.name, self.entry_size(kind, p.name)))
         for p in self._entry_dirs("runs"):      # a stopped run's features: a cache its resume computes again
-            cache = p / RUN_CACHE
+            key = f"{p.name}/{RUN_CACHE}"
+            cache = self.path("runs", key)
             if cache.is_dir() and not cache.is_symlink() and not self.locked("runs", p.name):   # a running one stays
                 with contextlib.suppress(OSError):
-                    entries.append((cache.stat().st_mtime, "runs", f"{p.name}/{RUN_CACHE}",
-                                    self.entry_size("runs", f"{p.name}/{RUN_CACHE}")))
+                    entries.append((cache.stat().st_mtime, "runs", key, self.entry_size("runs", key)))
         total = sum(e[3] for e in entries)
         removed = []
         for used, kind, key, size in sorted(entries):
